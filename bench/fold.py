@@ -1,0 +1,84 @@
+"""Throughput of the registered fold leaf against a plain copy of the same bytes on the same device.
+
+For W inputs of n elements the fold must read W*n input elements and write n outputs; the copy moves a buffer
+of half those bytes (it reads and writes each byte once), so both count the same traffic and their ratio is
+the fold's fraction of the device's copy bandwidth. Medians over repeats; CUDA events on GPU, perf_counter
+on CPU. Not a test: results go to docs/performance.md.
+
+    python bench/fold.py [--device cpu|cuda] [--rows 2048] [--hidden 4096] [--dtype bfloat16] [--out f.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from detcomm.fold import BATCH_INVARIANT, select_leaf  # noqa: E402
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def _time(fn, device: torch.device, repeats: int) -> float:  # type: ignore[no-untyped-def]
+    fn()
+    fn()
+    samples = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) / 1e3)
+        else:
+            t = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - t)
+    return statistics.median(samples)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--rows", type=int, default=2048)
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    p.add_argument("--worlds", default="2,3,4,5,6,7,8")
+    p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--out", help="write the results as JSON here")
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    dtype = DTYPES[args.dtype]
+    leaf = select_leaf(device_type=device.type, required=frozenset({BATCH_INVARIANT}))
+    elem = torch.finfo(dtype).bits // 8
+    hw = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads"
+    rows = []
+    print(f"fold leaf {leaf.name} on {hw}: {args.rows}x{args.hidden} {args.dtype} per rank, median of {args.repeats}")
+    print(f"| W | fold ms | fold GB/s | copy GB/s | fold/copy |\n|---|---|---|---|---|")
+    for w in (int(v) for v in args.worlds.split(",")):
+        stacked = torch.randn(w, args.rows, args.hidden, device=device).to(dtype)
+        moved = (w + 1) * args.rows * args.hidden * elem  # W inputs read + one output written
+        src = torch.empty(moved // 2, dtype=torch.uint8, device=device)
+        dst = torch.empty_like(src)
+        t_fold = _time(lambda: leaf.fold(stacked, dtype), device, args.repeats)
+        t_copy = _time(lambda: dst.copy_(src), device, args.repeats)
+        fold_bw, copy_bw = moved / t_fold / 1e9, moved / t_copy / 1e9
+        rows.append({"W": w, "fold_s": t_fold, "fold_GBps": fold_bw, "copy_GBps": copy_bw, "ratio": fold_bw / copy_bw})
+        print(f"| {w} | {t_fold * 1e3:.2f} | {fold_bw:.1f} | {copy_bw:.1f} | {fold_bw / copy_bw:.2f} |", flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"hardware": hw, "leaf": leaf.name, "dtype": args.dtype,
+                                              "rows": args.rows, "hidden": args.hidden, "results": rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

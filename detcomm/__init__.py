@@ -1,0 +1,264 @@
+"""detcomm: bitwise batch-invariant collectives for tensor-parallel LLM serving.
+
+    import detcomm
+    detcomm.init(numerics="rl-bitwise")                # once per process, after (or instead of) init_process_group
+    detcomm.site("o_proj", collective="all_reduce", dtype=torch.bfloat16, shape=(4096,), max_rows=2048)
+    y = detcomm.all_reduce(x, site="o_proj")           # same bits for a row whatever batch it travels in
+    print(detcomm.routes())
+
+Every collective function is collective over the site's group and returns a new tensor (the input is never
+written). Row = dim 0. See README.md for the route table, the envelopes and the self-checks.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from .comm import Communicator, RouteEntry, RouteRefused, RouteTable, warn_missing_environment
+from .envelope import (
+    BITWISE_ENVELOPES,
+    MULTICAST_OFF_ENV,
+    Resolved,
+    Switches,
+    apply_environment,
+    default_numerics,
+    envelope_environment,
+    known_envelopes,
+    register_numerics_envelope,
+    resolve_numerics,
+)
+from .fold import BATCH_INVARIANT, Leaf, Priority, reference_fold, register_leaf, select_leaf
+from .route import DEFAULT_MAX_ROWS, AutoBackend, Capabilities, Collective, ReduceOp, Route, Site
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "init",
+    "site",
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "all_to_all",
+    "token_all_gather",
+    "argmax",
+    "routes",
+    "shutdown",
+    "get_communicator",
+    "is_initialized",
+    "Communicator",
+    "RouteRefused",
+    "RouteTable",
+    "RouteEntry",
+    "BITWISE_ENVELOPES",
+    "register_numerics_envelope",
+    "resolve_numerics",
+    "envelope_environment",
+    "apply_environment",
+    "known_envelopes",
+    "Resolved",
+    "Switches",
+    "Leaf",
+    "Priority",
+    "BATCH_INVARIANT",
+    "register_leaf",
+    "select_leaf",
+    "reference_fold",
+    "AutoBackend",
+    "Capabilities",
+    "Collective",
+    "ReduceOp",
+    "Route",
+    "Site",
+    "DEFAULT_MAX_ROWS",
+]
+
+_COMMS: dict[object, Communicator] = {}
+_DEFAULT: Communicator | None = None
+
+# Rank variables of the MPI launchers, mapped to torch.distributed's (OpenMPI, then MPICH/Intel MPI/PMI).
+_MPI_RANK_VARS = (
+    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
+    ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),
+)
+
+
+def _group_key(group: dist.ProcessGroup | None) -> object:
+    return dist.group.WORLD if group is None else group
+
+
+def _env_rendezvous() -> str:
+    """Fill RANK/WORLD_SIZE/LOCAL_RANK from torchrun's or an MPI launcher's variables; return the backend."""
+    env = os.environ
+    if "RANK" not in env or "WORLD_SIZE" not in env:
+        for rank_var, size_var, local_var in _MPI_RANK_VARS:
+            if rank_var in env and size_var in env:
+                env["RANK"], env["WORLD_SIZE"] = env[rank_var], env[size_var]
+                env.setdefault("LOCAL_RANK", env.get(local_var, "0"))
+                break
+        else:
+            raise ValueError(
+                "detcomm.init: no torch.distributed process group exists and the environment names no rank "
+                "(RANK/WORLD_SIZE from torchrun, or OMPI_COMM_WORLD_*/PMI_* from mpiexec). Start the ranks with "
+                "`detcomm-launch --nproc N ...` or torchrun, or call torch.distributed.init_process_group first."
+            )
+    missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in env]
+    if missing:
+        raise ValueError(
+            f"detcomm.init: {', '.join(missing)} not set: the ranks cannot find each other. detcomm-launch and "
+            "torchrun set them; under a bare mpiexec export them (rank 0's host and a free port)."
+        )
+    return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() > 0 else "gloo"
+
+
+def init(
+    *,
+    numerics: str | None = None,
+    group: dist.ProcessGroup | None = None,
+    selfcheck: bool = True,
+    default_max_rows: int = DEFAULT_MAX_ROWS,
+    **switches: object,
+) -> Communicator:
+    """Create detcomm's communicator for ``group`` (default: the default process group). Collective.
+
+    Uses the default torch.distributed group when one exists; otherwise creates it from the torchrun or MPI
+    environment (NCCL when CUDA is present, gloo otherwise), after applying the envelope's environment
+    (SPEC 4 and 8). Resolves the numerics envelope (``numerics``: default ``$DETCOMM_NUMERICS``, set by
+    detcomm-launch, else ``"auto"``) with the explicit ``switches``, discovers the group's capabilities,
+    runs the startup self-checks (``selfcheck=False`` skips them) and returns the communicator, which also
+    becomes the module default when ``group`` is None.
+
+    Raises ValueError for an unknown envelope or switch or conflicting switches (before any communication),
+    RuntimeError when the fold leaf the envelope requires is missing or the group was created without the
+    NCCL environment a bitwise envelope needs, and ``RouteRefused`` (on every rank) when a route needed for
+    a bitwise claim fails its self-check.
+    """
+    global _DEFAULT
+    resolved = resolve_numerics(default_numerics() if numerics is None else numerics, **switches)
+    key = _group_key(group)
+    if key in _COMMS:
+        raise RuntimeError("detcomm is already initialized on this group; call detcomm.shutdown() first")
+    created = False
+    if group is None and not dist.is_initialized():
+        backend = _env_rendezvous()
+        apply_environment(resolved.numerics, **{k: getattr(resolved.switches, k) for k in resolved.explicit})
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend=backend, init_method="env://")
+        created = True
+    pg = dist.group.WORLD if group is None else group
+    if not created:
+        warn_missing_environment(resolved, dist.get_backend(pg))
+    # SPEC 8: keep multicast off in every process this one starts, unless the user opted in.
+    if not resolved.switches.allow_multicast:
+        os.environ.update(MULTICAST_OFF_ENV)
+    if resolved.switches.disable_tf32:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    try:
+        comm = Communicator(group=pg, resolved=resolved, selfcheck=selfcheck, default_max_rows=default_max_rows,
+                            owns_group=created)
+    except BaseException:
+        if created:
+            dist.destroy_process_group()
+        raise
+    _COMMS[key] = comm
+    if group is None:
+        _DEFAULT = comm
+    return comm
+
+
+def is_initialized(group: dist.ProcessGroup | None = None) -> bool:
+    return _group_key(group) in _COMMS
+
+
+def get_communicator(group: dist.ProcessGroup | None = None) -> Communicator:
+    """The communicator of ``group`` (default: the module default)."""
+    comm = _DEFAULT if group is None else _COMMS.get(group)
+    if comm is None:
+        raise RuntimeError(
+            "detcomm is not initialized"
+            + ("" if group is None else " on this group")
+            + ": call detcomm.init(" + ("" if group is None else "group=...") + ") first"
+        )
+    return comm
+
+
+def _comm_for(site: str | Site) -> Communicator:
+    if isinstance(site, Site) and site.group != "default":
+        for comm in _COMMS.values():
+            if comm.group_label == site.group:
+                return comm
+    return get_communicator()
+
+
+def site(
+    name: str,
+    *,
+    collective: str,
+    dtype: torch.dtype,
+    shape: Sequence[int],
+    max_rows: int,
+    op: str = "sum",
+    group: dist.ProcessGroup | None = None,
+    route: str | None = None,
+) -> Site:
+    """Declare a call site: its route is decided now, once, from these static properties.
+
+    ``collective`` is one of all_reduce, all_gather, reduce_scatter, all_to_all, token_all_gather, argmax;
+    ``shape`` is one row's trailing shape; ``max_rows`` the most rows a call will carry; ``route`` forces a
+    route (refused when it would void the envelope). Declaring the same name again with the same properties
+    returns the existing site; different properties raise ValueError. Collective when it runs a new
+    self-check: declare sites in the same order on every rank.
+    """
+    return get_communicator(group).site(
+        name, collective=collective, dtype=dtype, shape=shape, max_rows=max_rows, op=op, route=route
+    )
+
+
+def all_reduce(x: torch.Tensor, *, site: str | Site, op: str = "sum") -> torch.Tensor:
+    """All-reduce (sum, max, min) of every rank's ``x`` through the site's route. Returns a new tensor."""
+    return _comm_for(site).all_reduce(x, site=site, op=op)
+
+
+def all_gather(x: torch.Tensor, *, site: str | Site) -> torch.Tensor:
+    """Every rank's ``x`` concatenated along dim 0, in rank order."""
+    return _comm_for(site).all_gather(x, site=site)
+
+
+def reduce_scatter(x: torch.Tensor, *, site: str | Site) -> torch.Tensor:
+    """Sum-reduce-scatter: rank r receives row block r (rows must divide by the world size)."""
+    return _comm_for(site).reduce_scatter(x, site=site)
+
+
+def all_to_all(x: torch.Tensor, *, site: str | Site, splits: Sequence[int] | None = None) -> torch.Tensor:
+    """All-to-all of row blocks, even (``splits=None``) or uneven (``splits[q]`` rows to rank q)."""
+    return _comm_for(site).all_to_all(x, site=site, splits=splits)
+
+
+def token_all_gather(x: torch.Tensor, *, site: str | Site, rows_per_rank: Sequence[int]) -> torch.Tensor:
+    """Uneven all-gather: rank r passes ``rows_per_rank[r]`` rows."""
+    return _comm_for(site).token_all_gather(x, site=site, rows_per_rank=rows_per_rank)
+
+
+def argmax(logits_shard: torch.Tensor, *, site: str | Site, vocab_start: int) -> torch.Tensor:
+    """Vocabulary-parallel greedy argmax: global int64 index per row, lowest index on exact ties."""
+    return _comm_for(site).argmax(logits_shard, site=site, vocab_start=vocab_start)
+
+
+def routes(group: dist.ProcessGroup | None = None) -> RouteTable:
+    """The route table (site, collective, dtype, shape, route, why) of the group's declared sites."""
+    return get_communicator(group).routes()
+
+
+def shutdown() -> None:
+    """Close every communicator (collective) and destroy the process group if detcomm.init created it."""
+    global _DEFAULT
+    comms = list(_COMMS.values())
+    _COMMS.clear()
+    _DEFAULT = None
+    for comm in reversed(comms):
+        comm.close()

@@ -1,0 +1,29 @@
+"""The a2a_fold route for reduce-scatter: all-to-all of the row blocks, then the canonical fold.
+
+Rank r sends its row block q to rank q and receives block r from every rank, in rank order, so it holds
+exactly the W inputs of its own output rows: no extra traffic over a ring reduce-scatter, and the fold of
+those W blocks is the canonical fold.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..fold import Leaf
+from ..route import ReduceOp, Route
+from .native import NativeBackend
+
+
+class A2AFoldBackend:
+    route = Route.A2A_FOLD
+
+    def __init__(self, native: NativeBackend, leaf: Leaf) -> None:
+        self.native = native
+        self.leaf = leaf
+
+    def reduce_scatter(self, x: torch.Tensor, op: ReduceOp) -> torch.Tensor:
+        assert op is ReduceOp.SUM, "routing sends only floating-point SUM here"
+        w = self.native.world_size
+        n = x.shape[0] // w
+        recv = self.native.all_to_all(x, [n] * w, [n] * w)
+        return self.leaf.fold(recv.view(w, n, *x.shape[1:]), x.dtype)

@@ -1,0 +1,35 @@
+"""The gather_fold route: all-gather every rank's input, then the canonical fold locally.
+
+World-size times the traffic of a reduction, on any platform, any W, across nodes. Every rank folds the same
+gathered bytes with the same leaf, so all ranks hold identical bits, and a row's result depends only on that
+row's W inputs: not on the row count, its offset, or the stream.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..fold import Leaf
+from ..route import ReduceOp, Route
+from .native import NativeBackend
+
+
+class GatherFoldBackend:
+    route = Route.GATHER_FOLD
+
+    def __init__(self, native: NativeBackend, leaf: Leaf) -> None:
+        self.native = native
+        self.leaf = leaf
+
+    def _gathered(self, x: torch.Tensor) -> torch.Tensor:
+        return self.native.all_gather(x).view(self.native.world_size, *x.shape)
+
+    def all_reduce(self, x: torch.Tensor, op: ReduceOp) -> torch.Tensor:
+        assert op is ReduceOp.SUM, "routing sends only floating-point SUM here"
+        return self.leaf.fold(self._gathered(x), x.dtype)
+
+    def reduce_scatter(self, x: torch.Tensor, op: ReduceOp) -> torch.Tensor:
+        assert op is ReduceOp.SUM, "routing sends only floating-point SUM here"
+        n = x.shape[0] // self.native.world_size
+        r = self.native.rank
+        return self.leaf.fold(self._gathered(x)[:, r * n : (r + 1) * n], x.dtype)

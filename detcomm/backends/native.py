@@ -1,0 +1,92 @@
+"""The native route: torch.distributed collectives (NCCL on GPU, gloo on CPU).
+
+It carries all data movement, every exact reduction (integer SUM, float MAX/MIN and argmax on
+order-preserving keys, see detcomm.keys) and, under ``auto``, floating-point SUM with the library's own
+arithmetic, which is run-stable at a fixed size but NOT batch-invariant: a ring chunks the buffer by message
+size, so an element's association order follows its offset in the buffer.
+
+Every method is collective over the group and returns a new tensor; inputs are never written.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from .. import keys
+from ..route import ReduceOp, Route
+
+# torch 2.13 renamed the flat-tensor collectives (*_single) and deprecated the old names; torch 2.4-2.12
+# only have the old ones. Same signatures.
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+_TORCH_OP = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.MAX: dist.ReduceOp.MAX, ReduceOp.MIN: dist.ReduceOp.MIN}
+
+
+class NativeBackend:
+    route = Route.NATIVE
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+
+    # -- reductions ---------------------------------------------------------------------------------
+    def all_reduce(self, x: torch.Tensor, op: ReduceOp) -> torch.Tensor:
+        if op is ReduceOp.SUM or not x.is_floating_point():
+            out = x.clone()
+            dist.all_reduce(out, op=_TORCH_OP[op], group=self.group)
+            return out
+        k = keys.to_key(x, op=op.value)
+        dist.all_reduce(k, op=_TORCH_OP[op], group=self.group)
+        return keys.from_key(k, x.dtype, op=op.value)
+
+    def reduce_scatter(self, x: torch.Tensor, op: ReduceOp) -> torch.Tensor:
+        if op is ReduceOp.SUM or not x.is_floating_point():
+            out = torch.empty((x.shape[0] // self.world_size, *x.shape[1:]), dtype=x.dtype, device=x.device)
+            reduce_scatter_flat(out, x, op=_TORCH_OP[op], group=self.group)
+            return out
+        k = keys.to_key(x, op=op.value)
+        out = torch.empty((k.shape[0] // self.world_size, *k.shape[1:]), dtype=k.dtype, device=k.device)
+        reduce_scatter_flat(out, k, op=_TORCH_OP[op], group=self.group)
+        return keys.from_key(out, x.dtype, op=op.value)
+
+    def argmax(self, logits: torch.Tensor, vocab_start: int) -> torch.Tensor:
+        k = keys.argmax_keys(logits, vocab_start)
+        dist.all_reduce(k, op=dist.ReduceOp.MAX, group=self.group)
+        return keys.argmax_index(k)
+
+    # -- data movement ------------------------------------------------------------------------------
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty((x.shape[0] * self.world_size, *x.shape[1:]), dtype=x.dtype, device=x.device)
+        all_gather_flat(out, x, group=self.group)
+        return out
+
+    def token_all_gather(self, x: torch.Tensor, rows_per_rank: Sequence[int]) -> torch.Tensor:
+        # Pad every rank's rows to the largest count so one fixed-size gather serves uneven inputs on every
+        # library, then drop the padding.
+        pad = max(rows_per_rank)
+        if all(r == pad for r in rows_per_rank):
+            return self.all_gather(x)
+        padded = torch.zeros((pad, *x.shape[1:]), dtype=x.dtype, device=x.device)
+        padded[: x.shape[0]] = x
+        gathered = self.all_gather(padded)
+        parts = [gathered[r * pad : r * pad + n] for r, n in enumerate(rows_per_rank)]
+        return torch.cat(parts, dim=0)
+
+    def all_to_all(self, x: torch.Tensor, in_splits: Sequence[int], out_splits: Sequence[int]) -> torch.Tensor:
+        out = torch.empty((sum(out_splits), *x.shape[1:]), dtype=x.dtype, device=x.device)
+        dist.all_to_all_single(
+            out, x, output_split_sizes=list(out_splits), input_split_sizes=list(in_splits), group=self.group
+        )
+        return out
+
+    def exchange_splits(self, in_splits: Sequence[int], device: torch.device) -> list[int]:
+        """Each rank's row count destined for this rank (one small all-to-all of the split vectors)."""
+        send = torch.tensor(list(in_splits), dtype=torch.int64, device=device)
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=self.group)
+        return [int(v) for v in recv.tolist()]

@@ -1,0 +1,489 @@
+"""The communicator: one per process group. It owns the group's sites, their route decisions, the startup
+self-checks and the route backends, and validates every call before any communication happens.
+
+Which calls are collective (every rank of the group must make them, in the same order):
+  - construction (``detcomm.init``): runs the startup self-checks;
+  - ``site(...)`` when it introduces a (route, collective, op, dtype, shape) whose self-check has not run
+    yet (it runs it), and the first call of an undeclared site (which declares it);
+  - every collective call (``all_reduce``, ``all_gather``, ...);
+  - ``close()``.
+``routes()`` and ``checks()`` are local.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from . import envelope as _env
+from .backends import A2AFoldBackend, GatherFoldBackend, NativeBackend
+from .fold import BATCH_INVARIANT, FLOAT_DTYPES, Leaf, select_leaf
+from .route import (
+    DEFAULT_MAX_ROWS,
+    AutoBackend,
+    Capabilities,
+    Collective,
+    ReduceOp,
+    Route,
+    RouteDecision,
+    Site,
+)
+from .selfcheck import CheckKey, CheckResult, run_check
+
+__all__ = ["Communicator", "RouteRefused", "RouteTable", "RouteEntry"]
+
+# Width of the startup self-checks' rows: not a multiple of 8, so vectorized kernels' scalar tails run too.
+_STARTUP_CHECK_SHAPE = (76,)
+
+
+class RouteRefused(RuntimeError):
+    """No acceptable route passed its self-check for a site (raised on every rank with the same reason)."""
+
+
+@dataclass(frozen=True)
+class RouteEntry:
+    site: Site
+    decision: RouteDecision
+    check: str
+
+    def as_dict(self) -> dict[str, object]:
+        s = self.site
+        return {
+            "site": s.name,
+            "collective": s.collective.value,
+            "op": s.op.value if s.collective.reduces or s.collective is Collective.ARGMAX else "",
+            "dtype": str(s.dtype).replace("torch.", ""),
+            "shape": list(s.shape),
+            "max_rows": s.max_rows,
+            "route": self.decision.route.value,
+            "why": self.decision.why,
+            "selfcheck": self.check,
+        }
+
+
+@dataclass(frozen=True)
+class RouteTable:
+    """The route decisions of a group's sites, printable (``str``) and identical on every rank."""
+
+    numerics: str
+    backend: str
+    world_size: int
+    leaf: str
+    entries: tuple[RouteEntry, ...]
+
+    def as_dicts(self) -> list[dict[str, object]]:
+        return [e.as_dict() for e in self.entries]
+
+    def __str__(self) -> str:
+        cols = ("site", "collective", "op", "dtype", "shape", "max_rows", "route", "selfcheck", "why")
+        rows = [{k: ("x".join(map(str, v)) if k == "shape" else str(v)) for k, v in d.items()} for d in self.as_dicts()]
+        widths = {c: max([len(c)] + [len(r[c]) for r in rows]) for c in cols}
+        head = f"detcomm routes: numerics={self.numerics} backend={self.backend} W={self.world_size} fold leaf={self.leaf}"
+        lines = [head, "  ".join(c.ljust(widths[c]) for c in cols).rstrip()]
+        lines.append("  ".join("-" * widths[c] for c in cols))
+        lines += ["  ".join(r[c].ljust(widths[c]) for c in cols).rstrip() for r in rows]
+        if not rows:
+            lines.append("(no sites declared)")
+        return "\n".join(lines)
+
+
+def _group_label(group: dist.ProcessGroup) -> str:
+    return "default" if group is dist.group.WORLD else str(group.group_name)
+
+
+def _device_for(backend: str) -> torch.device:
+    if "nccl" in backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class Communicator:
+    """detcomm's state for one process group. Create it with ``detcomm.init``."""
+
+    def __init__(
+        self,
+        *,
+        group: dist.ProcessGroup,
+        resolved: _env.Resolved,
+        selfcheck: bool = True,
+        default_max_rows: int = DEFAULT_MAX_ROWS,
+        owns_group: bool = False,
+    ) -> None:
+        if isinstance(default_max_rows, bool) or not isinstance(default_max_rows, int) or default_max_rows < 1:
+            raise ValueError(f"default_max_rows must be a positive int, got {default_max_rows!r}")
+        self.group = group
+        self.group_label = _group_label(group)
+        self.resolved = resolved
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.backend_name = dist.get_backend(group)
+        self.device = _device_for(self.backend_name)
+        self.selfcheck = selfcheck
+        self.default_max_rows = default_max_rows
+        self.owns_group = owns_group
+        required = frozenset({BATCH_INVARIANT}) if resolved.switches.batch_invariant_collectives else frozenset()
+        self.leaf: Leaf = select_leaf(device_type=self.device.type, required=required)
+        self.caps = self._discover_capabilities()
+        self.auto = AutoBackend(resolved, self.caps)
+        self._native = NativeBackend(group)
+        self._backends: dict[Route, object] = {
+            Route.NATIVE: self._native,
+            Route.GATHER_FOLD: GatherFoldBackend(self._native, self.leaf),
+            Route.A2A_FOLD: A2AFoldBackend(self._native, self.leaf),
+        }
+        self._sites: dict[str, Site] = {}
+        self._decisions: dict[str, RouteDecision] = {}
+        self._checks: dict[CheckKey, CheckResult] = {}
+        self._closed = False
+        if selfcheck:
+            self._startup_checks()
+
+    # -- startup ------------------------------------------------------------------------------------
+    def _discover_capabilities(self) -> Capabilities:
+        allowed, why = _env.multicast_allowed(self.resolved, hardware_supports=False)
+        if allowed:  # pragma: no cover - unreachable until a multicast route exists
+            why = "no multicast route in this build"
+        return Capabilities(
+            backend=self.backend_name,
+            device_type=self.device.type,
+            world_size=self.world_size,
+            workspace=False,
+            workspace_reason="no CUDA-IPC workspace on this group" if self.device.type == "cuda" else "CPU group: no CUDA-IPC workspace",
+            multicast=False,
+            multicast_reason=why,
+        )
+
+    def _startup_checks(self) -> None:
+        """Check, on a small payload of each float dtype, the SUM routes this group would use for a bitwise
+        claim. Other claims (MAX/MIN keys, argmax, other shapes) are checked when a site first needs them."""
+        for dtype in FLOAT_DTYPES:
+            for coll in (Collective.ALL_REDUCE, Collective.REDUCE_SCATTER):
+                self._choose(Site("<startup>", coll, dtype, _STARTUP_CHECK_SHAPE, DEFAULT_MAX_ROWS, ReduceOp.SUM,
+                                  self.group_label))
+
+    def _claims(self, decision: RouteDecision, site: Site) -> bool:
+        """Whether the route promises exact, batch-invariant bits for this site (and so must be checked)."""
+        if site.collective is Collective.ARGMAX:
+            return True
+        if site.collective.reduces and site.is_float:
+            return site.op is not ReduceOp.SUM or decision.canonical_sum
+        return False
+
+    def _check(self, decision: RouteDecision, site: Site) -> CheckResult:
+        key = CheckKey(decision.route, site.collective, site.op, site.dtype, site.shape)
+        result = self._checks.get(key)
+        if result is None:
+            if site.collective is Collective.ARGMAX:
+                vstart = self.rank * site.shape[0]
+                execute = lambda x: self._native.argmax(x, vstart)  # noqa: E731
+            else:
+                execute = lambda x: self._run(decision.route, site, x)  # noqa: E731
+            result = self._checks[key] = run_check(key, execute, group=self.group, device=self.device)
+        return result
+
+    def _choose(self, site: Site) -> RouteDecision:
+        refused: list[str] = []
+        for cand in self.auto.candidates(site):
+            if self.selfcheck and self._claims(cand, site):
+                result = self._check(cand, site)
+                if not result.passed:
+                    refused.append(f"{cand.route.value}: {result.reason}")
+                    continue
+            if refused:
+                cand = RouteDecision(cand.route, cand.why + " [refused: " + " | ".join(refused) + "]")
+            return cand
+        msg = (
+            f"site {site.name!r} ({site.describe()}): no acceptable route passed its startup self-check under "
+            f"numerics={self.resolved.numerics!r}: " + " | ".join(refused)
+        )
+        if self.resolved.bitwise:
+            raise RouteRefused(msg)
+        raise RouteRefused(msg + " (the route's bits cannot be trusted on this group)")
+
+    # -- sites --------------------------------------------------------------------------------------
+    def site(
+        self,
+        name: str,
+        *,
+        collective: str | Collective,
+        dtype: torch.dtype,
+        shape: Sequence[int],
+        max_rows: int,
+        op: str | ReduceOp = "sum",
+        route: str | Route | None = None,
+    ) -> Site:
+        """Declare a call site (see ``detcomm.site``). Collective when it runs a new self-check."""
+        self._check_open()
+        coll = _enum(Collective, collective, "collective", name)
+        rop = ReduceOp.MAX if coll is Collective.ARGMAX and op == "sum" else _enum(ReduceOp, op, "op", name)
+        s = Site(
+            name=name,
+            collective=coll,
+            dtype=dtype,
+            shape=tuple(shape),
+            max_rows=max_rows,
+            op=rop,
+            group=self.group_label,
+            route=None if route is None else _enum(Route, route, "route", name),
+        )
+        return self._declare(s)
+
+    def _declare(self, s: Site) -> Site:
+        existing = self._sites.get(s.name)
+        if existing is not None:
+            if existing != s:
+                raise ValueError(
+                    f"site {s.name!r} is already declared as {existing.describe()}"
+                    f"{' (route=' + existing.route.value + ')' if existing.route else ''}; the new declaration "
+                    f"{s.describe()} contradicts it. A site is static: use another name for the other call."
+                )
+            return existing
+        self._decisions[s.name] = self._choose(s)
+        self._sites[s.name] = s
+        return s
+
+    def _site_for_call(self, site: str | Site, collective: Collective, x: torch.Tensor, op: ReduceOp) -> Site:
+        if isinstance(site, Site):
+            if site.group != self.group_label or self._sites.get(site.name) != site:
+                raise ValueError(
+                    f"site {site.name!r} was not declared on this communicator's group ({self.group_label!r}); "
+                    "declare it with detcomm.site(..., group=...) on the group that runs the call"
+                )
+            name = site.name
+        elif isinstance(site, str):
+            name = site
+        else:
+            raise TypeError(f"site must be a site name (str) or a detcomm Site, got {type(site).__name__}")
+        self._check_tensor(name, x)
+        declared = self._sites.get(name)
+        if declared is None:
+            if x.shape[0] > self.default_max_rows:
+                raise ValueError(
+                    f"site {name!r}: first call carries {x.shape[0]} rows, more than the default max_rows "
+                    f"{self.default_max_rows} of an undeclared site; declare it with detcomm.site({name!r}, ..., "
+                    f"max_rows=N) or raise init(default_max_rows=...)"
+                )
+            implicit = Site(name, collective, x.dtype, tuple(x.shape[1:]), self.default_max_rows, op,
+                            self.group_label, implicit=True)
+            return self._declare(implicit)
+        problems = []
+        if declared.collective is not collective:
+            problems.append(f"collective {collective.value} != {declared.collective.value}")
+        if declared.op is not op:
+            problems.append(f"op {op.value} != {declared.op.value}")
+        if x.dtype != declared.dtype:
+            problems.append(f"dtype {str(x.dtype).replace('torch.', '')} != {str(declared.dtype).replace('torch.', '')}")
+        if tuple(x.shape[1:]) != declared.shape:
+            problems.append(f"trailing shape {tuple(x.shape[1:])} != {declared.shape}")
+        if problems:
+            raise ValueError(
+                f"site {name!r} was declared as {declared.describe()}; this call contradicts it: "
+                f"{'; '.join(problems)}. A site is static: declare another site for this call (or cast/reshape "
+                "the input)."
+            )
+        if x.shape[0] > declared.max_rows:
+            raise ValueError(
+                f"site {name!r}: {x.shape[0]} rows exceed the declared max_rows={declared.max_rows}; declare the "
+                f"site with a larger max_rows (the most rows it will ever carry)"
+            )
+        return declared
+
+    def _check_tensor(self, name: str, x: torch.Tensor) -> None:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"site {name!r}: expected a torch.Tensor, got {type(x).__name__}")
+        from .route import SUPPORTED_DTYPES
+
+        if x.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(
+                f"site {name!r}: dtype {x.dtype} is not supported; use one of {[str(d) for d in SUPPORTED_DTYPES]}"
+            )
+        if x.dim() < 1:
+            raise ValueError(f"site {name!r}: expected a tensor of rows (at least 1-D, dim 0 = rows), got a 0-d tensor")
+        if x.device != self.device:
+            raise ValueError(
+                f"site {name!r}: tensor is on {x.device}, but this communicator ({self.backend_name}) works on "
+                f"{self.device}; move it with x.to({str(self.device)!r})"
+            )
+        if not x.is_contiguous():
+            # Refused, not copied: a hidden copy on the hot path costs a full pass over the data, and for a
+            # transposed view "row = dim 0" would be ambiguous.
+            raise ValueError(f"site {name!r}: tensor is not contiguous; pass x.contiguous()")
+
+    # -- collectives --------------------------------------------------------------------------------
+    def _run(self, route: Route, site: Site, x: torch.Tensor, **kw: object) -> torch.Tensor:
+        backend = self._backends.get(route)
+        if backend is None:
+            raise RuntimeError(f"route {route.value!r} has no backend on this group")
+        coll = site.collective
+        if coll is Collective.ALL_REDUCE:
+            return backend.all_reduce(x, site.op)  # type: ignore[attr-defined]
+        if coll is Collective.REDUCE_SCATTER:
+            return backend.reduce_scatter(x, site.op)  # type: ignore[attr-defined]
+        if coll is Collective.ALL_GATHER:
+            return backend.all_gather(x)  # type: ignore[attr-defined]
+        if coll is Collective.TOKEN_ALL_GATHER:
+            return backend.token_all_gather(x, kw["rows_per_rank"])  # type: ignore[attr-defined]
+        if coll is Collective.ALL_TO_ALL:
+            return backend.all_to_all(x, kw["in_splits"], kw["out_splits"])  # type: ignore[attr-defined]
+        if coll is Collective.ARGMAX:
+            return backend.argmax(x, kw["vocab_start"])  # type: ignore[attr-defined]
+        raise AssertionError(coll)
+
+    def all_reduce(self, x: torch.Tensor, *, site: str | Site, op: str = "sum") -> torch.Tensor:
+        """Reduce every rank's ``x`` (SUM, MAX or MIN); returns a new tensor, identical on every rank."""
+        self._check_open()
+        s = self._site_for_call(site, Collective.ALL_REDUCE, x, _enum(ReduceOp, op, "op", site))
+        return self._run(self._decisions[s.name].route, s, x)
+
+    def reduce_scatter(self, x: torch.Tensor, *, site: str | Site, op: str = "sum") -> torch.Tensor:
+        """Rank r receives row block r of the reduction; ``x.shape[0]`` must divide by the world size."""
+        self._check_open()
+        rop = _enum(ReduceOp, op, "op", site)
+        name = site.name if isinstance(site, Site) else site
+        if isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[0] % self.world_size:
+            raise ValueError(
+                f"site {name!r}: reduce_scatter needs a row count divisible by the world size {self.world_size} "
+                f"(rank r receives row block r); got {x.shape[0]} rows: pad to {-(-x.shape[0] // self.world_size) * self.world_size}"
+            )
+        s = self._site_for_call(site, Collective.REDUCE_SCATTER, x, rop)
+        return self._run(self._decisions[s.name].route, s, x)
+
+    def all_gather(self, x: torch.Tensor, *, site: str | Site) -> torch.Tensor:
+        """Every rank's ``x`` concatenated along dim 0 in rank order."""
+        self._check_open()
+        s = self._site_for_call(site, Collective.ALL_GATHER, x, ReduceOp.SUM)
+        return self._run(self._decisions[s.name].route, s, x)
+
+    def token_all_gather(self, x: torch.Tensor, *, site: str | Site, rows_per_rank: Sequence[int]) -> torch.Tensor:
+        """Uneven all-gather: rank r contributes ``rows_per_rank[r]`` rows; concatenated in rank order."""
+        self._check_open()
+        name = site.name if isinstance(site, Site) else site
+        counts = _int_list(rows_per_rank, name, "rows_per_rank")
+        if len(counts) != self.world_size:
+            raise ValueError(f"site {name!r}: rows_per_rank has {len(counts)} entries, the group has {self.world_size} ranks")
+        if isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[0] != counts[self.rank]:
+            raise ValueError(
+                f"site {name!r}: this rank ({self.rank}) passes {x.shape[0]} rows but rows_per_rank[{self.rank}] = "
+                f"{counts[self.rank]}; every rank must pass the same rows_per_rank"
+            )
+        s = self._site_for_call(site, Collective.TOKEN_ALL_GATHER, x, ReduceOp.SUM)
+        if max(counts) > s.max_rows:
+            raise ValueError(f"site {name!r}: a rank carries {max(counts)} rows, above max_rows={s.max_rows}")
+        return self._run(self._decisions[s.name].route, s, x, rows_per_rank=counts)
+
+    def all_to_all(self, x: torch.Tensor, *, site: str | Site, splits: Sequence[int] | None = None) -> torch.Tensor:
+        """Rank r sends its row block q to rank q and receives, in rank order, every rank's block r.
+
+        ``splits=None``: even blocks (rows divisible by W). Otherwise ``splits[q]`` rows go to rank q; the
+        counts each rank receives are exchanged first (one small extra all-to-all).
+        """
+        self._check_open()
+        name = site.name if isinstance(site, Site) else site
+        if splits is None:
+            if isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[0] % self.world_size:
+                raise ValueError(
+                    f"site {name!r}: an even all_to_all needs rows divisible by {self.world_size}, got "
+                    f"{x.shape[0]}; pass splits=[rows for each rank] for an uneven one"
+                )
+        else:
+            in_splits = _int_list(splits, name, "splits")
+            if len(in_splits) != self.world_size:
+                raise ValueError(f"site {name!r}: splits has {len(in_splits)} entries, the group has {self.world_size} ranks")
+            if isinstance(x, torch.Tensor) and x.dim() >= 1 and sum(in_splits) != x.shape[0]:
+                raise ValueError(f"site {name!r}: splits sum to {sum(in_splits)}, the tensor has {x.shape[0]} rows")
+        s = self._site_for_call(site, Collective.ALL_TO_ALL, x, ReduceOp.SUM)
+        if splits is None:
+            n = x.shape[0] // self.world_size
+            ins = outs = [n] * self.world_size
+        else:
+            ins = in_splits
+            outs = self._native.exchange_splits(ins, self.device)
+        return self._run(self._decisions[s.name].route, s, x, in_splits=ins, out_splits=outs)
+
+    def argmax(self, logits_shard: torch.Tensor, *, site: str | Site, vocab_start: int) -> torch.Tensor:
+        """Vocabulary-parallel argmax: int64 global index per row; lowest index on exact ties; -0.0 == +0.0;
+        NaN counts as the largest value (as torch.argmax)."""
+        self._check_open()
+        name = site.name if isinstance(site, Site) else site
+        if isinstance(vocab_start, bool) or not isinstance(vocab_start, int) or vocab_start < 0:
+            raise ValueError(f"site {name!r}: vocab_start must be a non-negative int, got {vocab_start!r}")
+        if isinstance(logits_shard, torch.Tensor):
+            if logits_shard.dim() != 2:
+                raise ValueError(f"site {name!r}: argmax takes [rows, vocab_shard] logits, got shape {tuple(logits_shard.shape)}")
+            if logits_shard.dtype not in FLOAT_DTYPES:
+                raise ValueError(f"site {name!r}: argmax takes floating-point logits, got {logits_shard.dtype}")
+            if vocab_start + logits_shard.shape[1] > 2**31:
+                raise ValueError(f"site {name!r}: global vocabulary indices must stay below 2**31")
+        s = self._site_for_call(site, Collective.ARGMAX, logits_shard, ReduceOp.MAX)
+        return self._run(self._decisions[s.name].route, s, logits_shard, vocab_start=vocab_start)
+
+    # -- introspection and lifecycle ----------------------------------------------------------------
+    def routes(self) -> RouteTable:
+        """The route table of the declared sites (local; identical on every rank)."""
+        entries = []
+        for name, s in self._sites.items():
+            d = self._decisions[name]
+            key = CheckKey(d.route, s.collective, s.op, s.dtype, s.shape)
+            res = self._checks.get(key)
+            check = "passed" if res is not None and res.passed else ("-" if res is None else "FAILED")
+            entries.append(RouteEntry(s, d, check))
+        return RouteTable(self.resolved.numerics, self.backend_name, self.world_size, self.leaf.name, tuple(entries))
+
+    def checks(self) -> list[CheckResult]:
+        """Every self-check run on this group so far, in order (local)."""
+        return list(self._checks.values())
+
+    def close(self) -> None:
+        """Release this communicator's resources (collective). The process group is destroyed only if
+        ``detcomm.init`` created it."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this detcomm communicator is shut down; call detcomm.init() again")
+
+
+def _enum(cls, value, what: str, site: object = None):  # type: ignore[no-untyped-def]
+    if isinstance(value, cls):
+        return value
+    try:
+        return cls(value)
+    except ValueError:
+        where = f"site {site.name if isinstance(site, Site) else site!r}: " if site is not None else ""
+        raise ValueError(f"{where}unknown {what} {value!r}; expected one of {[m.value for m in cls]}") from None
+
+
+def _int_list(values: Sequence[int], site: str, what: str) -> list[int]:
+    out = []
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"site {site!r}: {what} must be non-negative ints, got {list(values)!r}")
+        out.append(v)
+    return out
+
+
+def warn_missing_environment(resolved: _env.Resolved, backend: str) -> None:
+    """Refuse (NCCL under a bitwise envelope) or warn when the group was created without the environment
+    the envelope needs: NCCL reads it only when a communicator is created."""
+    missing = _env.missing_environment(resolved, backend=backend)
+    if not missing:
+        return
+    text = ", ".join(f"{k}={v}" for k, v in missing.items())
+    fix = (
+        f"launch with `detcomm-launch --numerics {resolved.numerics}` or call "
+        f"detcomm.apply_environment({resolved.numerics!r}) before torch.distributed.init_process_group"
+    )
+    if resolved.bitwise and "NCCL_ALGO" in missing:
+        raise RuntimeError(
+            f"numerics={resolved.numerics!r} needs {text} before the NCCL communicator is created, and the "
+            f"process group already exists without it: {fix}"
+        )
+    warnings.warn(f"the process group was created without {text}; {fix}", RuntimeWarning, stacklevel=3)

@@ -1,0 +1,165 @@
+"""The canonical fold (SPEC section 1) and the registry of its implementations ("leaves").
+
+For a SUM over W ranks every batch-invariant route computes, element by element::
+
+    acc = +0.0 (fp32)
+    for r in 0 .. W-1:  acc = fp32_add_rn(acc, fp32(x_r))   # exact widening, no FMA, no flush-to-zero
+    out = round_to_nearest_even(acc -> output dtype)          # one rounding; none for fp32
+
+NaN policy (project-wide, every route and kernel): a NaN result is written as the canonical positive quiet
+NaN with an empty payload (fp32 0x7FC00000, bf16 0x7FC0, fp16 0x7E00). IEEE addition leaves the choice of
+which input NaN's payload survives to the hardware, so without this a NaN's bits could differ between a CPU
+and a GPU leaf, or between two kernels. Inf propagates as IEEE addition says (Inf + -Inf is NaN).
+
+A leaf registers the features it guarantees; a bitwise envelope REQUIRES ``batch_invariant``, so a missing
+leaf is a startup error naming what is missing, never a silent fallback. Declaring the feature is a claim,
+not a proof: the startup self-checks (detcomm.selfcheck) compare every leaf that serves a bitwise site with
+``reference_fold`` and refuse one that differs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Callable
+
+import torch
+
+__all__ = [
+    "FLOAT_DTYPES",
+    "BATCH_INVARIANT",
+    "Leaf",
+    "Priority",
+    "canonical_nan",
+    "canonicalize_nan",
+    "reference_fold",
+    "portable_fold",
+    "register_leaf",
+    "unregister_leaf",
+    "select_leaf",
+    "registered_leaves",
+]
+
+FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
+BATCH_INVARIANT = "batch_invariant"
+
+_CANONICAL_NAN_BITS = {torch.float32: 0x7FC00000, torch.bfloat16: 0x7FC0, torch.float16: 0x7E00}
+_BITS_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+
+
+def canonical_nan(dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The canonical NaN of ``dtype`` as a 0-d tensor, built from its bits (not from float('nan'))."""
+    bits = _CANONICAL_NAN_BITS[dtype]
+    int_dtype = _BITS_VIEW[dtype]
+    if int_dtype is torch.int16 and bits >= 0x8000:
+        bits -= 0x10000
+    return torch.tensor([bits], dtype=int_dtype, device=device).view(dtype)[0]
+
+
+def canonicalize_nan(t: torch.Tensor) -> torch.Tensor:
+    """Replace every NaN in ``t`` by the canonical NaN of its dtype (returns a new tensor)."""
+    return torch.where(torch.isnan(t), canonical_nan(t.dtype, t.device), t)
+
+
+def reference_fold(stacked: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """The canonical fold's definition: ``stacked`` is [W, *rest]; returns [*rest] in ``out_dtype``.
+
+    Each ``add_`` is one IEEE fp32 addition per element (torch's elementwise kernels do not contract into
+    FMA and do not flush subnormals), and ``.to()`` rounds to nearest even.
+    """
+    if stacked.dtype not in FLOAT_DTYPES or out_dtype not in FLOAT_DTYPES:
+        raise ValueError(f"the fold takes {FLOAT_DTYPES}, got {stacked.dtype} -> {out_dtype}")
+    acc = torch.zeros(stacked.shape[1:], dtype=torch.float32, device=stacked.device)
+    for r in range(stacked.shape[0]):
+        acc.add_(stacked[r].to(torch.float32))
+    return canonicalize_nan(acc.to(out_dtype))
+
+
+def portable_fold(stacked: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """The same bits as ``reference_fold`` with fewer passes over memory: ``x0 + 0.0`` equals ``0.0 + x0``
+    bit for bit (IEEE addition commutes; -0.0 + +0.0 is +0.0), and ``add_`` of a bf16/fp16 operand into an
+    fp32 accumulator widens each element exactly before its one fp32 addition, with no temporary."""
+    if stacked.dtype not in FLOAT_DTYPES or out_dtype not in FLOAT_DTYPES:
+        raise ValueError(f"the fold takes {FLOAT_DTYPES}, got {stacked.dtype} -> {out_dtype}")
+    acc = stacked[0].to(torch.float32, copy=True).add_(0.0)
+    for r in range(1, stacked.shape[0]):
+        acc.add_(stacked[r])
+    return canonicalize_nan(acc if out_dtype == torch.float32 else acc.to(out_dtype))
+
+
+class Priority(IntEnum):
+    """Selection bands: a vendor leaf registers above the portable one and plain selection takes it."""
+
+    PORTABLE = 0
+    VENDOR = 100
+
+
+FoldFn = Callable[[torch.Tensor, torch.dtype], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Leaf:
+    """A fold implementation.
+
+    Attributes:
+        name: unique name, shown in the route table.
+        fold: ``fold(stacked [W, *rest], out_dtype) -> [*rest]``.
+        priority: higher wins; equal priorities are ordered by name.
+        features: what the leaf guarantees (``"batch_invariant"``: the canonical fold's bits).
+        device_types: torch device types it runs on.
+    """
+
+    name: str
+    fold: FoldFn
+    priority: int = Priority.PORTABLE
+    features: frozenset[str] = frozenset()
+    device_types: frozenset[str] = frozenset({"cpu", "cuda"})
+
+
+_LEAVES: dict[str, Leaf] = {}
+
+
+def register_leaf(leaf: Leaf, *, replace: bool = False) -> Leaf:
+    """Register a fold leaf. ``replace=True`` swaps a leaf of the same name."""
+    if leaf.name in _LEAVES and not replace:
+        raise ValueError(f"fold leaf {leaf.name!r} is already registered (pass replace=True to swap it)")
+    _LEAVES[leaf.name] = leaf
+    return leaf
+
+
+def unregister_leaf(name: str) -> None:
+    _LEAVES.pop(name, None)
+
+
+def registered_leaves() -> tuple[Leaf, ...]:
+    return tuple(sorted(_LEAVES.values(), key=lambda l: (-l.priority, l.name)))
+
+
+def select_leaf(*, device_type: str, required: frozenset[str] = frozenset()) -> Leaf:
+    """The highest-priority leaf for ``device_type`` whose features include ``required``.
+
+    Raises RuntimeError naming what is missing when none qualifies: a bitwise envelope must fail at
+    startup rather than run a fold that makes no claim.
+    """
+    eligible = [l for l in registered_leaves() if device_type in l.device_types and required <= l.features]
+    if not eligible:
+        have = ", ".join(
+            f"{l.name}(features={sorted(l.features)}, devices={sorted(l.device_types)})" for l in registered_leaves()
+        ) or "none"
+        raise RuntimeError(
+            f"no fold leaf for device type {device_type!r} declares the features {sorted(required)}; "
+            f"registered leaves: {have}. Register one with detcomm.fold.register_leaf(Leaf(..., "
+            f"features=frozenset({sorted(required)}))) or use numerics='auto'."
+        )
+    return eligible[0]
+
+
+register_leaf(
+    Leaf(
+        name="torch_portable",
+        fold=portable_fold,
+        priority=Priority.PORTABLE,
+        features=frozenset({BATCH_INVARIANT}),
+        device_types=frozenset({"cpu", "cuda"}),
+    )
+)

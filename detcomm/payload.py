@@ -1,0 +1,71 @@
+"""Ill-conditioned payloads: the inputs that expose a reduction whose association order moves.
+
+Values whose sum depends on the order they are added in: magnitudes from the bottom to the top of the dtype's
+range, near-cancelling values of similar magnitude across ranks, one huge value beside small ones, signed zeros
+and subnormals. Deterministic in (seed, rank), identical on every platform (generated on the CPU, moved after).
+The self-checks, the demo, the probes and the bench all draw from here so that their numbers compare.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["ill_conditioned", "with_specials"]
+
+# Decimal exponent range per dtype, kept inside the finite range so single values never overflow.
+_EXP_RANGE = {torch.float32: (-38.0, 37.5), torch.bfloat16: (-38.0, 37.5), torch.float16: (-7.0, 4.0)}
+_SUBNORMAL_SCALE = {torch.float32: 1e-40, torch.bfloat16: 5e-40, torch.float16: 3e-5}
+_BIG = {torch.float32: 1e30, torch.bfloat16: 1e30, torch.float16: 3e4}
+
+
+def _gen(*keys: int) -> torch.Generator:
+    seed = 0
+    for k in keys:
+        seed = (seed * 1_000_003 + int(k) + 0x9E3779B9) % (2**63 - 1)
+    return torch.Generator().manual_seed(seed)
+
+
+def ill_conditioned(
+    rows: int, shape: tuple[int, ...], dtype: torch.dtype, *, seed: int, rank: int, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """A [rows, *shape] tensor of ``dtype`` for ``rank``; the per-element value class is shared by every rank
+    (drawn from ``seed`` alone) so that ranks cancel each other element by element."""
+    n = rows * math.prod(shape)
+    shared = _gen(seed, 0xC1A55)
+    own = _gen(seed, rank + 1)
+    lo, hi = _EXP_RANGE[dtype]
+    cls = torch.randint(0, 16, (n,), generator=shared)
+    base_exp = torch.empty(n, dtype=torch.float64).uniform_(lo, hi, generator=shared)
+    own_exp = torch.empty(n, dtype=torch.float64).uniform_(lo, hi, generator=own)
+    mant = 1.0 + torch.rand(n, dtype=torch.float64, generator=own)
+    sign = torch.where(torch.rand(n, generator=own) < 0.5, -1.0, 1.0).to(torch.float64)
+    # Default: every rank near the same magnitude with a random sign -> cancellations.
+    v = sign * mant * torch.pow(10.0, base_exp)
+    # Mixed scales: each rank its own magnitude -> a huge value next to small ones.
+    mixed = cls < 5
+    v = torch.where(mixed, sign * mant * torch.pow(10.0, own_exp), v)
+    # One huge value against ones: (big + 1) - big differs from (big - big) + 1.
+    huge = cls == 5
+    big = _BIG[dtype] * torch.where((torch.arange(n) + rank) % 2 == 0, 1.0, -1.0).to(torch.float64)
+    # Small values carry bits below the huge value's fp32 ulp, so whether they meet it before or after its
+    # cancelling partner decides whether they survive.
+    small = sign * mant * (1e-3 if dtype == torch.float16 else 1.0)
+    v = torch.where(huge, torch.where(torch.full((n,), rank % 3 == 0), big, small), v)
+    v = torch.where(cls == 6, sign * _SUBNORMAL_SCALE[dtype] * mant, v)  # subnormals of both signs
+    v = torch.where(cls == 7, sign * 0.0, v)  # +0.0 and -0.0
+    v = torch.where(cls == 8, -0.0 * torch.ones_like(v), v)  # all ranks -0.0 -> the fold must give +0.0
+    out = v.to(torch.float32).to(dtype)
+    return out.view(rows, *shape).to(device)
+
+
+def with_specials(x: torch.Tensor, *, seed: int, rank: int, fraction: float = 0.02) -> torch.Tensor:
+    """``x`` with a few NaN and ±Inf entries (rank-dependent), for the NaN/Inf policy checks."""
+    g = _gen(seed, 0x5EC1A1, rank)
+    flat = x.detach().to("cpu").reshape(-1).clone()
+    r = torch.rand(flat.numel(), generator=g)
+    flat[r < fraction / 2] = float("nan")
+    flat[(r >= fraction / 2) & (r < fraction * 3 / 4)] = float("inf")
+    flat[(r >= fraction * 3 / 4) & (r < fraction)] = float("-inf")
+    return flat.view_as(x).to(x.device)

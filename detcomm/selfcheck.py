@@ -1,0 +1,174 @@
+"""Startup self-checks (SPEC section 5): prove on this group that a route gives the bits it claims.
+
+For each (route, collective, op, dtype, trailing shape) that will serve a bitwise claim, before its first real
+call, an ill-conditioned payload (detcomm.payload) is reduced
+
+  (a) twice: the two results must be bitwise equal (repeatability);
+  (b) with the same rows at several offsets inside batches of different sizes: the rows' results must not
+      move (the check the in-switch reduction and a ring reduction fail);
+  (c) and compared with an independent reference computed from the gathered inputs (``reference_fold`` for
+      sums; torch's own amax/amin/argmax for the key-based routes);
+  (d) and every rank's result is compared with every other rank's.
+
+The verdict is agreed across ranks (one integer MAX), so a failing route is refused on every rank with the
+same reason. Everything here is collective over the communicator's group.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from .backends.native import all_gather_flat
+from .fold import FLOAT_DTYPES, canonical_nan, reference_fold
+from .payload import ill_conditioned, with_specials
+from .route import Collective, ReduceOp, Route
+
+__all__ = ["CheckKey", "CheckResult", "run_check", "bits_equal"]
+
+_BASE_ROWS = 3
+# (batch rows, offset of the checked rows): sizes and offsets chosen so rows land in different chunks of a
+# ring and at unaligned positions.
+_COMPOSITIONS = ((_BASE_ROWS, 0), (_BASE_ROWS + 1, 1), (_BASE_ROWS + 7, 4), (2 * _BASE_ROWS + 13, _BASE_ROWS + 9))
+_SEED = 0x5E1FC
+
+
+@dataclass(frozen=True)
+class CheckKey:
+    route: Route
+    collective: Collective
+    op: ReduceOp
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    def label(self) -> str:
+        dt = str(self.dtype).replace("torch.", "")
+        op = f" {self.op.value}" if self.collective.reduces else ""
+        return f"{self.route.value}: {self.collective.value}{op} {dt}{list(self.shape)}"
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    key: CheckKey
+    passed: bool
+    reason: str
+    seconds: float
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Exact equality of bit patterns (so -0.0 != +0.0 and NaN payloads count)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.dtype in FLOAT_DTYPES:
+        view = torch.int32 if a.dtype == torch.float32 else torch.int16
+        return torch.equal(a.contiguous().view(view), b.contiguous().view(view))
+    return torch.equal(a, b)
+
+
+def _rows_differing(a: torch.Tensor, b: torch.Tensor) -> int:
+    if a.dtype in FLOAT_DTYPES:
+        view = torch.int32 if a.dtype == torch.float32 else torch.int16
+        ne = a.contiguous().view(view) != b.contiguous().view(view)
+    else:
+        ne = a != b
+    if ne.dim() == 1:
+        return int(ne.sum())
+    return int(ne.reshape(ne.shape[0], -1).any(dim=1).sum())
+
+
+def _max_min_reference(stacked: torch.Tensor, op: ReduceOp) -> torch.Tensor:
+    f = stacked.to(torch.float32)
+    red = f.amax(dim=0) if op is ReduceOp.MAX else f.amin(dim=0)
+    red = torch.where(red == 0, torch.zeros((), dtype=red.dtype), red)
+    red = torch.where(torch.isnan(f).any(dim=0), float("nan"), red)
+    out = red.to(stacked.dtype)
+    return torch.where(torch.isnan(out), canonical_nan(out.dtype, out.device), out)
+
+
+def run_check(
+    key: CheckKey,
+    execute: Callable[[torch.Tensor], torch.Tensor],
+    *,
+    group: dist.ProcessGroup,
+    device: torch.device,
+) -> CheckResult:
+    """Run the four checks of ``key``'s route through ``execute`` (the route's collective). Collective."""
+    t0 = time.perf_counter()
+    w = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    failures: list[str] = []
+    try:
+        failures = _checks(key, execute, w=w, rank=rank, group=group, device=device)
+    except Exception as e:  # noqa: BLE001 - a route that raises has failed its check; report why, agree below
+        failures = [f"raised {type(e).__name__}: {e}"]
+    flag = torch.tensor([1 if failures else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    if int(flag.item()) == 0:
+        return CheckResult(key, True, "repeatable, offset/batch-invariant, equals the reference, ranks agree", time.perf_counter() - t0)
+    everyone: list[object] = [None] * w
+    dist.all_gather_object(everyone, failures, group=group)
+    reason = "; ".join(f"rank {r}: {', '.join(f)}" for r, f in enumerate(everyone) if f)  # type: ignore[arg-type]
+    return CheckResult(key, False, reason, time.perf_counter() - t0)
+
+
+def _payload(key: CheckKey, rows: int, *, seed: int, rank: int, device: torch.device) -> torch.Tensor:
+    x = ill_conditioned(rows, key.shape, key.dtype, seed=seed, rank=rank)
+    if key.collective is Collective.ARGMAX:
+        # Exact ties across ranks and within a shard, and signed zeros, so lowest-index resolution is tested.
+        x = x.clone()
+        x[:, 1::7] = 1e4 if key.dtype == torch.float16 else 1e37
+        x[:, 2::11] = -0.0
+    if key.op is not ReduceOp.SUM and key.collective is not Collective.ARGMAX:
+        x = with_specials(x, seed=seed, rank=rank)
+    return x.to(device)
+
+
+def _checks(key: CheckKey, execute: Callable[[torch.Tensor], torch.Tensor], *, w: int, rank: int,
+            group: dist.ProcessGroup, device: torch.device) -> list[str]:
+    rs = key.collective is Collective.REDUCE_SCATTER
+    blocks = w if rs else 1  # a reduce-scatter input is W row blocks; rank r receives block r
+    b = _BASE_ROWS
+    base = _payload(key, blocks * b, seed=_SEED, rank=rank, device=device)
+    failures: list[str] = []
+
+    out = execute(base)
+    if not bits_equal(execute(base), out):
+        failures.append("(a) not repeatable")
+
+    moved = []
+    for i, (total, off) in enumerate(_COMPOSITIONS):
+        filler = _payload(key, blocks * total, seed=_SEED + 1 + i, rank=rank, device=device)
+        view = filler.view(blocks, total, *key.shape)
+        view[:, off : off + b] = base.view(blocks, b, *key.shape)
+        got = execute(filler)
+        got = got[off : off + b]
+        if not bits_equal(got, out):
+            moved.append(f"{total} rows @ offset {off}: {_rows_differing(got, out)} of {b} rows changed")
+    if moved:
+        failures.append("(b) rows moved with the batch: " + "; ".join(moved))
+
+    gathered = torch.empty((w * base.shape[0], *base.shape[1:]), dtype=base.dtype, device=device)
+    all_gather_flat(gathered, base, group=group)
+    stacked = gathered.view(w, *base.shape).cpu()
+    if key.collective is Collective.ARGMAX:
+        full = stacked.permute(1, 0, 2).reshape(b, -1).to(torch.float32)
+        ref = torch.argmax(full, dim=-1)
+    elif key.op is ReduceOp.SUM:
+        ref = reference_fold(stacked, key.dtype)
+    else:
+        ref = _max_min_reference(stacked, key.op)
+    if rs:
+        ref = ref[rank * b : (rank + 1) * b]
+    if not bits_equal(out.cpu(), ref):
+        failures.append(f"(c) differs from the reference on {_rows_differing(out.cpu(), ref)} of {b} rows")
+
+    if not rs:
+        outs = torch.empty((w * out.shape[0], *out.shape[1:]), dtype=out.dtype, device=device)
+        all_gather_flat(outs, out.contiguous(), group=group)
+        if not all(bits_equal(o, out) for o in outs.view(w, *out.shape)):
+            failures.append("(d) ranks hold different bits")
+    return failures

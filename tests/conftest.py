@@ -1,0 +1,54 @@
+"""Shared test machinery: the `gpu` marker's skip, and local gloo clusters reused across tests.
+
+A cluster is W spawned processes joined in one default process group (detcomm._spawn.LocalCluster). Tests
+send it jobs: top-level functions of the test modules, called on every rank as fn(rank, world_size, *args).
+Each job calls detcomm.init and detcomm.shutdown itself, so jobs do not leak state into each other. A job
+that leaves the cluster unusable (a rank stuck or dead) tears it down; the next test gets a fresh one.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from detcomm._spawn import LocalCluster  # noqa: E402
+
+_CLUSTERS: dict[int, LocalCluster] = {}
+
+
+def pytest_collection_modifyitems(config, items):  # noqa: ANN001
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run with -m gpu on the accelerator machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def get_cluster(world_size: int) -> LocalCluster:
+    c = _CLUSTERS.get(world_size)
+    if c is None or not c.alive:
+        c = _CLUSTERS[world_size] = LocalCluster(world_size, pg_timeout_s=30.0)
+    return c
+
+
+@pytest.fixture(params=[2, 3, 4], ids=lambda w: f"W{w}")
+def cluster(request) -> LocalCluster:  # noqa: ANN001
+    return get_cluster(request.param)
+
+
+@pytest.fixture(params=[3, 4], ids=lambda w: f"W{w}")
+def cluster3plus(request) -> LocalCluster:  # noqa: ANN001
+    """W >= 3 only: at W = 2 every order of two addends gives the same sum (a + b == b + a)."""
+    return get_cluster(request.param)
+
+
+def pytest_sessionfinish(session, exitstatus):  # noqa: ANN001
+    for c in _CLUSTERS.values():
+        c.close()
+    _CLUSTERS.clear()
