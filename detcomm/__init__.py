@@ -18,7 +18,15 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from .comm import Communicator, RouteEntry, RouteRefused, RouteTable, warn_missing_environment
+from .comm import (
+    DEFAULT_WORKSPACE_BYTES,
+    DEFAULT_WORKSPACE_MAX_ROWS,
+    Communicator,
+    RouteEntry,
+    RouteRefused,
+    RouteTable,
+    warn_missing_environment,
+)
 from .envelope import (
     BITWISE_ENVELOPES,
     MULTICAST_OFF_ENV,
@@ -120,6 +128,10 @@ def init(
     group: dist.ProcessGroup | None = None,
     selfcheck: bool = True,
     default_max_rows: int = DEFAULT_MAX_ROWS,
+    device: torch.device | str | None = None,
+    workspace: bool | None = None,
+    workspace_max_rows: int = DEFAULT_WORKSPACE_MAX_ROWS,
+    workspace_bytes: int = DEFAULT_WORKSPACE_BYTES,
     **switches: object,
 ) -> Communicator:
     """Create detcomm's communicator for ``group`` (default: the default process group). Collective.
@@ -130,6 +142,12 @@ def init(
     detcomm-launch, else ``"auto"``) with the explicit ``switches``, discovers the group's capabilities,
     runs the startup self-checks (``selfcheck=False`` skips them) and returns the communicator, which also
     becomes the module default when ``group`` is None.
+
+    ``device``: where the tensors live (default: the current CUDA device for NCCL, the CPU for gloo; a CUDA
+    device with a gloo group stages native collectives through host memory, for W ranks sharing one GPU).
+    ``workspace``: arm the CUDA-IPC workspace (None: when the envelope's batch-invariant collectives could use
+    it); it serves SUM sites with ``max_rows <= workspace_max_rows`` and carries ``workspace_bytes`` of a
+    rank's rows per launch (more rows are chunked, bits unchanged).
 
     Raises ValueError for an unknown envelope or switch or conflicting switches (before any communication),
     RuntimeError when the fold leaf the envelope requires is missing or the group was created without the
@@ -160,7 +178,8 @@ def init(
         torch.backends.cudnn.allow_tf32 = False
     try:
         comm = Communicator(group=pg, resolved=resolved, selfcheck=selfcheck, default_max_rows=default_max_rows,
-                            owns_group=created)
+                            owns_group=created, device=device, workspace=workspace,
+                            workspace_max_rows=workspace_max_rows, workspace_bytes=workspace_bytes)
     except BaseException:
         if created:
             dist.destroy_process_group()

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from . import envelope as _env
 from .backends import A2AFoldBackend, GatherFoldBackend, NativeBackend
+from .backends.workspace import WorkspaceBackend
 from .fold import BATCH_INVARIANT, FLOAT_DTYPES, Leaf, select_leaf
 from .route import (
     DEFAULT_MAX_ROWS,
@@ -35,6 +36,11 @@ from .route import (
 from .selfcheck import CheckKey, CheckResult, run_check
 
 __all__ = ["Communicator", "RouteRefused", "RouteTable", "RouteEntry"]
+
+# Workspace defaults: armed for sites up to a prefill chunk of rows; one launch carries this many bytes of a
+# rank's rows (more rows are chunked, bits unchanged).
+DEFAULT_WORKSPACE_MAX_ROWS = 2048
+DEFAULT_WORKSPACE_BYTES = 16 * 1024 * 1024
 
 # Width of the startup self-checks' rows: not a multiple of 8, so vectorized kernels' scalar tails run too.
 _STARTUP_CHECK_SHAPE = (76,)
@@ -95,10 +101,19 @@ def _group_label(group: dist.ProcessGroup) -> str:
     return "default" if group is dist.group.WORLD else str(group.group_name)
 
 
-def _device_for(backend: str) -> torch.device:
-    if "nccl" in backend:
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+def _device_for(backend: str, device: torch.device | str | None) -> torch.device:
+    if device is None:
+        if "nccl" in backend:
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be a CPU or CUDA device, got {dev}")
+    if dev.type == "cpu" and backend == "nccl":
+        raise ValueError("an NCCL group works on CUDA tensors; pass a CUDA device or use a gloo group")
+    return dev
 
 
 class Communicator:
@@ -112,58 +127,96 @@ class Communicator:
         selfcheck: bool = True,
         default_max_rows: int = DEFAULT_MAX_ROWS,
         owns_group: bool = False,
+        device: torch.device | str | None = None,
+        workspace: bool | None = None,
+        workspace_max_rows: int = DEFAULT_WORKSPACE_MAX_ROWS,
+        workspace_bytes: int = DEFAULT_WORKSPACE_BYTES,
     ) -> None:
-        if isinstance(default_max_rows, bool) or not isinstance(default_max_rows, int) or default_max_rows < 1:
-            raise ValueError(f"default_max_rows must be a positive int, got {default_max_rows!r}")
+        for name, value in (("default_max_rows", default_max_rows), ("workspace_max_rows", workspace_max_rows),
+                            ("workspace_bytes", workspace_bytes)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
         self.group = group
         self.group_label = _group_label(group)
         self.resolved = resolved
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.backend_name = dist.get_backend(group)
-        self.device = _device_for(self.backend_name)
+        self.device = _device_for(self.backend_name, device)
         self.selfcheck = selfcheck
         self.default_max_rows = default_max_rows
         self.owns_group = owns_group
         required = frozenset({BATCH_INVARIANT}) if resolved.switches.batch_invariant_collectives else frozenset()
         self.leaf: Leaf = select_leaf(device_type=self.device.type, required=required)
-        self.caps = self._discover_capabilities()
-        self.auto = AutoBackend(resolved, self.caps)
-        self._native = NativeBackend(group)
+        self._native = NativeBackend(group, stage_through_host=self.device.type == "cuda" and "nccl" not in self.backend_name)
         self._backends: dict[Route, object] = {
             Route.NATIVE: self._native,
             Route.GATHER_FOLD: GatherFoldBackend(self._native, self.leaf),
             Route.A2A_FOLD: A2AFoldBackend(self._native, self.leaf),
         }
+        self.caps = self._discover_capabilities(workspace, workspace_max_rows, workspace_bytes)
+        self.auto = AutoBackend(resolved, self.caps)
         self._sites: dict[str, Site] = {}
         self._decisions: dict[str, RouteDecision] = {}
         self._checks: dict[CheckKey, CheckResult] = {}
+        self._refused: dict[tuple[Route, Collective, ReduceOp], str] = {}
         self._closed = False
         if selfcheck:
-            self._startup_checks()
+            try:
+                self._startup_checks()
+            except BaseException:
+                ws = self._backends.get(Route.WORKSPACE)
+                if ws is not None:  # local release: the peers are failing the same check
+                    ws.workspace.abort()  # type: ignore[attr-defined]
+                raise
 
     # -- startup ------------------------------------------------------------------------------------
-    def _discover_capabilities(self) -> Capabilities:
-        allowed, why = _env.multicast_allowed(self.resolved, hardware_supports=False)
+    def _discover_capabilities(self, workspace: bool | None, max_rows: int, capacity: int) -> Capabilities:
+        allowed, mc_why = _env.multicast_allowed(self.resolved, hardware_supports=False)
         if allowed:  # pragma: no cover - unreachable until a multicast route exists
-            why = "no multicast route in this build"
+            mc_why = "no multicast route in this build"
+        armed, ws_why = self._arm_workspace(workspace, max_rows, capacity)
         return Capabilities(
             backend=self.backend_name,
             device_type=self.device.type,
             world_size=self.world_size,
-            workspace=False,
-            workspace_reason="no CUDA-IPC workspace on this group" if self.device.type == "cuda" else "CPU group: no CUDA-IPC workspace",
+            workspace=armed,
+            workspace_reason=ws_why,
+            workspace_max_rows=max_rows if armed else 0,
             multicast=False,
-            multicast_reason=why,
+            multicast_reason=mc_why,
         )
+
+    def _arm_workspace(self, want: bool | None, max_rows: int, capacity: int) -> tuple[bool, str]:
+        """Arm the CUDA-IPC workspace (collective) where a route could use it: a CUDA group, and either a
+        batch-invariant envelope (``want=None``) or an explicit ``workspace=True``. Every rank reaches the
+        same verdict (Workspace.create raises on every rank when one cannot arm)."""
+        sw = self.resolved.switches
+        if self.device.type != "cuda":
+            return False, "CPU group: no CUDA-IPC workspace"
+        if sw.force_deterministic_rsag:
+            return False, "force_deterministic_rsag: no symmetric-memory path"
+        if want is False or (want is None and not sw.batch_invariant_collectives):
+            return False, "workspace not armed (init(workspace=True) arms it)"
+        from .workspace import Workspace, WorkspaceUnavailable
+
+        try:
+            ws = Workspace.create(self.group, device=self.device, capacity_bytes=capacity, max_rows_armed=max_rows)
+        except WorkspaceUnavailable as e:
+            return False, f"workspace unavailable: {e}"
+        self._backends[Route.WORKSPACE] = WorkspaceBackend(ws)
+        return True, f"armed: {capacity // 1024} KiB per launch, sites up to {max_rows} rows"
 
     def _startup_checks(self) -> None:
         """Check, on a small payload of each float dtype, the SUM routes this group would use for a bitwise
         claim. Other claims (MAX/MIN keys, argmax, other shapes) are checked when a site first needs them."""
         for dtype in FLOAT_DTYPES:
             for coll in (Collective.ALL_REDUCE, Collective.REDUCE_SCATTER):
-                self._choose(Site("<startup>", coll, dtype, _STARTUP_CHECK_SHAPE, DEFAULT_MAX_ROWS, ReduceOp.SUM,
-                                  self.group_label))
+                # A one-row site reaches an armed workspace; a DEFAULT_MAX_ROWS one the gather/all-to-all
+                # fold. Where both land on one route the second check is the first's cached result.
+                for max_rows in (1, DEFAULT_MAX_ROWS):
+                    self._choose(Site("<startup>", coll, dtype, _STARTUP_CHECK_SHAPE, max_rows, ReduceOp.SUM,
+                                      self.group_label))
 
     def _claims(self, decision: RouteDecision, site: Site) -> bool:
         """Whether the route promises exact, batch-invariant bits for this site (and so must be checked)."""
@@ -182,16 +235,22 @@ class Communicator:
                 execute = lambda x: self._native.argmax(x, vstart)  # noqa: E731
             else:
                 execute = lambda x: self._run(decision.route, site, x)  # noqa: E731
-            result = self._checks[key] = run_check(key, execute, group=self.group, device=self.device)
+            result = self._checks[key] = run_check(key, execute, native=self._native, device=self.device)
         return result
 
     def _choose(self, site: Site) -> RouteDecision:
         refused: list[str] = []
         for cand in self.auto.candidates(site):
+            kind = (cand.route, site.collective, site.op)
+            if kind in self._refused:
+                # A route that failed a self-check for this collective serves it for no dtype or shape.
+                refused.append(f"{cand.route.value}: {self._refused[kind]}")
+                continue
             if self.selfcheck and self._claims(cand, site):
                 result = self._check(cand, site)
                 if not result.passed:
-                    refused.append(f"{cand.route.value}: {result.reason}")
+                    self._refused[kind] = f"{result.key.label()}: {result.reason}"
+                    refused.append(f"{cand.route.value}: {self._refused[kind]}")
                     continue
             if refused:
                 cand = RouteDecision(cand.route, cand.why + " [refused: " + " | ".join(refused) + "]")
@@ -443,8 +502,19 @@ class Communicator:
         if self._closed:
             return
         self._closed = True
+        ws = self._backends.get(Route.WORKSPACE)
+        if ws is not None:
+            ws.close()  # type: ignore[attr-defined]
         if self.owns_group and dist.is_initialized():
+            # Every rank leaves its last collective before any rank tears its transport down; without this a
+            # gloo rank can be torn down under a peer still draining the final message (abort at exit).
+            dist.barrier(group=self.group)
             dist.destroy_process_group()
+        # Drop every reference to the process group: a ProcessGroup object outliving destroy_process_group is
+        # finalized at interpreter exit, where gloo's worker threads can abort the process.
+        self._backends.clear()
+        self._native = None  # type: ignore[assignment]
+        self.group = None  # type: ignore[assignment]
 
     def _check_open(self) -> None:
         if self._closed:

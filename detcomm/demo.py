@@ -50,7 +50,7 @@ def _measure(comm, site: str, collective: str, dtype: torch.dtype, hidden: int, 
             return comm.reduce_scatter(x, site=site)
         return comm.all_reduce(x, site=site)
 
-    base = ill_conditioned(blocks * _PROBE_ROWS, (hidden,), dtype, seed=7, rank=rank)
+    base = ill_conditioned(blocks * _PROBE_ROWS, (hidden,), dtype, seed=7, rank=rank, world_size=w)
     # Batch-1 reference: each probed row reduced on its own.
     ref_rows = []
     for i in range(_PROBE_ROWS):
@@ -61,7 +61,7 @@ def _measure(comm, site: str, collective: str, dtype: torch.dtype, hidden: int, 
     max_ulps = 0
     compared = 0
     for k, (total, off) in enumerate(_COMPOSITIONS):
-        batch = ill_conditioned(blocks * total, (hidden,), dtype, seed=100 + k, rank=rank).view(blocks, total, hidden)
+        batch = ill_conditioned(blocks * total, (hidden,), dtype, seed=100 + k, rank=rank, world_size=w).view(blocks, total, hidden)
         batch[:, off : off + _PROBE_ROWS] = base.view(blocks, _PROBE_ROWS, hidden)
         got = run(batch.reshape(blocks * total, hidden).to(dev)).cpu()[off : off + _PROBE_ROWS]
         diff = (_ordered(got) - _ordered(ref)).abs()
@@ -131,12 +131,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.nproc < 2:
         p.error("--nproc must be at least 2 (3 or more to see the native route move rows)")
     from ._spawn import spawn
+    from .envelope import envelope_environment
 
     backend = args.backend
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= args.nproc else "gloo"
     print(f"detcomm demo: {args.nproc} ranks on {backend} ({'GPU' if backend == 'nccl' else 'CPU'})", flush=True)
-    results = spawn(_rank_main, args.nproc, args.hidden, backend=backend)
+    # The ranks run rl-bitwise (and auto): its environment exists before any NCCL communicator does.
+    results = spawn(_rank_main, args.nproc, args.hidden, backend=backend, env=envelope_environment("rl-bitwise"))
     print(_format(results[0], args.nproc, args.hidden))
     reports = results[0]["reports"]
     bad = [r for r in reports if r.route != "native" and r.rows_changed]

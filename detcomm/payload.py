@@ -28,10 +28,13 @@ def _gen(*keys: int) -> torch.Generator:
 
 
 def ill_conditioned(
-    rows: int, shape: tuple[int, ...], dtype: torch.dtype, *, seed: int, rank: int, device: torch.device | str = "cpu"
+    rows: int, shape: tuple[int, ...], dtype: torch.dtype, *, seed: int, rank: int, world_size: int | None = None,
+    device: torch.device | str = "cpu",
 ) -> torch.Tensor:
     """A [rows, *shape] tensor of ``dtype`` for ``rank``; the per-element value class is shared by every rank
-    (drawn from ``seed`` alone) so that ranks cancel each other element by element."""
+    (drawn from ``seed`` alone) so that ranks cancel each other element by element. With ``world_size`` the
+    cancelling pairs are spread over all W ranks (any reordering of ranks is then seen after rounding to bf16
+    or fp16, at any W >= 3); without it they follow rank % 3."""
     n = rows * math.prod(shape)
     shared = _gen(seed, 0xC1A55)
     own = _gen(seed, rank + 1)
@@ -46,16 +49,27 @@ def ill_conditioned(
     # Mixed scales: each rank its own magnitude -> a huge value next to small ones.
     mixed = cls < 5
     v = torch.where(mixed, sign * mant * torch.pow(10.0, own_exp), v)
-    # One huge value against ones: (big + 1) - big differs from (big - big) + 1.
-    huge = cls == 5
-    big = _BIG[dtype] * torch.where((torch.arange(n) + rank) % 2 == 0, 1.0, -1.0).to(torch.float64)
-    # Small values carry bits below the huge value's fp32 ulp, so whether they meet it before or after its
-    # cancelling partner decides whether they survive.
+    # Cancelling triads: by (rank + phase) % 3 a rank holds +big, -big or a small value whose bits lie below
+    # big's fp32 ulp. (big - big) + s keeps s; (-big + s) + big loses it. Three phases, so that whichever ranks
+    # an order puts first, some element notices, at any W >= 3 and after rounding to bf16 or fp16.
+    big = torch.full((n,), _BIG[dtype], dtype=torch.float64)
     small = sign * mant * (1e-3 if dtype == torch.float16 else 1.0)
-    v = torch.where(huge, torch.where(torch.full((n,), rank % 3 == 0), big, small), v)
-    v = torch.where(cls == 6, sign * _SUBNORMAL_SCALE[dtype] * mant, v)  # subnormals of both signs
-    v = torch.where(cls == 7, sign * 0.0, v)  # +0.0 and -0.0
-    v = torch.where(cls == 8, -0.0 * torch.ones_like(v), v)  # all ranks -0.0 -> the fold must give +0.0
+    if world_size is not None and world_size >= 2:
+        # Per element, a random rank holds +big and another -big; every other rank a small value. The smalls
+        # the fold adds after the later of the two survive, the others are absorbed: the result names the order.
+        plus = torch.randint(0, world_size, (n,), generator=shared)
+        minus = (plus + 1 + torch.randint(0, world_size - 1, (n,), generator=shared)) % world_size
+        pair = (cls >= 5) & (cls < 8)
+        role = torch.where(plus == rank, big, torch.where(minus == rank, -big, small))
+        v = torch.where(pair, role, v)
+    else:
+        for phase in range(3):
+            role3 = (rank + phase) % 3
+            triad = cls == 5 + phase
+            v = torch.where(triad, big if role3 == 0 else (-big if role3 == 1 else small), v)
+    v = torch.where(cls == 8, sign * _SUBNORMAL_SCALE[dtype] * mant, v)  # subnormals of both signs
+    v = torch.where(cls == 9, sign * 0.0, v)  # +0.0 and -0.0
+    v = torch.where(cls == 10, -0.0 * torch.ones_like(v), v)  # all ranks -0.0 -> the fold must give +0.0
     out = v.to(torch.float32).to(dtype)
     return out.view(rows, *shape).to(device)
 

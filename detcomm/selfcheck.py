@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from .backends.native import all_gather_flat
+from .backends.native import NativeBackend
 from .fold import FLOAT_DTYPES, canonical_nan, reference_fold
 from .payload import ill_conditioned, with_specials
 from .route import Collective, ReduceOp, Route
@@ -93,20 +93,19 @@ def run_check(
     key: CheckKey,
     execute: Callable[[torch.Tensor], torch.Tensor],
     *,
-    group: dist.ProcessGroup,
+    native: NativeBackend,
     device: torch.device,
 ) -> CheckResult:
-    """Run the four checks of ``key``'s route through ``execute`` (the route's collective). Collective."""
+    """Run the four checks of ``key``'s route through ``execute`` (the route's collective); gathers and the
+    verdict go through ``native`` (data movement and an integer MAX: exact on any library). Collective."""
     t0 = time.perf_counter()
-    w = dist.get_world_size(group)
-    rank = dist.get_rank(group)
+    group, w, rank = native.group, native.world_size, native.rank
     failures: list[str] = []
     try:
-        failures = _checks(key, execute, w=w, rank=rank, group=group, device=device)
+        failures = _checks(key, execute, w=w, rank=rank, native=native, device=device)
     except Exception as e:  # noqa: BLE001 - a route that raises has failed its check; report why, agree below
         failures = [f"raised {type(e).__name__}: {e}"]
-    flag = torch.tensor([1 if failures else 0], dtype=torch.int32, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    flag = native.all_reduce(torch.tensor([1 if failures else 0], dtype=torch.int32, device=device), ReduceOp.MAX)
     if int(flag.item()) == 0:
         return CheckResult(key, True, "repeatable, offset/batch-invariant, equals the reference, ranks agree", time.perf_counter() - t0)
     everyone: list[object] = [None] * w
@@ -115,8 +114,8 @@ def run_check(
     return CheckResult(key, False, reason, time.perf_counter() - t0)
 
 
-def _payload(key: CheckKey, rows: int, *, seed: int, rank: int, device: torch.device) -> torch.Tensor:
-    x = ill_conditioned(rows, key.shape, key.dtype, seed=seed, rank=rank)
+def _payload(key: CheckKey, rows: int, *, seed: int, rank: int, w: int, device: torch.device) -> torch.Tensor:
+    x = ill_conditioned(rows, key.shape, key.dtype, seed=seed, rank=rank, world_size=w)
     if key.collective is Collective.ARGMAX:
         # Exact ties across ranks and within a shard, and signed zeros, so lowest-index resolution is tested.
         x = x.clone()
@@ -128,11 +127,11 @@ def _payload(key: CheckKey, rows: int, *, seed: int, rank: int, device: torch.de
 
 
 def _checks(key: CheckKey, execute: Callable[[torch.Tensor], torch.Tensor], *, w: int, rank: int,
-            group: dist.ProcessGroup, device: torch.device) -> list[str]:
+            native: NativeBackend, device: torch.device) -> list[str]:
     rs = key.collective is Collective.REDUCE_SCATTER
     blocks = w if rs else 1  # a reduce-scatter input is W row blocks; rank r receives block r
     b = _BASE_ROWS
-    base = _payload(key, blocks * b, seed=_SEED, rank=rank, device=device)
+    base = _payload(key, blocks * b, seed=_SEED, rank=rank, w=w, device=device)
     failures: list[str] = []
 
     out = execute(base)
@@ -141,7 +140,7 @@ def _checks(key: CheckKey, execute: Callable[[torch.Tensor], torch.Tensor], *, w
 
     moved = []
     for i, (total, off) in enumerate(_COMPOSITIONS):
-        filler = _payload(key, blocks * total, seed=_SEED + 1 + i, rank=rank, device=device)
+        filler = _payload(key, blocks * total, seed=_SEED + 1 + i, rank=rank, w=w, device=device)
         view = filler.view(blocks, total, *key.shape)
         view[:, off : off + b] = base.view(blocks, b, *key.shape)
         got = execute(filler)
@@ -151,9 +150,7 @@ def _checks(key: CheckKey, execute: Callable[[torch.Tensor], torch.Tensor], *, w
     if moved:
         failures.append("(b) rows moved with the batch: " + "; ".join(moved))
 
-    gathered = torch.empty((w * base.shape[0], *base.shape[1:]), dtype=base.dtype, device=device)
-    all_gather_flat(gathered, base, group=group)
-    stacked = gathered.view(w, *base.shape).cpu()
+    stacked = native.all_gather(base).view(w, *base.shape).cpu()
     if key.collective is Collective.ARGMAX:
         full = stacked.permute(1, 0, 2).reshape(b, -1).to(torch.float32)
         ref = torch.argmax(full, dim=-1)
@@ -167,8 +164,7 @@ def _checks(key: CheckKey, execute: Callable[[torch.Tensor], torch.Tensor], *, w
         failures.append(f"(c) differs from the reference on {_rows_differing(out.cpu(), ref)} of {b} rows")
 
     if not rs:
-        outs = torch.empty((w * out.shape[0], *out.shape[1:]), dtype=out.dtype, device=device)
-        all_gather_flat(outs, out.contiguous(), group=group)
+        outs = native.all_gather(out.contiguous())
         if not all(bits_equal(o, out) for o in outs.view(w, *out.shape)):
             failures.append("(d) ranks hold different bits")
     return failures

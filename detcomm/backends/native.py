@@ -29,41 +29,50 @@ _TORCH_OP = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.MAX: dist.ReduceOp.MAX, R
 class NativeBackend:
     route = Route.NATIVE
 
-    def __init__(self, group: dist.ProcessGroup) -> None:
+    def __init__(self, group: dist.ProcessGroup, *, stage_through_host: bool = False) -> None:
         self.group = group
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
+        # A gloo group whose ranks keep their tensors on CUDA (W processes sharing one GPU, where NCCL refuses
+        # to run): the library sees host copies, the caller gets results back on its device. Data movement and
+        # exact integer reductions only; the bits are the same either way.
+        self.stage = stage_through_host
+
+    def _lib(self, x: torch.Tensor) -> torch.Tensor:
+        return x.cpu() if self.stage else x
+
+    def _back(self, out: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        return out.to(like.device) if self.stage else out
 
     # -- reductions ---------------------------------------------------------------------------------
     def all_reduce(self, x: torch.Tensor, op: ReduceOp) -> torch.Tensor:
         if op is ReduceOp.SUM or not x.is_floating_point():
-            out = x.clone()
+            out = self._lib(x).clone()
             dist.all_reduce(out, op=_TORCH_OP[op], group=self.group)
-            return out
-        k = keys.to_key(x, op=op.value)
+            return self._back(out, x)
+        k = self._lib(keys.to_key(x, op=op.value))
         dist.all_reduce(k, op=_TORCH_OP[op], group=self.group)
-        return keys.from_key(k, x.dtype, op=op.value)
+        return keys.from_key(self._back(k, x), x.dtype, op=op.value)
 
     def reduce_scatter(self, x: torch.Tensor, op: ReduceOp) -> torch.Tensor:
-        if op is ReduceOp.SUM or not x.is_floating_point():
-            out = torch.empty((x.shape[0] // self.world_size, *x.shape[1:]), dtype=x.dtype, device=x.device)
-            reduce_scatter_flat(out, x, op=_TORCH_OP[op], group=self.group)
-            return out
-        k = keys.to_key(x, op=op.value)
-        out = torch.empty((k.shape[0] // self.world_size, *k.shape[1:]), dtype=k.dtype, device=k.device)
-        reduce_scatter_flat(out, k, op=_TORCH_OP[op], group=self.group)
-        return keys.from_key(out, x.dtype, op=op.value)
+        keyed = op is not ReduceOp.SUM and x.is_floating_point()
+        src = self._lib(keys.to_key(x, op=op.value) if keyed else x)
+        out = torch.empty((src.shape[0] // self.world_size, *src.shape[1:]), dtype=src.dtype, device=src.device)
+        reduce_scatter_flat(out, src, op=_TORCH_OP[op], group=self.group)
+        out = self._back(out, x)
+        return keys.from_key(out, x.dtype, op=op.value) if keyed else out
 
     def argmax(self, logits: torch.Tensor, vocab_start: int) -> torch.Tensor:
-        k = keys.argmax_keys(logits, vocab_start)
+        k = self._lib(keys.argmax_keys(logits, vocab_start))
         dist.all_reduce(k, op=dist.ReduceOp.MAX, group=self.group)
-        return keys.argmax_index(k)
+        return keys.argmax_index(self._back(k, logits))
 
     # -- data movement ------------------------------------------------------------------------------
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.empty((x.shape[0] * self.world_size, *x.shape[1:]), dtype=x.dtype, device=x.device)
-        all_gather_flat(out, x, group=self.group)
-        return out
+        src = self._lib(x)
+        out = torch.empty((x.shape[0] * self.world_size, *x.shape[1:]), dtype=x.dtype, device=src.device)
+        all_gather_flat(out, src, group=self.group)
+        return self._back(out, x)
 
     def token_all_gather(self, x: torch.Tensor, rows_per_rank: Sequence[int]) -> torch.Tensor:
         # Pad every rank's rows to the largest count so one fixed-size gather serves uneven inputs on every
@@ -78,15 +87,16 @@ class NativeBackend:
         return torch.cat(parts, dim=0)
 
     def all_to_all(self, x: torch.Tensor, in_splits: Sequence[int], out_splits: Sequence[int]) -> torch.Tensor:
-        out = torch.empty((sum(out_splits), *x.shape[1:]), dtype=x.dtype, device=x.device)
+        src = self._lib(x)
+        out = torch.empty((sum(out_splits), *x.shape[1:]), dtype=x.dtype, device=src.device)
         dist.all_to_all_single(
-            out, x, output_split_sizes=list(out_splits), input_split_sizes=list(in_splits), group=self.group
+            out, src, output_split_sizes=list(out_splits), input_split_sizes=list(in_splits), group=self.group
         )
-        return out
+        return self._back(out, x)
 
     def exchange_splits(self, in_splits: Sequence[int], device: torch.device) -> list[int]:
         """Each rank's row count destined for this rank (one small all-to-all of the split vectors)."""
-        send = torch.tensor(list(in_splits), dtype=torch.int64, device=device)
+        send = torch.tensor(list(in_splits), dtype=torch.int64, device="cpu" if self.stage else device)
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=self.group)
         return [int(v) for v in recv.tolist()]

@@ -1,0 +1,34 @@
+"""The workspace route: the CUDA-IPC workspace's one-shot / two-shot fold kernels (detcomm.workspace).
+
+The communicator arms the workspace once at startup when the group is on CUDA and a batch-invariant route
+could use it; the route carries all-reduce and reduce-scatter SUM of floats for sites whose max_rows is within
+the armed rows. The kernels compute the canonical fold bit for bit (the startup self-checks prove it on the
+group before a site is routed here); the row count only picks one-shot, two-shot or chunking.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..route import ReduceOp, Route
+
+
+class WorkspaceBackend:
+    route = Route.WORKSPACE
+
+    def __init__(self, workspace) -> None:  # type: ignore[no-untyped-def]
+        self.workspace = workspace
+
+    def all_reduce(self, x: torch.Tensor, op: ReduceOp) -> torch.Tensor:
+        assert op is ReduceOp.SUM, "routing sends only floating-point SUM here"
+        return self.workspace.all_reduce(x)
+
+    def reduce_scatter(self, x: torch.Tensor, op: ReduceOp) -> torch.Tensor:
+        assert op is ReduceOp.SUM, "routing sends only floating-point SUM here"
+        return self.workspace.reduce_scatter(x)
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        return self.workspace.all_gather(x)
+
+    def close(self) -> None:
+        self.workspace.close()

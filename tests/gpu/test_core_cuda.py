@@ -1,0 +1,84 @@
+"""The core on a CUDA device: the torch fold leaf and the integer keys against the numpy oracle, and a
+one-rank NCCL communicator end to end (NCCL refuses two ranks on one GPU; multi-rank GPU runs use the
+workspace tests' W-stream harness or several GPUs)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import oracle
+from datagen import DTYPES, ill_bits, random_bits, to_bits, to_torch
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+@pytest.mark.parametrize("w", [2, 3, 4, 8])
+def test_portable_leaf_on_cuda_equals_oracle(dtype: str, w: int) -> None:
+    from detcomm.fold import portable_fold, reference_fold
+
+    for seed, gen in ((1, ill_bits), (2, random_bits)):
+        inputs = [gen(513, 67, dtype, seed=seed, rank=r) for r in range(w)]
+        stacked = torch.stack([to_torch(b, dtype) for b in inputs]).cuda()
+        expected = oracle.fold_oracle(inputs, dtype)
+        assert np.array_equal(to_bits(portable_fold(stacked, DTYPES[dtype])), expected)
+        assert np.array_equal(to_bits(reference_fold(stacked, DTYPES[dtype])), expected)
+    if w >= 3:  # negative control: the same leaf over a rotated rank order differs from the oracle
+        inputs = [ill_bits(513, 67, dtype, seed=1, rank=r) for r in range(w)]
+        stacked = torch.stack([to_torch(b, dtype) for b in inputs]).cuda()
+        assert not np.array_equal(to_bits(portable_fold(torch.roll(stacked, -1, 0), DTYPES[dtype])),
+                                  oracle.fold_oracle(inputs, dtype))
+
+
+def test_subnormals_survive_on_cuda() -> None:
+    from detcomm.fold import portable_fold
+
+    tiny = torch.tensor([[1e-45, 3e-39, -2e-40]], dtype=torch.float32, device="cuda")
+    out = portable_fold(torch.stack([tiny, tiny, tiny]), torch.float32)
+    assert (out != 0).all() and torch.equal(out.cpu(), (tiny * 3).cpu())
+
+
+@pytest.mark.parametrize("op", ["max", "min"])
+def test_keys_on_cuda(op: str) -> None:
+    from detcomm import keys
+
+    for dtype in sorted(DTYPES):
+        inputs = [ill_bits(64, 33, dtype, seed=4, rank=r) for r in range(4)]
+        ks = [keys.to_key(to_torch(b, dtype).cuda(), op=op) for b in inputs]
+        red = ks[0]
+        for k in ks[1:]:
+            red = torch.maximum(red, k) if op == "max" else torch.minimum(red, k)
+        got = to_bits(keys.from_key(red, DTYPES[dtype], op=op))
+        assert np.array_equal(got, oracle.ordered_key_extreme_oracle(inputs, dtype, op))
+
+
+def test_one_rank_nccl_communicator() -> None:
+    import torch.distributed as dist
+
+    import detcomm
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("DETCOMM_TEST_PORT", "29533"),
+                      RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    for k in ("NCCL_ALGO", "NCCL_PROTO"):
+        os.environ.pop(k, None)
+    comm = detcomm.init(numerics="rl-bitwise")
+    try:
+        assert dist.get_backend() == "nccl" and comm.device.type == "cuda"
+        assert os.environ["NCCL_ALGO"] == "Ring" and os.environ["NCCL_NVLS_ENABLE"] == "0"
+        assert all(c.passed for c in comm.checks()) and len(comm.checks()) == 6
+        bits = ill_bits(100, 256, "bfloat16", seed=3, rank=0)
+        x = to_torch(bits, "bfloat16").cuda()
+        y = detcomm.all_reduce(x, site="gpu.o_proj")
+        assert np.array_equal(to_bits(y), oracle.fold_oracle([bits], "bfloat16"))
+        idx = detcomm.argmax(x.float(), site="gpu.argmax", vocab_start=0)
+        assert torch.equal(idx, torch.argmax(x.float(), dim=-1))
+        rs = detcomm.reduce_scatter(x, site="gpu.rs")
+        assert torch.equal(rs.view(torch.int16), y.view(torch.int16))
+        assert {e["route"] for e in comm.routes().as_dicts()} <= {"gather_fold", "a2a_fold", "native", "workspace"}
+    finally:
+        detcomm.shutdown()
+    assert not dist.is_initialized()
