@@ -1,0 +1,281 @@
+"""Benchmarks of the CUDA-IPC workspace kernels.
+
+    PYTHONPATH=. python bench/workspace.py --out results/workspace [--modes fold,latency,nccl] [--quick]
+
+writes results/workspace.md (tables) and results/workspace.json (every row).
+
+Modes:
+- fold: one GPU. The canonical-fold kernel over W local buffers (csrc/fold_local.cu, the fold every collective
+  runs) against a device-to-device copy measured in the same run. Bytes counted for the fold: W inputs read + one
+  output written; for the copy: read + write. Goal: fold >= 85% of the copy's bandwidth.
+- latency: one GPU, W ranks as W streams of this process (Workspace.in_process). One-shot and two-shot all-reduce
+  latency at W = 2, 4, 8 for 16 KiB .. 64 MiB (bf16 messages), eager and as CUDA-graph replay. The W ranks share
+  the GPU's SMs and HBM, so large-message times are a lower bound on what W GPUs over NVLink would give, not a
+  prediction of it.
+- nccl: only where torch sees >= 2 GPUs: one process per GPU, the workspace over CUDA IPC against NCCL
+  all_reduce (NCCL's default, and NCCL_ALGO=Ring NCCL_PROTO=Simple), eager and graph, same sizes.
+
+Medians over repeats, timed with CUDA events. The multicast-off variables of SPEC 8 are set here and inherited
+by every child process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+os.environ.update(MULTICAST_OFF)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+SIZES = [16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
+WORLDS = [2, 4, 8]
+
+
+def _median_ms(fn, *, repeats: int, iters: int) -> float:
+    """Median over `repeats` of the mean time of `iters` back-to-back calls of fn(), by CUDA events."""
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / iters)
+    return statistics.median(times)
+
+
+# ---- (a) fold bandwidth against a copy -------------------------------------------------------------------
+def bench_fold(quick: bool) -> list[dict]:
+    from detcomm.workspace.kernels import kernel_set
+
+    dev = torch.device("cuda", 0)
+    sm = torch.cuda.get_device_properties(dev).multi_processor_count
+    rows = []
+    total_in = (256 << 20) if quick else (1 << 30)  # bytes of all W inputs together: far beyond the 60 MB L2
+    copy_bytes = total_in
+    src = torch.empty(copy_bytes, dtype=torch.uint8, device=dev).random_()
+    dst = torch.empty_like(src)
+    copy_ms = _median_ms(lambda: dst.copy_(src), repeats=5, iters=10)
+    copy_gbs = 2 * copy_bytes / copy_ms / 1e6
+    rows.append({"mode": "fold", "kernel": "d2d copy", "bytes": 2 * copy_bytes, "ms": copy_ms, "GB/s": copy_gbs})
+    for dtype, sfx in ((torch.bfloat16, "bf16"), (torch.float32, "f32")):
+        for w in WORLDS:
+            ks = kernel_set(0, w)
+            n = total_in // w // torch.tensor([], dtype=dtype).element_size()
+            xs = [torch.randn(n, device=dev).to(dtype) for _ in range(w)]
+            out = torch.empty(n, dtype=dtype, device=dev)
+            table = torch.tensor([x.data_ptr() for x in xs], dtype=torch.int64, device=dev)
+            stream = torch.cuda.current_stream().cuda_stream
+            args = [ctypes.c_uint64(table.data_ptr()), ctypes.c_uint64(out.data_ptr()), ctypes.c_int64(n)]
+
+            def run() -> None:
+                ks.launch(f"detcomm_fold_local_{sfx}", sm * 4, args, stream_ptr=stream)
+
+            ms = _median_ms(run, repeats=5, iters=10)
+            moved = (w + 1) * n * out.element_size()
+            gbs = moved / ms / 1e6
+            rows.append({"mode": "fold", "kernel": f"fold W={w} {sfx}", "world": w, "dtype": sfx, "bytes": moved,
+                         "ms": ms, "GB/s": gbs, "pct_of_copy": 100.0 * gbs / copy_gbs})
+            del xs, out, table
+    return rows
+
+
+# ---- (b) in-process latency --------------------------------------------------------------------------------
+def bench_latency(quick: bool) -> list[dict]:
+    from detcomm.workspace import Workspace
+
+    dev = torch.device("cuda", 0)
+    sizes = SIZES[:4] if quick else SIZES
+    rows = []
+    main = torch.cuda.current_stream(dev)
+    for w in WORLDS:
+        views = Workspace.in_process(w, device=dev, capacity_bytes=max(sizes), max_rows_armed=1 << 20, timeout_s=30.0)
+        streams = [torch.cuda.Stream(dev) for _ in range(w)]
+        for size in sizes:
+            n = size // 2
+            xs = [torch.randn(n // 1024, 1024, device=dev).to(torch.bfloat16) for _ in range(w)]
+            outs = [torch.empty_like(x) for x in xs]
+            iters = 20 if size <= (1 << 20) else 5
+            for algo in ("one_shot", "two_shot"):
+                def eager() -> None:
+                    for r in range(w):
+                        streams[r].wait_stream(main)
+                        with torch.cuda.stream(streams[r]):
+                            views[r].all_reduce(xs[r], out=outs[r], algo=algo)
+                    for s in streams:
+                        main.wait_stream(s)
+
+                eager()
+                torch.cuda.synchronize()
+                eager_ms = _median_ms(eager, repeats=5, iters=iters)
+                graphs = []
+                for r in range(w):
+                    g = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(g, stream=streams[r]):
+                        for _ in range(iters):
+                            views[r].all_reduce(xs[r], out=outs[r], algo=algo)
+                    graphs.append(g)
+
+                def replay() -> None:
+                    for r in range(w):
+                        streams[r].wait_stream(main)
+                        with torch.cuda.stream(streams[r]):
+                            graphs[r].replay()
+                    for s in streams:
+                        main.wait_stream(s)
+
+                replay()
+                torch.cuda.synchronize()
+                graph_ms = _median_ms(replay, repeats=5, iters=1) / iters
+                rows.append({"mode": "latency", "world": w, "bytes": size, "algo": algo, "eager_us": eager_ms * 1e3,
+                             "graph_us": graph_ms * 1e3})
+                print(f"W={w} {size >> 10} KiB {algo}: eager {eager_ms * 1e3:.1f} us, graph {graph_ms * 1e3:.1f} us",
+                      flush=True)
+                del graphs
+            del xs, outs
+        for v in views:
+            v.close()
+        torch.cuda.synchronize()
+    return rows
+
+
+# ---- (c) multi-GPU against NCCL ----------------------------------------------------------------------------
+def _nccl_rank(rank: int, world: int, init_file: str, sizes: list[int], nccl_env: dict, result_file: str) -> None:
+    os.environ.update(MULTICAST_OFF)
+    os.environ.update(nccl_env)  # before the communicator exists: NCCL reads its environment at init
+    import torch.distributed as dist
+
+    from detcomm.workspace import Workspace
+
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world, device_id=dev)
+    gloo = dist.new_group(backend="gloo")
+    ws = Workspace.create(gloo, device=dev, capacity_bytes=max(sizes), max_rows_armed=1 << 20, timeout_s=60.0)
+    rows = []
+    for size in sizes:
+        x = torch.randn(size // 2048, 1024, device=dev).to(torch.bfloat16)
+        out = torch.empty_like(x)
+        iters = 20 if size <= (1 << 20) else 5
+        cands = {"nccl": lambda: dist.all_reduce(x),
+                 "one_shot": lambda: ws.all_reduce(x, out=out, algo="one_shot"),
+                 "two_shot": lambda: ws.all_reduce(x, out=out, algo="two_shot")}
+        for name, fn in cands.items():
+            fn()
+            torch.cuda.synchronize()
+            dist.barrier(group=gloo)
+            eager = _median_ms(fn, repeats=5, iters=iters)
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, stream=s):
+                for _ in range(iters):
+                    fn()
+            torch.cuda.synchronize()
+            dist.barrier(group=gloo)
+            graph = _median_ms(g.replay, repeats=5, iters=1) / iters
+            rows.append({"mode": "nccl", "world": world, "bytes": size, "impl": name, "nccl_env": nccl_env,
+                         "eager_us": eager * 1e3, "graph_us": graph * 1e3})
+    ws.close()
+    dist.destroy_process_group()
+    if rank == 0:
+        Path(result_file).write_text(json.dumps(rows))
+
+
+def bench_nccl(quick: bool, tmp: Path) -> list[dict]:
+    import torch.multiprocessing as mp
+
+    world = min(torch.cuda.device_count(), 8)
+    if world < 2:
+        print("nccl mode: fewer than 2 GPUs, skipped", flush=True)
+        return []
+    sizes = SIZES[:4] if quick else SIZES
+    rows = []
+    for tag, env in (("default", {}), ("ring_simple", {"NCCL_ALGO": "Ring", "NCCL_PROTO": "Simple"})):
+        result = tmp / f"nccl_{tag}.json"
+        init = tmp / f"init_{tag}_{time.time_ns()}"
+        mp.spawn(_nccl_rank, args=(world, str(init), sizes, env, str(result)), nprocs=world, join=True)
+        rows += json.loads(result.read_text())
+    return rows
+
+
+# ---- report ------------------------------------------------------------------------------------------------
+def to_markdown(rows: list[dict], header: str) -> str:
+    out = [header, ""]
+    fold = [r for r in rows if r["mode"] == "fold"]
+    if fold:
+        out += ["### Fold kernel bandwidth vs device-to-device copy (one GPU)", "",
+                "| kernel | bytes moved | time (ms) | GB/s | % of copy |", "| --- | ---: | ---: | ---: | ---: |"]
+        for r in fold:
+            pct = f"{r['pct_of_copy']:.1f}" if "pct_of_copy" in r else "100 (reference)"
+            out.append(f"| {r['kernel']} | {r['bytes']:,} | {r['ms']:.3f} | {r['GB/s']:.0f} | {pct} |")
+        out.append("")
+    lat = [r for r in rows if r["mode"] == "latency"]
+    if lat:
+        out += ["### All-reduce latency, W ranks as W streams of one GPU (bf16; us per call, median)", "",
+                "| W | size | one-shot eager | one-shot graph | two-shot eager | two-shot graph |",
+                "| ---: | ---: | ---: | ---: | ---: | ---: |"]
+        keys = sorted({(r["world"], r["bytes"]) for r in lat})
+        for w, b in keys:
+            cell = {r["algo"]: r for r in lat if r["world"] == w and r["bytes"] == b}
+            o, t = cell.get("one_shot"), cell.get("two_shot")
+            out.append(f"| {w} | {_size(b)} | {o['eager_us']:.1f} | {o['graph_us']:.1f} | {t['eager_us']:.1f} | "
+                       f"{t['graph_us']:.1f} |")
+        out.append("")
+    nc = [r for r in rows if r["mode"] == "nccl"]
+    if nc:
+        out += ["### Multi-GPU: workspace vs NCCL all_reduce (bf16; us per call, median)", "",
+                "| W | NCCL env | size | impl | eager | graph |", "| ---: | --- | ---: | --- | ---: | ---: |"]
+        for r in nc:
+            env = " ".join(f"{k}={v}" for k, v in r["nccl_env"].items()) or "default"
+            out.append(f"| {r['world']} | {env} | {_size(r['bytes'])} | {r['impl']} | {r['eager_us']:.1f} | "
+                       f"{r['graph_us']:.1f} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def _size(b: int) -> str:
+    return f"{b >> 20} MiB" if b >= (1 << 20) else f"{b >> 10} KiB"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, help="path prefix: writes <out>.md and <out>.json")
+    ap.add_argument("--modes", default="fold,latency,nccl", help="comma-separated subset of fold,latency,nccl")
+    ap.add_argument("--quick", action="store_true", help="smaller sizes (smoke run)")
+    args = ap.parse_args()
+    modes = set(args.modes.split(","))
+    if not modes <= {"fold", "latency", "nccl"}:
+        raise SystemExit(f"unknown modes: {modes - {'fold', 'latency', 'nccl'}}")
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/workspace.py needs a CUDA device")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    props = torch.cuda.get_device_properties(0)
+    header = (f"## detcomm workspace bench: {torch.cuda.device_count()} x {props.name} ({props.multi_processor_count} SMs), "
+              f"torch {torch.__version__}, CUDA {torch.version.cuda}")
+    rows: list[dict] = []
+    if "fold" in modes:
+        rows += bench_fold(args.quick)
+    if "latency" in modes:
+        rows += bench_latency(args.quick)
+    if "nccl" in modes:
+        rows += bench_nccl(args.quick, out.parent)
+    md = to_markdown(rows, header)
+    out.with_suffix(".md").write_text(md + "\n")
+    out.with_suffix(".json").write_text(json.dumps({"header": header, "rows": rows}, indent=1))
+    print(md)
+
+
+if __name__ == "__main__":
+    main()

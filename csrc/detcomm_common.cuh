@@ -1,0 +1,306 @@
+// detcomm: shared device code for the workspace kernels (SPEC section 1, the canonical fold).
+//
+// Compiled two ways, with the same source: at run time by NVRTC (detcomm/workspace/kernels.py inlines
+// this header into each .cu before compiling, so the on-disk cache key covers it) and by `nvcc -c` in the
+// CPU compile check. No CUDA headers are included (only <cstdio> under nvcc): NVRTC needs no include path, and
+// every conversion is spelled as one PTX instruction whose rounding is named (cvt.rn), so nothing depends
+// on a header's choice of intrinsic.
+//
+// Numerics (SPEC 1):
+//   acc = +0.0f; for k in 0..W-1: acc = __fadd_rn(acc, widen(x_k)); out = round_rn(acc)
+//   - __fadd_rn is never contracted into an FMA (and the module is built with --fmad=false anyway);
+//   - no flush-to-zero: add.rn.f32 without .ftz, and the module is built with -ftz=false;
+//   - the +0.0 start turns a sum of -0.0s into +0.0 (IEEE: +0 + -0 = +0 under round-to-nearest);
+//   - NaN policy (project-wide): any NaN result is written as the canonical positive quiet NaN with an
+//     empty payload (fp32 0x7FC00000, bf16 0x7FC0, fp16 0x7E00); Inf stays Inf.
+//
+// Memory layout of one rank's symmetric buffer (mirrored in detcomm/workspace/plan.py, checked by a CPU
+// test that parses the #defines below):
+//   [0, DETCOMM_HEADER_BYTES)        barrier flags and epoch counters (u32 words)
+//   [.., + DETCOMM_PROBE_BYTES)      scratch the startup peer-access proof writes through IPC handles
+//   [.., + slot bytes)               the data slot: this rank's rows (and the two-shot partial results)
+// Every rank writes only its own data slot; peers only read it. The only remote writes are barrier flags.
+#pragma once
+
+#if !defined(__CUDACC_RTC__)
+#include <cstdio>  // printf under nvcc; NVRTC declares it as a builtin
+#endif
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned char u8;
+typedef unsigned long long u64;
+typedef long long i64;
+
+#ifndef DETCOMM_W
+#error "DETCOMM_W (the group's world size, 1..8) must be given as -DDETCOMM_W=<n>"
+#endif
+#if DETCOMM_W < 1 || DETCOMM_W > 8
+#error "DETCOMM_W must be in 1..8"
+#endif
+
+#define DETCOMM_MAX_W 8
+#define DETCOMM_MAX_BLOCKS 256
+#define DETCOMM_BLOCK_THREADS 512
+#define DETCOMM_PACK_BYTES 16
+#define DETCOMM_BARRIER_KINDS 3
+#define DETCOMM_HEADER_BYTES 32768
+#define DETCOMM_PROBE_BYTES 4096
+#define DETCOMM_ERR_WORDS 8
+#define DETCOMM_ERR_TIMEOUT 0xDE7C0001u
+
+#define BARRIER_START 0
+#define BARRIER_MID 1
+#define BARRIER_END 2
+
+// flags[kind][block][source rank]: written by the source rank (remote store), read by the owner.
+__device__ __forceinline__ u32 flag_index(int kind, int block, int src) {
+  return (u32)((kind * DETCOMM_MAX_BLOCKS + block) * DETCOMM_MAX_W + src);
+}
+// epochs[kind][block]: the owner's own count of completed barriers of that kind for that block.
+__device__ __forceinline__ u32 epoch_index(int kind, int block) {
+  return (u32)(DETCOMM_BARRIER_KINDS * DETCOMM_MAX_BLOCKS * DETCOMM_MAX_W + kind * DETCOMM_MAX_BLOCKS + block);
+}
+
+// ----------------------------------------------------------------------------------------------------
+// dtypes: code 0 = fp32, 1 = bf16, 2 = fp16, 3 = raw bytes (data movement only)
+// ----------------------------------------------------------------------------------------------------
+#define DT_F32 0
+#define DT_BF16 1
+#define DT_F16 2
+#define DT_U8 3
+
+template <int DT> struct Traits;
+
+template <> struct Traits<DT_F32> {
+  typedef u32 T;
+  static constexpr int kPer = 4;
+  __device__ static __forceinline__ float widen(u32 b) { return __uint_as_float(b); }
+  __device__ static __forceinline__ u32 narrow(float a) {
+    u32 b = __float_as_uint(a);
+    return ((b & 0x7FFFFFFFu) > 0x7F800000u) ? 0x7FC00000u : b;
+  }
+};
+
+template <> struct Traits<DT_BF16> {
+  typedef u16 T;
+  static constexpr int kPer = 8;
+  // bf16 is the top half of an fp32: widening is exact by construction.
+  __device__ static __forceinline__ float widen(u16 b) { return __uint_as_float(((u32)b) << 16); }
+  __device__ static __forceinline__ u16 narrow(float a) {
+    u16 r;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(a));
+    return ((__float_as_uint(a) & 0x7FFFFFFFu) > 0x7F800000u) ? (u16)0x7FC0u : r;
+  }
+};
+
+template <> struct Traits<DT_F16> {
+  typedef u16 T;
+  static constexpr int kPer = 8;
+  // Every fp16 value (subnormals included) is exactly representable in fp32.
+  __device__ static __forceinline__ float widen(u16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+  }
+  __device__ static __forceinline__ u16 narrow(float a) {
+    u16 r;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(a));
+    return ((__float_as_uint(a) & 0x7FFFFFFFu) > 0x7F800000u) ? (u16)0x7E00u : r;
+  }
+};
+
+template <> struct Traits<DT_U8> {
+  typedef u8 T;
+  static constexpr int kPer = 16;
+};
+
+template <int DT> union PackU {
+  uint4 v;
+  typename Traits<DT>::T e[Traits<DT>::kPer];
+};
+
+// ----------------------------------------------------------------------------------------------------
+// Memory access
+// ----------------------------------------------------------------------------------------------------
+// Workspace slots are 16-byte aligned and padded, so a whole pack is always readable there. `.cg` keeps
+// peer data out of L1, which is not coherent with other GPUs' (or other processes') writes.
+__device__ __forceinline__ uint4 ld_ws(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p)
+               : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_ws(uint4* p, const uint4& v) {
+  asm volatile("st.global.cg.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z),
+               "r"(v.w)
+               : "memory");
+}
+
+// A caller's tensor may start at any element offset and end mid-pack: one 16-byte access where the pack is
+// aligned and whole, element by element otherwise (the scalar tail). Which path runs never changes which
+// thread handles which pack, so the per-block barrier contract holds whatever the pointers' alignment.
+template <int DT>
+__device__ __forceinline__ uint4 load_user(const typename Traits<DT>::T* p, i64 valid) {
+  typedef typename Traits<DT>::T T;
+  constexpr int kPer = Traits<DT>::kPer;
+  PackU<DT> u;
+  if (valid >= kPer && ((unsigned long long)p & 15ull) == 0) {
+    u.v = *reinterpret_cast<const uint4*>(p);
+  } else {
+    u.v = make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      if (i < valid) u.e[i] = p[i];
+    }
+  }
+  return u.v;
+}
+
+template <int DT>
+__device__ __forceinline__ void store_user(typename Traits<DT>::T* p, i64 valid, const uint4& v) {
+  typedef typename Traits<DT>::T T;
+  constexpr int kPer = Traits<DT>::kPer;
+  if (valid >= kPer && ((unsigned long long)p & 15ull) == 0) {
+    *reinterpret_cast<uint4*>(p) = v;
+  } else {
+    PackU<DT> u;
+    u.v = v;
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      if (i < valid) p[i] = u.e[i];
+    }
+  }
+}
+
+// ----------------------------------------------------------------------------------------------------
+// The canonical fold of one pack from W ranks
+// ----------------------------------------------------------------------------------------------------
+// The negative control (tests only) folds in the rotated order 1, 2, ..., W-1, 0 on every rank: the same
+// additions in another order, which must be caught differing from the oracle on an ill-conditioned payload at
+// W >= 3. At W = 2 both orders agree (+0 + a + b == +0 + b + a), which is why the control needs W >= 3.
+__device__ __forceinline__ int fold_source(int k, int rank) {
+  (void)rank;
+#ifdef DETCOMM_ROTATE_RANK_ORDER
+  return (k + 1) % DETCOMM_W;
+#else
+  return k;
+#endif
+}
+
+template <int DT>
+__device__ __forceinline__ uint4 fold_pack(const uint4 (&in)[DETCOMM_W], int rank) {
+  constexpr int kPer = Traits<DT>::kPer;
+  float acc[kPer];
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) acc[i] = 0.0f;  // +0.0 start (SPEC 1)
+#pragma unroll
+  for (int k = 0; k < DETCOMM_W; ++k) {  // group-rank order 0..W-1, never rotated or regrouped
+    PackU<DT> u;
+    u.v = in[fold_source(k, rank)];
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) acc[i] = __fadd_rn(acc[i], Traits<DT>::widen(u.e[i]));
+  }
+  PackU<DT> o;
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) o.e[i] = Traits<DT>::narrow(acc[i]);  // the one rounding
+  return o.v;
+}
+
+// ----------------------------------------------------------------------------------------------------
+// Barriers
+// ----------------------------------------------------------------------------------------------------
+// One barrier is a W-way rendezvous of block b on every rank. Rank r arrives by a system-scope release
+// store of the barrier's epoch into flags[kind][b][r] of every peer, and waits until every peer p has
+// stored the same epoch into its own flags[kind][b][p].
+//
+// Epochs: each (kind, block) has its own uint32 counter in the owner's header, advanced once per use and
+// wrapping modulo 2^32. Because a barrier is a full rendezvous, a peer can never be a whole use ahead: when
+// rank r waits for use e, the flag holds e-1 (peer not arrived) or e (arrived). So an equality test is
+// exact forever, across the wrap, and needs no ordering comparison (plan.py mirrors this; a CPU test drives
+// the mirror across 2^32). Separate counters per kind keep that true even when kernels that use the MID
+// barrier (two-shot) are interleaved with kernels that do not.
+//
+// Ordering: __syncthreads() makes every thread's prior data stores precede the release (release is
+// cumulative over what bar.sync ordered before it); the acquire load plus the second __syncthreads() makes
+// the peers' data visible to all threads of the block before they read it.
+//
+// Deadline: a spin that outlives timeout_ns (read from %globaltimer) writes an error record naming the rank
+// it waited for into `err` (host-mapped pinned memory, readable by the host after the trap has killed the
+// CUDA context) and executes __trap() instead of hanging.
+__device__ __forceinline__ void st_release_sys(u32* p, u32 v) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ u32 ld_acquire_sys(const u32* p) {
+  u32 v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ u64 global_timer_ns() {
+  u64 t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+struct Group {
+  char* const* data;  // [W] data-slot base of every rank, as mapped in this process
+  u32* const* sigs;   // [W] header base of every rank, as mapped in this process
+  int rank;
+  u64 timeout_ns;
+  u32* err;  // host-mapped: [DETCOMM_MAX_BLOCKS][DETCOMM_ERR_WORDS]
+};
+
+__device__ __noinline__ void report_timeout(const Group& g, int kind, int peer, u32 epoch, u32 seen, u64 waited_ns) {
+  // One record per block (blocks never share a slot): fields first, the tag last, so a record whose tag is
+  // set is complete even if another block's trap tears the grid down a moment later.
+  volatile u32* rec = g.err + blockIdx.x * DETCOMM_ERR_WORDS;
+  rec[1] = (u32)g.rank;
+  rec[2] = (u32)peer;
+  rec[3] = (u32)kind;
+  rec[4] = epoch;
+  rec[5] = seen;
+  rec[6] = (u32)(waited_ns / 1000000ull);
+  __threadfence_system();
+  rec[0] = DETCOMM_ERR_TIMEOUT;
+  __threadfence_system();
+  printf("detcomm: rank %d block %d timed out after %llu ms at barrier %d waiting for rank %d (epoch %u, seen %u)\n",
+         g.rank, (int)blockIdx.x, waited_ns / 1000000ull, kind, peer, epoch, seen);
+  __trap();
+}
+
+__device__ __forceinline__ void block_barrier(const Group& g, int kind) {
+  __syncthreads();
+  const int t = threadIdx.x;
+  u32* own = g.sigs[g.rank];
+  if (t < DETCOMM_W) {
+    // Only this block of this rank ever touches its epoch word, and only between the two __syncthreads of
+    // one barrier of one launch: a plain read is race-free.
+    const u32 epoch = own[epoch_index(kind, blockIdx.x)] + 1u;
+    st_release_sys(g.sigs[t] + flag_index(kind, blockIdx.x, g.rank), epoch);
+    const u32* mine = own + flag_index(kind, blockIdx.x, t);
+    u32 seen = ld_acquire_sys(mine);
+    if (seen != epoch) {
+      const u64 start = global_timer_ns();
+      while (true) {
+        seen = ld_acquire_sys(mine);
+        if (seen == epoch) break;
+        const u64 waited = global_timer_ns() - start;
+        if (waited > g.timeout_ns) report_timeout(g, kind, t, epoch, seen, waited);
+      }
+    }
+  }
+  __syncthreads();
+  if (t == 0) own[epoch_index(kind, blockIdx.x)] += 1u;
+}
+
+// ----------------------------------------------------------------------------------------------------
+// Work assignment
+// ----------------------------------------------------------------------------------------------------
+// Slot pack position q is only ever written or read by the block (q mod stride) / BLOCK_THREADS of every
+// rank, where stride = gridDim.x * BLOCK_THREADS: one-shot and all-gather walk q = thread id + k*stride;
+// two-shot and reduce-scatter place slice s at s*Lp with Lp a multiple of stride. That is what makes
+// per-block barriers sufficient, also between different kernels on the same workspace.
+__device__ __forceinline__ i64 thread_id() { return (i64)blockIdx.x * DETCOMM_BLOCK_THREADS + threadIdx.x; }
+__device__ __forceinline__ i64 grid_stride() { return (i64)gridDim.x * DETCOMM_BLOCK_THREADS; }

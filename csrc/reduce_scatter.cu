@@ -1,0 +1,16 @@
+// detcomm: workspace reduce-scatter fold. Input slice s (L elements starting at x + s*x_stride) is destined
+// for rank s; rank r folds slice r from all W ranks (SPEC 1) into out_self. The host chunks the shard rows,
+// so x_stride (the shard length) can exceed L (the chunk length).
+#include "slice_fold.cuh"
+
+#define DETCOMM_REDUCE_SCATTER(NAME, DT)                                                                    \
+  extern "C" __global__ void __launch_bounds__(DETCOMM_BLOCK_THREADS)                                       \
+      NAME(const Traits<DT>::T* x, i64 x_stride, Traits<DT>::T* out_self, i64 L, i64 Lp, char* const* data,  \
+           u32* const* sigs, int rank, u64 timeout_ns, u32* err) {                                          \
+    const Group g{data, sigs, rank, timeout_ns, err};                                                       \
+    slice_fold<DT, false>(x, x_stride, (i64)DETCOMM_W * L, L, Lp, out_self, out_self, g);                   \
+  }
+
+DETCOMM_REDUCE_SCATTER(detcomm_reduce_scatter_f32, DT_F32)
+DETCOMM_REDUCE_SCATTER(detcomm_reduce_scatter_bf16, DT_BF16)
+DETCOMM_REDUCE_SCATTER(detcomm_reduce_scatter_f16, DT_F16)

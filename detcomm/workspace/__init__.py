@@ -1,0 +1,18 @@
+"""The CUDA-IPC workspace: the canonical fold (SPEC 1) as one-shot / two-shot all-reduce, reduce-scatter and
+all-gather kernels over symmetric device memory, on one node.
+
+Public surface (what the core calls; see docs/INTERFACES.md):
+    Workspace.create(group, *, device, capacity_bytes, max_rows_armed, ...) -> Workspace   # collective
+    Workspace.in_process(world_size, *, device, capacity_bytes, ...) -> list[Workspace]     # one process, W views
+    ws.all_reduce(x) / ws.reduce_scatter(x) / ws.all_gather(x) -> Tensor                    # collective
+    ws.close()  # collective        ws.abort()  # local        ws.error_record()  # local
+    WorkspaceUnavailable(RuntimeError)
+    plan.plan_capacity(sites, max_rows_armed=2048) -> capacity_bytes
+
+Importing this package needs neither cupy nor a GPU.
+"""
+
+from . import plan
+from .armed import Workspace, WorkspaceUnavailable
+
+__all__ = ["Workspace", "WorkspaceUnavailable", "plan"]

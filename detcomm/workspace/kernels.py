@@ -1,0 +1,192 @@
+"""Run-time compilation, disk cache and launch of the workspace kernels in csrc/*.cu.
+
+How: csrc/*.cu (with their local #include "..." headers inlined, so the cache key covers every line) are compiled
+by NVRTC through cupy's thin binding (cupy.cuda.nvrtc) into a cubin for the device's own architecture, cached
+under ~/.cache/detcomm/kernels (or $DETCOMM_CACHE_DIR) keyed by sha256(source, options, arch, NVRTC version),
+loaded with cupy.cuda.function.Module and launched on the caller's current torch stream. A GPU user has no build
+step; `import detcomm` works without cupy or a GPU because cupy is imported only here, lazily.
+
+Options, all spelled out (SPEC 1 forbids contraction and flush-to-zero): --std=c++17, -arch=sm_XY of the device,
+--fmad=false, -ftz=false, -prec-div=true, -prec-sqrt=true, -DDETCOMM_W=<W>; never --use_fast_math.
+
+Alternatives rejected:
+- cupy.RawModule / RawKernel: its compile-with-cache path appends '-ftz=true' to the options
+  (cupy/cuda/compiler.py, _compile_with_cache_cuda), which would flush fp32 subnormals to zero, exactly what
+  SPEC 1 rules out. The raw NVRTC binding compiles with our options and nothing else.
+- torch.utils.cpp_extension (load / load_inline): needs a host compiler, nvcc and a build at first import on every
+  machine, and adds a C++ ABI dependency on the torch build.
+- Triton: no control of system-scope release/acquire flags or %globaltimer spins across processes, and its
+  compiler may reassociate or contract floating-point operations.
+- cuda-python / cuda.core: would work as well, but cupy also provides the IPC and pinned-memory calls the
+  symmetric memory needs, so one dependency covers both.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import re
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from . import plan
+
+CSRC = Path(__file__).resolve().parents[2] / "csrc"
+KERNEL_FILES = ("one_shot.cu", "two_shot.cu", "reduce_scatter.cu", "all_gather.cu", "fold_local.cu")
+ROTATE_MACRO = "DETCOMM_ROTATE_RANK_ORDER"
+
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
+_PRAGMA_ONCE = re.compile(r"^\s*#\s*pragma\s+once\s*$")
+
+
+def _cupy() -> Any:
+    try:
+        import cupy  # noqa: PLC0415  (lazy: detcomm imports without cupy or a GPU)
+    except ImportError as e:  # pragma: no cover - depends on the machine
+        raise RuntimeError("the CUDA-IPC workspace needs cupy (pip install cupy-cuda12x or cupy-cuda13x)") from e
+    return cupy
+
+
+def flatten_source(files: Sequence[str] = KERNEL_FILES, *, root: Path = CSRC) -> str:
+    """One translation unit: the given .cu files with local headers inlined once each (#pragma once honoured)."""
+    seen: set[Path] = set()
+    out: list[str] = []
+
+    def emit(path: Path) -> None:
+        path = path.resolve()
+        text = path.read_text()
+        if any(_PRAGMA_ONCE.match(line) for line in text.splitlines()):
+            if path in seen:
+                return
+            seen.add(path)
+        out.append(f"// ---- {path.name}")
+        for line in text.splitlines():
+            m = _INCLUDE.match(line)
+            if m:
+                emit(path.parent / m.group(1))
+            elif not _PRAGMA_ONCE.match(line):
+                out.append(line)
+
+    for f in files:
+        emit(root / f)
+    return "\n".join(out) + "\n"
+
+
+def nvrtc_options(world_size: int, arch: str, *, rotated: bool = False) -> tuple[str, ...]:
+    """The exact NVRTC options of a module (no option is added behind our back: see the header)."""
+    if not 1 <= world_size <= plan.MAX_WORLD:
+        raise ValueError(f"world_size must be in 1..{plan.MAX_WORLD}, got {world_size}")
+    if not re.fullmatch(r"sm_\d+[a-z]?", arch):
+        raise ValueError(f"arch must look like 'sm_90', got {arch!r}")
+    opts = (
+        "--std=c++17",
+        f"-arch={arch}",
+        "--fmad=false",
+        "-ftz=false",
+        "-prec-div=true",
+        "-prec-sqrt=true",
+        f"-DDETCOMM_W={world_size}",
+    )
+    if rotated:
+        opts += (f"-D{ROTATE_MACRO}=1",)
+    return opts
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("DETCOMM_CACHE_DIR") or Path.home() / ".cache" / "detcomm" / "kernels")
+
+
+def compile_cubin(source: str, options: Sequence[str]) -> bytes:
+    """Compile with NVRTC (no GPU needed) and return the cubin, from the disk cache when present."""
+    from cupy.cuda import nvrtc  # noqa: PLC0415
+
+    version = nvrtc.getVersion()
+    key = hashlib.sha256(repr((source, tuple(options), version)).encode()).hexdigest()
+    path = cache_dir() / f"{key}.cubin"
+    if path.exists():
+        return path.read_bytes()
+    prog = nvrtc.createProgram(source, "detcomm_workspace.cu", (), ())
+    try:
+        try:
+            nvrtc.compileProgram(prog, list(options))
+        except nvrtc.NVRTCError as e:
+            log = nvrtc.getProgramLog(prog)
+            raise RuntimeError(f"NVRTC failed to compile the workspace kernels ({e}):\n{log}") from None
+        cubin = nvrtc.getCUBIN(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Atomic publish: several ranks may compile the same module at once.
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    with os.fdopen(fd, "wb") as f:
+        f.write(cubin)
+    os.replace(tmp, path)
+    return cubin
+
+
+@dataclass(frozen=True)
+class ModuleKey:
+    device_index: int
+    world_size: int
+    arch: str
+    rotated: bool
+
+
+class KernelSet:
+    """The loaded workspace kernels of one (device, W, variant). Get one with `kernel_set(...)`; loading is the
+    only step that needs the GPU, and it must happen outside CUDA graph capture (Workspace.create does it)."""
+
+    def __init__(self, key: ModuleKey) -> None:
+        cupy = _cupy()
+        self.key = key
+        source = flatten_source()
+        cubin = compile_cubin(source, nvrtc_options(key.world_size, key.arch, rotated=key.rotated))
+        with cupy.cuda.Device(key.device_index):
+            cupy.cuda.runtime.deviceSynchronize()  # makes sure the primary context exists before cuModuleLoadData
+            self._module = cupy.cuda.function.Module()
+            self._module.load(cubin)
+            self._functions = {}
+            for name in self.names():
+                self._functions[name] = self._module.get_function(name)
+
+    @staticmethod
+    def names() -> list[str]:
+        names = ["detcomm_all_gather"]
+        for kind in ("one_shot", "two_shot", "reduce_scatter", "fold_local"):
+            names += [f"detcomm_{kind}_{sfx}" for sfx in plan.DTYPE_SUFFIX.values()]
+        return names
+
+    def launch(self, name: str, grid: int, args: Sequence[Any], *, stream_ptr: int) -> None:
+        """Launch `name` with `grid` blocks of plan.BLOCK_THREADS on the raw CUDA stream `stream_ptr`.
+
+        `args` are ctypes values in the kernel's parameter order. cuLaunchKernel is called directly (cupy's
+        driver binding) so that no cupy stream object or argument conversion sits on the path, which also keeps
+        the call legal during CUDA graph capture."""
+        from cupy.cuda import driver  # noqa: PLC0415
+
+        params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
+        driver.launchKernel(self._functions[name].ptr, grid, 1, 1, plan.BLOCK_THREADS, 1, 1, 0, stream_ptr,
+                            ctypes.addressof(params), 0)
+
+
+_SETS: dict[ModuleKey, KernelSet] = {}
+_LOCK = threading.Lock()
+
+
+def kernel_set(device_index: int, world_size: int, *, rotated: bool = False) -> KernelSet:
+    """Compile (or fetch from the disk cache) and load the kernels for this device and W. Not collective."""
+    import torch  # noqa: PLC0415
+
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("detcomm workspace: kernels must be loaded before CUDA graph capture (Workspace.create does it)")
+    major, minor = torch.cuda.get_device_capability(device_index)
+    key = ModuleKey(device_index, world_size, f"sm_{major}{minor}", rotated)
+    with _LOCK:
+        ks = _SETS.get(key)
+        if ks is None:
+            ks = _SETS[key] = KernelSet(key)
+        return ks

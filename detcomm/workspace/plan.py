@@ -1,0 +1,214 @@
+"""Host-side arithmetic of the workspace: layout constants, capacity planning, chunking, kernel geometry and the
+barrier-epoch rule. Pure Python (no torch, no CUDA), so CPU CI tests all of it.
+
+The constants mirror the #defines in csrc/detcomm_common.cuh; tests/test_workspace_plan.py parses that header
+and fails if the two drift apart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Iterator, Sequence
+
+# --- mirrored from csrc/detcomm_common.cuh -----------------------------------------------------------------
+MAX_WORLD = 8
+MAX_BLOCKS = 256
+BLOCK_THREADS = 512
+PACK_BYTES = 16
+BARRIER_KINDS = 3
+HEADER_BYTES = 32768
+PROBE_BYTES = 4096
+ERR_WORDS = 8
+ERR_TIMEOUT = 0xDE7C0001
+BARRIER_NAMES = ("start", "mid", "end")
+
+# The header must hold flags[kind][block][rank] and epochs[kind][block], all u32.
+assert (BARRIER_KINDS * MAX_BLOCKS * MAX_WORLD + BARRIER_KINDS * MAX_BLOCKS) * 4 <= HEADER_BYTES
+
+ELEM_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DTYPE_SUFFIX = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+
+DEFAULT_MAX_ROWS_ARMED = 2048
+# Above this message size all_reduce takes two-shot. Both give the same bits; this only moves latency.
+DEFAULT_ONE_SHOT_MAX_BYTES = 512 * 1024
+DEFAULT_MAX_GRID = 64
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# --- kernel geometry ----------------------------------------------------------------------------------------
+def grid_blocks(world_size: int, sm_count: int, *, max_grid: int = DEFAULT_MAX_GRID) -> int:
+    """Blocks per rank for every workspace kernel: a function of static facts only (W, the SM count agreed by all
+    ranks at create, the configured cap), so every rank launches the same grid.
+
+    Why sm_count // W: a block spins on the barrier until the same block of every peer arrives. When the W
+    ranks share one GPU (in-process streams) all W grids must be resident at once, or a resident block could
+    spin forever on a peer block that is waiting for its SM. One 512-thread block always fits an SM, so
+    W * grid <= sm_count guarantees co-residency. (Processes sharing a GPU time-slice whole contexts, and
+    each context's grid fits the GPU alone, so they progress too.)
+    """
+    if not 1 <= world_size <= MAX_WORLD:
+        raise ValueError(f"world_size must be in 1..{MAX_WORLD}, got {world_size}")
+    if sm_count < world_size:
+        raise ValueError(f"sm_count {sm_count} < world_size {world_size}: ranks cannot be co-resident")
+    if max_grid < 1:
+        raise ValueError(f"max_grid must be >= 1, got {max_grid}")
+    return max(1, min(MAX_BLOCKS, max_grid, sm_count // world_size))
+
+
+def stride_packs(grid: int) -> int:
+    """Packs one sweep of the grid covers: the period of the pack-to-block ownership."""
+    return grid * BLOCK_THREADS
+
+
+def elem_size(dtype: str) -> int:
+    try:
+        return ELEM_SIZES[dtype]
+    except KeyError:
+        raise ValueError(f"unsupported dtype {dtype!r}; the workspace folds {sorted(ELEM_SIZES)}") from None
+
+
+def pack_elems(dtype: str) -> int:
+    return PACK_BYTES // elem_size(dtype)
+
+
+# --- buffer layout ------------------------------------------------------------------------------------------
+def slot_bytes(capacity_bytes: int, world_size: int, grid: int) -> int:
+    """Bytes of one rank's data slot: the capacity plus the padding two-shot and reduce-scatter slices need
+    (each slice starts at a multiple of the grid stride, so W slices can overrun the capacity by up to
+    W * (stride + one pack))."""
+    if capacity_bytes <= 0:
+        raise ValueError(f"capacity_bytes must be > 0, got {capacity_bytes}")
+    return _round_up(capacity_bytes, PACK_BYTES) + world_size * (stride_packs(grid) + 1) * PACK_BYTES
+
+
+def buffer_bytes(capacity_bytes: int, world_size: int, grid: int) -> int:
+    """Total bytes of one rank's symmetric buffer: header (flags, epochs) + probe scratch + data slot."""
+    return HEADER_BYTES + PROBE_BYTES + slot_bytes(capacity_bytes, world_size, grid)
+
+
+def data_offset() -> int:
+    return HEADER_BYTES + PROBE_BYTES
+
+
+def probe_offset() -> int:
+    return HEADER_BYTES
+
+
+# --- capacity planning --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SiteNeed:
+    """What one declared site asks of the workspace: the most rows it carries and the bytes of one row."""
+
+    name: str
+    max_rows: int
+    row_bytes: int
+
+
+def plan_capacity(sites: Iterable[SiteNeed], *, max_rows_armed: int = DEFAULT_MAX_ROWS_ARMED) -> int:
+    """Capacity in bytes that serves every site with max_rows <= max_rows_armed without chunking.
+
+    Sites above max_rows_armed (prefill-sized) are not armed: they route elsewhere, or are chunked if routed
+    here anyway. Returns 0 when no site qualifies (then there is nothing to arm).
+    """
+    if max_rows_armed < 1:
+        raise ValueError(f"max_rows_armed must be >= 1, got {max_rows_armed}")
+    need = 0
+    for s in sites:
+        if s.max_rows < 1 or s.row_bytes < 1:
+            raise ValueError(f"site {s.name!r}: max_rows and row_bytes must be >= 1")
+        if s.max_rows <= max_rows_armed:
+            need = max(need, s.max_rows * s.row_bytes)
+    return _round_up(need, 4096) if need else 0
+
+
+# --- chunking -----------------------------------------------------------------------------------------------
+def rows_per_chunk(capacity_bytes: int, row_bytes: int, *, parts: int = 1) -> int:
+    """Rows one launch carries when `parts` row blocks of that size must fit the capacity together
+    (all-reduce and all-gather: 1; reduce-scatter: W, one block per destination rank)."""
+    if row_bytes < 1:
+        raise ValueError(f"row_bytes must be >= 1, got {row_bytes}")
+    rows = capacity_bytes // (row_bytes * parts)
+    if rows < 1:
+        raise ValueError(
+            f"a row of {row_bytes} bytes x {parts} part(s) does not fit the workspace capacity of {capacity_bytes} bytes"
+        )
+    return rows
+
+
+def chunks(rows: int, per_chunk: int) -> Iterator[tuple[int, int]]:
+    """[start, stop) row ranges of at most per_chunk rows covering 0..rows. Chunk boundaries never change a
+    row's bits: the fold is element-wise."""
+    if per_chunk < 1:
+        raise ValueError(f"per_chunk must be >= 1, got {per_chunk}")
+    for start in range(0, rows, per_chunk):
+        yield start, min(rows, start + per_chunk)
+
+
+@dataclass(frozen=True)
+class SliceGeometry:
+    length: int  # L: elements per slice
+    stride_packs: int  # Lp: slice stride in the slot, in packs (a multiple of the grid stride)
+
+    def slot_bytes_used(self, world_size: int) -> int:
+        return world_size * self.stride_packs * PACK_BYTES
+
+
+def two_shot_slices(n_elems: int, world_size: int, dtype: str, grid: int) -> SliceGeometry:
+    """Slices of a two-shot all-reduce of n elements: L = ceil(n / W) rounded up to whole packs, so each
+    slice of the caller's tensor starts on a pack boundary of the tensor."""
+    per = pack_elems(dtype)
+    length = _round_up(max(1, _ceil_div(n_elems, world_size)), per)
+    return SliceGeometry(length, _round_up(length // per, stride_packs(grid)))
+
+
+def reduce_scatter_slices(chunk_rows: int, row_elems: int, dtype: str, grid: int) -> SliceGeometry:
+    """Slices of one reduce-scatter launch: slice s is chunk_rows rows of rank s's shard."""
+    per = pack_elems(dtype)
+    length = chunk_rows * row_elems
+    return SliceGeometry(length, _round_up(_ceil_div(length, per), stride_packs(grid)))
+
+
+# --- barrier epochs (mirror of block_barrier in csrc/detcomm_common.cuh) -----------------------------------
+EPOCH_MOD = 1 << 32
+
+
+def next_epoch(previous: int) -> int:
+    """The epoch a barrier use stores and waits for: the owner's counter + 1, modulo 2^32."""
+    return (previous + 1) % EPOCH_MOD
+
+
+def arrived(seen: int, expected: int) -> bool:
+    """Device rule: a peer has arrived when its flag equals this use's epoch. Exact across the wrap because a
+    peer's flag is always the previous use's epoch or this one's (a barrier is a full rendezvous, so no peer
+    can be a whole use ahead)."""
+    return seen == expected
+
+
+def simulate_barrier_uses(start_epoch: int, uses: int, *, arrival_order: Sequence[int]) -> list[int]:
+    """Drive the epoch rule for `uses` consecutive uses of one barrier by len(arrival_order) ranks, starting
+    from counters and flags at start_epoch, arriving in the given order each use. Returns the epoch of each use.
+    Raises AssertionError if any rank would pass before every rank arrived, or would stall after all did."""
+    world = len(arrival_order)
+    counters = [start_epoch % EPOCH_MOD] * world
+    flags = [[start_epoch % EPOCH_MOD] * world for _ in range(world)]  # flags[owner][src]
+    epochs = []
+    for _ in range(uses):
+        e = next_epoch(counters[0])
+        arrived_so_far: list[int] = []
+        for r in arrival_order:
+            for p in range(world):
+                flags[p][r] = next_epoch(counters[r])
+            arrived_so_far.append(r)
+            for owner in range(world):
+                passes = all(arrived(flags[owner][src], next_epoch(counters[owner])) for src in range(world))
+                assert passes == (len(arrived_so_far) == world), (owner, arrived_so_far, e)
+        counters = [next_epoch(c) for c in counters]
+        epochs.append(e)
+    return epochs

@@ -1,0 +1,41 @@
+"""Drive W in-process workspace rank views from W CUDA streams (the one-GPU harness)."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from payloads import from_tensor, to_tensor
+
+
+class Ranks:
+    """W rank views + one stream each. `run(op, xs)` launches rank r's collective on stream r for every rank
+    before waiting on any (a rank's kernel spins until every other rank's arrives), then synchronizes."""
+
+    def __init__(self, views: Sequence[Any]) -> None:
+        self.views = list(views)
+        self.world = len(self.views)
+        self.device = self.views[0].device
+        self.streams = [torch.cuda.Stream(self.device) for _ in self.views]
+
+    def run(self, op: str, xs: Sequence[torch.Tensor], **kw: Any) -> list[torch.Tensor]:
+        main = torch.cuda.current_stream(self.device)
+        outs = []
+        for v, s, x in zip(self.views, self.streams, xs):
+            s.wait_stream(main)
+            with torch.cuda.stream(s):
+                outs.append(getattr(v, op)(x, **kw))
+        for s in self.streams:
+            main.wait_stream(s)
+        torch.cuda.synchronize(self.device)
+        return outs
+
+    def run_bits(self, op: str, bits: Sequence[np.ndarray], dtype: str, **kw: Any) -> list[np.ndarray]:
+        xs = [to_tensor(b, dtype, str(self.device)) for b in bits]
+        return [from_tensor(o) for o in self.run(op, xs, **kw)]
+
+    def close(self) -> None:
+        for v in self.views:
+            v.close()

@@ -1,0 +1,112 @@
+"""CPU tests of the workspace's host arithmetic (detcomm/workspace/plan.py): no GPU, no cupy."""
+
+from __future__ import annotations
+
+import random
+import re
+from pathlib import Path
+
+import pytest
+
+from detcomm.workspace import plan
+
+CUH = Path(__file__).resolve().parents[1] / "csrc" / "detcomm_common.cuh"
+
+
+def test_constants_match_the_device_header():
+    defines = dict(re.findall(r"^#define (DETCOMM_\w+) (\S+)", CUH.read_text(), re.M))
+    assert int(defines["DETCOMM_MAX_W"]) == plan.MAX_WORLD
+    assert int(defines["DETCOMM_MAX_BLOCKS"]) == plan.MAX_BLOCKS
+    assert int(defines["DETCOMM_BLOCK_THREADS"]) == plan.BLOCK_THREADS
+    assert int(defines["DETCOMM_PACK_BYTES"]) == plan.PACK_BYTES
+    assert int(defines["DETCOMM_BARRIER_KINDS"]) == plan.BARRIER_KINDS
+    assert int(defines["DETCOMM_HEADER_BYTES"]) == plan.HEADER_BYTES
+    assert int(defines["DETCOMM_PROBE_BYTES"]) == plan.PROBE_BYTES
+    assert int(defines["DETCOMM_ERR_WORDS"]) == plan.ERR_WORDS
+    assert int(defines["DETCOMM_ERR_TIMEOUT"].rstrip("u"), 16) == plan.ERR_TIMEOUT
+
+
+def test_grid_is_static_and_co_resident():
+    for sm in (16, 78, 114, 132):
+        for w in range(1, 9):
+            g = plan.grid_blocks(w, sm)
+            assert 1 <= g <= plan.MAX_BLOCKS and w * g <= sm
+            assert g == plan.grid_blocks(w, sm)
+    assert plan.grid_blocks(8, 132) == 16
+    assert plan.grid_blocks(2, 132, max_grid=32) == 32
+    with pytest.raises(ValueError):
+        plan.grid_blocks(9, 132)
+    with pytest.raises(ValueError):
+        plan.grid_blocks(4, 3)
+
+
+def test_plan_capacity_arms_only_small_sites():
+    sites = [plan.SiteNeed("o_proj", 2048, 8192 * 2), plan.SiteNeed("down", 512, 4096 * 2),
+             plan.SiteNeed("prefill", 8192, 8192 * 2)]
+    cap = plan.plan_capacity(sites)
+    assert cap == 2048 * 8192 * 2
+    assert plan.plan_capacity(sites, max_rows_armed=512) == 512 * 4096 * 2
+    assert plan.plan_capacity([plan.SiteNeed("big", 9000, 10)]) == 0
+    assert plan.plan_capacity([plan.SiteNeed("odd", 3, 10)]) == 4096  # rounded up to 4 KiB
+    with pytest.raises(ValueError):
+        plan.plan_capacity(sites, max_rows_armed=0)
+    with pytest.raises(ValueError):
+        plan.plan_capacity([plan.SiteNeed("bad", 0, 10)])
+
+
+def test_chunks_cover_rows_exactly_and_respect_capacity():
+    rng = random.Random(0)
+    for _ in range(500):
+        row_bytes = rng.randint(1, 5000)
+        cap = rng.randint(row_bytes, 50 * row_bytes)
+        rows = rng.randint(0, 3000)
+        per = plan.rows_per_chunk(cap, row_bytes)
+        assert per * row_bytes <= cap < (per + 1) * row_bytes
+        got = list(plan.chunks(rows, per))
+        assert [a for a, _ in got] == list(range(0, rows, per))
+        assert sum(b - a for a, b in got) == rows and all(0 < b - a <= per for a, b in got)
+    cap = 37 * 48
+    assert [b - a for a, b in plan.chunks(36, plan.rows_per_chunk(cap, 48))] == [36]
+    assert [b - a for a, b in plan.chunks(37, plan.rows_per_chunk(cap, 48))] == [37]
+    assert [b - a for a, b in plan.chunks(38, plan.rows_per_chunk(cap, 48))] == [37, 1]
+    assert plan.rows_per_chunk(cap, 48, parts=4) == 9
+    with pytest.raises(ValueError):
+        plan.rows_per_chunk(100, 101)
+    with pytest.raises(ValueError):
+        plan.rows_per_chunk(100, 30, parts=4)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_slices_fit_the_slot_and_keep_block_ownership(dtype):
+    """Two-shot and reduce-scatter slices: start on pack boundaries, strides a multiple of the grid stride (the
+    per-block barrier contract), and W slices never overrun the slot whatever the shape."""
+    rng = random.Random(1)
+    es = plan.elem_size(dtype)
+    per = plan.pack_elems(dtype)
+    for _ in range(400):
+        w = rng.randint(1, 8)
+        grid = plan.grid_blocks(w, rng.choice([16, 78, 132]), max_grid=rng.choice([1, 8, 64]))
+        cap = rng.randint(16, 1 << 20)
+        slot = plan.slot_bytes(cap, w, grid)
+        n = rng.randint(1, cap // es)
+        geo = plan.two_shot_slices(n, w, dtype, grid)
+        assert geo.length % per == 0 and geo.length * w >= n
+        assert geo.stride_packs % plan.stride_packs(grid) == 0 and geo.stride_packs * per >= geo.length
+        assert geo.slot_bytes_used(w) <= slot
+        row_elems = rng.randint(1, 300)
+        if w * row_elems * es <= cap:
+            rows = plan.rows_per_chunk(cap, row_elems * es, parts=w)
+            rs = plan.reduce_scatter_slices(rows, row_elems, dtype, grid)
+            assert rs.length == rows * row_elems
+            assert rs.stride_packs % plan.stride_packs(grid) == 0 and rs.stride_packs * per >= rs.length
+            assert rs.slot_bytes_used(w) <= slot
+
+
+def test_epoch_rule_is_exact_across_the_wrap():
+    for start in (0, 1, 2**31 - 2, 2**31, 2**32 - 3, 2**32 - 1):
+        epochs = plan.simulate_barrier_uses(start, 6, arrival_order=[2, 0, 3, 1])
+        assert epochs == [(start + k + 1) % 2**32 for k in range(6)]
+    assert plan.next_epoch(2**32 - 1) == 0
+    assert plan.arrived(0, 0) and not plan.arrived(2**32 - 1, 0)  # a stale flag one use behind, across the wrap
+    # An ordering comparison would be fooled by a flag 2^31 uses old; equality is not.
+    assert not plan.arrived((5 - 2**31) % 2**32, 5)
