@@ -1,0 +1,9 @@
+"""Invariance probes (SPEC section 7): how a deployment convinces itself that detcomm keeps its contract.
+
+    python -m detcomm.probe collectives   every declared site reduced in many batch compositions
+    python -m detcomm.probe model         a small tensor-parallel transformer, alone vs packed vs rerun
+    python -m detcomm.probe rows          the row counts at which an op's row 0 changes bits (seed 002)
+
+collectives and model run on every rank of a group (start them with detcomm-launch, torchrun or mpiexec);
+rank 0 prints the table. Each exits non-zero when something that claims bitwise invariance changed.
+"""

@@ -1,0 +1,243 @@
+"""detcomm-launch: the ranks' environment, MPI variable mapping, and whole-group tear-down on failure.
+
+The integration tests start real ranks (torchrun, and a real mpiexec when one and mpi4py are installed) and
+time how long the group takes to go down after one rank raises while the others are blocked in a gloo
+collective: without tear-down they would wait for the process group's timeout (minutes).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from launch.backends import LaunchError, MpiExec, Target, find_mpiexec, mpiexec_command, torchrun_command
+from launch.cli import build_parser, plan
+from launch.environment import MULTICAST_OFF, launch_environment
+from launch.mpi_vars import RankFacts, rank_facts_from_environment, torch_distributed_variables
+
+ROOT = Path(__file__).resolve().parents[1]
+HAVE_MPI = shutil.which("mpiexec") is not None
+try:
+    import mpi4py  # noqa: F401
+
+    HAVE_MPI4PY = True
+except ImportError:
+    HAVE_MPI4PY = False
+needs_mpi = pytest.mark.skipif(not HAVE_MPI, reason="no mpiexec on PATH (apt-get install openmpi-bin)")
+needs_mpi4py = pytest.mark.skipif(not (HAVE_MPI and HAVE_MPI4PY), reason="needs mpiexec and mpi4py")
+
+# Rank 1 raises after the group exists; the others block in a collective that can never complete.
+FAILING_JOB = textwrap.dedent(
+    """
+    import os, sys, time
+    import torch, torch.distributed as dist
+    dist.init_process_group("gloo")
+    if dist.get_rank() == 1:
+        raise RuntimeError("deliberate failure on rank 1")
+    dist.all_reduce(torch.ones(4))   # never completes: rank 1 is gone
+    time.sleep(600)
+    """
+)
+
+# Every rank writes what it sees of the launcher's environment.
+ENV_JOB = textwrap.dedent(
+    """
+    import json, os, sys
+    names = sys.argv[2:]
+    with open(os.path.join(sys.argv[1], "rank%s.json" % os.environ["RANK"]), "w") as f:
+        json.dump({k: os.environ.get(k) for k in names}, f)
+    """
+)
+
+ENV_NAMES = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+             "DETCOMM_NUMERICS", "NCCL_ALGO", "NCCL_PROTO", "NVIDIA_TF32_OVERRIDE", *MULTICAST_OFF]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", **extra)
+    # Prove the launcher sets the multicast-off variables itself, whatever the caller's environment holds.
+    for k in MULTICAST_OFF:
+        env.pop(k, None)
+    return env
+
+
+def _launch(args: list[str], *, env: dict[str, str] | None = None, timeout: float = 120) -> tuple[subprocess.CompletedProcess, float]:
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "launch", *args], cwd=ROOT, env=env or _env(), capture_output=True,
+                          text=True, timeout=timeout)
+    return proc, time.monotonic() - t0
+
+
+# -- MPI variable mapping (unit) ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    "env, want",
+    [
+        ({"OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+          "OMPI_COMM_WORLD_LOCAL_SIZE": "4"}, RankFacts(5, 8, 1, 4, "Open MPI")),
+        ({"PMI_RANK": "2", "PMI_SIZE": "3", "MPI_LOCALRANKID": "2", "MPI_LOCALNRANKS": "3"}, RankFacts(2, 3, 2, 3, "MPICH/Hydra")),
+        ({"MV2_COMM_WORLD_RANK": "0", "MV2_COMM_WORLD_SIZE": "2", "MV2_COMM_WORLD_LOCAL_RANK": "0",
+          "MV2_COMM_WORLD_LOCAL_SIZE": "1"}, RankFacts(0, 2, 0, 1, "MVAPICH2")),
+        ({"SLURM_PROCID": "9", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1", "SLURM_STEP_TASKS_PER_NODE": "8(x2)"},
+         RankFacts(9, 16, 1, 8, "Slurm")),
+    ],
+    ids=["openmpi", "hydra", "mvapich2", "slurm"],
+)
+def test_rank_facts_from_each_launcher(env: dict[str, str], want: RankFacts) -> None:
+    assert rank_facts_from_environment(env) == want
+
+
+def test_rank_facts_prefers_open_mpi_over_slurm_and_none_without_launcher() -> None:
+    both = {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+            "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_LOCALID": "0"}
+    assert rank_facts_from_environment(both).source == "Open MPI"
+    assert rank_facts_from_environment({"HOME": "/root"}) is None
+
+
+@pytest.mark.parametrize(
+    "env, match",
+    [
+        ({"PMI_RANK": "0", "PMI_SIZE": "2"}, "MPI_LOCALRANKID"),
+        ({"SLURM_PROCID": "0", "SLURM_NTASKS": "3", "SLURM_LOCALID": "0", "SLURM_STEP_TASKS_PER_NODE": "2,1"}, "per-node"),
+        ({"OMPI_COMM_WORLD_RANK": "x", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+          "OMPI_COMM_WORLD_LOCAL_SIZE": "1"}, "not an integer"),
+        ({"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+          "OMPI_COMM_WORLD_LOCAL_SIZE": "1"}, "outside"),
+    ],
+    ids=["hydra-no-local", "slurm-ragged", "malformed", "rank-out-of-range"],
+)
+def test_rank_facts_refuse_incomplete_or_bad_variables(env: dict[str, str], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        rank_facts_from_environment(env)
+
+
+def test_torch_distributed_variables() -> None:
+    got = torch_distributed_variables(RankFacts(3, 4, 1, 2, "x"), master_addr="node0", master_port=29500)
+    assert got == {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+                   "MASTER_ADDR": "node0", "MASTER_PORT": "29500"}
+    with pytest.raises(ValueError):
+        torch_distributed_variables(RankFacts(0, 1, 0, 1, "x"), master_addr="h", master_port=0)
+
+
+# -- environment and command lines (unit) ---------------------------------------------------------------------
+
+def test_launch_environment_applies_envelope_and_forces_multicast_off() -> None:
+    env = launch_environment("rl-bitwise", base={"NCCL_NVLS_ENABLE": "1", "PATH": "/bin"})
+    assert env["NCCL_NVLS_ENABLE"] == "0"  # a caller's opt-in does not survive the launcher
+    assert env["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1" and env["NVSHMEM_DISABLE_NVLS"] == "1"
+    assert (env["NCCL_ALGO"], env["NCCL_PROTO"], env["NVIDIA_TF32_OVERRIDE"]) == ("Ring", "Simple", "0")
+    assert env["DETCOMM_NUMERICS"] == "rl-bitwise" and env["PATH"] == "/bin"
+    auto = launch_environment("auto", base={})
+    assert "NCCL_ALGO" not in auto and auto["NCCL_NVLS_ENABLE"] == "0"
+    with pytest.raises(ValueError, match="unknown numerics envelope"):
+        launch_environment("bitwise-please", base={})
+
+
+def test_command_lines() -> None:
+    t = Target("detcomm.probe", ("model", "--json", "x"), module=True)
+    cmd = torchrun_command(3, t, python="py")
+    assert cmd[:4] == ["py", "-m", "torch.distributed.run", "--standalone"]
+    assert cmd[-5:] == ["-m", "detcomm.probe", "model", "--json", "x"]
+    assert "--standalone" not in torchrun_command(3, t, extra=["--nnodes", "2"], python="py")
+    ompi = mpiexec_command(MpiExec("/usr/bin/mpiexec", "openmpi", ""), 4, t, forward={"A": "1"}, python="py")
+    assert ompi[:3] == ["/usr/bin/mpiexec", "-n", "4"] and ["-x", "A"] == ompi[ompi.index("-x"):ompi.index("-x") + 2]
+    assert ompi[ompi.index("py"):][:3] == ["py", "-m", "launch.mpi_bootstrap"]
+    hydra = mpiexec_command(MpiExec("mpiexec", "hydra", ""), 2, Target("s.py"), forward={"A": "1"}, python="py")
+    assert ["-genv", "A", "1"] == hydra[hydra.index("-genv"):hydra.index("-genv") + 3] and hydra[-1] == "s.py"
+    with pytest.raises(ValueError):
+        torchrun_command(0, t)
+
+
+def test_missing_mpiexec_names_the_packages(tmp_path: Path) -> None:
+    with pytest.raises(LaunchError, match="openmpi-bin"):
+        find_mpiexec(path=str(tmp_path))
+    ns = build_parser().parse_args(["--nproc", "2", "--backend", "mpi", "x.py"])
+    with pytest.raises(LaunchError, match="mpi4py"):
+        plan(ns, base_env={"PATH": str(tmp_path)})
+    proc, _ = _launch(["--nproc", "2", "--numerics", "nope", "x.py"])
+    assert proc.returncode == 2 and "unknown numerics envelope 'nope'" in proc.stderr
+
+
+# -- real ranks ----------------------------------------------------------------------------------------------
+
+def _check_env_files(out: Path, world: int, numerics: str) -> None:
+    seen = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+    assert sorted(int(s["RANK"]) for s in seen) == list(range(world))
+    for s in seen:
+        assert s["WORLD_SIZE"] == str(world) and s["LOCAL_WORLD_SIZE"] == str(world)
+        assert s["NCCL_NVLS_ENABLE"] == "0" and s["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1"
+        assert s["NVSHMEM_DISABLE_NVLS"] == "1" and s["DETCOMM_NUMERICS"] == numerics
+        assert s["MASTER_ADDR"] and s["MASTER_PORT"]
+        if numerics == "rl-bitwise":
+            assert (s["NCCL_ALGO"], s["NCCL_PROTO"], s["NVIDIA_TF32_OVERRIDE"]) == ("Ring", "Simple", "0")
+    assert sorted(int(s["LOCAL_RANK"]) for s in seen) == list(range(world))
+
+
+@pytest.mark.parametrize("backend", ["torchrun", pytest.param("mpi", marks=needs_mpi4py)])
+def test_children_see_the_environment(backend: str, tmp_path: Path) -> None:
+    job = tmp_path / "env_job.py"
+    job.write_text(ENV_JOB)
+    proc, _ = _launch(["--nproc", "3", "--backend", backend, "--numerics", "rl-bitwise", str(job), str(tmp_path), *ENV_NAMES])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    _check_env_files(tmp_path, 3, "rl-bitwise")
+
+
+def _assert_torn_down(proc: subprocess.CompletedProcess, elapsed: float) -> None:
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    assert "deliberate failure on rank 1" in out
+    # The failing rank's traceback lines carry its rank.
+    assert any("[rank1]" in line and "RuntimeError: deliberate failure on rank 1" in line for line in out.splitlines()), out
+    # Ranks blocked in a collective with a dead peer would otherwise wait for the gloo timeout (30 min).
+    assert elapsed < 45, f"group took {elapsed:.1f} s to go down"
+
+
+@pytest.mark.slow
+def test_torchrun_one_rank_fails_whole_group_down(tmp_path: Path) -> None:
+    job = tmp_path / "fail.py"
+    job.write_text(FAILING_JOB)
+    proc, elapsed = _launch(["--nproc", "3", str(job)])
+    _assert_torn_down(proc, elapsed)
+
+
+@pytest.mark.slow
+@needs_mpi4py
+def test_mpi_one_rank_fails_whole_group_down(tmp_path: Path) -> None:
+    job = tmp_path / "fail.py"
+    job.write_text(FAILING_JOB)
+    proc, elapsed = _launch(["--nproc", "3", "--backend", "mpi", str(job)])
+    _assert_torn_down(proc, elapsed)
+    assert "MPI_ABORT was invoked on rank 1" in proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+@needs_mpi
+def test_mpi_without_mpi4py_maps_launcher_variables_and_still_tears_down(tmp_path: Path) -> None:
+    # A package that shadows mpi4py and refuses to import: the bootstrap must fall back to Open MPI's
+    # OMPI_COMM_WORLD_* variables and the launcher's fixed rendezvous.
+    fake = tmp_path / "hide" / "mpi4py"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError('mpi4py hidden by the test')\n")
+    env = _env(PYTHONPATH=str(tmp_path / "hide"))
+    job = tmp_path / "env_job.py"
+    job.write_text(ENV_JOB)
+    out = tmp_path / "out"
+    out.mkdir()
+    proc, _ = _launch(["--nproc", "2", "--backend", "mpi", str(job), str(out), *ENV_NAMES], env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "mpi4py is not installed" in proc.stderr
+    _check_env_files(out, 2, "auto")
+
+    fail = tmp_path / "fail.py"
+    fail.write_text(FAILING_JOB)
+    proc, elapsed = _launch(["--nproc", "3", "--backend", "mpi", str(fail)], env=env)
+    _assert_torn_down(proc, elapsed)
