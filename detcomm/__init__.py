@@ -41,6 +41,7 @@ from .envelope import (
 )
 from .fold import BATCH_INVARIANT, Leaf, Priority, reference_fold, register_leaf, select_leaf
 from .route import DEFAULT_MAX_ROWS, AutoBackend, Capabilities, Collective, ReduceOp, Route, Site
+from .workspace import leaf as _cuda_leaf  # noqa: F401 - registers the CUDA fold leaf where cupy is installed
 
 __version__ = "0.1.0"
 
