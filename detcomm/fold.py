@@ -19,6 +19,7 @@ not a proof: the startup self-checks (detcomm.selfcheck) compare every leaf that
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Callable
@@ -48,7 +49,15 @@ _BITS_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.flo
 
 
 def canonical_nan(dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
-    """The canonical NaN of ``dtype`` as a 0-d tensor, built from its bits (not from float('nan'))."""
+    """The canonical NaN of ``dtype`` as a 0-d tensor, built from its bits (not from float('nan')).
+
+    Cached per (dtype, device): building it uploads from host memory, which a CUDA graph capture forbids, so
+    the fold is capturable once it has run on that device outside capture."""
+    return _canonical_nan(dtype, str(torch.device(device)))
+
+
+@functools.lru_cache(maxsize=None)
+def _canonical_nan(dtype: torch.dtype, device: str) -> torch.Tensor:
     bits = _CANONICAL_NAN_BITS[dtype]
     int_dtype = _BITS_VIEW[dtype]
     if int_dtype is torch.int16 and bits >= 0x8000:

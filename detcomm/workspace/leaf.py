@@ -13,6 +13,7 @@ serves, instead of a leaf that would fail at its first call.
 from __future__ import annotations
 
 import ctypes
+import functools
 import importlib.util
 
 import torch
@@ -42,16 +43,25 @@ def cuda_fold(stacked: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     if n == 0:
         return out
     step = n * stacked.element_size()
-    table = torch.tensor([stacked.data_ptr() + r * step for r in range(w)], dtype=torch.int64).to(stacked.device)
+    # Pinned and non-blocking: a pageable upload would make the host wait for the stream to drain before every
+    # call, so back-to-back folds could never overlap their launch cost with the previous fold's work. torch's
+    # pinned-memory cache keeps the host block alive until the copy has run.
+    ptrs = torch.tensor([stacked.data_ptr() + r * step for r in range(w)], dtype=torch.int64, pin_memory=True)
+    table = ptrs.to(stacked.device, non_blocking=True)
     ks = kernel_set(stacked.device.index, w)
     packs = -(-n * stacked.element_size() // plan.PACK_BYTES)
-    sms = torch.cuda.get_device_properties(stacked.device).multi_processor_count
+    sms = _sm_count(stacked.device.index)
     # Elementwise, no barriers: the grid changes only the schedule, never an element's arithmetic.
     grid = max(1, min(4 * sms, -(-packs // plan.BLOCK_THREADS)))
     args = [ctypes.c_uint64(table.data_ptr()), ctypes.c_uint64(out.data_ptr()), ctypes.c_int64(n)]
     ks.launch(f"detcomm_fold_local_{_SUFFIX[stacked.dtype]}", grid, args,
               stream_ptr=torch.cuda.current_stream(stacked.device).cuda_stream)
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 LEAF = Leaf(name="cuda_nvrtc", fold=cuda_fold, priority=Priority.VENDOR, features=frozenset({BATCH_INVARIANT}),
