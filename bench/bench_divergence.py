@@ -1,0 +1,132 @@
+"""The bench's numerical columns: how far a route's bits move when the same rows travel in another batch.
+
+Every rank's rows come from a small pool of ill-conditioned rows (detcomm.payload.ill_conditioned: magnitudes
+1e-38..1e38, cancellations, signed zeros, subnormals), the first POOL_ROWS of which are the probe and the rest
+filler from "other requests". A batch is a list of pool-row indices, so the same probe rows can sit at any
+offset inside a batch of any size, and the canonical fold of any batch is known from the fold of the pool
+alone (reference_fold of the W ranks' pools, indexed). Same pools, same seeds, same sizes for every route.
+
+Per measured point:
+  changed_frac  fraction of the probe's elements whose bits differ, in at least one placement (another
+                offset, another batch size), from their bits when the probe is reduced alone;
+  max_ulps      the largest distance in ulps, over the probe's elements in every placement and alone, from
+                the canonical fold (0 for a canonical route; inf where a NaN stands against a number).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from detcomm.fold import reference_fold
+from detcomm.payload import ill_conditioned
+
+__all__ = ["POOL_ROWS", "Placement", "placements", "batch_index", "make_pools", "ulp_distance", "measure",
+           "measure_gather"]
+
+# Probe rows in the pool (filler rows: as many again). Rows repeat every POOL_ROWS inside a large batch, which
+# keeps the payload cheap to build at 8192 x 8192; each element still sees its own ill-conditioned values.
+POOL_ROWS = 32
+
+_INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+_MAG_MASK = {torch.float32: 0x7FFFFFFF, torch.bfloat16: 0x7FFF, torch.float16: 0x7FFF}
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The probe's rows with ``front`` filler rows before them and ``back`` after them in one batch."""
+
+    front: int
+    back: int
+
+
+def placements(collective: str, rows: int, world_size: int) -> list[Placement]:
+    """The other batches the probe travels in: shifted by a little, doubled in size, and both.
+
+    A ring chunks the buffer by message size, so both an offset and a batch size move an element's
+    association order there. Reduce-scatter batches keep their row count a multiple of W.
+    """
+    if collective == "all_reduce":
+        return [Placement(1, 0), Placement(0, rows), Placement(rows // 2 + 1, rows // 2 + 2)]
+    if collective == "reduce_scatter":
+        w = world_size
+        return [Placement(w, 0), Placement(0, rows), Placement(rows, w)]
+    return []  # all_gather moves data: there is no arithmetic to move
+
+
+def batch_index(rows: int, placement: Placement = Placement(0, 0)) -> torch.Tensor:
+    """Pool-row indices of a batch: filler rows (POOL_ROWS..2*POOL_ROWS-1) around the probe (0..POOL_ROWS-1)."""
+    front = [POOL_ROWS + (j % POOL_ROWS) for j in range(placement.front)]
+    probe = [i % POOL_ROWS for i in range(rows)]
+    back = [POOL_ROWS + ((placement.front + j) % POOL_ROWS) for j in range(placement.back)]
+    return torch.tensor(front + probe + back, dtype=torch.long)
+
+
+def make_pools(hidden: int, dtype: torch.dtype, *, world_size: int, seed: int, ranks: list[int],
+               device: torch.device) -> dict[int, torch.Tensor]:
+    """Each listed rank's pool, [2 * POOL_ROWS, hidden] of ``dtype`` on ``device`` (deterministic in seed and rank)."""
+    return {r: ill_conditioned(2 * POOL_ROWS, (hidden,), dtype, seed=seed, rank=r, world_size=world_size,
+                               device=device) for r in ranks}
+
+
+def reference_pool(pools: dict[int, torch.Tensor], world_size: int) -> torch.Tensor:
+    """The canonical fold of the W ranks' pools, row by row (rows of a batch index into it)."""
+    stacked = torch.stack([pools[r] for r in range(world_size)])
+    return reference_fold(stacked, stacked.dtype)
+
+
+def _ordered(t: torch.Tensor) -> torch.Tensor:
+    """Float bits as int64 in value order: adjacent floats differ by one; +0.0 and -0.0 are both 0."""
+    bits = t.contiguous().view(_INT_VIEW[t.dtype]).to(torch.int64)
+    mag = bits & _MAG_MASK[t.dtype]
+    return torch.where(bits < 0, -mag, mag)
+
+
+def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Elementwise distance in ulps (float64): 0 for equal values and for two NaNs, inf for NaN against a number."""
+    d = (_ordered(a) - _ordered(b)).abs().to(torch.float64)
+    na, nb = torch.isnan(a), torch.isnan(b)
+    d = torch.where(na & nb, torch.zeros_like(d), d)
+    return torch.where(na ^ nb, torch.full_like(d, float("inf")), d)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a.contiguous().view(_INT_VIEW[a.dtype]) == b.contiguous().view(_INT_VIEW[b.dtype])
+
+
+def measure(full_reduce: Callable[[torch.Tensor], torch.Tensor | None], *, collective: str, rows: int,
+            world_size: int, ref_pool: torch.Tensor | None) -> dict[str, float] | None:
+    """Run the probe alone and in every placement through ``full_reduce`` (collective: every rank calls it with
+    the same indices); return the numerical columns on the rank whose ``full_reduce`` returns the whole reduced
+    buffer (rows in input order) and None elsewhere. ``ref_pool`` is needed on that rank only."""
+    alone = full_reduce(batch_index(rows))
+    moved = [(p, full_reduce(batch_index(rows, p))) for p in placements(collective, rows, world_size)]
+    if alone is None:
+        return None
+    assert ref_pool is not None
+    ref = ref_pool.to(alone.device)[batch_index(rows).to(alone.device)]
+    changed = torch.zeros(alone.shape, dtype=torch.bool, device=alone.device)
+    worst = ulp_distance(alone, ref).max().item() if alone.numel() else 0.0
+    for p, out in moved:
+        assert out is not None
+        probe = out[p.front:p.front + rows]
+        changed |= ~_same_bits(probe, alone)
+        worst = max(worst, ulp_distance(probe, ref).max().item())
+    frac = changed.float().mean().item() if changed.numel() else 0.0
+    return {"changed_frac": frac, "max_ulps": float(worst)}
+
+
+def measure_gather(gather: Callable[[torch.Tensor], torch.Tensor | None], *, rows_per_rank: int, world_size: int,
+                   pools: dict[int, torch.Tensor] | None) -> dict[str, float | None] | None:
+    """All-gather moves bits: the largest ulp distance of the gathered rows from the inputs (0 when exact); no
+    changed fraction (nothing to reassociate)."""
+    idx = batch_index(rows_per_rank)
+    out = gather(idx)
+    if out is None:
+        return None
+    assert pools is not None
+    want = torch.cat([pools[r].to(out.device)[idx.to(out.device)] for r in range(world_size)])
+    worst = ulp_distance(out, want).max().item() if out.numel() else 0.0
+    return {"changed_frac": None, "max_ulps": float(worst)}

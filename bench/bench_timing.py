@@ -1,0 +1,98 @@
+"""How the bench times one call: per-call samples, their order statistics, and nccl-tests bandwidths.
+
+CPU (gloo): each timed call starts after a barrier and is timed by perf_counter, so a sample is one call's
+latency from an aligned start. GPU: back-to-back calls bracketed by CUDA events (one interval per call, no host
+synchronization in between, as nccl-tests does), eager; and CUDA-graph replay, where one replay runs
+``calls_per_graph`` captured calls and one sample is the replay's time divided by that count.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from typing import Callable, Sequence
+
+import torch
+
+__all__ = ["time_cpu", "time_cuda_eager", "time_cuda_graph", "summarize", "bandwidth"]
+
+
+def time_cpu(fn: Callable[[], object], *, iters: int, warmup: int, barrier: Callable[[], None]) -> list[float]:
+    """Seconds per call of ``fn`` over ``iters`` calls after ``warmup``, each started right after ``barrier()``."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(iters):
+        barrier()
+        t = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t)
+    return samples
+
+
+def time_cuda_eager(fn: Callable[[], object], *, iters: int, warmup: int,
+                    barrier: Callable[[], None] | None = None) -> list[float]:
+    """Seconds per call, from CUDA events around each of ``iters`` back-to-back calls on the current stream."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    if barrier is not None:
+        barrier()
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(iters + 1)]
+    events[0].record()
+    for i in range(iters):
+        fn()
+        events[i + 1].record()
+    events[-1].synchronize()
+    return [events[i].elapsed_time(events[i + 1]) / 1e3 for i in range(iters)]
+
+
+def time_cuda_graph(capture: Callable[[], Callable[[], None]], *, iters: int, calls_per_graph: int,
+                    barrier: Callable[[], None] | None = None) -> list[float]:
+    """Seconds per call from ``iters`` back-to-back replays; ``capture()`` records ``calls_per_graph`` calls and
+    returns the replay function (the caller owns the graphs; they die with the returned closure)."""
+    replay = capture()
+    replay()
+    torch.cuda.synchronize()
+    if barrier is not None:
+        barrier()
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(iters + 1)]
+    events[0].record()
+    for i in range(iters):
+        replay()
+        events[i + 1].record()
+    events[-1].synchronize()
+    return [events[i].elapsed_time(events[i + 1]) / 1e3 / calls_per_graph for i in range(iters)]
+
+
+def _quantile(sorted_s: Sequence[float], q: float) -> float:
+    # Linear interpolation between order statistics (numpy's default), without numpy.
+    pos = q * (len(sorted_s) - 1)
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return sorted_s[lo] + (sorted_s[hi] - sorted_s[lo]) * (pos - lo)
+
+
+def summarize(samples: Sequence[float]) -> dict[str, float]:
+    """Median, p10 and p90 in microseconds, and the sample count."""
+    if not samples:
+        raise ValueError("no samples to summarize")
+    s = sorted(samples)
+    return {"median_us": statistics.median(s) * 1e6, "p10_us": _quantile(s, 0.1) * 1e6,
+            "p90_us": _quantile(s, 0.9) * 1e6, "n": len(s)}
+
+
+_BUS_FACTOR = {"all_reduce": lambda w: 2 * (w - 1) / w, "reduce_scatter": lambda w: (w - 1) / w,
+               "all_gather": lambda w: (w - 1) / w}
+
+
+def bandwidth(collective: str, *, nbytes: int, seconds: float, world_size: int) -> tuple[float, float]:
+    """(algbw, busbw) in GB/s by the nccl-tests definitions: algbw = size / time with size the full buffer
+    (all-reduce: the per-rank message; reduce-scatter: the input; all-gather: the output); busbw = algbw *
+    2(W-1)/W for all-reduce and (W-1)/W for reduce-scatter and all-gather."""
+    if collective not in _BUS_FACTOR:
+        raise ValueError(f"unknown collective {collective!r}; expected one of {sorted(_BUS_FACTOR)}")
+    if seconds <= 0:
+        raise ValueError(f"seconds must be > 0, got {seconds}")
+    alg = nbytes / seconds / 1e9
+    return alg, alg * _BUS_FACTOR[collective](world_size)
