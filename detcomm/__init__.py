@@ -13,6 +13,7 @@ written). Row = dim 0. See README.md for the route table, the envelopes and the 
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 from typing import Sequence
 
 import torch
@@ -27,6 +28,7 @@ from .comm import (
     RouteTable,
     warn_missing_environment,
 )
+from .check import CollectiveMismatch, PeerTimeout, check_from_env
 from .envelope import (
     BITWISE_ENVELOPES,
     MULTICAST_OFF_ENV,
@@ -60,6 +62,8 @@ __all__ = [
     "is_initialized",
     "Communicator",
     "RouteRefused",
+    "CollectiveMismatch",
+    "PeerTimeout",
     "RouteTable",
     "RouteEntry",
     "BITWISE_ENVELOPES",
@@ -133,6 +137,8 @@ def init(
     workspace: bool | None = None,
     workspace_max_rows: int = DEFAULT_WORKSPACE_MAX_ROWS,
     workspace_bytes: int = DEFAULT_WORKSPACE_BYTES,
+    check: bool | None = None,
+    timeout_s: float | None = None,
     **switches: object,
 ) -> Communicator:
     """Create detcomm's communicator for ``group`` (default: the default process group). Collective.
@@ -150,6 +156,13 @@ def init(
     it); it serves SUM sites with ``max_rows <= workspace_max_rows`` and carries ``workspace_bytes`` of a
     rank's rows per launch (more rows are chunked, bits unchanged).
 
+    ``check``: before every collective call, the ranks compare a fingerprint of the call (site, collective,
+    op, dtype, trailing shape, rows, sequence number) and all raise ``CollectiveMismatch`` when they differ
+    (detcomm/check.py; costs one small collective per call). None: ``$DETCOMM_CHECK``, else off.
+    ``timeout_s``: the deadline of every blocking wait on the process group init creates (otherwise torch's
+    default: 30 min for gloo, 10 min for NCCL). A group that already exists keeps the timeout it was created with;
+    passing ``timeout_s`` then is an error.
+
     Raises ValueError for an unknown envelope or switch or conflicting switches (before any communication),
     RuntimeError when the fold leaf the envelope requires is missing or the group was created without the
     NCCL environment a bitwise envelope needs, and ``RouteRefused`` (on every rank) when a route needed for
@@ -157,6 +170,16 @@ def init(
     """
     global _DEFAULT
     resolved = resolve_numerics(default_numerics() if numerics is None else numerics, **switches)
+    checking = check_from_env(check)
+    if timeout_s is not None:
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+            raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        if group is not None or dist.is_initialized():
+            raise ValueError(
+                "timeout_s applies only to the process group detcomm.init creates; this group already exists and "
+                "keeps its own timeout: pass timeout=datetime.timedelta(seconds=...) to "
+                "torch.distributed.init_process_group / new_group instead"
+            )
     key = _group_key(group)
     if key in _COMMS:
         raise RuntimeError("detcomm is already initialized on this group; call detcomm.shutdown() first")
@@ -166,7 +189,8 @@ def init(
         apply_environment(resolved.numerics, **{k: getattr(resolved.switches, k) for k in resolved.explicit})
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend=backend, init_method="env://")
+        dist.init_process_group(backend=backend, init_method="env://",
+                                **({} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}))
         created = True
     pg = dist.group.WORLD if group is None else group
     if not created:
@@ -180,7 +204,8 @@ def init(
     try:
         comm = Communicator(group=pg, resolved=resolved, selfcheck=selfcheck, default_max_rows=default_max_rows,
                             owns_group=created, device=device, workspace=workspace,
-                            workspace_max_rows=workspace_max_rows, workspace_bytes=workspace_bytes)
+                            workspace_max_rows=workspace_max_rows, workspace_bytes=workspace_bytes,
+                            check=checking, timeout_s=timeout_s)
     except BaseException:
         if created:
             dist.destroy_process_group()

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from . import envelope as _env
 from .backends import A2AFoldBackend, GatherFoldBackend, NativeBackend
 from .backends.workspace import WorkspaceBackend
+from .check import CallChecker
 from .fold import BATCH_INVARIANT, FLOAT_DTYPES, Leaf, select_leaf
 from .route import (
     DEFAULT_MAX_ROWS,
@@ -131,6 +132,8 @@ class Communicator:
         workspace: bool | None = None,
         workspace_max_rows: int = DEFAULT_WORKSPACE_MAX_ROWS,
         workspace_bytes: int = DEFAULT_WORKSPACE_BYTES,
+        check: bool = False,
+        timeout_s: float | None = None,
     ) -> None:
         for name, value in (("default_max_rows", default_max_rows), ("workspace_max_rows", workspace_max_rows),
                             ("workspace_bytes", workspace_bytes)):
@@ -155,6 +158,9 @@ class Communicator:
             Route.A2A_FOLD: A2AFoldBackend(self._native, self.leaf),
         }
         self.caps = self._discover_capabilities(workspace, workspace_max_rows, workspace_bytes)
+        # Cross-rank call checking (detcomm/check.py); timeout_s only names the group's timeout in its errors.
+        self._checker = (CallChecker(native=self._native, device=self.device, rank=self.rank,
+                                     world_size=self.world_size, timeout_s=timeout_s) if check else None)
         self.auto = AutoBackend(resolved, self.caps)
         self._sites: dict[str, Site] = {}
         self._decisions: dict[str, RouteDecision] = {}
@@ -305,7 +311,8 @@ class Communicator:
         self._sites[s.name] = s
         return s
 
-    def _site_for_call(self, site: str | Site, collective: Collective, x: torch.Tensor, op: ReduceOp) -> Site:
+    def _site_for_call(self, site: str | Site, collective: Collective, x: torch.Tensor, op: ReduceOp, *,
+                       rows_per_rank: Sequence[int] | None = None, uneven: bool = False) -> Site:
         if isinstance(site, Site):
             if site.group != self.group_label or self._sites.get(site.name) != site:
                 raise ValueError(
@@ -319,13 +326,17 @@ class Communicator:
             raise TypeError(f"site must be a site name (str) or a detcomm Site, got {type(site).__name__}")
         self._check_tensor(name, x)
         declared = self._sites.get(name)
+        # The most rows a rank carries: a token_all_gather's largest rows_per_rank entry, else this tensor's.
+        rows = max(rows_per_rank) if rows_per_rank is not None else x.shape[0]
         if declared is None:
-            if x.shape[0] > self.default_max_rows:
+            if rows > self.default_max_rows:
                 raise ValueError(
-                    f"site {name!r}: first call carries {x.shape[0]} rows, more than the default max_rows "
+                    f"site {name!r}: first call carries {rows} rows, more than the default max_rows "
                     f"{self.default_max_rows} of an undeclared site; declare it with detcomm.site({name!r}, ..., "
                     f"max_rows=N) or raise init(default_max_rows=...)"
                 )
+            # Before the implicit declaration: it may run a self-check, itself collective.
+            self._agree(name, collective, op, x, rows_per_rank, uneven)
             implicit = Site(name, collective, x.dtype, tuple(x.shape[1:]), self.default_max_rows, op,
                             self.group_label, implicit=True)
             return self._declare(implicit)
@@ -344,12 +355,19 @@ class Communicator:
                 f"{'; '.join(problems)}. A site is static: declare another site for this call (or cast/reshape "
                 "the input)."
             )
-        if x.shape[0] > declared.max_rows:
+        if rows > declared.max_rows:
             raise ValueError(
-                f"site {name!r}: {x.shape[0]} rows exceed the declared max_rows={declared.max_rows}; declare the "
+                f"site {name!r}: {rows} rows exceed the declared max_rows={declared.max_rows}; declare the "
                 f"site with a larger max_rows (the most rows it will ever carry)"
             )
+        self._agree(name, collective, op, x, rows_per_rank, uneven)
         return declared
+
+    def _agree(self, name: str, collective: Collective, op: ReduceOp, x: torch.Tensor,
+               rows_per_rank: Sequence[int] | None, uneven: bool) -> None:
+        # After every local validation (a caller error never costs a message), before any collective work.
+        if self._checker is not None:
+            self._checker.agree(name, collective, op, x, rows_per_rank=rows_per_rank, uneven=uneven)
 
     def _check_tensor(self, name: str, x: torch.Tensor) -> None:
         if not isinstance(x, torch.Tensor):
@@ -429,9 +447,7 @@ class Communicator:
                 f"site {name!r}: this rank ({self.rank}) passes {x.shape[0]} rows but rows_per_rank[{self.rank}] = "
                 f"{counts[self.rank]}; every rank must pass the same rows_per_rank"
             )
-        s = self._site_for_call(site, Collective.TOKEN_ALL_GATHER, x, ReduceOp.SUM)
-        if max(counts) > s.max_rows:
-            raise ValueError(f"site {name!r}: a rank carries {max(counts)} rows, above max_rows={s.max_rows}")
+        s = self._site_for_call(site, Collective.TOKEN_ALL_GATHER, x, ReduceOp.SUM, rows_per_rank=counts)
         return self._run(self._decisions[s.name].route, s, x, rows_per_rank=counts)
 
     def all_to_all(self, x: torch.Tensor, *, site: str | Site, splits: Sequence[int] | None = None) -> torch.Tensor:
@@ -454,7 +470,7 @@ class Communicator:
                 raise ValueError(f"site {name!r}: splits has {len(in_splits)} entries, the group has {self.world_size} ranks")
             if isinstance(x, torch.Tensor) and x.dim() >= 1 and sum(in_splits) != x.shape[0]:
                 raise ValueError(f"site {name!r}: splits sum to {sum(in_splits)}, the tensor has {x.shape[0]} rows")
-        s = self._site_for_call(site, Collective.ALL_TO_ALL, x, ReduceOp.SUM)
+        s = self._site_for_call(site, Collective.ALL_TO_ALL, x, ReduceOp.SUM, uneven=splits is not None)
         if splits is None:
             n = x.shape[0] // self.world_size
             ins = outs = [n] * self.world_size

@@ -1,0 +1,68 @@
+"""One rank of the failure tests in tests/test_robust_failures.py (started by the test or by detcomm-launch).
+
+    python tests/robust_rank_job.py SCENARIO OUT_DIR
+
+RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT come from the environment; ``detcomm.init`` creates the gloo group
+itself with ``timeout_s=DEADLINE_S``. Every rank that survives writes rankN.json: what it raised and when.
+
+Scenarios (rank 1 is the faulty one):
+  absent-check    rank 1 never makes the call; the others call all_reduce with check=True
+  absent          the same without checking (gloo's own timeout error)
+  die-native      every rank loops over all_reduce on the native route (numerics=auto); rank 1 SIGKILLs itself
+  die-gather_fold the same on the gather_fold route (numerics=rl-bitwise)
+  freeze-gather_fold  rank 1 SIGSTOPs itself instead: its sockets stay open, only the deadline ends the wait
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+
+import torch
+
+import detcomm
+
+DEADLINE_S = 3.0
+
+
+def main(scenario: str, out: str) -> None:
+    rank = int(os.environ["RANK"])
+    numerics = "rl-bitwise" if scenario.endswith("gather_fold") else "auto"
+    comm = detcomm.init(numerics=numerics, timeout_s=DEADLINE_S, check=scenario == "absent-check")
+    detcomm.site("x", collective="all_reduce", dtype=torch.float32, shape=(1024,), max_rows=64)
+    x = torch.full((64, 1024), float(rank + 1))
+    detcomm.all_reduce(x, site="x")  # every rank reached the group and the route works
+    result: dict[str, object] = {"route": comm.routes().as_dicts()[0]["route"]}
+    if rank == 1:
+        if scenario.startswith("absent"):
+            time.sleep(60)  # never makes the call; the test kills this process
+            return
+        # Die from another thread while the main thread is inside (or between) collectives.
+        with open(os.path.join(out, "killed_at"), "w") as f:
+            f.write(repr(time.time() + 0.3))
+        sig = signal.SIGSTOP if scenario.startswith("freeze") else signal.SIGKILL
+        threading.Timer(0.3, lambda: os.kill(os.getpid(), sig)).start()
+    t0 = time.time()
+    try:
+        for _ in range(100000):
+            detcomm.all_reduce(x, site="x")
+            if scenario.startswith("absent"):
+                break
+        result.update(raised=None)
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        result.update(raised=type(e).__name__, message=str(e))
+    result.update(started=t0, ended=time.time())
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    if os.environ.get("ROBUST_LINGER"):
+        time.sleep(600)  # under detcomm-launch: only the launcher's tear-down ends this rank
+    # The group is broken: leave without the collective tear-down of shutdown().
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
