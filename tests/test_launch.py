@@ -216,7 +216,9 @@ def test_mpi_one_rank_fails_whole_group_down(tmp_path: Path) -> None:
     job.write_text(FAILING_JOB)
     proc, elapsed = _launch(["--nproc", "3", "--backend", "mpi", str(job)])
     _assert_torn_down(proc, elapsed)
-    assert "MPI_ABORT was invoked on rank 1" in proc.stdout + proc.stderr
+    # The bootstrap's own words, not Open MPI's MPI_ABORT banner: mpiexec's help text is best effort (it was
+    # seen failing with "ORTE_ERROR_LOG: Out of resource ... show_help.c" on a loaded machine).
+    assert "rank 1 of 3 failed; aborting the whole job" in proc.stdout + proc.stderr
 
 
 @pytest.mark.slow
