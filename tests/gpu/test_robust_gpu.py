@@ -33,10 +33,12 @@ def test_graph_churn_returns_memory_and_stays_exact() -> None:
     streams = [torch.cuda.Stream() for _ in range(w)]
     sizes = (1, 7, 64, 129, 1000)
     dtype = "bfloat16"
-    torch.cuda.synchronize()
-    gc.collect()
-    base = torch.cuda.memory_allocated()
-    for it in range(100):
+    base = None
+    for it in range(-len(sizes), 100):  # the negative iterations warm up every size, then the baseline is taken
+        if it == 0:
+            torch.cuda.synchronize()
+            gc.collect()
+            base = torch.cuda.memory_allocated()
         rows = sizes[it % len(sizes)]
         static = [torch.empty(rows, 96, dtype=torch.bfloat16, device="cuda:0") for _ in range(w)]
         graphs, outs = [], []
@@ -45,7 +47,7 @@ def test_graph_churn_returns_memory_and_stays_exact() -> None:
             with torch.cuda.graph(g, stream=streams[r]):
                 outs.append(views[r].all_reduce(static[r], algo="one_shot" if it % 2 else "two_shot"))
             graphs.append(g)
-        bits = [ill_bits(rows, 96, dtype, seed=it, rank=r) for r in range(w)]
+        bits = [ill_bits(rows, 96, dtype, seed=it + 1000, rank=r) for r in range(w)]
         for r in range(w):
             static[r].copy_(to_torch(bits[r], dtype).cuda())
         torch.cuda.synchronize()
