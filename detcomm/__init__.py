@@ -42,6 +42,7 @@ from .envelope import (
     resolve_numerics,
 )
 from .fold import BATCH_INVARIANT, Leaf, Priority, reference_fold, register_leaf, select_leaf
+from .mpi_env import rank_facts_from_environment
 from .route import DEFAULT_MAX_ROWS, AutoBackend, Capabilities, Collective, ReduceOp, Route, Site
 from .workspace import leaf as _cuda_leaf  # noqa: F401 - registers the CUDA fold leaf where cupy is installed
 
@@ -92,13 +93,6 @@ __all__ = [
 _COMMS: dict[object, Communicator] = {}
 _DEFAULT: Communicator | None = None
 
-# Rank variables of the MPI launchers, mapped to torch.distributed's (OpenMPI, then MPICH/Intel MPI/PMI).
-_MPI_RANK_VARS = (
-    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
-    ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),
-)
-
-
 def _group_key(group: dist.ProcessGroup | None) -> object:
     return dist.group.WORLD if group is None else group
 
@@ -107,11 +101,10 @@ def _env_rendezvous() -> str:
     """Fill RANK/WORLD_SIZE/LOCAL_RANK from torchrun's or an MPI launcher's variables; return the backend."""
     env = os.environ
     if "RANK" not in env or "WORLD_SIZE" not in env:
-        for rank_var, size_var, local_var in _MPI_RANK_VARS:
-            if rank_var in env and size_var in env:
-                env["RANK"], env["WORLD_SIZE"] = env[rank_var], env[size_var]
-                env.setdefault("LOCAL_RANK", env.get(local_var, "0"))
-                break
+        facts = rank_facts_from_environment(env)
+        if facts is not None:
+            env.update(RANK=str(facts.rank), WORLD_SIZE=str(facts.world_size), LOCAL_RANK=str(facts.local_rank),
+                       LOCAL_WORLD_SIZE=str(facts.local_world_size))
         else:
             raise ValueError(
                 "detcomm.init: no torch.distributed process group exists and the environment names no rank "

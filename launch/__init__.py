@@ -7,8 +7,8 @@ non-zero exit when one rank fails.
 
 Modules, one mechanism each:
     environment    the variables every rank starts with
-    mpi_vars       mapping MPI launchers' rank variables to torch.distributed's
-    mpi_bootstrap  what each MPI rank runs: MPI rank facts -> torch env, then the target, abort on failure
+    mpi_bootstrap  what each MPI rank runs: MPI rank facts (detcomm.mpi_env) -> torch env, then the target,
+                   abort on failure
     backends       the torchrun and mpiexec command lines
     cli            the ``detcomm-launch`` command
 """

@@ -11,7 +11,7 @@ With mpi4py (preferred) the facts come from MPI itself and rank 0's rendezvous a
 so multi-node jobs need no extra configuration; an uncaught exception (or a non-zero SystemExit) on any rank
 prints that rank's traceback and calls MPI_Abort, which makes mpiexec kill every rank at once: ranks blocked
 in a gloo or NCCL collective would otherwise wait for the dead peer until their timeout.
-Without mpi4py the launcher's variables are mapped instead (see ``launch.mpi_vars``).
+Without mpi4py the launcher's variables are mapped instead (see ``detcomm.mpi_env``).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import traceback
 from typing import Sequence
 
 from .environment import MULTICAST_OFF
-from .mpi_vars import RankFacts, rank_facts_from_environment, torch_distributed_variables
+from detcomm.mpi_env import RankFacts, rank_facts_from_environment, torch_distributed_variables
 
 __all__ = ["main", "free_port"]
 

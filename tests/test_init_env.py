@@ -52,9 +52,10 @@ def test_init_from_mpi_variables(flavour: str, tmp_path: Path) -> None:
         env = _clean_env(tmp_path)
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, DETCOMM_NUMERICS="rl-bitwise")
         if flavour == "openmpi":
-            env.update(OMPI_COMM_WORLD_RANK=str(rank), OMPI_COMM_WORLD_SIZE="3", OMPI_COMM_WORLD_LOCAL_RANK=str(rank))
+            env.update(OMPI_COMM_WORLD_RANK=str(rank), OMPI_COMM_WORLD_SIZE="3", OMPI_COMM_WORLD_LOCAL_RANK=str(rank),
+                       OMPI_COMM_WORLD_LOCAL_SIZE="3")
         else:
-            env.update(PMI_RANK=str(rank), PMI_SIZE="3", MPI_LOCALRANKID=str(rank))
+            env.update(PMI_RANK=str(rank), PMI_SIZE="3", MPI_LOCALRANKID=str(rank), MPI_LOCALNRANKS="3")
         procs.append(subprocess.Popen([sys.executable, JOB], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True, env=env))
     outs = [p.communicate(timeout=300) for p in procs]

@@ -21,7 +21,7 @@ import pytest
 from launch.backends import LaunchError, MpiExec, Target, find_mpiexec, mpiexec_command, torchrun_command
 from launch.cli import build_parser, plan
 from launch.environment import MULTICAST_OFF, launch_environment
-from launch.mpi_vars import RankFacts, rank_facts_from_environment, torch_distributed_variables
+from detcomm.mpi_env import RankFacts, rank_facts_from_environment, torch_distributed_variables
 
 ROOT = Path(__file__).resolve().parents[1]
 HAVE_MPI = shutil.which("mpiexec") is not None
