@@ -188,3 +188,35 @@ def test_gpu_soak_every_route() -> None:
         assert r["calls"] >= 20 and r["mismatches"] == 0, r
         assert r["mem_growth"] <= 256 * 1024 and r["fd_growth"] <= 2 and r["thread_growth"] <= 1, r
     print(f"GPU soak: W={w}, {res[0]['calls']} calls per rank in {seconds:.0f} s, 0 mismatches, routes {res[0]['routes']}")
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_barrier_epochs_across_the_wrap(world: int) -> None:
+    """Item 6: start every barrier flag and epoch counter of every rank a few uses before 2**32 (a consistent
+    state, as a fresh workspace's zeros are) and run collectives across the wrap: no hang (a hang would trap at
+    the deadline), no stale flag consumed (every result equals the oracle)."""
+    import cupy
+
+    from detcomm.workspace import Workspace, plan
+    from harness import Ranks
+
+    start = (1 << 32) - 5
+    views = Workspace.in_process(world, device="cuda:0", capacity_bytes=1 << 16, timeout_s=10.0)
+    words = plan.BARRIER_KINDS * plan.MAX_BLOCKS * plan.MAX_WORLD + plan.BARRIER_KINDS * plan.MAX_BLOCKS
+    torch.cuda.synchronize()
+    for base in views[0]._transport.ptrs:  # each rank's header: flags[kind][block][src], then epochs[kind][block]
+        mem = cupy.cuda.UnownedMemory(base, words * 4, owner=None)
+        cupy.ndarray((words,), dtype=cupy.uint32, memptr=cupy.cuda.MemoryPointer(mem, 0)).fill(start)
+    cupy.cuda.runtime.deviceSynchronize()
+    R = Ranks(views)
+    for it in range(12):
+        rows = (1, 9, 64)[it % 3]
+        bits = [ill_bits(world * rows, 40, "float32", seed=it, rank=r) for r in range(world)]
+        op = ("all_reduce", "all_reduce", "reduce_scatter")[it % 3]
+        kw = {"algo": "one_shot" if it % 2 else "two_shot"} if op == "all_reduce" else {}
+        got = R.run_bits(op, bits, "float32", **kw)
+        want = oracle.fold_oracle(bits, "float32")
+        for r in range(world):
+            expect = want if op == "all_reduce" else want[r * rows : (r + 1) * rows]
+            assert np.array_equal(got[r], expect), f"use {it}, rank {r}"
+    R.close()
