@@ -13,9 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -23,31 +21,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import detcomm  # noqa: E402,F401 - registers every leaf this installation has
+from bench.bench_timing import median_ms_back_to_back  # noqa: E402
 from detcomm.fold import BATCH_INVARIANT, registered_leaves  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-def _time(fn, device: torch.device, repeats: int, iters: int = 10) -> float:  # type: ignore[no-untyped-def]
-    """Median seconds per call. On GPU each sample is `iters` back-to-back calls between two events, as a
-    serving loop issues them, so a call's host-side launch cost overlaps the previous call's device work."""
-    fn()
-    fn()
-    samples = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(iters):
-                fn()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end) / 1e3 / iters)
-        else:
-            t = time.perf_counter()
-            fn()
-            samples.append(time.perf_counter() - t)
-    return statistics.median(samples)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,8 +51,13 @@ def main(argv: list[str] | None = None) -> int:
             moved = (w + 1) * args.rows * args.hidden * elem  # W inputs read + one output written
             src = torch.empty(moved // 2, dtype=torch.uint8, device=device)
             dst = torch.empty_like(src)
-            t_fold = _time(lambda: leaf.fold(stacked, dtype), device, args.repeats)
-            t_copy = _time(lambda: dst.copy_(src), device, args.repeats)
+            # Warm-up (kernel load, allocator), then back-to-back calls as a serving loop issues them.
+            leaf.fold(stacked, dtype)
+            dst.copy_(src)
+            cuda = device.type == "cuda"
+            t_fold = median_ms_back_to_back(lambda: leaf.fold(stacked, dtype), repeats=args.repeats, iters=10,
+                                            cuda=cuda) / 1e3
+            t_copy = median_ms_back_to_back(lambda: dst.copy_(src), repeats=args.repeats, iters=10, cuda=cuda) / 1e3
             fold_bw, copy_bw = moved / t_fold / 1e9, moved / t_copy / 1e9
             rows.append({"leaf": leaf.name, "W": w, "fold_s": t_fold, "fold_GBps": fold_bw, "copy_GBps": copy_bw,
                          "ratio": fold_bw / copy_bw})

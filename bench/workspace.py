@@ -25,7 +25,6 @@ import argparse
 import ctypes
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -36,22 +35,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from bench.bench_timing import median_ms_back_to_back as _median_ms  # noqa: E402
+
 SIZES = [16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 WORLDS = [2, 4, 8]
-
-
-def _median_ms(fn, *, repeats: int, iters: int) -> float:
-    """Median over `repeats` of the mean time of `iters` back-to-back calls of fn(), by CUDA events."""
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / iters)
-    return statistics.median(times)
 
 
 # ---- (a) fold bandwidth against a copy -------------------------------------------------------------------
