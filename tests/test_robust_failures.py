@@ -86,5 +86,8 @@ def test_launcher_tears_down_and_names_the_killed_rank(tmp_path: Path) -> None:
     assert proc.returncode != 0, out
     assert "rank      : 1 (local_rank: 1)" in out and "SIGKILL" in out, out[-3000:]
     assert elapsed < 60, f"the group took {elapsed:.0f} s to go down"
-    # The survivors had raised (and then lingered) before the launcher took them down.
-    assert all(s["raised"] == "RuntimeError" for s in _survivors(tmp_path))
+    # A survivor that got to report had raised (then lingered) before the launcher took it down. torchrun may
+    # stop a survivor before its gloo error arrives, so not every survivor reports here; that survivors raise
+    # is pinned by test_survivors_raise_when_a_peer_dies_mid_collective, without a launcher.
+    reports = [json.loads(p.read_text()) for p in tmp_path.glob("rank[02].json")]
+    assert all(s["raised"] == "RuntimeError" for s in reports), reports
