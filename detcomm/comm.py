@@ -31,6 +31,7 @@ from .route import (
     Collective,
     ReduceOp,
     Route,
+    SUPPORTED_DTYPES,
     RouteDecision,
     Site,
 )
@@ -236,11 +237,9 @@ class Communicator:
         key = CheckKey(decision.route, site.collective, site.op, site.dtype, site.shape)
         result = self._checks.get(key)
         if result is None:
-            if site.collective is Collective.ARGMAX:
-                vstart = self.rank * site.shape[0]
-                execute = lambda x: self._native.argmax(x, vstart)  # noqa: E731
-            else:
-                execute = lambda x: self._run(decision.route, site, x)  # noqa: E731
+            # An argmax check gives each rank the vocabulary shard it would hold in a real call.
+            kw = {"vocab_start": self.rank * site.shape[0]} if site.collective is Collective.ARGMAX else {}
+            execute = lambda x: self._run(decision.route, site, x, **kw)  # noqa: E731
             result = self._checks[key] = run_check(key, execute, native=self._native, device=self.device)
         return result
 
@@ -261,13 +260,10 @@ class Communicator:
             if refused:
                 cand = RouteDecision(cand.route, cand.why + " [refused: " + " | ".join(refused) + "]")
             return cand
-        msg = (
+        raise RouteRefused(
             f"site {site.name!r} ({site.describe()}): no acceptable route passed its startup self-check under "
             f"numerics={self.resolved.numerics!r}: " + " | ".join(refused)
         )
-        if self.resolved.bitwise:
-            raise RouteRefused(msg)
-        raise RouteRefused(msg + " (the route's bits cannot be trusted on this group)")
 
     # -- sites --------------------------------------------------------------------------------------
     def site(
@@ -372,8 +368,6 @@ class Communicator:
     def _check_tensor(self, name: str, x: torch.Tensor) -> None:
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"site {name!r}: expected a torch.Tensor, got {type(x).__name__}")
-        from .route import SUPPORTED_DTYPES
-
         if x.dtype not in SUPPORTED_DTYPES:
             raise ValueError(
                 f"site {name!r}: dtype {x.dtype} is not supported; use one of {[str(d) for d in SUPPORTED_DTYPES]}"
