@@ -104,11 +104,6 @@ class IpcSymmetricBuffer:
             dist.all_gather_object(out, obj, group=group)
             return out
 
-        def fail_if_any(stage: str, errs: list[Any]) -> None:
-            bad = [f"rank {r}: {e}" for r, e in enumerate(errs) if e]
-            if bad:
-                raise SymmMemUnavailable(f"symmetric memory {stage} failed: " + "; ".join(bad))
-
         cupy = _cupy()
         rt = cupy.cuda.runtime
         own = 0
@@ -127,6 +122,13 @@ class IpcSymmetricBuffer:
                     except Exception:  # noqa: BLE001
                         pass
 
+        def fail_if_any(stage: str, errs: list[Any]) -> None:
+            # Every rank sees the same errs (gathered), so all release and raise together.
+            bad = [f"rank {r}: {e}" for r, e in enumerate(errs) if e]
+            if bad:
+                release()
+                raise SymmMemUnavailable(f"symmetric memory {stage} failed: " + "; ".join(bad))
+
         nonce = secrets.randbits(32)
         err, handle = None, None
         try:
@@ -139,11 +141,7 @@ class IpcSymmetricBuffer:
         except Exception as e:  # noqa: BLE001 - reported to every rank below
             err = f"allocate/export: {e}"
         infos = gather((err, handle, nonce))
-        try:
-            fail_if_any("allocation", [i[0] for i in infos])
-        except SymmMemUnavailable:
-            release()
-            raise
+        fail_if_any("allocation", [i[0] for i in infos])
 
         # Stage 2: open every peer's handle, write our token into its probe slot, read back the owner's token.
         err = None
@@ -161,11 +159,7 @@ class IpcSymmetricBuffer:
         except Exception as e:  # noqa: BLE001
             err = f"open/probe peers: {e}"
         errs = gather(err)
-        try:
-            fail_if_any("peer mapping", errs)
-        except SymmMemUnavailable:
-            release()
-            raise
+        fail_if_any("peer mapping", errs)
 
         # Stage 3: every peer's write must be visible in our own buffer, read by the owner.
         err = None
@@ -178,11 +172,7 @@ class IpcSymmetricBuffer:
         except Exception as e:  # noqa: BLE001
             err = f"probe read-back: {e}"
         errs = gather(err)
-        try:
-            fail_if_any("peer-access proof", errs)
-        except SymmMemUnavailable:
-            release()
-            raise
+        fail_if_any("peer-access proof", errs)
 
         ptrs = tuple(own if p == rank else opened[p] for p in range(world))
         return cls(group=group, rank=rank, world_size=world, device_index=device_index, nbytes=nbytes,
