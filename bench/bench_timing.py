@@ -36,16 +36,7 @@ def time_cuda_eager(fn: Callable[[], object], *, iters: int, warmup: int,
     """Seconds per call, from CUDA events around each of ``iters`` back-to-back calls on the current stream."""
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
-    if barrier is not None:
-        barrier()
-    events = [torch.cuda.Event(enable_timing=True) for _ in range(iters + 1)]
-    events[0].record()
-    for i in range(iters):
-        fn()
-        events[i + 1].record()
-    events[-1].synchronize()
-    return [events[i].elapsed_time(events[i + 1]) / 1e3 for i in range(iters)]
+    return _event_intervals(fn, iters=iters, barrier=barrier)
 
 
 def median_ms_back_to_back(fn: Callable[[], object], *, repeats: int, iters: int, cuda: bool = True) -> float:
@@ -76,16 +67,22 @@ def time_cuda_graph(capture: Callable[[], Callable[[], None]], *, iters: int, ca
     returns the replay function (the caller owns the graphs; they die with the returned closure)."""
     replay = capture()
     replay()
+    return [t / calls_per_graph for t in _event_intervals(replay, iters=iters, barrier=barrier)]
+
+
+def _event_intervals(fn: Callable[[], object], *, iters: int, barrier: Callable[[], None] | None) -> list[float]:
+    """Seconds between consecutive CUDA events around ``iters`` back-to-back calls, after the device drained
+    and (``barrier``) the ranks lined up."""
     torch.cuda.synchronize()
     if barrier is not None:
         barrier()
     events = [torch.cuda.Event(enable_timing=True) for _ in range(iters + 1)]
     events[0].record()
     for i in range(iters):
-        replay()
+        fn()
         events[i + 1].record()
     events[-1].synchronize()
-    return [events[i].elapsed_time(events[i + 1]) / 1e3 / calls_per_graph for i in range(iters)]
+    return [events[i].elapsed_time(events[i + 1]) / 1e3 for i in range(iters)]
 
 
 def _quantile(sorted_s: Sequence[float], q: float) -> float:
