@@ -30,17 +30,9 @@ class SiteReport:
     max_ulps: int
 
 
-def _ordered(t: torch.Tensor) -> torch.Tensor:
-    """Integers that count ulps between floats of the same dtype (negative values mirrored)."""
-    if t.dtype == torch.float32:
-        b = t.contiguous().view(torch.int32).to(torch.int64)
-        return torch.where(b >= 0, b, -(b & 0x7FFFFFFF))
-    b = t.contiguous().view(torch.int16).to(torch.int64) & 0xFFFF
-    return torch.where(b < 0x8000, b, -(b & 0x7FFF))
-
-
 def _measure(comm, site: str, collective: str, dtype: torch.dtype, hidden: int, rank: int, w: int) -> SiteReport:  # type: ignore[no-untyped-def]
     from .payload import ill_conditioned
+    from .probe.bits import changed_mask, ulp_distance
 
     blocks = w if collective == "reduce_scatter" else 1
     dev = comm.device
@@ -64,11 +56,10 @@ def _measure(comm, site: str, collective: str, dtype: torch.dtype, hidden: int, 
         batch = ill_conditioned(blocks * total, (hidden,), dtype, seed=100 + k, rank=rank, world_size=w).view(blocks, total, hidden)
         batch[:, off : off + _PROBE_ROWS] = base.view(blocks, _PROBE_ROWS, hidden)
         got = run(batch.reshape(blocks * total, hidden).to(dev)).cpu()[off : off + _PROBE_ROWS]
-        diff = (_ordered(got) - _ordered(ref)).abs()
-        nan_both = torch.isnan(got) & torch.isnan(ref)
-        diff = torch.where(nan_both, torch.zeros_like(diff), diff)
-        changed += int((diff > 0).any(dim=1).sum())
-        max_ulps = max(max_ulps, int(diff.max()))
+        changed += int(changed_mask(got, ref).any(dim=1).sum())
+        dist = ulp_distance(got, ref)
+        finite = dist[torch.isfinite(dist)]
+        max_ulps = max(max_ulps, int(finite.max()) if finite.numel() else 0)
         compared += _PROBE_ROWS
     route = comm.routes()
     route_of = {e.site.name: e.decision.route.value for e in route.entries}
