@@ -1,4 +1,4 @@
-// detcomm: shared device code for the workspace kernels (SPEC section 1, the canonical fold).
+// detcomm: shared device code for the workspace kernels (docs/spec.md section 1, the canonical fold).
 //
 // Compiled two ways, with the same source: at run time by NVRTC (detcomm/workspace/kernels.py inlines
 // this header into each .cu before compiling, so the on-disk cache key covers it) and by `nvcc -c` in the
@@ -6,7 +6,7 @@
 // every conversion is spelled as one PTX instruction whose rounding is named (cvt.rn), so nothing depends
 // on a header's choice of intrinsic.
 //
-// Numerics (SPEC 1):
+// Numerics (docs/spec.md §1):
 //   acc = +0.0f; for k in 0..W-1: acc = __fadd_rn(acc, widen(x_k)); out = round_rn(acc)
 //   - __fadd_rn is never contracted into an FMA (and the module is built with --fmad=false anyway);
 //   - no flush-to-zero: add.rn.f32 without .ftz, and the module is built with -ftz=false;
@@ -195,7 +195,7 @@ __device__ __forceinline__ uint4 fold_pack(const uint4 (&in)[DETCOMM_W], int ran
   constexpr int kPer = Traits<DT>::kPer;
   float acc[kPer];
 #pragma unroll
-  for (int i = 0; i < kPer; ++i) acc[i] = 0.0f;  // +0.0 start (SPEC 1)
+  for (int i = 0; i < kPer; ++i) acc[i] = 0.0f;  // +0.0 start (docs/spec.md §1)
 #pragma unroll
   for (int k = 0; k < DETCOMM_W; ++k) {  // group-rank order 0..W-1, never rotated or regrouped
     PackU<DT> u;

@@ -1,5 +1,5 @@
 // detcomm: one-shot all-reduce. Every rank copies its rows into its own workspace slot, then reads all W
-// peers' slots and folds them (SPEC 1) into its output. Latency-optimal for small messages: one barrier
+// peers' slots and folds them (docs/spec.md §1) into its output. Latency-optimal for small messages: one barrier
 // round before the fold, and every rank computes the whole result itself (W x read traffic per rank).
 //
 // Launch: grid = the workspace's static block count, block = DETCOMM_BLOCK_THREADS, identical on every rank.

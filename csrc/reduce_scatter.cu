@@ -1,5 +1,5 @@
 // detcomm: workspace reduce-scatter fold. Input slice s (L elements starting at x + s*x_stride) is destined
-// for rank s; rank r folds slice r from all W ranks (SPEC 1) into out_self. The host chunks the shard rows,
+// for rank s; rank r folds slice r from all W ranks (docs/spec.md §1) into out_self. The host chunks the shard rows,
 // so x_stride (the shard length) can exceed L (the chunk length).
 #include "slice_fold.cuh"
 

@@ -2,7 +2,7 @@
 //
 // The message is cut into W slices of L elements (the last ones may be shorter or empty). Slice s of every
 // rank lands at pack offset s*Lp of that rank's slot, where Lp is a multiple of the grid stride (see
-// detcomm_common.cuh, "Work assignment"). Rank r folds slice r from all W slots (SPEC 1, rank order
+// detcomm_common.cuh, "Work assignment"). Rank r folds slice r from all W slots (docs/spec.md §1, rank order
 // 0..W-1). Two-shot then writes the folded slice back into its own slot and, after a MID barrier, gathers
 // the other ranks' folded slices; reduce-scatter stops after the fold.
 #pragma once

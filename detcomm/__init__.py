@@ -28,7 +28,7 @@ from .comm import (
     RouteTable,
     warn_missing_environment,
 )
-from .check import CollectiveMismatch, PeerTimeout, check_from_env
+from .verify import CollectiveMismatch, PeerTimeout, check_from_env
 from .envelope import (
     BITWISE_ENVELOPES,
     MULTICAST_OFF_ENV,
@@ -138,7 +138,7 @@ def init(
 
     Uses the default torch.distributed group when one exists; otherwise creates it from the torchrun or MPI
     environment (NCCL when CUDA is present, gloo otherwise), after applying the envelope's environment
-    (SPEC 4 and 8). Resolves the numerics envelope (``numerics``: default ``$DETCOMM_NUMERICS``, set by
+    (docs/spec.md §4 and 8). Resolves the numerics envelope (``numerics``: default ``$DETCOMM_NUMERICS``, set by
     detcomm-launch, else ``"auto"``) with the explicit ``switches``, discovers the group's capabilities,
     runs the startup self-checks (``selfcheck=False`` skips them) and returns the communicator, which also
     becomes the module default when ``group`` is None.
@@ -151,7 +151,7 @@ def init(
 
     ``check``: before every collective call, the ranks compare a fingerprint of the call (site, collective,
     op, dtype, trailing shape, rows, sequence number) and all raise ``CollectiveMismatch`` when they differ
-    (detcomm/check.py; costs one small collective per call). None: ``$DETCOMM_CHECK``, else off.
+    (detcomm/verify.py; costs one small collective per call). None: ``$DETCOMM_CHECK``, else off.
     ``timeout_s``: the deadline of every blocking wait on the process group init creates (otherwise torch's
     default: 30 min for gloo, 10 min for NCCL). A group that already exists keeps the timeout it was created with;
     passing ``timeout_s`` then is an error.
@@ -188,7 +188,7 @@ def init(
     pg = dist.group.WORLD if group is None else group
     if not created:
         warn_missing_environment(resolved, dist.get_backend(pg))
-    # SPEC 8: keep multicast off in every process this one starts, unless the user opted in.
+    # docs/spec.md §8: keep multicast off in every process this one starts, unless the user opted in.
     if not resolved.switches.allow_multicast:
         os.environ.update(MULTICAST_OFF_ENV)
     if resolved.switches.disable_tf32:

@@ -21,8 +21,8 @@ import torch.distributed as dist
 
 from . import envelope as _env
 from .backends import A2AFoldBackend, GatherFoldBackend, NativeBackend
-from .backends.workspace import WorkspaceBackend
-from .check import CallChecker
+from .backends.ipc_fold import IpcFoldBackend
+from .verify import CallChecker
 from .fold import BATCH_INVARIANT, FLOAT_DTYPES, Leaf, select_leaf
 from .route import (
     DEFAULT_MAX_ROWS,
@@ -159,7 +159,7 @@ class Communicator:
             Route.A2A_FOLD: A2AFoldBackend(self._native, self.leaf),
         }
         self.caps = self._discover_capabilities(workspace, workspace_max_rows, workspace_bytes)
-        # Cross-rank call checking (detcomm/check.py); timeout_s only names the group's timeout in its errors.
+        # Cross-rank call checking (detcomm/verify.py); timeout_s only names the group's timeout in its errors.
         self._checker = (CallChecker(native=self._native, device=self.device, rank=self.rank,
                                      world_size=self.world_size, timeout_s=timeout_s) if check else None)
         self.auto = AutoBackend(resolved, self.caps)
@@ -172,7 +172,7 @@ class Communicator:
             try:
                 self._startup_checks()
             except BaseException:
-                ws = self._backends.get(Route.WORKSPACE)
+                ws = self._backends.get(Route.IPC_FOLD)
                 if ws is not None:  # local release: the peers are failing the same check
                     ws.workspace.abort()  # type: ignore[attr-defined]
                 raise
@@ -211,7 +211,7 @@ class Communicator:
             ws = Workspace.create(self.group, device=self.device, capacity_bytes=capacity, max_rows_armed=max_rows)
         except WorkspaceUnavailable as e:
             return False, f"workspace unavailable: {e}"
-        self._backends[Route.WORKSPACE] = WorkspaceBackend(ws)
+        self._backends[Route.IPC_FOLD] = IpcFoldBackend(ws)
         return True, f"armed: {capacity // 1024} KiB per launch, sites up to {max_rows} rows"
 
     def _startup_checks(self) -> None:
@@ -512,7 +512,7 @@ class Communicator:
         if self._closed:
             return
         self._closed = True
-        ws = self._backends.get(Route.WORKSPACE)
+        ws = self._backends.get(Route.IPC_FOLD)
         if ws is not None:
             ws.close()  # type: ignore[attr-defined]
         if self.owns_group and dist.is_initialized():

@@ -33,7 +33,7 @@ __all__ = [
     "known_envelopes",
 ]
 
-# SPEC section 8: set wherever detcomm creates an environment, unless the user opted into multicast.
+# docs/spec.md section 8: set wherever detcomm creates an environment, unless the user opted into multicast.
 MULTICAST_OFF_ENV: Mapping[str, str] = {
     "NCCL_NVLS_ENABLE": "0",
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
@@ -61,7 +61,7 @@ class Switches:
         disable_tf32: NVIDIA_TF32_OVERRIDE=0 and TF32 off in torch.
         force_deterministic_rsag: reductions only on the native collective + fold (no symmetric-memory
             path at all); gathers move to the native collective. Not folded in by any envelope.
-        allow_multicast: the user's opt-in to NVLink multicast (SPEC 8); still subject to hardware support
+        allow_multicast: the user's opt-in to NVLink multicast (docs/spec.md §8); still subject to hardware support
             and to none of the multicast-off variables being set.
     """
 
@@ -291,7 +291,7 @@ def resolve_numerics(numerics: str = "auto", **switches: object) -> Resolved:
 def envelope_environment(numerics: str = "auto", **switches: object) -> dict[str, str]:
     """The environment a launcher sets before any rank (and any NCCL communicator) exists.
 
-    Always the multicast-off variables of SPEC 8 unless ``allow_multicast=True``; NCCL_ALGO=Ring and
+    Always the multicast-off variables of docs/spec.md §8 unless ``allow_multicast=True``; NCCL_ALGO=Ring and
     NCCL_PROTO=Simple when ``nccl_ring_simple`` resolves True; NVIDIA_TF32_OVERRIDE=0 when ``disable_tf32``.
     Plus DETCOMM_NUMERICS so that ``detcomm.init()`` in the ranks defaults to the same envelope.
     """
@@ -332,7 +332,7 @@ def missing_environment(resolved: Resolved, *, backend: str, env: Mapping[str, s
 
 
 def multicast_allowed(resolved: Resolved, *, hardware_supports: bool, env: Mapping[str, str] | None = None) -> tuple[bool, str]:
-    """SPEC 8's three conditions, with the reason when multicast is not allowed."""
+    """docs/spec.md §8's three conditions, with the reason when multicast is not allowed."""
     current = os.environ if env is None else env
     if not resolved.switches.allow_multicast:
         return False, "not opted in (allow_multicast=False)"

@@ -1,4 +1,4 @@
-"""The canonical fold (SPEC section 1) and the registry of its implementations ("leaves").
+"""The canonical fold (docs/spec.md section 1) and the registry of its implementations ("leaves").
 
 For a SUM over W ranks every batch-invariant route computes, element by element::
 

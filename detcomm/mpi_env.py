@@ -2,9 +2,9 @@
 
 Two sources, in order of preference:
 
-Shared by ``detcomm.init`` (a group created from a bare mpiexec's environment) and ``launch.mpi_bootstrap``.
+Shared by ``detcomm.init`` (a group created from a bare mpiexec's environment) and ``detcomm.launch.mpi_bootstrap``.
 
-1. mpi4py (what ``launch.mpi_bootstrap`` uses when it is importable): rank and size of MPI_COMM_WORLD, the
+1. mpi4py (what ``detcomm.launch.mpi_bootstrap`` uses when it is importable): rank and size of MPI_COMM_WORLD, the
    local rank and local size from a COMM_TYPE_SHARED split (correct under any MPI and any placement), and the
    rendezvous address broadcast from rank 0 over MPI.
 2. The launcher's own variables, when mpi4py is missing: Open MPI (OMPI_COMM_WORLD_*), MPICH / Intel MPI

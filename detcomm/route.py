@@ -1,4 +1,4 @@
-"""Static call-site routing (SPEC sections 2 and 3).
+"""Static call-site routing (docs/spec.md sections 2 and 3).
 
 A call site is a static declaration (name, collective, reduce op, dtype, trailing shape, group, the most rows
 it will ever carry). ``AutoBackend.route(site)`` maps it to a route from those properties, the resolved
@@ -63,7 +63,7 @@ class Route(str, Enum):
     NATIVE = "native"
     GATHER_FOLD = "gather_fold"
     A2A_FOLD = "a2a_fold"
-    WORKSPACE = "workspace"
+    IPC_FOLD = "ipc_fold"
     MULTICAST_GATHER = "multicast_gather"
     IN_SWITCH = "in_switch"
 
@@ -80,7 +80,7 @@ ROUTE_INFO: Mapping[Route, RouteInfo] = {
     Route.NATIVE: RouteInfo("the library's collective (NCCL on GPU, gloo on CPU)", canonical_sum=False),
     Route.GATHER_FOLD: RouteInfo("all-gather of the W inputs, canonical fold locally", canonical_sum=True),
     Route.A2A_FOLD: RouteInfo("all-to-all of the shards, canonical fold of each shard", canonical_sum=True),
-    Route.WORKSPACE: RouteInfo("CUDA-IPC workspace, one-shot or two-shot fold kernels", canonical_sum=True),
+    Route.IPC_FOLD: RouteInfo("CUDA-IPC workspace, one-shot or two-shot fold kernels", canonical_sum=True),
     Route.MULTICAST_GATHER: RouteInfo("NVLS multimem stores (gathers only)", canonical_sum=False),
     Route.IN_SWITCH: RouteInfo("NVLS in-switch reduction, order follows the buffer offset", canonical_sum=False),
 }
@@ -90,7 +90,7 @@ _CARRIES: Mapping[Route, frozenset[Collective]] = {
     Route.NATIVE: frozenset(Collective),
     Route.GATHER_FOLD: frozenset({Collective.ALL_REDUCE, Collective.REDUCE_SCATTER}),
     Route.A2A_FOLD: frozenset({Collective.REDUCE_SCATTER}),
-    Route.WORKSPACE: frozenset({Collective.ALL_REDUCE, Collective.REDUCE_SCATTER, Collective.ALL_GATHER}),
+    Route.IPC_FOLD: frozenset({Collective.ALL_REDUCE, Collective.REDUCE_SCATTER, Collective.ALL_GATHER}),
     Route.MULTICAST_GATHER: frozenset({Collective.ALL_GATHER, Collective.TOKEN_ALL_GATHER}),
     Route.IN_SWITCH: frozenset({Collective.ALL_REDUCE}),
 }
@@ -246,7 +246,7 @@ class AutoBackend:
         elif site.max_rows > self.caps.workspace_max_rows:
             no_ws = f"max_rows {site.max_rows} > workspace's armed {self.caps.workspace_max_rows} rows"
         else:
-            out.append(RouteDecision(Route.WORKSPACE, f"canonical fold in the CUDA-IPC workspace (max_rows <= {self.caps.workspace_max_rows})"))
+            out.append(RouteDecision(Route.IPC_FOLD, f"canonical fold in the CUDA-IPC workspace (max_rows <= {self.caps.workspace_max_rows})"))
             no_ws = "workspace refused"
         if site.collective is Collective.ALL_REDUCE:
             out.append(RouteDecision(Route.GATHER_FOLD, f"canonical fold after an all-gather ({no_ws})"))
@@ -267,9 +267,9 @@ class AutoBackend:
                 f"{self.resolved.numerics!r} promises bitwise batch invariance; drop route= (the envelope "
                 "picks a canonical-fold route) or use numerics='auto'"
             )
-        if route is Route.WORKSPACE and (not self.caps.workspace or self.resolved.switches.force_deterministic_rsag):
+        if route is Route.IPC_FOLD and (not self.caps.workspace or self.resolved.switches.force_deterministic_rsag):
             why = "force_deterministic_rsag" if self.resolved.switches.force_deterministic_rsag else self.caps.workspace_reason
-            raise ValueError(f"site {site.name!r}: route='workspace' is unavailable: {why}")
+            raise ValueError(f"site {site.name!r}: route='ipc_fold' is unavailable: {why}")
         if route in (Route.MULTICAST_GATHER, Route.IN_SWITCH) and not self.caps.multicast:
             raise ValueError(f"site {site.name!r}: route={route.value!r} is unavailable: {self.caps.multicast_reason}")
         return RouteDecision(route, "forced by the site's route=")

@@ -1,4 +1,4 @@
-"""Startup self-checks (SPEC section 5): prove on this group that a route gives the bits it claims.
+"""Startup self-checks (docs/spec.md section 5): prove on this group that a route gives the bits it claims.
 
 For each (route, collective, op, dtype, trailing shape) that will serve a bitwise claim, before its first real
 call, an ill-conditioned payload (detcomm.payload) is reduced

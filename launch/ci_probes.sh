@@ -12,7 +12,7 @@ PYTHON="${PYTHON:-python3}"
 NPROC="${NPROC:-4}"
 cd "$(dirname "$0")/.."
 
-# SPEC 8: multicast stays off in every environment, also this script's own children.
+# docs/spec.md §8: multicast stays off in every environment, also this script's own children.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
 as_root() { if [ "$(id -u)" = 0 ]; then "$@"; elif command -v sudo >/dev/null; then sudo "$@"; else
@@ -28,7 +28,7 @@ fi
 # Open MPI refuses to start as root without both of these (CI containers run as root).
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 
-if command -v detcomm-launch >/dev/null; then LAUNCH=(detcomm-launch); else LAUNCH=("$PYTHON" -m launch); fi
+if command -v detcomm-launch >/dev/null; then LAUNCH=(detcomm-launch); else LAUNCH=("$PYTHON" -m detcomm.launch); fi
 
 run() {  # run <description> <command...>: show it, time it, stop on failure
   local what="$1"; shift

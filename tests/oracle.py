@@ -1,4 +1,4 @@
-"""Independent exact oracle for the canonical fold (SPEC section 1), in numpy only.
+"""Independent exact oracle for the canonical fold (docs/spec.md section 1), in numpy only.
 
 Nothing here imports detcomm or torch: the oracle must not share code with what it checks. Values travel as
 raw bit patterns (uint16 for bf16/fp16, uint32 for fp32) so that signed zeros, subnormals and NaN payloads

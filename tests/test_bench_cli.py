@@ -23,7 +23,7 @@ pytest.importorskip("tqdm", reason="detcomm-bench shows a tqdm progress bar")
 def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     out = tmp_path_factory.mktemp("bench")
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-m", "detcomm.bench_cli", "--quick", "--no-progress", "--out", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "detcomm.bench", "--quick", "--no-progress", "--out", str(out)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
     return out, proc.stdout
@@ -64,7 +64,7 @@ def test_quick_json_parses_and_covers_the_routes(quick_run: tuple[Path, str]) ->
     assert unavailable[("all_reduce", "in_switch")].startswith("unavailable: ")
     assert unavailable[("all_gather", "multicast_gather")].startswith("unavailable: ")
     assert unavailable[("all_reduce", "native_ring_simple")] == "n/a on gloo (NCCL_ALGO/NCCL_PROTO are NCCL's)"
-    assert unavailable[("all_reduce", "workspace_one_shot")].startswith("unavailable: ")
+    assert unavailable[("all_reduce", "ipc_one_shot")].startswith("unavailable: ")
     assert {r["route"] for r in data["ratios"]} == {"gather_fold", "a2a_fold"}
 
 

@@ -156,9 +156,9 @@ def test_route_is_static_no_tensor_argument() -> None:
     ("rl-bitwise", CPU4, "all_reduce", torch.float32, "max", 2048, Route.NATIVE),
     ("rl-bitwise", CPU4, "all_reduce", torch.int32, "sum", 2048, Route.NATIVE),
     ("rl-bitwise", CPU4, "all_gather", torch.bfloat16, "sum", 2048, Route.NATIVE),
-    ("rl-bitwise", GPU8_WS, "all_reduce", torch.bfloat16, "sum", 2048, Route.WORKSPACE),
+    ("rl-bitwise", GPU8_WS, "all_reduce", torch.bfloat16, "sum", 2048, Route.IPC_FOLD),
     ("rl-bitwise", GPU8_WS, "all_reduce", torch.bfloat16, "sum", 16384, Route.GATHER_FOLD),
-    ("rl-bitwise", GPU8_WS, "reduce_scatter", torch.bfloat16, "sum", 2048, Route.WORKSPACE),
+    ("rl-bitwise", GPU8_WS, "reduce_scatter", torch.bfloat16, "sum", 2048, Route.IPC_FOLD),
     ("auto", GPU8_WS, "all_reduce", torch.bfloat16, "sum", 2048, Route.NATIVE),
 ])
 def test_route_decisions(numerics, caps, coll, dtype, op, max_rows, expected) -> None:  # noqa: ANN001
@@ -179,8 +179,8 @@ def test_forced_routes_validated() -> None:
     rl = AutoBackend(resolve_numerics("rl-bitwise"), CPU4)
     with pytest.raises(ValueError, match="not batch-invariant"):
         rl.route(_site("all_reduce", route=Route.NATIVE))
-    with pytest.raises(ValueError, match="route='workspace' is unavailable"):
-        rl.route(_site("all_reduce", route=Route.WORKSPACE))
+    with pytest.raises(ValueError, match="route='ipc_fold' is unavailable"):
+        rl.route(_site("all_reduce", route=Route.IPC_FOLD))
     with pytest.raises(ValueError, match="unavailable: not opted in"):
         AutoBackend(resolve_numerics("auto"), CPU4).route(_site("all_reduce", route=Route.IN_SWITCH))
     with pytest.raises(ValueError, match="cannot carry all_reduce"):

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from launch.backends import LaunchError, MpiExec, Target, find_mpiexec, mpiexec_command, torchrun_command
-from launch.cli import build_parser, plan
-from launch.environment import MULTICAST_OFF, launch_environment
+from detcomm.launch.backends import LaunchError, MpiExec, Target, find_mpiexec, mpiexec_command, torchrun_command
+from detcomm.launch.cli import build_parser, plan
+from detcomm.launch.environment import MULTICAST_OFF, launch_environment
 from detcomm.mpi_env import RankFacts, rank_facts_from_environment, torch_distributed_variables
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,7 +72,7 @@ def _env(**extra: str) -> dict[str, str]:
 
 def _launch(args: list[str], *, env: dict[str, str] | None = None, timeout: float = 120) -> tuple[subprocess.CompletedProcess, float]:
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "launch", *args], cwd=ROOT, env=env or _env(), capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "detcomm.launch", *args], cwd=ROOT, env=env or _env(), capture_output=True,
                           text=True, timeout=timeout)
     return proc, time.monotonic() - t0
 
@@ -150,7 +150,7 @@ def test_command_lines() -> None:
     assert "--standalone" not in torchrun_command(3, t, extra=["--nnodes", "2"], python="py")
     ompi = mpiexec_command(MpiExec("/usr/bin/mpiexec", "openmpi", ""), 4, t, forward={"A": "1"}, python="py")
     assert ompi[:3] == ["/usr/bin/mpiexec", "-n", "4"] and ["-x", "A"] == ompi[ompi.index("-x"):ompi.index("-x") + 2]
-    assert ompi[ompi.index("py"):][:3] == ["py", "-m", "launch.mpi_bootstrap"]
+    assert ompi[ompi.index("py"):][:3] == ["py", "-m", "detcomm.launch.mpi_bootstrap"]
     hydra = mpiexec_command(MpiExec("mpiexec", "hydra", ""), 2, Target("s.py"), forward={"A": "1"}, python="py")
     assert ["-genv", "A", "1"] == hydra[hydra.index("-genv"):hydra.index("-genv") + 3] and hydra[-1] == "s.py"
     with pytest.raises(ValueError):

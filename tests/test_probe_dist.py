@@ -29,7 +29,7 @@ def _run(args: list[str], *, torchrun: bool = False, timeout: float = 240) -> su
         env.pop("DETCOMM_NUMERICS", None)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", *args]
     else:
-        cmd = [sys.executable, "-m", "launch", *args]
+        cmd = [sys.executable, "-m", "detcomm.launch", *args]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -46,7 +46,7 @@ def test_collective_probe_fold_routes_pass(world: int, tmp_path: Path) -> None:
     res = _json(out)
     assert res["passed"] and res["numerics"] == "rl-bitwise" and res["world_size"] == world
     sums = [s for s in res["sites"] if s["op"] == "sum"]
-    assert {s["route"] for s in sums} <= {"gather_fold", "a2a_fold", "workspace"}
+    assert {s["route"] for s in sums} <= {"gather_fold", "a2a_fold", "ipc_fold"}
     assert all(s["claim"] and s["rows_changed"] == 0 and s["rank_disagreements"] == 0 for s in res["sites"])
     assert "PASS" in proc.stdout
 
@@ -89,7 +89,7 @@ def test_model_probe_fold_passes_and_native_diverges(world: int, tmp_path: Path)
 
 def test_model_probe_catches_unpadded_local_gemms(tmp_path: Path) -> None:
     # Fold routes, but local GEMMs at the real row count: the CPU GEMM's own row-count classes must show.
-    # Whether this CPU's GEMM has such classes is the BLAS's business: map them first (seed 002's mapper).
+    # Whether this CPU's GEMM has such classes is the BLAS's business: map them first (docs/spec.md §7 (row-count mapper)'s mapper).
     import torch
 
     from detcomm.probe.rows import map_rows, matmul_op

@@ -1,4 +1,4 @@
-"""The op row-count mapper (seed 002) and the probes' bit comparisons."""
+"""The op row-count mapper (docs/spec.md §7 (row-count mapper)) and the probes' bit comparisons."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Robustness (issue 6) on real gloo groups: cross-rank mismatch detection, capacity edges, adversarial values
+"""Robustness on real gloo groups: cross-rank mismatch detection, capacity edges, adversarial values
 through every CPU route, site/shape churn, a platform that lies to the self-checks, restart after a killed run,
 and a soak. Expected bits always come from the numpy oracle (tests/oracle.py) on locally regenerated inputs.
 """
@@ -134,7 +134,7 @@ def test_check_is_off_by_default_and_timeout_needs_a_new_group(cluster) -> None:
 
 
 def test_detcomm_check_env_values(monkeypatch: pytest.MonkeyPatch) -> None:
-    from detcomm.check import check_from_env
+    from detcomm.verify import check_from_env
 
     for raw, want in (("1", True), ("yes", True), ("0", False), ("", False)):
         monkeypatch.setenv("DETCOMM_CHECK", raw)

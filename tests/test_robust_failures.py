@@ -1,4 +1,4 @@
-"""Deadlines and peer death on real process groups created by ``detcomm.init(timeout_s=...)`` (issue 6, items
+"""Deadlines and peer death on real process groups created by ``detcomm.init(timeout_s=...)`` (the
 1-3): a rank that never arrives, one that is frozen, and one SIGKILLed mid-collective on the native and the
 gather_fold routes. The survivors must raise within the deadline; under detcomm-launch the group must go
 down with a non-zero exit naming the dead rank. The ranks run tests/robust_rank_job.py.
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from detcomm.envelope import MULTICAST_OFF_ENV
-from launch.mpi_bootstrap import free_port
+from detcomm.launch.mpi_bootstrap import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB = ROOT / "tests" / "robust_rank_job.py"
@@ -79,7 +79,7 @@ def test_launcher_tears_down_and_names_the_killed_rank(tmp_path: Path) -> None:
     env = dict(os.environ, ROBUST_LINGER="1")  # survivors then wait: only the launcher's tear-down ends them
     env.pop("DETCOMM_CHECK", None)
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "launch", "--nproc", "3", str(JOB), "die-native", str(tmp_path)],
+    proc = subprocess.run([sys.executable, "-m", "detcomm.launch", "--nproc", "3", str(JOB), "die-native", str(tmp_path)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     elapsed = time.monotonic() - t0
     out = proc.stdout + proc.stderr

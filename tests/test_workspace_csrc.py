@@ -1,4 +1,4 @@
-"""Every csrc/*.cu compiles for sm_90 with nvcc (no GPU needed), and the generated code keeps SPEC 1's
+"""Every csrc/*.cu compiles for sm_90 with nvcc (no GPU needed), and the generated code keeps docs/spec.md §1's
 arithmetic: no FMA, no flush-to-zero, round-to-nearest adds and conversions. Also the run-time NVRTC path,
 where cupy's NVRTC is importable."""
 

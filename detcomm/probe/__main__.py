@@ -1,4 +1,4 @@
-"""``python -m detcomm.probe {collectives,model,rows} [options]``: the invariance probes (SPEC section 7).
+"""``python -m detcomm.probe {collectives,model,rows} [options]``: the invariance probes (docs/spec.md section 7).
 
 collectives and model are collective programs: start them on every rank (detcomm-launch, torchrun or
 mpiexec); rows runs in one process.

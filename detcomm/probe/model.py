@@ -7,7 +7,7 @@ matching rows of down_proj (``site="down_proj"``), and vocab/W rows of the LM he
 ``detcomm.argmax`` for greedy, ``detcomm.all_gather`` of the fp32 logit shards for the logprobs). Weights are
 drawn from a fixed seed in full and sliced, so every rank agrees on the model.
 
-Why the local compute cannot move a row's bits (seed 002): a CPU or GPU GEMM picks its blocking, split-K and
+Why the local compute cannot move a row's bits (docs/spec.md §7 (row-count mapper)): a CPU or GPU GEMM picks its blocking, split-K and
 vector path from the row count it is handed, so the same row computed among 3 or among 9 rows can differ in
 the last bits. Here every activation matrix lives in a buffer of a fixed T_pad rows for the whole forward;
 every GEMM, norm and elementwise op runs on that fixed shape (the real rows first, filler after, rows never

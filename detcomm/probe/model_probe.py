@@ -1,4 +1,4 @@
-"""Model probe: the same requests generated alone, packed with random co-batches, and again (SPEC 7).
+"""Model probe: the same requests generated alone, packed with random co-batches, and again (docs/spec.md §7).
 
 A prompt set (half greedy, half temperature 1 with a per-request sampling stream keyed by (seed, position))
 runs through the small tensor-parallel decoder of ``detcomm.probe.model``:

@@ -1,10 +1,10 @@
-"""Op row-count mapper (seed 002): at which row counts t does row 0 of an op's output change its bits?
+"""Op row-count mapper (docs/spec.md §7 (row-count mapper)): at which row counts t does row 0 of an op's output change its bits?
 
 A kernel that picks its tiling, split-K or warp partition from the number of rows it is handed computes row 0
 with a different association order at some row counts; a request's row then depends on how many neighbours
 shared its batch. The mapper runs ``op(x[:t])`` for t = 1..T on fixed inputs and records every t where row
 0's bits differ from t-1 ("a new reduction-order class begins at t"), how many of its elements changed and by
-how many ulps. ``--pad-to T_pad`` runs the same op at a fixed padded row width (seed 002's fix): the rows
+how many ulps. ``--pad-to T_pad`` runs the same op at a fixed padded row width (docs/spec.md §7 (row-count mapper)'s fix): the rows
 beyond t are filler and the output keeps only the first t, so every t runs one kernel configuration and the
 table must come out empty.
 
@@ -115,7 +115,7 @@ def map_rows(op: Op, x: torch.Tensor, *, max_rows: int | None = None, pad_to: in
 
 
 def matmul_op(n: int, k: int, *, dtype: torch.dtype, device: str, seed: int) -> tuple[Op, str]:
-    """``x @ W.T`` with a fixed random W of shape [n, k] (seed 002 names shapes [N x K], out x in)."""
+    """``x @ W.T`` with a fixed random W of shape [n, k] (docs/spec.md §7 (row-count mapper) names shapes [N x K], out x in)."""
     if n < 1 or k < 1:
         raise ValueError(f"--shape needs positive N K, got {n} {k}")
     g = torch.Generator().manual_seed(seed)
@@ -142,7 +142,7 @@ def load_op(spec: str) -> Op:
 
 
 def _inputs(rows: int, width: int, *, dtype: torch.dtype, device: str, seed: int) -> torch.Tensor:
-    # Ordinary activations (standard normal), as seed 002 measured: the point is the kernel's order, not an
+    # Ordinary activations (standard normal), as docs/spec.md §7 (row-count mapper) measured: the point is the kernel's order, not an
     # adversarial payload.
     g = torch.Generator().manual_seed(seed + 1)
     return torch.randn(rows, width, generator=g).to(dtype).to(device)

@@ -1,4 +1,4 @@
-"""The CUDA-IPC workspace: the canonical fold (SPEC 1) as one-shot / two-shot all-reduce, reduce-scatter and
+"""The CUDA-IPC workspace: the canonical fold (docs/spec.md §1) as one-shot / two-shot all-reduce, reduce-scatter and
 all-gather kernels over symmetric device memory, on one node.
 
 Public surface (what the core calls; see docs/INTERFACES.md):
@@ -13,6 +13,6 @@ Importing this package needs neither cupy nor a GPU.
 """
 
 from . import plan
-from .armed import Workspace, WorkspaceUnavailable
+from .workspace import Workspace, WorkspaceUnavailable
 
 __all__ = ["Workspace", "WorkspaceUnavailable", "plan"]

@@ -6,13 +6,13 @@ under ~/.cache/detcomm/kernels (or $DETCOMM_CACHE_DIR) keyed by sha256(source, o
 loaded with cupy.cuda.function.Module and launched on the caller's current torch stream. A GPU user has no build
 step; `import detcomm` works without cupy or a GPU because cupy is imported only here, lazily.
 
-Options, all spelled out (SPEC 1 forbids contraction and flush-to-zero): --std=c++17, -arch=sm_XY of the device,
+Options, all spelled out (docs/spec.md §1 forbids contraction and flush-to-zero): --std=c++17, -arch=sm_XY of the device,
 --fmad=false, -ftz=false, -prec-div=true, -prec-sqrt=true, -DDETCOMM_W=<W>; never --use_fast_math.
 
 Alternatives rejected:
 - cupy.RawModule / RawKernel: its compile-with-cache path appends '-ftz=true' to the options
   (cupy/cuda/compiler.py, _compile_with_cache_cuda), which would flush fp32 subnormals to zero, exactly what
-  SPEC 1 rules out. The raw NVRTC binding compiles with our options and nothing else.
+  docs/spec.md §1 rules out. The raw NVRTC binding compiles with our options and nothing else.
 - torch.utils.cpp_extension (load / load_inline): needs a host compiler, nvcc and a build at first import on every
   machine, and adds a C++ ABI dependency on the torch build.
 - Triton: no control of system-scope release/acquire flags or %globaltimer spins across processes, and its
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import importlib.resources
 import os
 import re
 import tempfile
@@ -35,7 +36,19 @@ from typing import Any, Sequence
 
 from . import plan
 
-CSRC = Path(__file__).resolve().parents[2] / "csrc"
+
+
+def _kernel_source_dir() -> Path:
+    """Where the .cu sources are: the wheel ships csrc/ as the package ``detcomm.csrc`` (setup.py); a source tree
+    run with PYTHONPATH=. has no such package and reads the checkout's csrc/ beside the detcomm folder."""
+    try:
+        root = importlib.resources.files("detcomm.csrc")
+    except ModuleNotFoundError:
+        return Path(__file__).resolve().parents[2] / "csrc"
+    return Path(str(root))
+
+
+CSRC = _kernel_source_dir()
 KERNEL_FILES = ("one_shot.cu", "two_shot.cu", "reduce_scatter.cu", "all_gather.cu", "fold_local.cu")
 ROTATE_MACRO = "DETCOMM_ROTATE_RANK_ORDER"
 

@@ -18,4 +18,4 @@ exec detcomm-launch --backend mpi --nproc "$SLURM_NTASKS" --numerics rl-bitwise 
   -m detcomm.probe model "$@"
 # Equivalent without detcomm-launch (e.g. srun --mpi=pmix): export the variables of
 # detcomm.envelope_environment("rl-bitwise") and NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-# NVSHMEM_DISABLE_NVLS=1, then:  srun python -m launch.mpi_bootstrap -m detcomm.probe model
+# NVSHMEM_DISABLE_NVLS=1, then:  srun python -m detcomm.launch.mpi_bootstrap -m detcomm.probe model

@@ -5,7 +5,7 @@
 set -euo pipefail
 # NCCL reads these when a communicator is created: they must exist before any rank starts.
 eval "$(python -c 'import detcomm; print("\n".join(f"export {k}={v}" for k, v in detcomm.envelope_environment("rl-bitwise").items()))')"
-# SPEC 8: multicast off in every environment, whatever the envelope says.
+# docs/spec.md §8: multicast off in every environment, whatever the envelope says.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 exec python -m torch.distributed.run --standalone --nproc-per-node "${NPROC:-4}" --tee 3 --role rank \
   -m detcomm.probe model "$@"

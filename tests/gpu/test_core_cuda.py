@@ -99,7 +99,7 @@ def test_one_rank_nccl_communicator() -> None:
         assert torch.equal(idx, torch.argmax(x.float(), dim=-1))
         rs = detcomm.reduce_scatter(x, site="gpu.rs")
         assert torch.equal(rs.view(torch.int16), y.view(torch.int16))
-        assert {e["route"] for e in comm.routes().as_dicts()} <= {"gather_fold", "a2a_fold", "native", "workspace"}
+        assert {e["route"] for e in comm.routes().as_dicts()} <= {"gather_fold", "a2a_fold", "native", "ipc_fold"}
     finally:
         detcomm.shutdown()
     assert not dist.is_initialized()

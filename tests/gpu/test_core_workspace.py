@@ -54,8 +54,8 @@ def test_workspace_route_processes_sharing_one_gpu(world: int) -> None:
     with LocalCluster(world, backend="gloo", pg_timeout_s=120) as c:
         res = c.run(job_workspace_route, True, "canonical", timeout_s=600)
     for r in res:
-        assert r["routes"]["ws.ar"][0] == "workspace", r
-        assert r["routes"]["ws.rs"][0] == "workspace", r
+        assert r["routes"]["ws.ar"][0] == "ipc_fold", r
+        assert r["routes"]["ws.rs"][0] == "ipc_fold", r
         assert r["routes"]["ws.big"][0] == "gather_fold"  # max_rows above the armed rows: static
         assert all(r["ok"]), r
         assert any(label.startswith("workspace:") and passed for label, passed in r["checks"])
@@ -68,7 +68,7 @@ def test_selfcheck_refuses_rotated_workspace_kernels() -> None:
         res = c.run(job_workspace_route, True, "rotated", timeout_s=600)
     for r in res:
         route, why = r["routes"]["ws.ar"]
-        assert route == "gather_fold" and "refused: workspace" in why and "(c) differs" in why, r
+        assert route == "gather_fold" and "refused: ipc_fold" in why and "(c) differs" in why, r
         assert all(r["ok"]), r  # the fallback is the canonical fold
 
 
@@ -80,5 +80,5 @@ def test_workspace_route_nccl_one_gpu_each() -> None:
     with LocalCluster(w, backend="nccl", pg_timeout_s=120, env=envelope_environment("rl-bitwise")) as c:
         res = c.run(job_workspace_route, False, "canonical", timeout_s=600)
     for r in res:
-        assert r["routes"]["ws.ar"][0] == "workspace", r
+        assert r["routes"]["ws.ar"][0] == "ipc_fold", r
         assert all(r["ok"]), r

@@ -1,4 +1,4 @@
-"""Robustness on GPUs (issue 6 items 3, 8, 10): a peer that dies mid-collective on the workspace route, CUDA
+"""Robustness on GPUs: a peer that dies mid-collective on the workspace route, CUDA
 graph capture churn, and a soak over every GPU route. Compared bit for bit with the numpy oracle."""
 
 from __future__ import annotations
@@ -184,7 +184,7 @@ def test_gpu_soak_every_route() -> None:
     with LocalCluster(w, backend="nccl", pg_timeout_s=120, env=envelope_environment("rl-bitwise")) as c:
         res = c.run(_soak_job, seconds, timeout_s=seconds + 300)
     for r in res:
-        assert set(r["routes"].values()) >= {"workspace", "gather_fold", "a2a_fold", "native"}, r["routes"]
+        assert set(r["routes"].values()) >= {"ipc_fold", "gather_fold", "a2a_fold", "native"}, r["routes"]
         assert r["calls"] >= 20 and r["mismatches"] == 0, r
         assert r["mem_growth"] <= 256 * 1024 and r["fd_growth"] <= 2 and r["thread_growth"] <= 1, r
     print(f"GPU soak: W={w}, {res[0]['calls']} calls per rank in {seconds:.0f} s, 0 mismatches, routes {res[0]['routes']}")

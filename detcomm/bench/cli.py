@@ -1,12 +1,12 @@
-"""``detcomm-bench``: the NVLS-vs-fold comparison bench (issue 5; the code lives in the checkout's bench/).
+"""``detcomm-bench``: every route's latency and bandwidth beside its numerical divergence.
 
     detcomm-bench --quick --out results/bench          # CPU smoke run: gloo, W=4, a handful of small sizes
     detcomm-bench --out results/bench                  # rows 1..8192 x hidden 4096/7168/8192, bf16 and fp32
-    python -m detcomm.bench_cli ...                    # the same without the console script
+    python -m detcomm.bench ...                        # the same without the console script
 
 Prints a progress bar (stderr) and the markdown tables (stdout); writes results.json, results.csv, results.md
 and latency_vs_size.png, divergence_vs_size.png, ratio_vs_size.png under --out. Needs matplotlib and tqdm.
-The multicast-off variables of SPEC 8 are set for this process and every rank it starts, unless
+The multicast-off variables of docs/spec.md §8 are set for this process and every rank it starts, unless
 --allow-multicast (the user's opt-in; the bench still never creates a multicast object).
 """
 
@@ -19,22 +19,12 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-__all__ = ["main", "bench_dir"]
+__all__ = ["main"]
 
 FULL_ROWS = tuple(1 << i for i in range(14))  # 1 .. 8192
 FULL_HIDDEN = (4096, 7168, 8192)
 QUICK_ROWS = (1, 4, 32)
 QUICK_HIDDEN = (4096,)
-
-
-def bench_dir() -> Path:
-    """The checkout's bench/ folder (next to the detcomm package: a source tree or an editable install).
-
-    Raises RuntimeError when detcomm was installed without its checkout (the bench is not packaged)."""
-    d = Path(__file__).resolve().parents[1] / "bench"
-    if not (d / "nvls_vs_fold.py").is_file():
-        raise RuntimeError(f"detcomm-bench runs from a checkout (pip install -e .): {d}/nvls_vs_fold.py not found")
-    return d
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -81,7 +71,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--from-json", type=Path, metavar="RESULTS_JSON",
                    help="measure nothing: re-render the tables, CSV and plots of an earlier results.json into --out")
     p.add_argument("--allow-multicast", action="store_true",
-                   help="opt in to NVLink multicast (SPEC 8); it still needs hardware support and none of the "
+                   help="opt in to NVLink multicast (docs/spec.md §8); it still needs hardware support and none of the "
                         "multicast-off variables set")
     return p
 
@@ -92,21 +82,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.allow_multicast:
         from detcomm.envelope import MULTICAST_OFF_ENV
 
-        os.environ.update(MULTICAST_OFF_ENV)  # SPEC 8: before any communicator; ranks inherit it
-    sys.path.insert(0, str(bench_dir()))
-    import bench_plots
-    import bench_report
+        os.environ.update(MULTICAST_OFF_ENV)  # docs/spec.md §8: before any communicator; ranks inherit it
+    from . import report
 
     if args.from_json is not None:
         try:
-            result = bench_report.load_result(args.from_json)
+            result = report.load_result(args.from_json)
         except (OSError, ValueError) as e:
             _parser().error(str(e))
         return _write(result, args.out, plots=not args.no_plots)
 
     import torch
 
-    import nvls_vs_fold
+    from . import sweep
 
     device = args.device
     if args.quick and device == "auto":
@@ -124,7 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows, hidden = args.rows or FULL_ROWS, args.hidden or FULL_HIDDEN
     command = "detcomm-bench " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
     try:
-        cfg = nvls_vs_fold.BenchConfig(
+        cfg = sweep.BenchConfig(
             device=device, worlds=tuple(worlds), stream_worlds=tuple(stream_worlds), rows=tuple(rows),
             hidden=tuple(hidden), fp32_hidden=args.fp32_hidden, dtypes=tuple(args.dtypes),
             collectives=tuple(args.collectives), iters=args.iters, warmup=args.warmup, graph_calls=args.graph_calls,
@@ -134,16 +122,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         _parser().error(str(e))
     if not cfg.worlds and not cfg.stream_worlds:
         _parser().error("nothing to run: no process group size (--worlds) and no --stream-worlds")
-    return _write(nvls_vs_fold.run_bench(cfg), args.out, plots=not args.no_plots)
+    return _write(sweep.run_bench(cfg), args.out, plots=not args.no_plots)
 
 
 def _write(result: dict, out: Path, *, plots: bool) -> int:
-    import bench_plots
-    import bench_report
+    from . import plots as plotting
+    from . import report
 
-    paths = bench_report.write_outputs(result, out)
+    paths = report.write_outputs(result, out)
     if plots:
-        bench_plots.write_plots(result, out)
+        plotting.write_plots(result, out)
     print(paths["md"].read_text(), end="")
     written = sorted(str(p) for p in out.iterdir())
     print(f"\nwrote {', '.join(written)}", file=sys.stderr)

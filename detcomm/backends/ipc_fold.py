@@ -13,8 +13,8 @@ import torch
 from ..route import ReduceOp, Route
 
 
-class WorkspaceBackend:
-    route = Route.WORKSPACE
+class IpcFoldBackend:
+    route = Route.IPC_FOLD
 
     def __init__(self, workspace) -> None:  # type: ignore[no-untyped-def]
         self.workspace = workspace

@@ -1,6 +1,6 @@
 """Benchmarks of the CUDA-IPC workspace kernels.
 
-    PYTHONPATH=. python bench/workspace.py --out results/workspace [--modes fold,latency,nccl] [--quick]
+    python -m detcomm.bench.ipc_kernels --out results/workspace [--modes fold,latency,nccl] [--quick]
 
 writes results/workspace.md (tables) and results/workspace.json (every row).
 
@@ -15,7 +15,7 @@ Modes:
 - nccl: only where torch sees >= 2 GPUs: one process per GPU, the workspace over CUDA IPC against NCCL
   all_reduce (NCCL's default, and NCCL_ALGO=Ring NCCL_PROTO=Simple), eager and graph, same sizes.
 
-Medians over repeats, timed with CUDA events. The multicast-off variables of SPEC 8 are set here and inherited
+Medians over repeats, timed with CUDA events. The multicast-off variables of docs/spec.md §8 are set here and inherited
 by every child process.
 """
 
@@ -31,11 +31,10 @@ from pathlib import Path
 
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 os.environ.update(MULTICAST_OFF)
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-from bench.bench_timing import median_ms_back_to_back as _median_ms  # noqa: E402
+from .timing import median_ms_back_to_back as _median_ms
 
 SIZES = [16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 WORLDS = [2, 4, 8]
@@ -245,7 +244,7 @@ def main() -> None:
     if not modes <= {"fold", "latency", "nccl"}:
         raise SystemExit(f"unknown modes: {modes - {'fold', 'latency', 'nccl'}}")
     if not torch.cuda.is_available():
-        raise SystemExit("bench/workspace.py needs a CUDA device")
+        raise SystemExit("detcomm.bench.ipc_kernels needs a CUDA device")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     props = torch.cuda.get_device_properties(0)

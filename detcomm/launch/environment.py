@@ -2,7 +2,7 @@
 
 The variables must exist before the first communicator: NCCL reads NCCL_ALGO/NCCL_PROTO when a communicator
 is created, and a multicast object created by a child process that did not see the multicast-off variables
-can take a shared host's GPUs out of service (SPEC 8). So the launcher writes them into the environment that
+can take a shared host's GPUs out of service (docs/spec.md §8). So the launcher writes them into the environment that
 torchrun or mpiexec hands to every rank, rather than trusting each rank to set them itself.
 """
 
@@ -16,7 +16,7 @@ from detcomm.envelope import envelope_environment
 
 __all__ = ["MULTICAST_OFF", "launch_environment", "launch_variables"]
 
-# SPEC 8: set in every environment detcomm creates, whatever the envelope says. Kept here as well as in the
+# docs/spec.md §8: set in every environment detcomm creates, whatever the envelope says. Kept here as well as in the
 # core's envelope_environment so that the launcher's promise does not depend on a switch (allow_multicast)
 # that only a rank-side opt-in may loosen.
 MULTICAST_OFF: Mapping[str, str] = {

@@ -5,7 +5,7 @@ of half those bytes (it reads and writes each byte once), so both count the same
 the fold's fraction of the device's copy bandwidth. Medians over repeats; CUDA events on GPU, perf_counter
 on CPU. Not a test: results go to docs/performance.md.
 
-    python bench/fold.py [--device cpu|cuda] [--rows 2048] [--hidden 4096] [--dtype bfloat16] [--out f.json]
+    python -m detcomm.bench.fold_leaves [--device cpu|cuda] [--rows 2048] [--hidden 4096] [--dtype bfloat16] [--out f.json]
 """
 
 from __future__ import annotations
@@ -18,11 +18,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import detcomm  # noqa: E402,F401 - registers every leaf this installation has
-from bench.bench_timing import median_ms_back_to_back  # noqa: E402
-from detcomm.fold import BATCH_INVARIANT, registered_leaves  # noqa: E402
+import detcomm  # noqa: F401 - registers every leaf this installation has
+from .timing import median_ms_back_to_back
+from detcomm.fold import BATCH_INVARIANT, registered_leaves
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 

@@ -7,7 +7,7 @@ GPU). Both measure one point the same way and return the same dict:
 
 Routes by label: native and native_ring_simple (detcomm site with route="native"; the Ring/Simple one runs in a
 cluster created with NCCL_ALGO=Ring NCCL_PROTO=Simple), gather_fold and a2a_fold (detcomm sites forced to those
-routes, numerics="auto"), workspace_one_shot / workspace_two_shot / workspace (the CUDA-IPC workspace's public
+routes, numerics="auto"), ipc_one_shot / ipc_two_shot / workspace (the CUDA-IPC workspace's public
 API, which is the only way to force one-shot or two-shot: detcomm's workspace route picks by size).
 """
 
@@ -17,8 +17,8 @@ from typing import Any, Callable
 
 import torch
 
-import bench_divergence as div
-import bench_timing as timing
+from . import divergence as div
+from . import timing
 
 __all__ = ["DTYPES", "rank_setup", "rank_point", "rank_teardown", "StreamsHarness"]
 
@@ -26,10 +26,10 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch
 
 # Workspace route label -> (Workspace method, keyword arguments).
 _WS_CALLS = {
-    ("all_reduce", "workspace_one_shot"): ("all_reduce", {"algo": "one_shot"}),
-    ("all_reduce", "workspace_two_shot"): ("all_reduce", {"algo": "two_shot"}),
-    ("reduce_scatter", "workspace"): ("reduce_scatter", {}),
-    ("all_gather", "workspace"): ("all_gather", {}),
+    ("all_reduce", "ipc_one_shot"): ("all_reduce", {"algo": "one_shot"}),
+    ("all_reduce", "ipc_two_shot"): ("all_reduce", {"algo": "two_shot"}),
+    ("reduce_scatter", "ipc_fold"): ("reduce_scatter", {}),
+    ("all_gather", "ipc_fold"): ("all_gather", {}),
 }
 _DETCOMM_ROUTE = {"native": "native", "native_ring_simple": "native", "gather_fold": "gather_fold",
                   "a2a_fold": "a2a_fold"}
@@ -115,7 +115,7 @@ def _rank_call(rank: int, world_size: int, collective: str, route: str, dtype: t
     if (collective, route) in _WS_CALLS:
         ws = _STATE["ws"]
         if ws is None:
-            raise RuntimeError("workspace route requested but the workspace is not armed")
+            raise RuntimeError("ipc_fold route requested but the workspace is not armed")
         method, kw = _WS_CALLS[(collective, route)]
         return lambda x: getattr(ws, method)(x, **kw)
     name = f"bench.{collective}.{_DETCOMM_ROUTE[route]}.{str(dtype).replace('torch.', '')}.{hidden}"

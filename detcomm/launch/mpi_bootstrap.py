@@ -1,6 +1,6 @@
 """What each rank runs under mpiexec: MPI rank facts -> torch.distributed variables, then the target.
 
-    mpiexec -n 4 python -m launch.mpi_bootstrap [-m] TARGET [ARGS...]
+    mpiexec -n 4 python -m detcomm.launch.mpi_bootstrap [-m] TARGET [ARGS...]
 
 Runs TARGET (a module with -m, otherwise a script path) in this process exactly as ``python [-m] TARGET ARGS``
 would, after setting RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT so that
@@ -62,7 +62,7 @@ def _facts_from_environment() -> tuple[RankFacts, str, int]:
     facts = rank_facts_from_environment(os.environ)
     if facts is None:
         raise ValueError(
-            "launch.mpi_bootstrap found neither mpi4py nor an MPI launcher's rank variables: start it under "
+            "detcomm.launch.mpi_bootstrap found neither mpi4py nor an MPI launcher's rank variables: start it under "
             "mpiexec (detcomm-launch --backend mpi does), and pip install mpi4py"
         )
     addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
@@ -108,7 +108,7 @@ def _parse(argv: Sequence[str]) -> tuple[bool, str, list[str]]:
     if module:
         argv = argv[1:]
     if not argv:
-        raise ValueError("usage: python -m launch.mpi_bootstrap [-m] TARGET [ARGS...]")
+        raise ValueError("usage: python -m detcomm.launch.mpi_bootstrap [-m] TARGET [ARGS...]")
     return module, argv[0], argv[1:]
 
 

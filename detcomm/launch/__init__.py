@@ -1,8 +1,8 @@
-"""detcomm-launch: start W detcomm ranks under torchrun or a real mpiexec (SPEC section 6).
+"""detcomm-launch: start W detcomm ranks under torchrun or a real mpiexec (docs/spec.md section 6).
 
 Whichever backend starts the ranks, the launcher applies the numerics envelope's environment (NCCL_ALGO,
 NCCL_PROTO, NVIDIA_TF32_OVERRIDE under a bitwise envelope; DETCOMM_NUMERICS) and the multicast-off variables
-of SPEC 8 before any rank, and therefore any communicator, exists, and the whole group goes down with a
+of docs/spec.md §8 before any rank, and therefore any communicator, exists, and the whole group goes down with a
 non-zero exit when one rank fails.
 
 Modules, one mechanism each:

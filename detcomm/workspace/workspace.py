@@ -1,6 +1,6 @@
 """The armed CUDA-IPC workspace: symmetric buffers + loaded kernels + the host logic of each collective.
 
-Every reduction is the canonical fold of SPEC 1 (csrc/detcomm_common.cuh), so one-shot, two-shot and any chunking
+Every reduction is the canonical fold of docs/spec.md §1 (csrc/detcomm_common.cuh), so one-shot, two-shot and any chunking
 give the same bits; the row count only picks the kernel and the chunking.
 """
 

@@ -2,7 +2,7 @@
 
 Both are plain argv lists so the CLI can exec them and tests can inspect them. Neither backend is
 reimplemented here: torchrun already tears the group down when a worker fails (its agent polls every
-0.1 s and SIGTERMs the rest), and mpiexec does so when a rank calls MPI_Abort, which launch.mpi_bootstrap
+0.1 s and SIGTERMs the rest), and mpiexec does so when a rank calls MPI_Abort, which detcomm.launch.mpi_bootstrap
 does on any uncaught exception.
 """
 
@@ -90,7 +90,7 @@ def torchrun_command(nproc: int, target: Target, *, extra: Sequence[str] = (), p
     if not own_rdzv:
         cmd.append("--standalone")
     # --tee 3 copies both streams to the console with a "[<role><local rank>]:" prefix; role "rank" makes
-    # that "[rank1]:", the same tag launch.mpi_bootstrap puts on a failing rank's traceback.
+    # that "[rank1]:", the same tag detcomm.launch.mpi_bootstrap puts on a failing rank's traceback.
     cmd += ["--nproc-per-node", str(nproc), "--tee", "3", "--role", "rank", *extra]
     return cmd + target.argv()
 
@@ -104,7 +104,7 @@ def mpiexec_command(
     extra: Sequence[str] = (),
     python: str = sys.executable,
 ) -> list[str]:
-    """mpiexec starting ``nproc`` copies of launch.mpi_bootstrap running ``target``.
+    """mpiexec starting ``nproc`` copies of detcomm.launch.mpi_bootstrap running ``target``.
 
     Args:
         mpi: from ``find_mpiexec``.
@@ -124,7 +124,7 @@ def mpiexec_command(
         cmd += ["-prepend-rank"]
         for name in sorted(forward):
             cmd += ["-genv", name, forward[name]]
-    return cmd + list(extra) + [python, "-m", "launch.mpi_bootstrap", *target.argv()]
+    return cmd + list(extra) + [python, "-m", "detcomm.launch.mpi_bootstrap", *target.argv()]
 
 
 def source_pythonpath(env: Mapping[str, str]) -> str:
@@ -133,7 +133,7 @@ def source_pythonpath(env: Mapping[str, str]) -> str:
     From a source checkout the checkout goes first (a rank running a script sees the script's directory,
     not the current one, on sys.path); an installed package is already on sys.path and is left alone.
     """
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     installed = {os.path.abspath(p) for p in site.getsitepackages() + [site.getusersitepackages()]}
     current = env.get("PYTHONPATH", "")
     if here in installed or here in current.split(os.pathsep):

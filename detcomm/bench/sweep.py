@@ -1,5 +1,5 @@
-"""The NVLS-vs-fold bench (issue 5): every route the machine offers, over message sizes and group sizes, timed
-beside its numerical divergence. Entry point: ``detcomm-bench`` (detcomm/bench_cli.py), or from a checkout
+"""The route sweep behind ``detcomm-bench``: every route the machine offers, over message sizes and group sizes, timed
+beside its numerical divergence. Entry point: ``detcomm-bench`` (detcomm/bench/cli.py), or from a checkout
 
     PYTHONPATH=. python bench/nvls_vs_fold.py --quick --out results/bench
 
@@ -10,7 +10,7 @@ Harnesses (one per (kind, W)):
   streams  W ranks as W streams of this process on one GPU: the CUDA-IPC workspace only (NCCL refuses two
            ranks on one GPU); the ranks share one GPU's SMs and HBM, so large messages are a lower bound.
 
-Multicast gather and the in-switch reduction are measured only where SPEC 8 allows multicast (hardware support,
+Multicast gather and the in-switch reduction are measured only where docs/spec.md §8 allows multicast (hardware support,
 no multicast-off variable set, the user's opt-in); elsewhere their rows say "unavailable: <reason>". This bench
 never creates a multicast object: where multicast would be allowed it still says so, because no multimem route
 is built (no machine here may run one).
@@ -27,13 +27,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-if __name__ == "__main__":  # run as a script from a checkout: make detcomm and the bench modules importable
-    sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
+import torch
 
-import torch  # noqa: E402
-
-import bench_harness as harness  # noqa: E402
-import bench_timing as timing  # noqa: E402
+from . import harness
+from . import timing
 
 __all__ = ["BenchConfig", "ROUTES", "FOLD_ROUTES", "run_bench"]
 
@@ -41,15 +38,15 @@ __all__ = ["BenchConfig", "ROUTES", "FOLD_ROUTES", "run_bench"]
 # workspace kernels are one detcomm route each, measured apart.
 ROUTES: tuple[tuple[str, str], ...] = (
     ("all_reduce", "native"), ("all_reduce", "native_ring_simple"), ("all_reduce", "gather_fold"),
-    ("all_reduce", "workspace_one_shot"), ("all_reduce", "workspace_two_shot"), ("all_reduce", "in_switch"),
+    ("all_reduce", "ipc_one_shot"), ("all_reduce", "ipc_two_shot"), ("all_reduce", "in_switch"),
     ("reduce_scatter", "native"), ("reduce_scatter", "native_ring_simple"), ("reduce_scatter", "a2a_fold"),
-    ("reduce_scatter", "workspace"), ("reduce_scatter", "in_switch"),
-    ("all_gather", "native"), ("all_gather", "native_ring_simple"), ("all_gather", "workspace"),
+    ("reduce_scatter", "ipc_fold"), ("reduce_scatter", "in_switch"),
+    ("all_gather", "native"), ("all_gather", "native_ring_simple"), ("all_gather", "ipc_fold"),
     ("all_gather", "multicast_gather"),
 )
 # Canonical-fold routes whose time the ratio summary divides by native's (all-gather has no fold).
-FOLD_ROUTES = ("gather_fold", "workspace_one_shot", "workspace_two_shot", "a2a_fold", "workspace")
-_WORKSPACE = ("workspace_one_shot", "workspace_two_shot", "workspace")
+FOLD_ROUTES = ("gather_fold", "ipc_one_shot", "ipc_two_shot", "a2a_fold", "ipc_fold")
+_WORKSPACE = ("ipc_one_shot", "ipc_two_shot", "ipc_fold")
 _MULTICAST = ("in_switch", "multicast_gather")
 _RING_SIMPLE_ENV = {"NCCL_ALGO": "Ring", "NCCL_PROTO": "Simple"}
 _ELEM = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -101,7 +98,7 @@ class BenchConfig:
         if badc or not self.collectives:
             raise ValueError(f"collectives must be among all_reduce, reduce_scatter, all_gather; got {self.collectives!r}")
         if self.iters < 50:
-            raise ValueError(f"iters must be >= 50 (issue 5: >= 50 timed calls per point), got {self.iters}")
+            raise ValueError(f"iters must be >= 50 (medians need >= 50 timed calls per point), got {self.iters}")
         if self.warmup < 1 or self.graph_calls < 1:
             raise ValueError("warmup and graph_calls must be >= 1")
         if self.budget_s is not None and self.budget_s <= 0:
@@ -117,7 +114,7 @@ class BenchConfig:
 
 
 def multicast_reason(*, allow_multicast: bool) -> str:
-    """Why the multicast rows are not measured, from SPEC 8's three conditions (detcomm.envelope)."""
+    """Why the multicast rows are not measured, from docs/spec.md §8's three conditions (detcomm.envelope)."""
     from detcomm.envelope import multicast_allowed, resolve_numerics
 
     # Hardware support is never probed: asking the driver about multicast is a step this bench does not take
@@ -358,6 +355,6 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    from detcomm.bench_cli import main
+    from detcomm.bench import main
 
     sys.exit(main())

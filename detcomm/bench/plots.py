@@ -12,11 +12,11 @@ from typing import Any
 
 __all__ = ["write_plots"]
 
-_ROUTE_ORDER = ("native", "native_ring_simple", "gather_fold", "workspace_one_shot", "workspace_two_shot",
-                "a2a_fold", "workspace")
+_ROUTE_ORDER = ("native", "native_ring_simple", "gather_fold", "ipc_one_shot", "ipc_two_shot",
+                "a2a_fold", "ipc_fold")
 _COLL_SHORT = {"all_reduce": "AR", "reduce_scatter": "RS", "all_gather": "AG"}
-_FOLDS = {"all_reduce": ("gather_fold", "workspace_one_shot", "workspace_two_shot"),
-          "reduce_scatter": ("a2a_fold", "workspace")}
+_FOLDS = {"all_reduce": ("gather_fold", "ipc_one_shot", "ipc_two_shot"),
+          "reduce_scatter": ("a2a_fold", "ipc_fold")}
 
 
 def _plt() -> Any:

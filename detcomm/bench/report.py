@@ -13,8 +13,8 @@ from typing import Any
 __all__ = ["RATIO_SIZES", "ratio_summary", "to_markdown", "write_outputs", "size_label", "load_result"]
 
 RATIO_SIZES = (16 << 10, 256 << 10, 4 << 20, 64 << 20)
-_FOLD = {"all_reduce": ("gather_fold", "workspace_one_shot", "workspace_two_shot"),
-         "reduce_scatter": ("a2a_fold", "workspace")}
+_FOLD = {"all_reduce": ("gather_fold", "ipc_one_shot", "ipc_two_shot"),
+         "reduce_scatter": ("a2a_fold", "ipc_fold")}
 _CSV_FIELDS = ("harness", "world", "collective", "route", "dtype", "hidden", "rows", "bytes", "status",
                "eager_median_us", "eager_p10_us", "eager_p90_us", "eager_n", "graph_median_us", "graph_p10_us",
                "graph_p90_us", "graph_n", "graph_note", "algbw_GBps", "busbw_GBps", "graph_algbw_GBps",
@@ -163,7 +163,7 @@ def to_markdown(result: dict[str, Any], *, ratios: list[dict[str, Any]] | None =
     return "\n".join(lines) + "\n"
 
 
-FOLD_ORDER = ("gather_fold", "workspace_one_shot", "workspace_two_shot", "a2a_fold", "workspace")
+FOLD_ORDER = ("gather_fold", "ipc_one_shot", "ipc_two_shot", "a2a_fold", "ipc_fold")
 
 
 def _csv_row(p: dict[str, Any]) -> dict[str, Any]:

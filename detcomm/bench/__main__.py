@@ -1,5 +1,3 @@
-"""``python -m launch`` is ``detcomm-launch``."""
-
 import sys
 
 from .cli import main

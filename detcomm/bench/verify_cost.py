@@ -1,6 +1,6 @@
 """Cost of the cross-rank call check (detcomm.init(check=True) / DETCOMM_CHECK=1) on CPU gloo.
 
-    python bench/check_cost.py [--nproc 4] [--calls 400] [--rows 8] [--width 64]
+    python -m detcomm.bench.verify_cost [--nproc 4] [--calls 400] [--rows 8] [--width 64]
 
 For a small all_reduce (fp32, rows x width) on the native route (numerics=auto) and on gather_fold
 (rl-bitwise), the median per-call time with the check off and on, measured on every rank after a warm-up

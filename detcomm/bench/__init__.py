@@ -1,0 +1,1 @@
+"""detcomm-bench: latency, bandwidth and numerical divergence of every route, side by side (``python -m detcomm.bench``)."""
