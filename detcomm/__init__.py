@@ -24,7 +24,6 @@ from .comm import (
     DEFAULT_WORKSPACE_MAX_ROWS,
     Communicator,
     RouteEntry,
-    RouteRefused,
     RouteTable,
     warn_missing_environment,
 )
@@ -62,7 +61,10 @@ __all__ = [
     "get_communicator",
     "is_initialized",
     "Communicator",
+    "DetcommError",
     "RouteRefused",
+    "WorkspaceUnavailable",
+    "WorkspaceFailed",
     "CollectiveMismatch",
     "PeerTimeout",
     "RouteTable",

@@ -36,6 +36,7 @@ from .route import (
     Site,
 )
 from .selfcheck import CheckKey, CheckResult, run_check
+from .errors import RouteRefused
 
 __all__ = ["Communicator", "RouteRefused", "RouteTable", "RouteEntry"]
 
@@ -46,10 +47,6 @@ DEFAULT_WORKSPACE_BYTES = 16 * 1024 * 1024
 
 # Width of the startup self-checks' rows: not a multiple of 8, so vectorized kernels' scalar tails run too.
 _STARTUP_CHECK_SHAPE = (76,)
-
-
-class RouteRefused(RuntimeError):
-    """No acceptable route passed its self-check for a site (raised on every rank with the same reason)."""
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from .route import Collective, ReduceOp
+from .errors import CollectiveMismatch, PeerTimeout
 
 __all__ = ["CallChecker", "CollectiveMismatch", "PeerTimeout", "check_from_env"]
 
@@ -44,14 +45,6 @@ _VERSION = 0x0DE7C0_0001
 _SHOWN = ("site", "seq", "collective", "op", "dtype", "shape", "rows", "extra")
 _COLLECTIVES = {c: i for i, c in enumerate(Collective)}
 _OPS = {o: i for i, o in enumerate(ReduceOp)}
-
-
-class CollectiveMismatch(RuntimeError):
-    """The ranks of a group made different collective calls (raised on every rank, same message)."""
-
-
-class PeerTimeout(RuntimeError):
-    """A peer did not reach a collective call within the process group's timeout (it skipped it, or died)."""
 
 
 def check_from_env(check: bool | None) -> bool:

@@ -15,6 +15,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from typing import Mapping, Sequence
+from ..errors import LaunchError
 
 __all__ = [
     "LaunchError",
@@ -31,10 +32,6 @@ MPI_INSTALL_HINT = (
     "install Open MPI (Debian/Ubuntu: apt-get install -y openmpi-bin libopenmpi-dev; conda: conda install -c "
     "conda-forge openmpi) or MPICH (apt-get install -y mpich), then pip install mpi4py"
 )
-
-
-class LaunchError(RuntimeError):
-    """The machine lacks something the chosen backend needs (an mpiexec, say); the message says what."""
 
 
 @dataclass(frozen=True)

@@ -25,13 +25,10 @@ import secrets
 from typing import Any
 
 import numpy as np
+from ..errors import SymmMemUnavailable
 
 PROBE_MAGIC = 0xDC0FFEE5
 PROBE_SLOT_BYTES = 16
-
-
-class SymmMemUnavailable(RuntimeError):
-    """Symmetric memory could not be set up on this group (raised on every rank, with every rank's reason)."""
 
 
 def _cupy() -> Any:

@@ -14,14 +14,10 @@ import torch
 
 from . import plan
 from .kernels import KernelSet, kernel_set
+from ..errors import WorkspaceUnavailable
 
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 DEFAULT_TIMEOUT_S = 10.0
-
-
-class WorkspaceUnavailable(RuntimeError):
-    """The workspace could not be armed on this group. Raised on every rank by Workspace.create, with the reason
-    of every rank that failed (the core then routes the group's sites elsewhere and says why in the route table)."""
 
 
 def _refuse_under_capture(what: str) -> None:

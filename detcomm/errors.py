@@ -1,0 +1,54 @@
+"""Every error detcomm raises on purpose derives from ``DetcommError``, so serving code can catch detcomm's own
+failures in one place. Caller errors are not here: a wrong value raises ``ValueError`` and a wrong type
+``TypeError`` before any communication, as Python's own functions do.
+
+Each class names the situation, not the mechanism; the message always says what to do next. Classes that are
+raised "on every rank" carry the same message on every rank of the group.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "DetcommError",
+    "RouteRefused",
+    "CollectiveMismatch",
+    "PeerTimeout",
+    "WorkspaceUnavailable",
+    "WorkspaceFailed",
+    "SymmMemUnavailable",
+    "LaunchError",
+]
+
+
+class DetcommError(RuntimeError):
+    """Base class of detcomm's own errors (a RuntimeError, so existing ``except RuntimeError`` code still works)."""
+
+
+class RouteRefused(DetcommError):
+    """No acceptable route passed its self-check for a site (raised on every rank with the same reason)."""
+
+
+class CollectiveMismatch(DetcommError):
+    """The ranks of a group made different collective calls (raised on every rank, same message)."""
+
+
+class PeerTimeout(DetcommError):
+    """A peer did not reach a collective call within the deadline (it skipped it, stalled or died)."""
+
+
+class WorkspaceUnavailable(DetcommError):
+    """The CUDA-IPC workspace could not be armed on this group (raised on every rank, with every rank's reason);
+    the group's sites then take another canonical route and the route table says why."""
+
+
+class WorkspaceFailed(DetcommError):
+    """A workspace collective ended without a result (a deadline passed, or a rank aborted). The workspace refuses
+    every further call until it is re-created; the message names the site, the rank waited for and the call."""
+
+
+class SymmMemUnavailable(DetcommError):
+    """Symmetric memory could not be set up on this group (raised on every rank, with every rank's reason)."""
+
+
+class LaunchError(DetcommError):
+    """The machine lacks something the chosen launch backend needs (an mpiexec, say); the message says what."""
