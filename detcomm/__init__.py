@@ -27,7 +27,8 @@ from .comm import (
     RouteTable,
     warn_missing_environment,
 )
-from .verify import CollectiveMismatch, PeerTimeout, check_from_env
+from .verify import check_from_env
+from .errors import CollectiveMismatch, DetcommError, PeerTimeout, RouteRefused, WorkspaceFailed, WorkspaceUnavailable
 from .envelope import (
     BITWISE_ENVELOPES,
     MULTICAST_OFF_ENV,
@@ -62,7 +63,10 @@ __all__ = [
     "is_initialized",
     "Communicator",
     "DetcommError",
+    "DetcommError",
     "RouteRefused",
+    "WorkspaceUnavailable",
+    "WorkspaceFailed",
     "WorkspaceUnavailable",
     "WorkspaceFailed",
     "CollectiveMismatch",
