@@ -171,8 +171,10 @@ def init(
     resolved = resolve_numerics(default_numerics() if numerics is None else numerics, **switches)
     checking = check_from_env(check)
     if timeout_s is not None:
-        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
-            raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
+            raise TypeError(f"timeout_s must be a number of seconds, got {type(timeout_s).__name__}")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
         if group is not None or dist.is_initialized():
             raise ValueError(
                 "timeout_s applies only to the process group detcomm.init creates; this group already exists and "
@@ -181,7 +183,8 @@ def init(
             )
     key = _group_key(group)
     if key in _COMMS:
-        raise RuntimeError("detcomm is already initialized on this group; call detcomm.shutdown() first")
+        raise DetcommError("detcomm is already initialized on this group: use detcomm.get_communicator() for the "
+                           "existing communicator, or call detcomm.shutdown() before a new init")
     created = False
     if group is None and not dist.is_initialized():
         backend = _env_rendezvous()
@@ -223,7 +226,7 @@ def get_communicator(group: dist.ProcessGroup | None = None) -> Communicator:
     """The communicator of ``group`` (default: the module default)."""
     comm = _DEFAULT if group is None else _COMMS.get(group)
     if comm is None:
-        raise RuntimeError(
+        raise DetcommError(
             "detcomm is not initialized"
             + ("" if group is None else " on this group")
             + ": call detcomm.init(" + ("" if group is None else "group=...") + ") first"
@@ -244,7 +247,7 @@ def site(
     *,
     collective: str,
     dtype: torch.dtype,
-    shape: Sequence[int],
+    shape: int | Sequence[int],
     max_rows: int,
     op: str = "sum",
     group: dist.ProcessGroup | None = None,

@@ -50,7 +50,7 @@ def _routes(args: argparse.Namespace) -> int:
     sites = [parse_site(s) for s in (args.site or _DEFAULT_SITES)]
     rows = []
     for s in sites:
-        d = auto.route(s)
+        d = auto.decide(s)
         rows.append({"site": s.name, "collective": s.collective.value,
                      "op": s.op.value if s.collective.reduces or s.collective is Collective.ARGMAX else "",
                      "dtype": str(s.dtype).replace("torch.", ""), "shape": "x".join(map(str, s.shape)),

@@ -12,88 +12,53 @@ Which calls are collective (every rank of the group must make them, in the same 
 
 from __future__ import annotations
 
+import logging
+import time
 import warnings
-from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 import torch.distributed as dist
 
 from . import envelope as _env
 from .backends import A2AFoldBackend, GatherFoldBackend, NativeBackend
-from .backends.ipc_fold import IpcFoldBackend
-from .verify import CallChecker
 from .fold import BATCH_INVARIANT, FLOAT_DTYPES, Leaf, select_leaf
 from .route import (
     DEFAULT_MAX_ROWS,
+    NO_ARGS,
+    SUPPORTED_DTYPES,
     AutoBackend,
+    BoundRoute,
+    CallArgs,
     Capabilities,
     Collective,
     ReduceOp,
     Route,
-    SUPPORTED_DTYPES,
-    RouteDecision,
+    RouteBackend,
+    RouteEntry,
+    RouteTable,
     Site,
 )
-from .selfcheck import CheckKey, CheckResult, run_check
+from .selfcheck import CheckResult, SelfChecks
+
+if TYPE_CHECKING:
+    from .workspace import Workspace
+from .verify import CallChecker
+from .errors import DetcommError, WorkspaceUnavailable
 from .errors import RouteRefused
 
-__all__ = ["Communicator", "RouteRefused", "RouteTable", "RouteEntry"]
+__all__ = ["Communicator", "RouteTable", "RouteEntry"]
 
 # Workspace defaults: armed for sites up to a prefill chunk of rows; one launch carries this many bytes of a
-# rank's rows (more rows are chunked, bits unchanged).
+# rank's rows: 32 MiB holds 2048 rows of a bf16 8192-wide row in one launch. Wider sites are chunked (same
+# bits), and the route table says how many launches a site's max_rows takes.
 DEFAULT_WORKSPACE_MAX_ROWS = 2048
-DEFAULT_WORKSPACE_BYTES = 16 * 1024 * 1024
+DEFAULT_WORKSPACE_BYTES = 32 * 1024 * 1024
+
+_log = logging.getLogger("detcomm")
 
 # Width of the startup self-checks' rows: not a multiple of 8, so vectorized kernels' scalar tails run too.
 _STARTUP_CHECK_SHAPE = (76,)
-
-
-@dataclass(frozen=True)
-class RouteEntry:
-    site: Site
-    decision: RouteDecision
-    check: str
-
-    def as_dict(self) -> dict[str, object]:
-        s = self.site
-        return {
-            "site": s.name,
-            "collective": s.collective.value,
-            "op": s.op.value if s.collective.reduces or s.collective is Collective.ARGMAX else "",
-            "dtype": str(s.dtype).replace("torch.", ""),
-            "shape": list(s.shape),
-            "max_rows": s.max_rows,
-            "route": self.decision.route.value,
-            "why": self.decision.why,
-            "selfcheck": self.check,
-        }
-
-
-@dataclass(frozen=True)
-class RouteTable:
-    """The route decisions of a group's sites, printable (``str``) and identical on every rank."""
-
-    numerics: str
-    backend: str
-    world_size: int
-    leaf: str
-    entries: tuple[RouteEntry, ...]
-
-    def as_dicts(self) -> list[dict[str, object]]:
-        return [e.as_dict() for e in self.entries]
-
-    def __str__(self) -> str:
-        cols = ("site", "collective", "op", "dtype", "shape", "max_rows", "route", "selfcheck", "why")
-        rows = [{k: ("x".join(map(str, v)) if k == "shape" else str(v)) for k, v in d.items()} for d in self.as_dicts()]
-        widths = {c: max([len(c)] + [len(r[c]) for r in rows]) for c in cols}
-        head = f"detcomm routes: numerics={self.numerics} backend={self.backend} W={self.world_size} fold leaf={self.leaf}"
-        lines = [head, "  ".join(c.ljust(widths[c]) for c in cols).rstrip()]
-        lines.append("  ".join("-" * widths[c] for c in cols))
-        lines += ["  ".join(r[c].ljust(widths[c]) for c in cols).rstrip() for r in rows]
-        if not rows:
-            lines.append("(no sites declared)")
-        return "\n".join(lines)
 
 
 def _group_label(group: dist.ProcessGroup) -> str:
@@ -135,8 +100,10 @@ class Communicator:
     ) -> None:
         for name, value in (("default_max_rows", default_max_rows), ("workspace_max_rows", workspace_max_rows),
                             ("workspace_bytes", workspace_bytes)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
         self.group = group
         self.group_label = _group_label(group)
         self.resolved = resolved
@@ -150,36 +117,50 @@ class Communicator:
         required = frozenset({BATCH_INVARIANT}) if resolved.switches.batch_invariant_collectives else frozenset()
         self.leaf: Leaf = select_leaf(device_type=self.device.type, required=required)
         self._native = NativeBackend(group, stage_through_host=self.device.type == "cuda" and "nccl" not in self.backend_name)
-        self._backends: dict[Route, object] = {
+        self._backends: dict[Route, RouteBackend] = {
             Route.NATIVE: self._native,
             Route.GATHER_FOLD: GatherFoldBackend(self._native, self.leaf),
             Route.A2A_FOLD: A2AFoldBackend(self._native, self.leaf),
         }
-        self.caps = self._discover_capabilities(workspace, workspace_max_rows, workspace_bytes)
-        # Cross-rank call checking (detcomm/verify.py); timeout_s only names the group's timeout in its errors.
-        self._checker = (CallChecker(native=self._native, device=self.device, rank=self.rank,
-                                     world_size=self.world_size, timeout_s=timeout_s) if check else None)
-        self.auto = AutoBackend(resolved, self.caps)
+        self._workspace: Workspace | None = None
+        t0 = time.perf_counter()
+        self.caps = self._discover_capabilities(workspace, workspace_max_rows, workspace_bytes, timeout_s)
+        # Cross-rank call verification (detcomm/verify.py); timeout_s only names the group's timeout in its errors.
+        self._verifier = (CallChecker(native=self._native, device=self.device, rank=self.rank,
+                                      world_size=self.world_size, timeout_s=timeout_s) if check else None)
+        self._selfchecks = SelfChecks(native=self._native, device=self.device)
+        self.auto = AutoBackend(resolved, self.caps, backends=self._backends,
+                                checker=self._selfchecks if selfcheck else None, leaf=self.leaf.name)
         self._sites: dict[str, Site] = {}
-        self._decisions: dict[str, RouteDecision] = {}
-        self._checks: dict[CheckKey, CheckResult] = {}
-        self._refused: dict[tuple[Route, Collective, ReduceOp], str] = {}
+        self._bound: dict[str, BoundRoute] = {}
         self._closed = False
         if selfcheck:
             try:
                 self._startup_checks()
             except BaseException:
-                ws = self._backends.get(Route.IPC_FOLD)
-                if ws is not None:  # local release: the peers are failing the same check
-                    ws.workspace.abort()  # type: ignore[attr-defined]
+                if self._workspace is not None:  # local release: the peers are failing the same check
+                    self._workspace.abort()
                 raise
+        self._log_summary(time.perf_counter() - t0)
+
+    def _log_summary(self, seconds: float) -> None:
+        checks = self.checks()
+        failed = [c for c in checks if not c.passed]
+        routes = sorted({e.decision.route.value for e in self.auto.table(self.auto.bound_sites()).entries})
+        _log.info(
+            "detcomm: init on %s W=%d rank=%d device=%s numerics=%s fold leaf=%s routes in use=%s; workspace: %s; "
+            "%d self-checks (%d failed) in %.3f s; init took %.3f s",
+            self.backend_name, self.world_size, self.rank, self.device, self.resolved.numerics, self.leaf.name,
+            ",".join(routes) or "-", self.caps.workspace_reason, len(checks), len(failed),
+            self._selfchecks.seconds(), seconds)
 
     # -- startup ------------------------------------------------------------------------------------
-    def _discover_capabilities(self, workspace: bool | None, max_rows: int, capacity: int) -> Capabilities:
+    def _discover_capabilities(self, workspace: bool | None, max_rows: int, capacity: int,
+                               timeout_s: float | None) -> Capabilities:
         allowed, mc_why = _env.multicast_allowed(self.resolved, hardware_supports=False)
         if allowed:  # pragma: no cover - unreachable until a multicast route exists
             mc_why = "no multicast route in this build"
-        armed, ws_why = self._arm_workspace(workspace, max_rows, capacity)
+        armed, ws_why = self._arm_workspace(workspace, max_rows, capacity, timeout_s)
         return Capabilities(
             backend=self.backend_name,
             device_type=self.device.type,
@@ -187,11 +168,13 @@ class Communicator:
             workspace=armed,
             workspace_reason=ws_why,
             workspace_max_rows=max_rows if armed else 0,
+            workspace_bytes=capacity if armed else 0,
             multicast=False,
             multicast_reason=mc_why,
         )
 
-    def _arm_workspace(self, want: bool | None, max_rows: int, capacity: int) -> tuple[bool, str]:
+    def _arm_workspace(self, want: bool | None, max_rows: int, capacity: int,
+                       timeout_s: float | None) -> tuple[bool, str]:
         """Arm the CUDA-IPC workspace (collective) where a route could use it: a CUDA group, and either a
         batch-invariant envelope (``want=None``) or an explicit ``workspace=True``. Every rank reaches the
         same verdict (Workspace.create raises on every rank when one cannot arm)."""
@@ -202,12 +185,20 @@ class Communicator:
             return False, "force_deterministic_rsag: no symmetric-memory path"
         if want is False or (want is None and not sw.batch_invariant_collectives):
             return False, "workspace not armed (init(workspace=True) arms it)"
-        from .workspace import Workspace, WorkspaceUnavailable
+        from .backends.ipc_fold import IpcFoldBackend
+        from .workspace import Workspace
 
+        kw = {} if timeout_s is None else {"timeout_s": timeout_s}
         try:
-            ws = Workspace.create(self.group, device=self.device, capacity_bytes=capacity, max_rows_armed=max_rows)
+            ws = Workspace.create(self.group, device=self.device, capacity_bytes=capacity, max_rows_armed=max_rows,
+                                  **kw)
         except WorkspaceUnavailable as e:
+            # The envelope wanted the workspace: its sites now take gather_fold/a2a_fold (same bits, ~2x slower
+            # at decode sizes). Say so once, loudly: the route table alone is easy to miss.
+            _log.warning("detcomm: the CUDA-IPC workspace did not arm, so SUM sites take gather_fold/a2a_fold "
+                         "instead of ipc_fold (same bits, slower): %s", e)
             return False, f"workspace unavailable: {e}"
+        self._workspace = ws
         self._backends[Route.IPC_FOLD] = IpcFoldBackend(ws)
         return True, f"armed: {capacity // 1024} KiB per launch, sites up to {max_rows} rows"
 
@@ -219,48 +210,8 @@ class Communicator:
                 # A one-row site reaches an armed workspace; a DEFAULT_MAX_ROWS one the gather/all-to-all
                 # fold. Where both land on one route the second check is the first's cached result.
                 for max_rows in (1, DEFAULT_MAX_ROWS):
-                    self._choose(Site("<startup>", coll, dtype, _STARTUP_CHECK_SHAPE, max_rows, ReduceOp.SUM,
-                                      self.group_label))
-
-    def _claims(self, decision: RouteDecision, site: Site) -> bool:
-        """Whether the route promises exact, batch-invariant bits for this site (and so must be checked)."""
-        if site.collective is Collective.ARGMAX:
-            return True
-        if site.collective.reduces and site.is_float:
-            return site.op is not ReduceOp.SUM or decision.canonical_sum
-        return False
-
-    def _check(self, decision: RouteDecision, site: Site) -> CheckResult:
-        key = CheckKey(decision.route, site.collective, site.op, site.dtype, site.shape)
-        result = self._checks.get(key)
-        if result is None:
-            # An argmax check gives each rank the vocabulary shard it would hold in a real call.
-            kw = {"vocab_start": self.rank * site.shape[0]} if site.collective is Collective.ARGMAX else {}
-            execute = lambda x: self._run(decision.route, site, x, **kw)  # noqa: E731
-            result = self._checks[key] = run_check(key, execute, native=self._native, device=self.device)
-        return result
-
-    def _choose(self, site: Site) -> RouteDecision:
-        refused: list[str] = []
-        for cand in self.auto.candidates(site):
-            kind = (cand.route, site.collective, site.op)
-            if kind in self._refused:
-                # A route that failed a self-check for this collective serves it for no dtype or shape.
-                refused.append(f"{cand.route.value}: {self._refused[kind]}")
-                continue
-            if self.selfcheck and self._claims(cand, site):
-                result = self._check(cand, site)
-                if not result.passed:
-                    self._refused[kind] = f"{result.key.label()}: {result.reason}"
-                    refused.append(f"{cand.route.value}: {self._refused[kind]}")
-                    continue
-            if refused:
-                cand = RouteDecision(cand.route, cand.why + " [refused: " + " | ".join(refused) + "]")
-            return cand
-        raise RouteRefused(
-            f"site {site.name!r} ({site.describe()}): no acceptable route passed its startup self-check under "
-            f"numerics={self.resolved.numerics!r}: " + " | ".join(refused)
-        )
+                    self.auto.route(Site("<startup>", coll, dtype, _STARTUP_CHECK_SHAPE, max_rows, ReduceOp.SUM,
+                                         self.group_label))
 
     # -- sites --------------------------------------------------------------------------------------
     def site(
@@ -269,13 +220,15 @@ class Communicator:
         *,
         collective: str | Collective,
         dtype: torch.dtype,
-        shape: Sequence[int],
+        shape: int | Sequence[int],
         max_rows: int,
         op: str | ReduceOp = "sum",
         route: str | Route | None = None,
     ) -> Site:
         """Declare a call site (see ``detcomm.site``). Collective when it runs a new self-check."""
         self._check_open()
+        if isinstance(shape, int) and not isinstance(shape, bool):
+            shape = (shape,)  # one trailing dimension, as torch accepts an int for a 1-D size
         coll = _enum(Collective, collective, "collective", name)
         rop = ReduceOp.MAX if coll is Collective.ARGMAX and op == "sum" else _enum(ReduceOp, op, "op", name)
         s = Site(
@@ -300,7 +253,7 @@ class Communicator:
                     f"{s.describe()} contradicts it. A site is static: use another name for the other call."
                 )
             return existing
-        self._decisions[s.name] = self._choose(s)
+        self._bound[s.name] = self.auto.route(s)
         self._sites[s.name] = s
         return s
 
@@ -359,8 +312,8 @@ class Communicator:
     def _agree(self, name: str, collective: Collective, op: ReduceOp, x: torch.Tensor,
                rows_per_rank: Sequence[int] | None, uneven: bool) -> None:
         # After every local validation (a caller error never costs a message), before any collective work.
-        if self._checker is not None:
-            self._checker.agree(name, collective, op, x, rows_per_rank=rows_per_rank, uneven=uneven)
+        if self._verifier is not None:
+            self._verifier.agree(name, collective, op, x, rows_per_rank=rows_per_rank, uneven=uneven)
 
     def _check_tensor(self, name: str, x: torch.Tensor) -> None:
         if not isinstance(x, torch.Tensor):
@@ -382,30 +335,11 @@ class Communicator:
             raise ValueError(f"site {name!r}: tensor is not contiguous; pass x.contiguous()")
 
     # -- collectives --------------------------------------------------------------------------------
-    def _run(self, route: Route, site: Site, x: torch.Tensor, **kw: object) -> torch.Tensor:
-        backend = self._backends.get(route)
-        if backend is None:
-            raise RuntimeError(f"route {route.value!r} has no backend on this group")
-        coll = site.collective
-        if coll is Collective.ALL_REDUCE:
-            return backend.all_reduce(x, site.op)  # type: ignore[attr-defined]
-        if coll is Collective.REDUCE_SCATTER:
-            return backend.reduce_scatter(x, site.op)  # type: ignore[attr-defined]
-        if coll is Collective.ALL_GATHER:
-            return backend.all_gather(x)  # type: ignore[attr-defined]
-        if coll is Collective.TOKEN_ALL_GATHER:
-            return backend.token_all_gather(x, kw["rows_per_rank"])  # type: ignore[attr-defined]
-        if coll is Collective.ALL_TO_ALL:
-            return backend.all_to_all(x, kw["in_splits"], kw["out_splits"])  # type: ignore[attr-defined]
-        if coll is Collective.ARGMAX:
-            return backend.argmax(x, kw["vocab_start"])  # type: ignore[attr-defined]
-        raise AssertionError(coll)
-
     def all_reduce(self, x: torch.Tensor, *, site: str | Site, op: str = "sum") -> torch.Tensor:
         """Reduce every rank's ``x`` (SUM, MAX or MIN); returns a new tensor, identical on every rank."""
         self._check_open()
         s = self._site_for_call(site, Collective.ALL_REDUCE, x, _enum(ReduceOp, op, "op", site))
-        return self._run(self._decisions[s.name].route, s, x)
+        return self._bound[s.name](x, NO_ARGS)
 
     def reduce_scatter(self, x: torch.Tensor, *, site: str | Site, op: str = "sum") -> torch.Tensor:
         """Rank r receives row block r of the reduction; ``x.shape[0]`` must divide by the world size."""
@@ -418,13 +352,13 @@ class Communicator:
                 f"(rank r receives row block r); got {x.shape[0]} rows: pad to {-(-x.shape[0] // self.world_size) * self.world_size}"
             )
         s = self._site_for_call(site, Collective.REDUCE_SCATTER, x, rop)
-        return self._run(self._decisions[s.name].route, s, x)
+        return self._bound[s.name](x, NO_ARGS)
 
     def all_gather(self, x: torch.Tensor, *, site: str | Site) -> torch.Tensor:
         """Every rank's ``x`` concatenated along dim 0 in rank order."""
         self._check_open()
         s = self._site_for_call(site, Collective.ALL_GATHER, x, ReduceOp.SUM)
-        return self._run(self._decisions[s.name].route, s, x)
+        return self._bound[s.name](x, NO_ARGS)
 
     def token_all_gather(self, x: torch.Tensor, *, site: str | Site, rows_per_rank: Sequence[int]) -> torch.Tensor:
         """Uneven all-gather: rank r contributes ``rows_per_rank[r]`` rows; concatenated in rank order."""
@@ -439,7 +373,7 @@ class Communicator:
                 f"{counts[self.rank]}; every rank must pass the same rows_per_rank"
             )
         s = self._site_for_call(site, Collective.TOKEN_ALL_GATHER, x, ReduceOp.SUM, rows_per_rank=counts)
-        return self._run(self._decisions[s.name].route, s, x, rows_per_rank=counts)
+        return self._bound[s.name](x, CallArgs(rows_per_rank=tuple(counts)))
 
     def all_to_all(self, x: torch.Tensor, *, site: str | Site, splits: Sequence[int] | None = None) -> torch.Tensor:
         """Rank r sends its row block q to rank q and receives, in rank order, every rank's block r.
@@ -468,14 +402,16 @@ class Communicator:
         else:
             ins = in_splits
             outs = self._native.exchange_splits(ins, self.device)
-        return self._run(self._decisions[s.name].route, s, x, in_splits=ins, out_splits=outs)
+        return self._bound[s.name](x, CallArgs(in_splits=tuple(ins), out_splits=tuple(outs)))
 
     def argmax(self, logits_shard: torch.Tensor, *, site: str | Site, vocab_start: int) -> torch.Tensor:
         """Vocabulary-parallel argmax: int64 global index per row; lowest index on exact ties; -0.0 == +0.0;
         NaN counts as the largest value (as torch.argmax)."""
         self._check_open()
         name = site.name if isinstance(site, Site) else site
-        if isinstance(vocab_start, bool) or not isinstance(vocab_start, int) or vocab_start < 0:
+        if isinstance(vocab_start, bool) or not isinstance(vocab_start, int):
+            raise TypeError(f"site {name!r}: vocab_start must be an int, got {type(vocab_start).__name__}")
+        if vocab_start < 0:
             raise ValueError(f"site {name!r}: vocab_start must be a non-negative int, got {vocab_start!r}")
         if isinstance(logits_shard, torch.Tensor):
             if logits_shard.dim() != 2:
@@ -485,23 +421,16 @@ class Communicator:
             if vocab_start + logits_shard.shape[1] > 2**31:
                 raise ValueError(f"site {name!r}: global vocabulary indices must stay below 2**31")
         s = self._site_for_call(site, Collective.ARGMAX, logits_shard, ReduceOp.MAX)
-        return self._run(self._decisions[s.name].route, s, logits_shard, vocab_start=vocab_start)
+        return self._bound[s.name](logits_shard, CallArgs(vocab_start=vocab_start))
 
     # -- introspection and lifecycle ----------------------------------------------------------------
     def routes(self) -> RouteTable:
         """The route table of the declared sites (local; identical on every rank)."""
-        entries = []
-        for name, s in self._sites.items():
-            d = self._decisions[name]
-            key = CheckKey(d.route, s.collective, s.op, s.dtype, s.shape)
-            res = self._checks.get(key)
-            check = "passed" if res is not None and res.passed else ("-" if res is None else "FAILED")
-            entries.append(RouteEntry(s, d, check))
-        return RouteTable(self.resolved.numerics, self.backend_name, self.world_size, self.leaf.name, tuple(entries))
+        return self.auto.table(list(self._sites.values()))
 
     def checks(self) -> list[CheckResult]:
         """Every self-check run on this group so far, in order (local)."""
-        return list(self._checks.values())
+        return list(self._selfchecks.results.values())
 
     def close(self) -> None:
         """Release this communicator's resources (collective). The process group is destroyed only if
@@ -509,9 +438,9 @@ class Communicator:
         if self._closed:
             return
         self._closed = True
-        ws = self._backends.get(Route.IPC_FOLD)
-        if ws is not None:
-            ws.close()  # type: ignore[attr-defined]
+        if self._workspace is not None:
+            self._workspace.close()
+            self._workspace = None
         if self.owns_group and dist.is_initialized():
             # Every rank leaves its last collective before any rank tears its transport down; without this a
             # gloo rank can be torn down under a peer still draining the final message (abort at exit).
@@ -525,7 +454,7 @@ class Communicator:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise RuntimeError("this detcomm communicator is shut down; call detcomm.init() again")
+            raise DetcommError("this detcomm communicator is shut down; call detcomm.init() again")
 
 
 def _enum(cls, value, what: str, site: object = None):  # type: ignore[no-untyped-def]
@@ -541,8 +470,10 @@ def _enum(cls, value, what: str, site: object = None):  # type: ignore[no-untype
 def _int_list(values: Sequence[int], site: str, what: str) -> list[int]:
     out = []
     for v in values:
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise ValueError(f"site {site!r}: {what} must be non-negative ints, got {list(values)!r}")
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(f"site {site!r}: {what} must be ints, got {list(values)!r}")
+        if v < 0:
+            raise ValueError(f"site {site!r}: {what} must be non-negative, got {list(values)!r}")
         out.append(v)
     return out
 

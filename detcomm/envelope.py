@@ -22,6 +22,7 @@ from typing import Iterator, Mapping, MutableMapping
 
 __all__ = [
     "BITWISE_ENVELOPES",
+    "DEFAULT_NUMERICS",
     "MULTICAST_OFF_ENV",
     "Envelope",
     "Switches",
@@ -46,6 +47,10 @@ BITWISE_NCCL_ENV: Mapping[str, str] = {"NCCL_ALGO": "Ring", "NCCL_PROTO": "Simpl
 TF32_OFF_ENV: Mapping[str, str] = {"NVIDIA_TF32_OVERRIDE": "0"}
 
 _LAYER_BOUNDARY_NORMS = ("fused", "unfused")
+
+# The one default envelope of every entry point (detcomm.init, the probes, `detcomm routes`, detcomm-launch):
+# the guarantee this package exists for. Speed-first deployments opt out with numerics="auto".
+DEFAULT_NUMERICS = "rl-bitwise"
 
 
 @dataclass(frozen=True)
@@ -345,7 +350,7 @@ def multicast_allowed(resolved: Resolved, *, hardware_supports: bool, env: Mappi
 
 
 def default_numerics(env: Mapping[str, str] | None = None) -> str:
-    """The envelope a launcher asked for (DETCOMM_NUMERICS), else "auto"."""
+    """The envelope a launcher or the user exported (DETCOMM_NUMERICS), else DEFAULT_NUMERICS."""
     current = os.environ if env is None else env
-    return current.get("DETCOMM_NUMERICS", "auto")
+    return current.get("DETCOMM_NUMERICS") or DEFAULT_NUMERICS
 

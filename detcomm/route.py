@@ -1,24 +1,33 @@
-"""Static call-site routing (docs/spec.md sections 2 and 3).
+"""Static call-site routing (docs/spec.md sections 2 and 3): the one place where a site gets its route.
 
 A call site is a static declaration (name, collective, reduce op, dtype, trailing shape, group, the most rows
-it will ever carry). ``AutoBackend.route(site)`` maps it to a route from those properties, the resolved
-numerics envelope and the group's capabilities found at startup. It has no tensor argument and never sees a
-row count, so a site cannot change route with the batch. Inside a canonical-fold route the row count may
-still pick the kernel (one-shot, two-shot, gather+fold): all of them produce the canonical fold's bits.
+it will ever carry). ``AutoBackend.route(site)`` is the only function the runtime calls to resolve a site: it
+ranks the acceptable routes from the site's static properties, the resolved numerics envelope and the group's
+capabilities found at startup (``candidates``), runs the startup self-check of each candidate that claims
+exact bits, remembers refusals (a route that failed a check for a collective serves that collective for no
+dtype or shape), falls back only to another route with the same claim, and returns a ``BoundRoute`` that the
+communicator calls. It has no tensor argument and never sees a row count, so a site cannot change route with
+the batch. Inside a canonical-fold route the row count may still pick the kernel (one-shot, two-shot,
+chunked): every kernel produces the canonical fold's bits.
 
-Routes that later parts add (the CUDA-IPC workspace, multicast gathers) slot in here and in the
-communicator's backend table; callers never name a route unless they force one on purpose.
+``decide(site)`` is the same policy without self-checks: ``detcomm routes`` prints it for a group that does not
+exist yet, and ``table()`` builds both that static table and the live ``detcomm.routes()``.
+
+Rejected: routing from the message size (the route would change with the batch: exactly the bug this package
+exists to prevent); a separate "fallback" layer in the communicator (it made four places decide routes).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Mapping
+from typing import Callable, Mapping, Protocol, Sequence, runtime_checkable
 
 import torch
 
 from .envelope import Resolved
+from .errors import RouteRefused
 from .fold import FLOAT_DTYPES
 
 __all__ = [
@@ -30,6 +39,13 @@ __all__ = [
     "Site",
     "Capabilities",
     "RouteDecision",
+    "CallArgs",
+    "BoundRoute",
+    "RouteBackend",
+    "CheckVerdict",
+    "NO_ARGS",
+    "RouteEntry",
+    "RouteTable",
     "AutoBackend",
     "SUPPORTED_DTYPES",
     "DEFAULT_MAX_ROWS",
@@ -123,17 +139,23 @@ class Site:
     implicit: bool = field(default=False, compare=False)
 
     def __post_init__(self) -> None:
-        if not self.name or not isinstance(self.name, str):
-            raise ValueError(f"a site needs a non-empty string name, got {self.name!r}")
+        if not isinstance(self.name, str):
+            raise TypeError(f"a site's name is a str, got {type(self.name).__name__}")
+        if not self.name:
+            raise ValueError("a site needs a non-empty name")
         if self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(
                 f"site {self.name!r}: dtype {self.dtype} is not supported; use one of "
                 f"{[str(d) for d in SUPPORTED_DTYPES]}"
             )
-        if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in self.shape):
-            raise ValueError(f"site {self.name!r}: shape must be a tuple of non-negative ints, got {self.shape!r}")
-        if isinstance(self.max_rows, bool) or not isinstance(self.max_rows, int) or self.max_rows < 1:
-            raise ValueError(f"site {self.name!r}: max_rows must be a positive int, got {self.max_rows!r}")
+        if not all(isinstance(d, int) and not isinstance(d, bool) for d in self.shape):
+            raise TypeError(f"site {self.name!r}: shape must be a tuple of ints (one row's trailing shape), got {self.shape!r}")
+        if any(d < 0 for d in self.shape):
+            raise ValueError(f"site {self.name!r}: shape must be non-negative, got {self.shape!r}")
+        if isinstance(self.max_rows, bool) or not isinstance(self.max_rows, int):
+            raise TypeError(f"site {self.name!r}: max_rows must be an int, got {type(self.max_rows).__name__}")
+        if self.max_rows < 1:
+            raise ValueError(f"site {self.name!r}: max_rows must be >= 1, got {self.max_rows}")
         if self.collective is Collective.ARGMAX:
             if self.dtype not in FLOAT_DTYPES:
                 raise ValueError(f"site {self.name!r}: argmax takes floating-point logits, got {self.dtype}")
@@ -180,6 +202,7 @@ class Capabilities:
     workspace: bool = False
     workspace_reason: str = "no CUDA-IPC workspace on this group"
     workspace_max_rows: int = 0
+    workspace_bytes: int = 0
     multicast: bool = False
     multicast_reason: str = "not opted in"
 
@@ -194,23 +217,137 @@ class RouteDecision:
         return ROUTE_INFO[self.route].canonical_sum
 
 
+@dataclass(frozen=True)
+class CallArgs:
+    """The per-call arguments a collective needs beyond its tensor (validated by the communicator)."""
+
+    rows_per_rank: tuple[int, ...] | None = None  # token_all_gather
+    in_splits: tuple[int, ...] | None = None  # all_to_all
+    out_splits: tuple[int, ...] | None = None  # all_to_all
+    vocab_start: int = 0  # argmax
+
+
+NO_ARGS = CallArgs()
+
+
+@runtime_checkable
+class BoundRoute(Protocol):
+    """A site bound to one route: what the communicator calls for every call of that site.
+
+    Calling it is collective over the site's group. Every route backend returns one from ``bind``.
+    """
+
+    route: Route
+    site: Site
+
+    def __call__(self, x: torch.Tensor, args: CallArgs) -> torch.Tensor: ...
+
+
+class RouteBackend(Protocol):
+    """One route's implementation on one group (detcomm/backends/, one file each)."""
+
+    route: Route
+
+    def bind(self, site: Site) -> BoundRoute:
+        """The callable serving ``site`` (its collective and op resolved once, here, not per call)."""
+        ...
+
+
+@dataclass(frozen=True)
+class CheckVerdict:
+    """The outcome of one self-check, as routing needs it (selfcheck.CheckResult provides these fields)."""
+
+    passed: bool
+    reason: str
+    label: str
+
+
+@dataclass(frozen=True)
+class RouteEntry:
+    """One row of the route table."""
+
+    site: Site
+    decision: RouteDecision
+    selfcheck: str  # "passed", "FAILED", "-" (no claim to check, or checks off), "static" (no live group)
+
+    def as_dict(self) -> dict[str, object]:
+        s = self.site
+        return {
+            "site": s.name,
+            "collective": s.collective.value,
+            "op": s.op.value if s.collective.reduces or s.collective is Collective.ARGMAX else "",
+            "dtype": str(s.dtype).replace("torch.", ""),
+            "shape": list(s.shape),
+            "max_rows": s.max_rows,
+            "route": self.decision.route.value,
+            "why": self.decision.why,
+            "selfcheck": self.selfcheck,
+        }
+
+
+@dataclass(frozen=True)
+class RouteTable:
+    """The route decisions of a group's sites, printable (``str``) and identical on every rank."""
+
+    numerics: str
+    backend: str
+    world_size: int
+    leaf: str
+    entries: tuple[RouteEntry, ...]
+    note: str = ""
+
+    def as_dicts(self) -> list[dict[str, object]]:
+        return [e.as_dict() for e in self.entries]
+
+    def __str__(self) -> str:
+        cols = ("site", "collective", "op", "dtype", "shape", "max_rows", "route", "selfcheck", "why")
+        rows = [{k: ("x".join(map(str, v)) if k == "shape" else str(v)) for k, v in d.items()}  # type: ignore[call-overload]
+                for d in self.as_dicts()]
+        widths = {c: max([len(c)] + [len(r[c]) for r in rows]) for c in cols}
+        head = f"detcomm routes: numerics={self.numerics} backend={self.backend} W={self.world_size} fold leaf={self.leaf}"
+        lines = [head] + ([self.note] if self.note else [])
+        lines.append("  ".join(c.ljust(widths[c]) for c in cols).rstrip())
+        lines.append("  ".join("-" * widths[c] for c in cols))
+        lines += ["  ".join(r[c].ljust(widths[c]) for c in cols).rstrip() for r in rows]
+        if not rows:
+            lines.append("(no sites declared)")
+        return "\n".join(lines)
+
+
+_log = logging.getLogger("detcomm")
+
+
 class AutoBackend:
     """Maps sites to routes from static facts only (the site, the envelope, the group's capabilities).
 
-    ``candidates(site)`` lists the acceptable routes in preference order; the communicator takes the first
-    whose startup self-check passed. ``route(site)`` is the first candidate, cached per site.
+    ``candidates(site)``: the acceptable routes in preference order (pure policy). ``decide(site)``: the first
+    candidate (the static view: no group needed). ``route(site)``: the runtime's resolution, with self-checks,
+    refusal memory and fallback, cached per site; needs ``backends`` (and ``checker`` when checks are on).
     """
 
-    def __init__(self, resolved: Resolved, caps: Capabilities) -> None:
+    def __init__(
+        self,
+        resolved: Resolved,
+        caps: Capabilities,
+        *,
+        backends: Mapping[Route, RouteBackend] | None = None,
+        checker: Callable[[BoundRoute], CheckVerdict] | None = None,
+        leaf: str = "-",
+    ) -> None:
         self.resolved = resolved
         self.caps = caps
-        self._cache: dict[Site, RouteDecision] = {}
+        self.leaf = leaf
+        self._backends = dict(backends or {})
+        self._checker = checker
+        self._bound: dict[Site, tuple[BoundRoute, RouteDecision, str]] = {}
+        # (route, collective, op) -> why it was refused: a route that failed a check serves that collective for
+        # no dtype or shape on this group.
+        self._refused: dict[tuple[Route, Collective, ReduceOp], str] = {}
 
-    def route(self, site: Site) -> RouteDecision:
-        decision = self._cache.get(site)
-        if decision is None:
-            decision = self._cache[site] = self.candidates(site)[0]
-        return decision
+    # -- the static policy -------------------------------------------------------------------------------------
+    def decide(self, site: Site) -> RouteDecision:
+        """The route ``site`` gets before any self-check (what ``detcomm routes`` shows without a group)."""
+        return self.candidates(site)[0]
 
     def candidates(self, site: Site) -> list[RouteDecision]:
         sw = self.resolved.switches
@@ -246,13 +383,24 @@ class AutoBackend:
         elif site.max_rows > self.caps.workspace_max_rows:
             no_ws = f"max_rows {site.max_rows} > workspace's armed {self.caps.workspace_max_rows} rows"
         else:
-            out.append(RouteDecision(Route.IPC_FOLD, f"canonical fold in the CUDA-IPC workspace (max_rows <= {self.caps.workspace_max_rows})"))
-            no_ws = "workspace refused"
+            why = f"canonical fold in the CUDA-IPC workspace (max_rows <= {self.caps.workspace_max_rows})"
+            launches = self._launches(site)
+            if launches > 1:
+                why += f"; {launches} launches per call at max_rows (workspace_bytes={self.caps.workspace_bytes})"
+            out.append(RouteDecision(Route.IPC_FOLD, why))
+            no_ws = "ipc_fold refused"
         if site.collective is Collective.ALL_REDUCE:
             out.append(RouteDecision(Route.GATHER_FOLD, f"canonical fold after an all-gather ({no_ws})"))
         else:
             out.append(RouteDecision(Route.A2A_FOLD, f"canonical fold after an all-to-all ({no_ws})"))
         return out
+
+    def _launches(self, site: Site) -> int:
+        """How many workspace launches a call at ``max_rows`` takes (rows beyond workspace_bytes are chunked)."""
+        if self.caps.workspace_bytes <= 0:
+            return 1
+        nbytes = site.max_rows * site.row_numel * torch.empty((), dtype=site.dtype).element_size()
+        return max(1, -(-nbytes // self.caps.workspace_bytes))
 
     def _forced(self, site: Site) -> RouteDecision:
         route = site.route
@@ -273,3 +421,67 @@ class AutoBackend:
         if route in (Route.MULTICAST_GATHER, Route.IN_SWITCH) and not self.caps.multicast:
             raise ValueError(f"site {site.name!r}: route={route.value!r} is unavailable: {self.caps.multicast_reason}")
         return RouteDecision(route, "forced by the site's route=")
+
+    # -- the runtime resolution --------------------------------------------------------------------------------
+    @staticmethod
+    def claims(decision: RouteDecision, site: Site) -> bool:
+        """Whether the route promises exact, batch-invariant bits for this site (and so must be self-checked)."""
+        if site.collective is Collective.ARGMAX:
+            return True
+        if site.collective.reduces and site.is_float:
+            return site.op is not ReduceOp.SUM or decision.canonical_sum
+        return False
+
+    def route(self, site: Site) -> BoundRoute:
+        """The bound route serving ``site``: the first candidate whose self-check passed (collective when it runs
+        a check). Raises RouteRefused, on every rank, when none did."""
+        hit = self._bound.get(site)
+        if hit is not None:
+            return hit[0]
+        refused: list[str] = []
+        for cand in self.candidates(site):
+            kind = (cand.route, site.collective, site.op)
+            if kind in self._refused:
+                refused.append(f"{cand.route.value}: {self._refused[kind]}")
+                continue
+            backend = self._backends.get(cand.route)
+            if backend is None:
+                raise AssertionError(f"route {cand.route.value!r} was chosen but has no backend on this group")
+            bound = backend.bind(site)
+            check = "-"
+            if self._checker is not None and self.claims(cand, site):
+                verdict = self._checker(bound)
+                if not verdict.passed:
+                    self._refused[kind] = f"{verdict.label}: {verdict.reason}"
+                    refused.append(f"{cand.route.value}: {self._refused[kind]}")
+                    _log.warning("detcomm: route %s refused for %s (%s): %s", cand.route.value, site.name,
+                                 site.describe(), self._refused[kind])
+                    continue
+                check = "passed"
+            decision = cand
+            if refused:
+                decision = RouteDecision(cand.route, cand.why + " [refused: " + " | ".join(refused) + "]")
+                _log.warning("detcomm: site %s falls back to %s after refusals (same canonical bits)", site.name,
+                             cand.route.value)
+            self._bound[site] = (bound, decision, check)
+            return bound
+        raise RouteRefused(
+            f"site {site.name!r} ({site.describe()}): no acceptable route passed its startup self-check under "
+            f"numerics={self.resolved.numerics!r}: " + " | ".join(refused)
+        )
+
+    def bound_sites(self) -> list[Site]:
+        """Every site ``route`` has resolved so far (declared sites and the startup self-check probes)."""
+        return list(self._bound)
+
+    def table(self, sites: Sequence[Site], *, note: str = "") -> RouteTable:
+        """The route table of ``sites``: live entries for sites this backend has bound, the static decision
+        (``selfcheck`` reads "static") for the others. Local; identical on every rank."""
+        entries = []
+        for s in sites:
+            hit = self._bound.get(s)
+            if hit is not None:
+                entries.append(RouteEntry(s, hit[1], hit[2]))
+            else:
+                entries.append(RouteEntry(s, self.decide(s), "static"))
+        return RouteTable(self.resolved.numerics, self.caps.backend, self.caps.world_size, self.leaf, tuple(entries), note)

@@ -26,9 +26,9 @@ import torch.distributed as dist
 from .backends.native import NativeBackend
 from .fold import FLOAT_DTYPES, canonical_nan, reference_fold
 from .payload import ill_conditioned, with_specials
-from .route import Collective, ReduceOp, Route
+from .route import NO_ARGS, BoundRoute, CallArgs, Collective, ReduceOp, Route
 
-__all__ = ["CheckKey", "CheckResult", "run_check", "bits_equal"]
+__all__ = ["CheckKey", "CheckResult", "SelfChecks", "run_check", "bits_equal"]
 
 _BASE_ROWS = 3
 # (batch rows, offset of the checked rows): sizes and offsets chosen so rows land in different chunks of a
@@ -57,6 +57,10 @@ class CheckResult:
     passed: bool
     reason: str
     seconds: float
+
+    @property
+    def label(self) -> str:
+        return self.key.label()
 
 
 def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -168,3 +172,31 @@ def _checks(key: CheckKey, execute: Callable[[torch.Tensor], torch.Tensor], *, w
         if not all(bits_equal(o, out) for o in outs.view(w, *out.shape)):
             failures.append("(d) ranks hold different bits")
     return failures
+
+
+class SelfChecks:
+    """The group's self-check runner and its results, one per (route, collective, op, dtype, shape).
+
+    Routing (route.AutoBackend.route) calls it with the bound route of a candidate that claims exact bits; a
+    result is reused for every site with the same key. Calling it is collective over the group.
+    """
+
+    def __init__(self, *, native: NativeBackend, device: torch.device) -> None:
+        self.native = native
+        self.device = device
+        self.results: dict[CheckKey, CheckResult] = {}
+
+    def __call__(self, bound: BoundRoute) -> CheckResult:
+        site = bound.site
+        key = CheckKey(bound.route, site.collective, site.op, site.dtype, site.shape)
+        result = self.results.get(key)
+        if result is None:
+            # An argmax check gives each rank the vocabulary shard it would hold in a real call.
+            args = (CallArgs(vocab_start=self.native.rank * site.shape[0])
+                    if site.collective is Collective.ARGMAX else NO_ARGS)
+            result = run_check(key, lambda x: bound(x, args), native=self.native, device=self.device)
+            self.results[key] = result
+        return result
+
+    def seconds(self) -> float:
+        return sum(r.seconds for r in self.results.values())

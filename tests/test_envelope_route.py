@@ -163,38 +163,50 @@ def test_route_is_static_no_tensor_argument() -> None:
 ])
 def test_route_decisions(numerics, caps, coll, dtype, op, max_rows, expected) -> None:  # noqa: ANN001
     auto = AutoBackend(resolve_numerics(numerics), caps)
-    d = auto.route(_site(coll, dtype, op, max_rows))
+    d = auto.decide(_site(coll, dtype, op, max_rows))
     assert d.route is expected, d.why
-    assert auto.route(_site(coll, dtype, op, max_rows)) is d  # decided once, cached
+    assert auto.decide(_site(coll, dtype, op, max_rows)) == d  # a pure function of static facts
 
 
 def test_force_deterministic_rsag_keeps_native_plus_fold() -> None:
     auto = AutoBackend(resolve_numerics("rl-bitwise", force_deterministic_rsag=True), GPU8_WS)
-    assert auto.route(_site("all_reduce")).route is Route.GATHER_FOLD
-    assert auto.route(_site("reduce_scatter")).route is Route.A2A_FOLD
-    assert "force_deterministic_rsag" in auto.route(_site("all_gather")).why
+    assert auto.decide(_site("all_reduce")).route is Route.GATHER_FOLD
+    assert auto.decide(_site("reduce_scatter")).route is Route.A2A_FOLD
+    assert "force_deterministic_rsag" in auto.decide(_site("all_gather")).why
 
 
 def test_forced_routes_validated() -> None:
     rl = AutoBackend(resolve_numerics("rl-bitwise"), CPU4)
     with pytest.raises(ValueError, match="not batch-invariant"):
-        rl.route(_site("all_reduce", route=Route.NATIVE))
+        rl.decide(_site("all_reduce", route=Route.NATIVE))
     with pytest.raises(ValueError, match="route='ipc_fold' is unavailable"):
-        rl.route(_site("all_reduce", route=Route.IPC_FOLD))
+        rl.decide(_site("all_reduce", route=Route.IPC_FOLD))
     with pytest.raises(ValueError, match="unavailable: not opted in"):
-        AutoBackend(resolve_numerics("auto"), CPU4).route(_site("all_reduce", route=Route.IN_SWITCH))
+        AutoBackend(resolve_numerics("auto"), CPU4).decide(_site("all_reduce", route=Route.IN_SWITCH))
     with pytest.raises(ValueError, match="cannot carry all_reduce"):
         _site("all_reduce", route=Route.A2A_FOLD)
     auto = AutoBackend(resolve_numerics("auto"), CPU4)
-    assert auto.route(_site("all_reduce", route=Route.GATHER_FOLD)).route is Route.GATHER_FOLD
+    assert auto.decide(_site("all_reduce", route=Route.GATHER_FOLD)).route is Route.GATHER_FOLD
     with pytest.raises(ValueError, match="MAX reductions run on the native route"):
-        auto.route(_site("all_reduce", op="max", route=Route.GATHER_FOLD))
+        auto.decide(_site("all_reduce", op="max", route=Route.GATHER_FOLD))
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(shape=(2.0,)), "tuple of ints"),
+    (dict(max_rows=2.5), "max_rows must be an int"),
+    (dict(name=3), "name is a str"),
+])
+def test_site_declarations_of_the_wrong_type(kw: dict, match: str) -> None:
+    args = dict(name="s", collective=Collective.ALL_REDUCE, dtype=torch.float32, shape=(8,), max_rows=4)
+    args.update(kw)
+    with pytest.raises(TypeError, match=match):
+        Site(**args)
 
 
 @pytest.mark.parametrize("kw,match", [
     (dict(dtype=torch.complex64), "not supported"),
-    (dict(shape=(-1,)), "non-negative ints"),
-    (dict(max_rows=0), "positive int"),
+    (dict(shape=(-1,)), "non-negative"),
+    (dict(max_rows=0), ">= 1"),
     (dict(name=""), "non-empty"),
 ])
 def test_bad_site_declarations(kw: dict, match: str) -> None:

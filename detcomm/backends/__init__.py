@@ -1,8 +1,9 @@
-"""Route implementations. Each file is one mechanism behind the ``Backend`` protocol of ``base``."""
+"""Route implementations, one mechanism per file. Each backend's ``bind(site)`` returns the route.BoundRoute
+the communicator calls (base.py)."""
 
 from .a2a_fold import A2AFoldBackend
-from .base import Backend
+from .base import Bound
 from .gather_fold import GatherFoldBackend
 from .native import NativeBackend
 
-__all__ = ["Backend", "NativeBackend", "GatherFoldBackend", "A2AFoldBackend"]
+__all__ = ["Bound", "NativeBackend", "GatherFoldBackend", "A2AFoldBackend"]

@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from ..fold import Leaf
-from ..route import ReduceOp, Route
+from ..route import BoundRoute, Collective, ReduceOp, Route, Site
+from .base import bind_from
 from .native import NativeBackend
 
 
@@ -20,6 +21,9 @@ class A2AFoldBackend:
     def __init__(self, native: NativeBackend, leaf: Leaf) -> None:
         self.native = native
         self.leaf = leaf
+
+    def bind(self, site: Site) -> BoundRoute:
+        return bind_from(self.route, site, {Collective.REDUCE_SCATTER: lambda x, a: self.reduce_scatter(x, site.op)})
 
     def reduce_scatter(self, x: torch.Tensor, op: ReduceOp) -> torch.Tensor:
         assert op is ReduceOp.SUM, "routing sends only floating-point SUM here"

@@ -1,28 +1,38 @@
-"""The small interface every route implements.
+"""What every route backend shares: binding a site to the backend's method for that site's collective.
 
-The communicator validates inputs and decides the route before a backend sees a tensor; a backend only moves
-and reduces. Every method is collective over the backend's group: all ranks call it in the same order with
-tensors of the same dtype and trailing shape. A backend that cannot carry a collective simply lacks the
-method; routing never sends it one (route.py's table of what each route carries).
+The communicator validates inputs and routing picks the route before a backend sees a tensor; a backend only
+moves and reduces. Every method is collective over the backend's group: all ranks call it in the same order
+with tensors of the same dtype and trailing shape. ``bind`` resolves the collective (and op) once per site, so
+a call does no dispatch work; a route asked to bind a collective it cannot carry is a routing bug (route.py's
+table of what each route carries), hence an assertion, not a user error.
 """
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
-from ..route import ReduceOp, Route
+from ..route import BoundRoute, CallArgs, Collective, Route, Site
+
+Call = Callable[[torch.Tensor, CallArgs], torch.Tensor]
 
 
-@runtime_checkable
-class Backend(Protocol):
+@dataclass(frozen=True)
+class Bound:
+    """A site bound to one route's method (implements route.BoundRoute)."""
+
     route: Route
+    site: Site
+    call: Call
 
-    def all_reduce(self, x: torch.Tensor, op: ReduceOp) -> torch.Tensor:
-        """A new tensor holding the reduction of every rank's ``x`` (same shape and dtype)."""
-        ...
+    def __call__(self, x: torch.Tensor, args: CallArgs) -> torch.Tensor:
+        return self.call(x, args)
 
-    def reduce_scatter(self, x: torch.Tensor, op: ReduceOp) -> torch.Tensor:
-        """Rank r's row block r (``x.shape[0] // W`` rows) of the reduction of every rank's ``x``."""
-        ...
+
+def bind_from(route: Route, site: Site, table: dict[Collective, Call]) -> BoundRoute:
+    """Bind ``site`` to the entry of ``table`` (the backend's methods by collective)."""
+    call = table.get(site.collective)
+    assert call is not None, f"route {route.value} cannot carry {site.collective.value}: routing sent it here"
+    return Bound(route, site, call)

@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from ..fold import Leaf
-from ..route import ReduceOp, Route
+from ..route import BoundRoute, Collective, ReduceOp, Route, Site
+from .base import bind_from
 from .native import NativeBackend
 
 
@@ -20,6 +21,12 @@ class GatherFoldBackend:
     def __init__(self, native: NativeBackend, leaf: Leaf) -> None:
         self.native = native
         self.leaf = leaf
+
+    def bind(self, site: Site) -> BoundRoute:
+        return bind_from(self.route, site, {
+            Collective.ALL_REDUCE: lambda x, a: self.all_reduce(x, site.op),
+            Collective.REDUCE_SCATTER: lambda x, a: self.reduce_scatter(x, site.op),
+        })
 
     def _gathered(self, x: torch.Tensor) -> torch.Tensor:
         return self.native.all_gather(x).view(self.native.world_size, *x.shape)

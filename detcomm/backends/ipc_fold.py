@@ -10,14 +10,23 @@ from __future__ import annotations
 
 import torch
 
-from ..route import ReduceOp, Route
+from ..route import BoundRoute, Collective, ReduceOp, Route, Site
+from ..workspace import Workspace
+from .base import bind_from
 
 
 class IpcFoldBackend:
     route = Route.IPC_FOLD
 
-    def __init__(self, workspace) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, workspace: Workspace) -> None:
         self.workspace = workspace
+
+    def bind(self, site: Site) -> BoundRoute:
+        return bind_from(self.route, site, {
+            Collective.ALL_REDUCE: lambda x, a: self.all_reduce(x, site.op),
+            Collective.REDUCE_SCATTER: lambda x, a: self.reduce_scatter(x, site.op),
+            Collective.ALL_GATHER: lambda x, a: self.all_gather(x),
+        })
 
     def all_reduce(self, x: torch.Tensor, op: ReduceOp) -> torch.Tensor:
         assert op is ReduceOp.SUM, "routing sends only floating-point SUM here"

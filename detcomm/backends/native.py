@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 
 from .. import keys
-from ..route import ReduceOp, Route
+from ..route import BoundRoute, CallArgs, Collective, ReduceOp, Route, Site
+from .base import bind_from
 
 # torch 2.13 renamed the flat-tensor collectives (*_single) and deprecated the old names; torch 2.4-2.12
 # only have the old ones. Same signatures.
@@ -37,6 +38,17 @@ class NativeBackend:
         # to run): the library sees host copies, the caller gets results back on its device. Data movement and
         # exact integer reductions only; the bits are the same either way.
         self.stage = stage_through_host
+
+    def bind(self, site: Site) -> BoundRoute:
+        op = site.op
+        return bind_from(self.route, site, {
+            Collective.ALL_REDUCE: lambda x, a: self.all_reduce(x, op),
+            Collective.REDUCE_SCATTER: lambda x, a: self.reduce_scatter(x, op),
+            Collective.ALL_GATHER: lambda x, a: self.all_gather(x),
+            Collective.TOKEN_ALL_GATHER: lambda x, a: self.token_all_gather(x, _given(a.rows_per_rank)),
+            Collective.ALL_TO_ALL: lambda x, a: self.all_to_all(x, _given(a.in_splits), _given(a.out_splits)),
+            Collective.ARGMAX: lambda x, a: self.argmax(x, a.vocab_start),
+        })
 
     def _lib(self, x: torch.Tensor) -> torch.Tensor:
         return x.cpu() if self.stage else x
@@ -100,3 +112,8 @@ class NativeBackend:
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=self.group)
         return [int(v) for v in recv.tolist()]
+
+
+def _given(v: Sequence[int] | None) -> Sequence[int]:
+    assert v is not None, "the communicator fills this argument before the call"
+    return v

@@ -217,7 +217,7 @@ def format_results(results: Sequence[SiteResult], *, header: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m detcomm.probe collectives", description=__doc__.split("\n\n")[0])
-    p.add_argument("--numerics", default=None, help="numerics envelope (default: $DETCOMM_NUMERICS, else auto)")
+    p.add_argument("--numerics", default=None, help="numerics envelope (default: $DETCOMM_NUMERICS, else rl-bitwise)")
     p.add_argument("--route", default=None, choices=[r.value for r in Route],
                    help="force this route on the float SUM sites (refused under a bitwise envelope if not canonical)")
     p.add_argument("--width", type=int, default=96, help="elements per row (default 96)")

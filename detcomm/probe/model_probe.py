@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 import detcomm
+from detcomm.envelope import DEFAULT_NUMERICS
 
 from .bits import bits
 from .model import SITE_NAMES, ModelConfig, Segment, TPTransformer
@@ -244,7 +245,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise ValueError("--requests and --new-tokens must be >= 1, --max-prompt >= 2")
     if ns.max_prompt > ns.t_pad:
         raise ValueError(f"--max-prompt {ns.max_prompt} must fit one step at batch 1 (--t-pad {ns.t_pad})")
-    numerics = ns.numerics or os.environ.get("DETCOMM_NUMERICS") or ("auto" if ns.route == "native" else "rl-bitwise")
+    numerics = ns.numerics or os.environ.get("DETCOMM_NUMERICS") or ("auto" if ns.route == "native" else DEFAULT_NUMERICS)
     torch.set_num_threads(1)  # W ranks share the cores; one thread each also keeps kernels single-path
     cfg = ModelConfig(layers=ns.layers, t_pad=ns.t_pad, seed=1234 + ns.seed,
                       dtype=torch.float32 if ns.dtype == "float32" else torch.bfloat16,
