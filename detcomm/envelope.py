@@ -62,6 +62,11 @@ class Switches:
         enable_allreduce_fusion: the engine may fuse all-reduce with the following norm (no bitwise claim).
         comm_fusion_max_num_tokens: largest token count the fused kernels serve; -1 disables them.
         layer_boundary_norm: "fused" or "unfused"; unfused vetoes all-reduce fusion.
+
+    The three fusion switches above are ADVISORY: detcomm itself runs no fused all-reduce kernel whose bits
+    depend on the token count, so nothing in detcomm reads them. They exist so that an engine reading
+    ``Resolved.switches`` gets one coherent answer (under a bitwise envelope: fusion off), resolved and
+    validated once here together with the switches detcomm does consume.
         nccl_ring_simple: require NCCL_ALGO=Ring and NCCL_PROTO=Simple before any NCCL communicator exists.
         disable_tf32: NVIDIA_TF32_OVERRIDE=0 and TF32 off in torch.
         force_deterministic_rsag: reductions only on the native collective + fold (no symmetric-memory
