@@ -13,8 +13,9 @@ written). Row = dim 0. See README.md for the route table, the envelopes and the 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from datetime import timedelta
-from typing import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -27,8 +28,6 @@ from .comm import (
     RouteTable,
     warn_missing_environment,
 )
-from .verify import check_from_env
-from .errors import CollectiveMismatch, DetcommError, PeerTimeout, RouteRefused, WorkspaceFailed, WorkspaceUnavailable
 from .envelope import (
     BITWISE_ENVELOPES,
     MULTICAST_OFF_ENV,
@@ -41,9 +40,11 @@ from .envelope import (
     register_numerics_envelope,
     resolve_numerics,
 )
+from .errors import CollectiveMismatch, DetcommError, PeerTimeout, RouteRefused, WorkspaceFailed, WorkspaceUnavailable
 from .fold import BATCH_INVARIANT, Leaf, Priority, reference_fold, register_leaf, select_leaf
 from .mpi_env import rank_facts_from_environment
 from .route import DEFAULT_MAX_ROWS, AutoBackend, Capabilities, Collective, ReduceOp, Route, Site
+from .verify import check_from_env
 from .workspace import leaf as _cuda_leaf  # noqa: F401 - registers the CUDA fold leaf where cupy is installed
 
 __version__ = "0.1.0"
@@ -191,10 +192,11 @@ def init(
         apply_environment(resolved.numerics, **{k: getattr(resolved.switches, k) for k in resolved.explicit})
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend=backend, init_method="env://",
-                                **({} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}))
+        pg_kw: dict[str, Any] = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
+        dist.init_process_group(backend=backend, init_method="env://", **pg_kw)
         created = True
     pg = dist.group.WORLD if group is None else group
+    assert pg is not None  # the default group exists by now
     if not created:
         warn_missing_environment(resolved, dist.get_backend(pg))
     # docs/spec.md §8: keep multicast off in every process this one starts, unless the user opted in.

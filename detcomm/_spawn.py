@@ -19,8 +19,9 @@ import shutil
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 from .envelope import MULTICAST_OFF_ENV
 
@@ -46,7 +47,7 @@ class RankFailed(RuntimeError):
 
 
 def _worker(rank: int, world_size: int, store_path: str, backend: str, env: dict[str, str],
-            jobs: "mp.Queue[Any]", results: "mp.Queue[Any]", pg_timeout_s: float) -> None:
+            jobs: mp.Queue[Any], results: mp.Queue[Any], pg_timeout_s: float) -> None:
     os.environ.update(env)
     import torch
     import torch.distributed as dist
@@ -90,7 +91,7 @@ class LocalCluster:
         ctx = mp.get_context("spawn")
         child_env = dict(MULTICAST_OFF_ENV)
         child_env.update(env or {})
-        self._results: "mp.Queue[Any]" = ctx.Queue()
+        self._results: mp.Queue[Any] = ctx.Queue()
         self._jobs = [ctx.Queue() for _ in range(world_size)]
         self._procs = [
             ctx.Process(target=_worker, daemon=True,
@@ -153,7 +154,7 @@ class LocalCluster:
                 p.kill()
         shutil.rmtree(self._dir, ignore_errors=True)
 
-    def __enter__(self) -> "LocalCluster":
+    def __enter__(self) -> LocalCluster:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -15,7 +15,8 @@ from __future__ import annotations
 import logging
 import time
 import warnings
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -43,9 +44,8 @@ from .selfcheck import CheckResult, SelfChecks
 
 if TYPE_CHECKING:
     from .workspace import Workspace
-from .verify import CallChecker
 from .errors import DetcommError, WorkspaceUnavailable
-from .errors import RouteRefused
+from .verify import CallChecker
 
 __all__ = ["Communicator", "RouteTable", "RouteEntry"]
 
@@ -188,7 +188,7 @@ class Communicator:
         from .backends.ipc_fold import IpcFoldBackend
         from .workspace import Workspace
 
-        kw = {} if timeout_s is None else {"timeout_s": timeout_s}
+        kw: dict[str, Any] = {} if timeout_s is None else {"timeout_s": timeout_s}
         try:
             ws = Workspace.create(self.group, device=self.device, capacity_bytes=capacity, max_rows_armed=max_rows,
                                   **kw)
@@ -235,7 +235,7 @@ class Communicator:
             name=name,
             collective=coll,
             dtype=dtype,
-            shape=tuple(shape),
+            shape=tuple(shape),  # type: ignore[arg-type]  # a bool shape raises TypeError here
             max_rows=max_rows,
             op=rop,
             group=self.group_label,

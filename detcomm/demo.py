@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -100,14 +101,14 @@ def _rank_main(rank: int, w: int, hidden: int) -> dict[str, object]:
     return out
 
 
-def _format(result: dict[str, object], w: int, hidden: int) -> str:
+def _format(result: dict[str, Any], w: int, hidden: int) -> str:
     lines = [str(result["bitwise_table"]), "", "startup and site self-checks (rl-bitwise):"]
-    for label, passed, reason, secs in result["checks"]:  # type: ignore[union-attr]
+    for label, passed, reason, secs in result["checks"]:
         lines.append(f"  {'PASS' if passed else 'FAIL'}  {label:<48} {secs * 1e3:7.1f} ms  {'' if passed else reason}")
     lines += ["", f"batch-composition probe: {_PROBE_ROWS} ill-conditioned rows of width {hidden}, reduced alone and "
               f"inside {len(_COMPOSITIONS)} other batches (W={w}, {result['backend']})",
               f"  {'site':<24} {'route':<12} {'rows changed':>14} {'max ulps':>9}"]
-    for r in result["reports"]:  # type: ignore[union-attr]
+    for r in result["reports"]:
         lines.append(f"  {r.site:<24} {r.route:<12} {f'{r.rows_changed}/{r.rows_compared}':>14} {r.max_ulps:>9}")
     return "\n".join(lines)
 

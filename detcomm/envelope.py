@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
-from typing import Iterator, Mapping, MutableMapping
 
 __all__ = [
     "BITWISE_ENVELOPES",
@@ -89,7 +89,7 @@ class Switches:
         return tuple(f.name for f in dataclasses.fields(cls))
 
     @classmethod
-    def from_kwargs(cls, switches: Mapping[str, object]) -> "Switches":
+    def from_kwargs(cls, switches: Mapping[str, object]) -> Switches:
         unknown = sorted(set(switches) - set(cls.names()))
         if unknown:
             raise ValueError(

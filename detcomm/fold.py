@@ -20,9 +20,9 @@ not a proof: the startup self-checks (detcomm.selfcheck) compare every leaf that
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Callable
 
 import torch
 
@@ -56,7 +56,7 @@ def canonical_nan(dtype: torch.dtype, device: torch.device | str = "cpu") -> tor
     return _canonical_nan(dtype, str(torch.device(device)))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _canonical_nan(dtype: torch.dtype, device: str) -> torch.Tensor:
     bits = _CANONICAL_NAN_BITS[dtype]
     int_dtype = _BITS_VIEW[dtype]

@@ -19,8 +19,8 @@ Nothing here imports mpi4py or torch, so the mapping is unit-testable on any mac
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 __all__ = ["RankFacts", "rank_facts_from_environment", "torch_distributed_variables"]
 

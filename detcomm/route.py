@@ -20,9 +20,10 @@ exists to prevent); a separate "fallback" layer in the communicator (it made fou
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Callable, Mapping, Protocol, Sequence, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -237,8 +238,11 @@ class BoundRoute(Protocol):
     Calling it is collective over the site's group. Every route backend returns one from ``bind``.
     """
 
-    route: Route
-    site: Site
+    @property
+    def route(self) -> Route: ...
+
+    @property
+    def site(self) -> Site: ...
 
     def __call__(self, x: torch.Tensor, args: CallArgs) -> torch.Tensor: ...
 
@@ -260,6 +264,19 @@ class CheckVerdict:
     passed: bool
     reason: str
     label: str
+
+
+class Verdict(Protocol):
+    """What routing reads from a self-check's outcome (CheckVerdict and selfcheck.CheckResult both provide it)."""
+
+    @property
+    def passed(self) -> bool: ...
+
+    @property
+    def reason(self) -> str: ...
+
+    @property
+    def label(self) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -331,7 +348,7 @@ class AutoBackend:
         caps: Capabilities,
         *,
         backends: Mapping[Route, RouteBackend] | None = None,
-        checker: Callable[[BoundRoute], CheckVerdict] | None = None,
+        checker: Callable[[BoundRoute], Verdict] | None = None,
         leaf: str = "-",
     ) -> None:
         self.resolved = resolved

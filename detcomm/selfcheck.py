@@ -17,8 +17,8 @@ same reason. Everything here is collective over the communicator's group.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.distributed as dist

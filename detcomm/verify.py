@@ -29,14 +29,14 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Sequence
 from functools import lru_cache
-from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
-from .route import Collective, ReduceOp
 from .errors import CollectiveMismatch, PeerTimeout
+from .route import Collective, ReduceOp
 
 __all__ = ["CallChecker", "CollectiveMismatch", "PeerTimeout", "check_from_env"]
 

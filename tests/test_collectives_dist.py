@@ -443,7 +443,7 @@ def test_bad_inputs_raise_before_any_communication(cluster) -> None:  # noqa: AN
     assert set(got) == set(expected)
     for label, needle in expected.items():
         assert needle in got[label], (label, got[label])
-        assert f"'bad." in got[label] or label in ("site type",), got[label]  # the message names the site
+        assert "'bad." in got[label] or label in ("site type",), got[label]  # the message names the site
     assert all(m == "no error" for _, m in res[1])
 
 

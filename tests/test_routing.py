@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 
 from detcomm.backends import A2AFoldBackend, GatherFoldBackend, NativeBackend
-from detcomm.errors import RouteRefused
 from detcomm.envelope import resolve_numerics
+from detcomm.errors import RouteRefused
 from detcomm.fold import select_leaf
 from detcomm.route import (
     _CARRIES,

@@ -9,8 +9,8 @@ table of what each route carries), hence an assertion, not a user error.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

@@ -10,13 +10,13 @@ Every method is collective over the group and returns a new tensor; inputs are n
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
 from .. import keys
-from ..route import BoundRoute, CallArgs, Collective, ReduceOp, Route, Site
+from ..route import BoundRoute, Collective, ReduceOp, Route, Site
 from .base import bind_from
 
 # torch 2.13 renamed the flat-tensor collectives (*_single) and deprecated the old names; torch 2.4-2.12

@@ -19,8 +19,9 @@ from pathlib import Path
 import torch
 
 import detcomm  # noqa: F401 - registers every leaf this installation has
-from .timing import median_ms_back_to_back
 from detcomm.fold import BATCH_INVARIANT, registered_leaves
+
+from .timing import median_ms_back_to_back
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 

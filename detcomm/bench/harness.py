@@ -13,7 +13,8 @@ API, which is the only way to force one-shot or two-shot: detcomm's workspace ro
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

@@ -25,7 +25,6 @@ import argparse
 import ctypes
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -97,7 +96,7 @@ def bench_latency(quick: bool) -> list[dict]:
                     for r in range(w):
                         streams[r].wait_stream(main)
                         with torch.cuda.stream(streams[r]):
-                            views[r].all_reduce(xs[r], out=outs[r], algo=algo)
+                            views[r].all_reduce(xs[r], out=outs[r], algo=algo)  # noqa: F821 (runs before the del below)
                     for s in streams:
                         main.wait_stream(s)
 
@@ -116,7 +115,7 @@ def bench_latency(quick: bool) -> list[dict]:
                     for r in range(w):
                         streams[r].wait_stream(main)
                         with torch.cuda.stream(streams[r]):
-                            graphs[r].replay()
+                            graphs[r].replay()  # noqa: F821 (runs before the del below)
                     for s in streams:
                         main.wait_stream(s)
 
@@ -214,7 +213,7 @@ def to_markdown(rows: list[dict], header: str) -> str:
         keys = sorted({(r["world"], r["bytes"]) for r in lat})
         for w, b in keys:
             cell = {r["algo"]: r for r in lat if r["world"] == w and r["bytes"] == b}
-            o, t = cell.get("one_shot"), cell.get("two_shot")
+            o, t = cell["one_shot"], cell["two_shot"]
             out.append(f"| {w} | {_size(b)} | {o['eager_us']:.1f} | {o['graph_us']:.1f} | {t['eager_us']:.1f} | "
                        f"{t['graph_us']:.1f} |")
         out.append("")

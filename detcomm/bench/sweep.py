@@ -23,14 +23,12 @@ import platform
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
-from pathlib import Path
+from datetime import UTC, datetime
 from typing import Any
 
 import torch
 
-from . import harness
-from . import timing
+from . import harness, timing
 
 __all__ = ["BenchConfig", "ROUTES", "FOLD_ROUTES", "run_bench"]
 
@@ -347,7 +345,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     bar.close()
     cfg_dict = {k: v for k, v in asdict(cfg).items() if k not in ("extra", "progress")}
     meta = {"hardware": hardware(), "torch": torch.__version__, "cuda": torch.version.cuda,
-            "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "command": cfg.command,
+            "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"), "command": cfg.command,
             "config": cfg_dict, "harnesses": setups, "elapsed_s": round(time.monotonic() - start, 1),
             "multicast": multicast_reason(allow_multicast=cfg.allow_multicast),
             "fold_graph": fold_note or ("capturable" if cfg.device == "cuda" else "n/a"), **cfg.extra}
@@ -355,6 +353,6 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    from detcomm.bench import main
+    from detcomm.bench.cli import main
 
     sys.exit(main())

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 

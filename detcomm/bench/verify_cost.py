@@ -48,7 +48,7 @@ def main() -> None:
     print(f"check cost: gloo W={a.nproc}, all_reduce fp32 [{a.rows}, {a.width}], median of {a.calls} calls per setting")
     with LocalCluster(a.nproc) as cluster:
         for numerics in ("auto", "rl-bitwise"):
-            res = {}
+            res: dict[bool, list[float]] = {}
             # Interleave off/on twice so a drift of the machine's load does not land on one setting.
             for check in (False, True, False, True):
                 res.setdefault(check, []).append(cluster.run(job, numerics, check, a.calls, a.rows, a.width)[0])

@@ -13,8 +13,9 @@ import shutil
 import site
 import subprocess
 import sys
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+
 from ..errors import LaunchError
 
 __all__ = [

@@ -13,15 +13,15 @@ import argparse
 import os
 import shlex
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from .backends import (
     LaunchError,
     Target,
-    source_pythonpath,
     find_mpiexec,
     have_mpi4py,
     mpiexec_command,
+    source_pythonpath,
     torchrun_command,
 )
 from .environment import launch_environment, launch_variables

@@ -9,7 +9,7 @@ torchrun or mpiexec hands to every rank, rather than trusting each rank to set t
 from __future__ import annotations
 
 import os
-from typing import Mapping
+from collections.abc import Mapping
 
 # The envelope module alone (stdlib only): the launcher need not import torch to start ranks.
 from detcomm.envelope import envelope_environment

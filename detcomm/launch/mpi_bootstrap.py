@@ -21,10 +21,11 @@ import runpy
 import socket
 import sys
 import traceback
-from typing import Sequence
+from collections.abc import Sequence
+
+from detcomm.mpi_env import RankFacts, rank_facts_from_environment, torch_distributed_variables
 
 from .environment import MULTICAST_OFF
-from detcomm.mpi_env import RankFacts, rank_facts_from_environment, torch_distributed_variables
 
 __all__ = ["main", "free_port"]
 

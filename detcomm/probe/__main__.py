@@ -7,7 +7,7 @@ mpiexec); rows runs in one process.
 from __future__ import annotations
 
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 _COMMANDS = ("collectives", "model", "rows")
 

@@ -28,8 +28,8 @@ import os
 import random
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -286,9 +286,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 rid, (idx, what) = min(bad.items(), key=lambda kv: (kv[1][0], kv[0]))
                 first = f"req {rid} token {idx} (position {len(reqs[rid].prompt) + idx}): {what}"
             flips = {r.rid: _first_token_change(got[r.rid], ref[r.rid]) for r in sel}
-            flips = {k: v for k, v in flips.items() if v is not None}
-            if flips:
-                rid, idx = min(flips.items(), key=lambda kv: (kv[1], kv[0]))
+            changed = {k: v for k, v in flips.items() if v is not None}
+            if changed:
+                rid, idx = min(changed.items(), key=lambda kv: (kv[1], kv[0]))
                 flip = f"req {rid} token {idx}"
             rows.append([label, mode, f"{len(bad)}/{len(sel)}", "yes" if tok_eq else "NO",
                          "yes" if lp_eq and tok_eq else "NO", first, flip])

@@ -18,8 +18,8 @@ import argparse
 import importlib
 import json
 import sys
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Callable, Sequence
 
 import torch
 

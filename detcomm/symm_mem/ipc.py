@@ -25,6 +25,7 @@ import secrets
 from typing import Any
 
 import numpy as np
+
 from ..errors import SymmMemUnavailable
 
 PROBE_MAGIC = 0xDC0FFEE5
@@ -88,7 +89,7 @@ class IpcSymmetricBuffer:
 
     # ---- creation --------------------------------------------------------------------------------------
     @classmethod
-    def create(cls, nbytes: int, *, group: Any, device_index: int, probe_offset: int) -> "IpcSymmetricBuffer":
+    def create(cls, nbytes: int, *, group: Any, device_index: int, probe_offset: int) -> IpcSymmetricBuffer:
         """Collective over `group` (a torch.distributed ProcessGroup or None for the default group)."""
         import torch.distributed as dist  # noqa: PLC0415
 

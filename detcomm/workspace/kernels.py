@@ -30,12 +30,12 @@ import os
 import re
 import tempfile
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from . import plan
-
 
 
 def _kernel_source_dir() -> Path:
@@ -95,7 +95,7 @@ def nvrtc_options(world_size: int, arch: str, *, rotated: bool = False) -> tuple
         raise ValueError(f"world_size must be in 1..{plan.MAX_WORLD}, got {world_size}")
     if not re.fullmatch(r"sm_\d+[a-z]?", arch):
         raise ValueError(f"arch must look like 'sm_90', got {arch!r}")
-    opts = (
+    opts: tuple[str, ...] = (
         "--std=c++17",
         f"-arch={arch}",
         "--fmad=false",

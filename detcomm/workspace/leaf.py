@@ -59,7 +59,7 @@ def cuda_fold(stacked: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 

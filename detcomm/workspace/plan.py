@@ -7,8 +7,8 @@ and fails if the two drift apart.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Sequence
 
 # --- mirrored from csrc/detcomm_common.cuh -----------------------------------------------------------------
 MAX_WORLD = 8

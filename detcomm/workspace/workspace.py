@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
+from ..errors import WorkspaceUnavailable
 from . import plan
 from .kernels import KernelSet, kernel_set
-from ..errors import WorkspaceUnavailable
 
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 DEFAULT_TIMEOUT_S = 10.0
@@ -106,7 +106,7 @@ class Workspace:
     @classmethod
     def create(cls, group: Any = None, *, device: torch.device | str | int, capacity_bytes: int, max_rows_armed: int,
                one_shot_max_bytes: int = plan.DEFAULT_ONE_SHOT_MAX_BYTES, timeout_s: float = DEFAULT_TIMEOUT_S,
-               max_grid: int = plan.DEFAULT_MAX_GRID, _variant: str = "canonical") -> "Workspace":
+               max_grid: int = plan.DEFAULT_MAX_GRID, _variant: str = "canonical") -> Workspace:
         """Arm a workspace over `group` (torch.distributed group; None = default). COLLECTIVE.
 
         capacity_bytes: bytes of one rank's rows one launch carries (plan.plan_capacity sizes it from the sites);
@@ -154,7 +154,7 @@ class Workspace:
     def in_process(cls, world_size: int, *, device: torch.device | str | int, capacity_bytes: int,
                    max_rows_armed: int = plan.DEFAULT_MAX_ROWS_ARMED,
                    one_shot_max_bytes: int = plan.DEFAULT_ONE_SHOT_MAX_BYTES, timeout_s: float = DEFAULT_TIMEOUT_S,
-                   max_grid: int = plan.DEFAULT_MAX_GRID, _variant: str = "canonical") -> list["Workspace"]:
+                   max_grid: int = plan.DEFAULT_MAX_GRID, _variant: str = "canonical") -> list[Workspace]:
         """W rank views of one workspace inside this process on one GPU (the W-stream harness). NOT collective.
 
         Drive rank r's collectives from its own CUDA stream and launch all W before waiting on any: a rank's
@@ -333,7 +333,7 @@ class Workspace:
     def _launch(self, name: str, args: list[Any], stream_ptr: int) -> None:
         self._kernels.launch(name, self.grid, args + self._tail, stream_ptr=stream_ptr)
 
-    def _collective(self) -> "_InFlight":
+    def _collective(self) -> _InFlight:
         return _InFlight(self)
 
 
@@ -364,8 +364,9 @@ class _InFlight:
             self.stream = stream
             return stream.cuda_stream
         except BaseException:
-            if getattr(self, "guard", None) is not None:
-                self.guard.__exit__(None, None, None)
+            guard = getattr(self, "guard", None)
+            if guard is not None:
+                guard.__exit__(None, None, None)
             ws._lock.release()
             raise
 

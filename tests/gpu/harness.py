@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
-
 from payloads import from_tensor, to_tensor
 
 

@@ -14,11 +14,10 @@ def run_rank(rank: int, world: int, init_file: str, cases: list, log_dir: str, o
     os.environ.update(MULTICAST_OFF)
     import torch
     import torch.distributed as dist
-
-    from oracle import fold_oracle
     from payloads import first_mismatch, from_tensor, ill_conditioned, random_bits, to_tensor
 
     from detcomm.workspace import Workspace, WorkspaceUnavailable
+    from oracle import fold_oracle
 
     log = open(os.path.join(log_dir, f"rank{rank}.log"), "w")
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)

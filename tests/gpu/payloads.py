@@ -37,7 +37,7 @@ def ill_conditioned(rng: np.random.Generator, world: int, shape: tuple[int, ...]
     else:
         lo, hi = -38.0, 38.0
     xs = []
-    for r in range(world):
+    for _ in range(world):
         mag = 10.0 ** rng.uniform(lo, hi, n)
         sign = rng.choice([-1.0, 1.0], n)
         xs.append((mag * sign).astype(np.float64))

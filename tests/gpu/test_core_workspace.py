@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import oracle
-from datagen import DTYPES, ill_bits, to_bits, to_torch
+from datagen import ill_bits, to_bits, to_torch
 from detcomm._spawn import LocalCluster
 
 pytestmark = pytest.mark.gpu

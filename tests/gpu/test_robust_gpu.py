@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import oracle
-from datagen import DTYPES, ill_bits, random_bits, to_bits, to_torch
+from datagen import ill_bits, random_bits, to_bits, to_torch
 
 pytestmark = pytest.mark.gpu
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -196,9 +196,9 @@ def test_barrier_epochs_across_the_wrap(world: int) -> None:
     state, as a fresh workspace's zeros are) and run collectives across the wrap: no hang (a hang would trap at
     the deadline), no stale flag consumed (every result equals the oracle)."""
     import cupy
+    from harness import Ranks
 
     from detcomm.workspace import Workspace, plan
-    from harness import Ranks
 
     start = (1 << 32) - 5
     views = Workspace.in_process(world, device="cuda:0", capacity_bytes=1 << 16, timeout_s=10.0)

@@ -10,10 +10,10 @@ import textwrap
 import numpy as np
 import pytest
 import torch
-
 from harness import Ranks
-from oracle import fold_oracle
 from payloads import first_mismatch, from_tensor, ill_conditioned, random_bits, to_tensor
+
+from oracle import fold_oracle
 
 pytestmark = pytest.mark.gpu
 

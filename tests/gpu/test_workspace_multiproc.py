@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 
 import pytest
-
 from mp_worker import MULTICAST_OFF, run_rank
 
 pytestmark = pytest.mark.gpu
