@@ -12,8 +12,8 @@ PYTHON="${PYTHON:-python3}"
 NPROC="${NPROC:-4}"
 cd "$(dirname "$0")/.."
 
-# docs/spec.md §8: multicast stays off in every environment, also this script's own children.
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# shellcheck source=launch/ci_common.sh
+. launch/ci_common.sh  # step, and the multicast-off variables of docs/spec.md §8
 
 as_root() { if [ "$(id -u)" = 0 ]; then "$@"; elif command -v sudo >/dev/null; then sudo "$@"; else
   echo "ci_probes.sh: need root or sudo to run: $*" >&2; return 1; fi; }
@@ -30,19 +30,11 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 
 if command -v detcomm-launch >/dev/null; then LAUNCH=(detcomm-launch); else LAUNCH=("$PYTHON" -m detcomm.launch); fi
 
-run() {  # run <description> <command...>: show it, time it, stop on failure
-  local what="$1"; shift
-  echo "=== $what: $*"
-  local t0=$SECONDS
-  if ! "$@"; then echo "=== FAILED: $what" >&2; exit 1; fi
-  echo "=== ok: $what ($((SECONDS - t0)) s)"
-}
-
 for backend in torchrun mpi; do
   L=("${LAUNCH[@]}" --nproc "$NPROC" --backend "$backend")
-  run "collective probe, rl-bitwise, $backend" "${L[@]}" --numerics rl-bitwise -m detcomm.probe collectives
-  run "collective probe, native negative control, $backend" "${L[@]}" --numerics auto -m detcomm.probe collectives --route native --expect-divergence
-  run "model probe, rl-bitwise, $backend" "${L[@]}" --numerics rl-bitwise -m detcomm.probe model
-  run "model probe, native negative control, $backend" "${L[@]}" --numerics auto -m detcomm.probe model --route native --expect-divergence
+  step "collective probe, rl-bitwise, $backend" "${L[@]}" --numerics rl-bitwise -m detcomm.probe collectives
+  step "collective probe, native negative control, $backend" "${L[@]}" --numerics auto -m detcomm.probe collectives --route native --expect-divergence
+  step "model probe, rl-bitwise, $backend" "${L[@]}" --numerics rl-bitwise -m detcomm.probe model
+  step "model probe, native negative control, $backend" "${L[@]}" --numerics auto -m detcomm.probe model --route native --expect-divergence
 done
 echo "=== all probes passed (W=$NPROC, torchrun and mpi)"

@@ -14,20 +14,12 @@ TORCH_INDEX_URL="${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}"
 cd "$(dirname "$0")/.."
 REPO="$PWD"
 
-# docs/spec.md §8: multicast stays off in every environment, also this script's own children.
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# shellcheck source=launch/ci_common.sh
+. launch/ci_common.sh  # step, and the multicast-off variables of docs/spec.md §8
 unset PYTHONPATH
 
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/detcomm-wheel.XXXXXX")"
 trap 'rm -rf "$WORK"' EXIT
-
-step() {  # step <description> <command...>: show it, time it, stop on failure
-  local what="$1"; shift
-  echo "=== $what"
-  local t0=$SECONDS
-  if ! "$@"; then echo "=== FAILED: $what" >&2; exit 1; fi
-  echo "=== ok: $what ($((SECONDS - t0)) s)"
-}
 
 # A copy of the tracked files, so that no build/ or egg-info left in the checkout by an earlier build or an
 # editable install can add files to the wheel.
@@ -40,7 +32,11 @@ copy_tracked() {
   fi
 }
 step "copy the tracked files" copy_tracked
-step "build the wheel" "$PYTHON" -m build --wheel --no-isolation --outdir "$WORK/dist" "$WORK/src"
+build_wheel() {  # setuptools' file-by-file log only when the build fails
+  "$PYTHON" -m build --wheel --no-isolation --outdir "$WORK/dist" "$WORK/src" > "$WORK/build.log" 2>&1 ||
+    { cat "$WORK/build.log"; return 1; }
+}
+step "build the wheel" build_wheel
 WHEEL="$(ls "$WORK"/dist/detcomm-*.whl)"
 
 # The wheel holds one top-level package (detcomm), the kernel sources as detcomm/csrc, and py.typed.
