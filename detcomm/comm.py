@@ -40,6 +40,7 @@ from .route import (
     Site,
 )
 from .selfcheck import CheckResult, SelfChecks
+from .topology import discover as discover_topology
 
 if TYPE_CHECKING:
     from .workspace import Workspace
@@ -148,10 +149,10 @@ class Communicator:
         failed = [c for c in checks if not c.passed]
         routes = sorted({e.decision.route.value for e in self.auto.table(self.auto.bound_sites()).entries})
         _log.info(
-            "detcomm: init on %s W=%d rank=%d device=%s numerics=%s fold leaf=%s routes in use=%s; workspace: %s; "
-            "%d self-checks (%d failed) in %.3f s; init took %.3f s",
-            self.backend_name, self.world_size, self.rank, self.device, self.resolved.numerics, self.leaf.name,
-            ",".join(routes) or "-", self.caps.workspace_reason, len(checks), len(failed),
+            "detcomm: init on %s W=%d rank=%d device=%s (%s) numerics=%s fold leaf=%s routes in use=%s; "
+            "workspace: %s; %d self-checks (%d failed) in %.3f s; init took %.3f s",
+            self.backend_name, self.world_size, self.rank, self.device, self.caps.topology, self.resolved.numerics,
+            self.leaf.name, ",".join(routes) or "-", self.caps.workspace_reason, len(checks), len(failed),
             self._selfchecks.seconds(), seconds)
 
     # -- startup ------------------------------------------------------------------------------------
@@ -160,7 +161,11 @@ class Communicator:
         allowed, mc_why = _env.multicast_allowed(self.resolved, hardware_supports=False)
         if allowed:  # pragma: no cover - unreachable until a multicast route exists
             mc_why = "no multicast route in this build"
-        armed, ws_why = self._arm_workspace(workspace, max_rows, capacity, timeout_s)
+        topo = discover_topology(self.group, self.device) if self.device.type == "cuda" else None
+        if topo is not None and not topo.same_host:
+            armed, ws_why = False, "ranks on several hosts: CUDA IPC does not cross hosts"
+        else:
+            armed, ws_why = self._arm_workspace(workspace, max_rows, capacity, timeout_s)
         return Capabilities(
             backend=self.backend_name,
             device_type=self.device.type,
@@ -169,6 +174,7 @@ class Communicator:
             workspace_reason=ws_why,
             workspace_max_rows=max_rows if armed else 0,
             workspace_bytes=capacity if armed else 0,
+            topology=topo.describe() if topo is not None else "CPU",
             multicast=False,
             multicast_reason=mc_why,
         )
@@ -426,7 +432,8 @@ class Communicator:
     # -- introspection and lifecycle ----------------------------------------------------------------
     def routes(self) -> RouteTable:
         """The route table of the declared sites (local; identical on every rank)."""
-        return self.auto.table(list(self._sites.values()))
+        return self.auto.table(list(self._sites.values()),
+                               note=f"topology: {self.caps.topology}; workspace: {self.caps.workspace_reason}")
 
     def checks(self) -> list[CheckResult]:
         """Every self-check run on this group so far, in order (local)."""

@@ -203,6 +203,7 @@ class Capabilities:
     workspace_reason: str = "no CUDA-IPC workspace on this group"
     workspace_max_rows: int = 0
     workspace_bytes: int = 0
+    topology: str = ""
     multicast: bool = False
     multicast_reason: str = "not opted in"
 
