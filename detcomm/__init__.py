@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 import torch.distributed as dist
@@ -45,6 +45,7 @@ from .fold import BATCH_INVARIANT, Leaf, Priority, reference_fold, register_leaf
 from .mpi_env import rank_facts_from_environment
 from .route import DEFAULT_MAX_ROWS, AutoBackend, Capabilities, Collective, ReduceOp, Route, Site
 from .verify import check_from_env
+from .work import Work
 from .workspace import leaf as _cuda_leaf  # noqa: F401 - registers the CUDA fold leaf where cupy is installed
 
 __version__ = "0.1.0"
@@ -63,6 +64,7 @@ __all__ = [
     "get_communicator",
     "is_initialized",
     "Communicator",
+    "Work",
     "DetcommError",
     "DetcommError",
     "RouteRefused",
@@ -268,34 +270,56 @@ def site(
     )
 
 
-def all_reduce(x: torch.Tensor, *, site: str | Site, op: str = "sum") -> torch.Tensor:
-    """All-reduce (sum, max, min) of every rank's ``x`` through the site's route. Returns a new tensor."""
-    return _comm_for(site).all_reduce(x, site=site, op=op)
+@overload
+def all_reduce(x: torch.Tensor, site: str | Site, *, op: str = ..., out: torch.Tensor | None = ...,
+               async_op: Literal[False] = ...) -> torch.Tensor: ...
+@overload
+def all_reduce(x: torch.Tensor, site: str | Site, *, op: str = ..., out: torch.Tensor | None = ...,
+               async_op: Literal[True]) -> Work: ...
+def all_reduce(x: torch.Tensor, site: str | Site, *, op: str = "sum", out: torch.Tensor | None = None,
+               async_op: bool = False) -> torch.Tensor | Work:
+    """All-reduce (sum, avg, max, min) of every rank's ``x`` through the site's route. Returns a new tensor, or
+    ``out`` when given (``out=x``: in place), or a ``Work`` handle with ``async_op=True``. Collective."""
+    return _comm_for(site).all_reduce(x, site, op=op, out=out, async_op=async_op)
 
 
-def all_gather(x: torch.Tensor, *, site: str | Site) -> torch.Tensor:
-    """Every rank's ``x`` concatenated along dim 0, in rank order."""
-    return _comm_for(site).all_gather(x, site=site)
+@overload
+def all_gather(x: torch.Tensor, site: str | Site, *, out: torch.Tensor | None = ...,
+               async_op: Literal[False] = ...) -> torch.Tensor: ...
+@overload
+def all_gather(x: torch.Tensor, site: str | Site, *, out: torch.Tensor | None = ...,
+               async_op: Literal[True]) -> Work: ...
+def all_gather(x: torch.Tensor, site: str | Site, *, out: torch.Tensor | None = None,
+               async_op: bool = False) -> torch.Tensor | Work:
+    """Every rank's ``x`` concatenated along dim 0, in rank order. Collective."""
+    return _comm_for(site).all_gather(x, site, out=out, async_op=async_op)
 
 
-def reduce_scatter(x: torch.Tensor, *, site: str | Site) -> torch.Tensor:
-    """Sum-reduce-scatter: rank r receives row block r (rows must divide by the world size)."""
-    return _comm_for(site).reduce_scatter(x, site=site)
+@overload
+def reduce_scatter(x: torch.Tensor, site: str | Site, *, op: str = ..., out: torch.Tensor | None = ...,
+                   async_op: Literal[False] = ...) -> torch.Tensor: ...
+@overload
+def reduce_scatter(x: torch.Tensor, site: str | Site, *, op: str = ..., out: torch.Tensor | None = ...,
+                   async_op: Literal[True]) -> Work: ...
+def reduce_scatter(x: torch.Tensor, site: str | Site, *, op: str = "sum", out: torch.Tensor | None = None,
+                   async_op: bool = False) -> torch.Tensor | Work:
+    """Reduce-scatter (sum or avg): rank r receives row block r (rows must divide by the world size). Collective."""
+    return _comm_for(site).reduce_scatter(x, site, op=op, out=out, async_op=async_op)
 
 
-def all_to_all(x: torch.Tensor, *, site: str | Site, splits: Sequence[int] | None = None) -> torch.Tensor:
-    """All-to-all of row blocks, even (``splits=None``) or uneven (``splits[q]`` rows to rank q)."""
-    return _comm_for(site).all_to_all(x, site=site, splits=splits)
+def all_to_all(x: torch.Tensor, site: str | Site, *, splits: Sequence[int] | None = None) -> torch.Tensor:
+    """All-to-all of row blocks, even (``splits=None``) or uneven (``splits[q]`` rows to rank q). Collective."""
+    return _comm_for(site).all_to_all(x, site, splits=splits)
 
 
-def token_all_gather(x: torch.Tensor, *, site: str | Site, rows_per_rank: Sequence[int]) -> torch.Tensor:
-    """Uneven all-gather: rank r passes ``rows_per_rank[r]`` rows."""
-    return _comm_for(site).token_all_gather(x, site=site, rows_per_rank=rows_per_rank)
+def token_all_gather(x: torch.Tensor, site: str | Site, *, rows_per_rank: Sequence[int]) -> torch.Tensor:
+    """Uneven all-gather: rank r passes ``rows_per_rank[r]`` rows. Collective."""
+    return _comm_for(site).token_all_gather(x, site, rows_per_rank=rows_per_rank)
 
 
-def argmax(logits_shard: torch.Tensor, *, site: str | Site, vocab_start: int) -> torch.Tensor:
-    """Vocabulary-parallel greedy argmax: global int64 index per row, lowest index on exact ties."""
-    return _comm_for(site).argmax(logits_shard, site=site, vocab_start=vocab_start)
+def argmax(logits_shard: torch.Tensor, site: str | Site, *, vocab_start: int) -> torch.Tensor:
+    """Vocabulary-parallel greedy argmax: global int64 index per row, lowest index on exact ties. Collective."""
+    return _comm_for(site).argmax(logits_shard, site, vocab_start=vocab_start)
 
 
 def routes(group: dist.ProcessGroup | None = None) -> RouteTable:

@@ -26,7 +26,6 @@ from .backends import A2AFoldBackend, GatherFoldBackend, NativeBackend
 from .fold import BATCH_INVARIANT, FLOAT_DTYPES, Leaf, select_leaf
 from .route import (
     DEFAULT_MAX_ROWS,
-    NO_ARGS,
     SUPPORTED_DTYPES,
     AutoBackend,
     BoundRoute,
@@ -41,11 +40,13 @@ from .route import (
     Site,
 )
 from .selfcheck import CheckResult, SelfChecks
+from .topology import discover as discover_topology
 
 if TYPE_CHECKING:
     from .workspace import Workspace
 from .errors import DetcommError, WorkspaceUnavailable
 from .verify import CallChecker
+from .work import Work
 
 __all__ = ["Communicator", "RouteTable", "RouteEntry"]
 
@@ -148,10 +149,10 @@ class Communicator:
         failed = [c for c in checks if not c.passed]
         routes = sorted({e.decision.route.value for e in self.auto.table(self.auto.bound_sites()).entries})
         _log.info(
-            "detcomm: init on %s W=%d rank=%d device=%s numerics=%s fold leaf=%s routes in use=%s; workspace: %s; "
-            "%d self-checks (%d failed) in %.3f s; init took %.3f s",
-            self.backend_name, self.world_size, self.rank, self.device, self.resolved.numerics, self.leaf.name,
-            ",".join(routes) or "-", self.caps.workspace_reason, len(checks), len(failed),
+            "detcomm: init on %s W=%d rank=%d device=%s (%s) numerics=%s fold leaf=%s routes in use=%s; "
+            "workspace: %s; %d self-checks (%d failed) in %.3f s; init took %.3f s",
+            self.backend_name, self.world_size, self.rank, self.device, self.caps.topology, self.resolved.numerics,
+            self.leaf.name, ",".join(routes) or "-", self.caps.workspace_reason, len(checks), len(failed),
             self._selfchecks.seconds(), seconds)
 
     # -- startup ------------------------------------------------------------------------------------
@@ -160,7 +161,11 @@ class Communicator:
         allowed, mc_why = _env.multicast_allowed(self.resolved, hardware_supports=False)
         if allowed:  # pragma: no cover - unreachable until a multicast route exists
             mc_why = "no multicast route in this build"
-        armed, ws_why = self._arm_workspace(workspace, max_rows, capacity, timeout_s)
+        topo = discover_topology(self.group, self.device) if self.device.type == "cuda" else None
+        if topo is not None and not topo.same_host:
+            armed, ws_why = False, "ranks on several hosts: CUDA IPC does not cross hosts"
+        else:
+            armed, ws_why = self._arm_workspace(workspace, max_rows, capacity, timeout_s)
         return Capabilities(
             backend=self.backend_name,
             device_type=self.device.type,
@@ -169,6 +174,7 @@ class Communicator:
             workspace_reason=ws_why,
             workspace_max_rows=max_rows if armed else 0,
             workspace_bytes=capacity if armed else 0,
+            topology=topo.describe() if topo is not None else "CPU",
             multicast=False,
             multicast_reason=mc_why,
         )
@@ -335,14 +341,21 @@ class Communicator:
             raise ValueError(f"site {name!r}: tensor is not contiguous; pass x.contiguous()")
 
     # -- collectives --------------------------------------------------------------------------------
-    def all_reduce(self, x: torch.Tensor, *, site: str | Site, op: str = "sum") -> torch.Tensor:
-        """Reduce every rank's ``x`` (SUM, MAX or MIN); returns a new tensor, identical on every rank."""
+    def all_reduce(self, x: torch.Tensor, site: str | Site, *, op: str = "sum", out: torch.Tensor | None = None,
+                   async_op: bool = False) -> torch.Tensor | Work:
+        """Reduce every rank's ``x`` (sum, avg, max or min); identical bits on every rank.
+
+        Returns a new tensor, or ``out`` when given (``out=x`` reduces in place). ``async_op=True`` returns a
+        ``detcomm.Work`` handle instead (``.wait()``, ``.result()``). Collective."""
         self._check_open()
         s = self._site_for_call(site, Collective.ALL_REDUCE, x, _enum(ReduceOp, op, "op", site))
-        return self._bound[s.name](x, NO_ARGS)
+        self._check_out(s.name, out, x, tuple(x.shape))
+        return self._finish(self._bound[s.name](x, CallArgs(out=_separate(out, x))), out, async_op)
 
-    def reduce_scatter(self, x: torch.Tensor, *, site: str | Site, op: str = "sum") -> torch.Tensor:
-        """Rank r receives row block r of the reduction; ``x.shape[0]`` must divide by the world size."""
+    def reduce_scatter(self, x: torch.Tensor, site: str | Site, *, op: str = "sum", out: torch.Tensor | None = None,
+                       async_op: bool = False) -> torch.Tensor | Work:
+        """Rank r receives row block r of the reduction; ``x.shape[0]`` must divide by the world size.
+        ``out`` (``x.shape[0] // W`` rows) and ``async_op`` as for ``all_reduce``. Collective."""
         self._check_open()
         rop = _enum(ReduceOp, op, "op", site)
         name = site.name if isinstance(site, Site) else site
@@ -352,15 +365,42 @@ class Communicator:
                 f"(rank r receives row block r); got {x.shape[0]} rows: pad to {-(-x.shape[0] // self.world_size) * self.world_size}"
             )
         s = self._site_for_call(site, Collective.REDUCE_SCATTER, x, rop)
-        return self._bound[s.name](x, NO_ARGS)
+        self._check_out(s.name, out, x, (x.shape[0] // self.world_size, *x.shape[1:]))
+        return self._finish(self._bound[s.name](x, CallArgs(out=_separate(out, x))), out, async_op)
 
-    def all_gather(self, x: torch.Tensor, *, site: str | Site) -> torch.Tensor:
-        """Every rank's ``x`` concatenated along dim 0 in rank order."""
+    def all_gather(self, x: torch.Tensor, site: str | Site, *, out: torch.Tensor | None = None,
+                   async_op: bool = False) -> torch.Tensor | Work:
+        """Every rank's ``x`` concatenated along dim 0 in rank order (``out``: ``W * rows`` rows). Collective."""
         self._check_open()
         s = self._site_for_call(site, Collective.ALL_GATHER, x, ReduceOp.SUM)
-        return self._bound[s.name](x, NO_ARGS)
+        self._check_out(s.name, out, x, (x.shape[0] * self.world_size, *x.shape[1:]))
+        return self._finish(self._bound[s.name](x, CallArgs(out=_separate(out, x))), out, async_op)
 
-    def token_all_gather(self, x: torch.Tensor, *, site: str | Site, rows_per_rank: Sequence[int]) -> torch.Tensor:
+    def _check_out(self, name: str, out: torch.Tensor | None, x: torch.Tensor, shape: tuple[int, ...]) -> None:
+        """Validate a caller's output buffer before any communication."""
+        if out is None:
+            return
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"site {name!r}: out must be a torch.Tensor, got {type(out).__name__}")
+        if tuple(out.shape) != shape or out.dtype != x.dtype or out.device != x.device:
+            raise ValueError(
+                f"site {name!r}: out must be a {str(x.dtype).replace('torch.', '')} tensor of shape {list(shape)} on "
+                f"{x.device}, got {str(out.dtype).replace('torch.', '')} {list(out.shape)} on {out.device}"
+            )
+        if not out.is_contiguous():
+            raise ValueError(f"site {name!r}: out is not contiguous; pass a contiguous buffer")
+        if out.data_ptr() != x.data_ptr() and _overlap(out, x):
+            raise ValueError(f"site {name!r}: out partially overlaps the input; pass out=x (in place) or a "
+                             "separate buffer")
+
+    @staticmethod
+    def _finish(result: torch.Tensor, out: torch.Tensor | None, async_op: bool) -> torch.Tensor | Work:
+        if out is not None and result is not out:
+            out.copy_(result)
+            result = out
+        return Work(result) if async_op else result
+
+    def token_all_gather(self, x: torch.Tensor, site: str | Site, *, rows_per_rank: Sequence[int]) -> torch.Tensor:
         """Uneven all-gather: rank r contributes ``rows_per_rank[r]`` rows; concatenated in rank order."""
         self._check_open()
         name = site.name if isinstance(site, Site) else site
@@ -375,7 +415,7 @@ class Communicator:
         s = self._site_for_call(site, Collective.TOKEN_ALL_GATHER, x, ReduceOp.SUM, rows_per_rank=counts)
         return self._bound[s.name](x, CallArgs(rows_per_rank=tuple(counts)))
 
-    def all_to_all(self, x: torch.Tensor, *, site: str | Site, splits: Sequence[int] | None = None) -> torch.Tensor:
+    def all_to_all(self, x: torch.Tensor, site: str | Site, *, splits: Sequence[int] | None = None) -> torch.Tensor:
         """Rank r sends its row block q to rank q and receives, in rank order, every rank's block r.
 
         ``splits=None``: even blocks (rows divisible by W). Otherwise ``splits[q]`` rows go to rank q; the
@@ -404,7 +444,7 @@ class Communicator:
             outs = self._native.exchange_splits(ins, self.device)
         return self._bound[s.name](x, CallArgs(in_splits=tuple(ins), out_splits=tuple(outs)))
 
-    def argmax(self, logits_shard: torch.Tensor, *, site: str | Site, vocab_start: int) -> torch.Tensor:
+    def argmax(self, logits_shard: torch.Tensor, site: str | Site, *, vocab_start: int) -> torch.Tensor:
         """Vocabulary-parallel argmax: int64 global index per row; lowest index on exact ties; -0.0 == +0.0;
         NaN counts as the largest value (as torch.argmax)."""
         self._check_open()
@@ -426,7 +466,8 @@ class Communicator:
     # -- introspection and lifecycle ----------------------------------------------------------------
     def routes(self) -> RouteTable:
         """The route table of the declared sites (local; identical on every rank)."""
-        return self.auto.table(list(self._sites.values()))
+        return self.auto.table(list(self._sites.values()),
+                               note=f"topology: {self.caps.topology}; workspace: {self.caps.workspace_reason}")
 
     def checks(self) -> list[CheckResult]:
         """Every self-check run on this group so far, in order (local)."""
@@ -455,6 +496,17 @@ class Communicator:
     def _check_open(self) -> None:
         if self._closed:
             raise DetcommError("this detcomm communicator is shut down; call detcomm.init() again")
+
+
+def _separate(out: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None:
+    """``out`` when a route may write it directly; None for an in-place call (the route reads x while it
+    writes its result, so the communicator copies the finished result into x instead)."""
+    return None if out is None or out.data_ptr() == x.data_ptr() else out
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
 def _enum(cls, value, what: str, site: object = None):  # type: ignore[no-untyped-def]

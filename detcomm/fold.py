@@ -84,6 +84,14 @@ def reference_fold(stacked: torch.Tensor, out_dtype: torch.dtype) -> torch.Tenso
     return canonicalize_nan(acc.to(out_dtype))
 
 
+def average(folded_fp32: torch.Tensor, world_size: int, out_dtype: torch.dtype) -> torch.Tensor:
+    """``op="avg"`` on the canonical routes: the canonical fold kept in fp32 (not rounded to the dtype), one
+    IEEE fp32 division by the world size, then one round-to-nearest-even to ``out_dtype`` (none for fp32).
+    NaN results are the canonical NaN, as for every fold."""
+    assert folded_fp32.dtype == torch.float32
+    return canonicalize_nan(torch.div(folded_fp32, float(world_size)).to(out_dtype))
+
+
 def portable_fold(stacked: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """The same bits as ``reference_fold`` with fewer passes over memory: ``x0 + 0.0`` equals ``0.0 + x0``
     bit for bit (IEEE addition commutes; -0.0 + +0.0 is +0.0), and ``add_`` of a bf16/fp16 operand into an

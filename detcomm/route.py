@@ -72,8 +72,14 @@ class Collective(str, Enum):
 
 class ReduceOp(str, Enum):
     SUM = "sum"
+    AVG = "avg"  # floats only: the SUM's fp32 result divided once by W, then rounded once (fold.average)
     MAX = "max"
     MIN = "min"
+
+    @property
+    def sums(self) -> bool:
+        """SUM or AVG: reductions whose arithmetic is an addition (canonical fold on bitwise routes)."""
+        return self in (ReduceOp.SUM, ReduceOp.AVG)
 
 
 class Route(str, Enum):
@@ -166,6 +172,9 @@ class Site:
                 raise ValueError(f"site {self.name!r}: argmax is a MAX reduction; op={self.op.value!r} makes no sense")
         elif not self.collective.reduces and self.op is not ReduceOp.SUM:
             raise ValueError(f"site {self.name!r}: {self.collective.value} moves data and takes no reduce op")
+        if self.op is ReduceOp.AVG and self.dtype not in FLOAT_DTYPES:
+            raise ValueError(f"site {self.name!r}: op='avg' takes floating-point inputs (an integer average "
+                             f"rounds); use op='sum' and divide, got {self.dtype}")
         if self.route is not None and self.collective not in _CARRIES[self.route]:
             raise ValueError(
                 f"site {self.name!r}: route {self.route.value!r} cannot carry {self.collective.value}; routes that "
@@ -178,7 +187,7 @@ class Site:
 
     @property
     def float_sum(self) -> bool:
-        return self.collective.reduces and self.op is ReduceOp.SUM and self.is_float
+        return self.collective.reduces and self.op.sums and self.is_float
 
     @property
     def row_numel(self) -> int:
@@ -204,6 +213,7 @@ class Capabilities:
     workspace_reason: str = "no CUDA-IPC workspace on this group"
     workspace_max_rows: int = 0
     workspace_bytes: int = 0
+    topology: str = ""
     multicast: bool = False
     multicast_reason: str = "not opted in"
 
@@ -226,6 +236,9 @@ class CallArgs:
     in_splits: tuple[int, ...] | None = None  # all_to_all
     out_splits: tuple[int, ...] | None = None  # all_to_all
     vocab_start: int = 0  # argmax
+    # all_reduce / reduce_scatter / all_gather: a caller's buffer the route may write the result into (never
+    # the input itself); routes that cannot write in place ignore it and the communicator copies.
+    out: torch.Tensor | None = None
 
 
 NO_ARGS = CallArgs()
@@ -382,7 +395,7 @@ class AutoBackend:
             return [RouteDecision(Route.NATIVE, "data movement")]
         if site.collective is Collective.ARGMAX:
             return [RouteDecision(Route.NATIVE, "int64 (value key, index) MAX: exact in any order, lowest index on ties")]
-        if site.op is not ReduceOp.SUM:
+        if not site.op.sums:
             return [RouteDecision(Route.NATIVE, f"{site.op.value.upper()} on order-preserving int keys: exact in any order, ±0 and NaN canonical")]
         if not site.is_float:
             return [RouteDecision(Route.NATIVE, "integer SUM: exact in any order")]
@@ -399,6 +412,8 @@ class AutoBackend:
             no_ws = self.caps.workspace_reason
         elif site.max_rows > self.caps.workspace_max_rows:
             no_ws = f"max_rows {site.max_rows} > workspace's armed {self.caps.workspace_max_rows} rows"
+        elif site.op is ReduceOp.AVG:
+            no_ws = "the workspace kernels round to the dtype; avg needs the fp32 fold"
         else:
             why = f"canonical fold in the CUDA-IPC workspace (max_rows <= {self.caps.workspace_max_rows})"
             launches = self._launches(site)
@@ -422,7 +437,7 @@ class AutoBackend:
     def _forced(self, site: Site) -> RouteDecision:
         route = site.route
         assert route is not None
-        if site.collective.reduces and site.op is not ReduceOp.SUM and route is not Route.NATIVE:
+        if site.collective.reduces and not site.op.sums and route is not Route.NATIVE:
             raise ValueError(f"site {site.name!r}: {site.op.value.upper()} reductions run on the native route (order-preserving keys); route={route.value!r} does not apply")
         if site.collective.reduces and not site.is_float and route is not Route.NATIVE:
             raise ValueError(f"site {site.name!r}: integer sums run on the native route; route={route.value!r} does not apply")
@@ -446,7 +461,7 @@ class AutoBackend:
         if site.collective is Collective.ARGMAX:
             return True
         if site.collective.reduces and site.is_float:
-            return site.op is not ReduceOp.SUM or decision.canonical_sum
+            return not site.op.sums or decision.canonical_sum
         return False
 
     def route(self, site: Site) -> BoundRoute:

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from .backends.native import NativeBackend
-from .fold import FLOAT_DTYPES, canonical_nan, reference_fold
+from .fold import FLOAT_DTYPES, average, canonical_nan, reference_fold
 from .payload import ill_conditioned, with_specials
 from .route import NO_ARGS, BoundRoute, CallArgs, Collective, ReduceOp, Route
 
@@ -125,7 +125,7 @@ def _payload(key: CheckKey, rows: int, *, seed: int, rank: int, w: int, device: 
         x = x.clone()
         x[:, 1::7] = 1e4 if key.dtype == torch.float16 else 1e37
         x[:, 2::11] = -0.0
-    if key.op is not ReduceOp.SUM and key.collective is not Collective.ARGMAX:
+    if not key.op.sums and key.collective is not Collective.ARGMAX:
         x = with_specials(x, seed=seed, rank=rank)
     return x.to(device)
 
@@ -160,6 +160,8 @@ def _checks(key: CheckKey, execute: Callable[[torch.Tensor], torch.Tensor], *, w
         ref = torch.argmax(full, dim=-1)
     elif key.op is ReduceOp.SUM:
         ref = reference_fold(stacked, key.dtype)
+    elif key.op is ReduceOp.AVG:
+        ref = average(reference_fold(stacked, torch.float32), w, key.dtype)
     else:
         ref = _max_min_reference(stacked, key.op)
     if rs:

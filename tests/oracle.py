@@ -118,6 +118,16 @@ def fold_oracle(inputs: Sequence[np.ndarray], dtype: str) -> np.ndarray:
     return round_fp32_bits(acc.view(np.uint32), dtype)
 
 
+def avg_oracle(inputs: Sequence[np.ndarray], dtype: str) -> np.ndarray:
+    """op="avg": the fold's fp32 accumulator (unrounded), one IEEE fp32 division by W, one rounding to `dtype`."""
+    acc = np.zeros(np.asarray(inputs[0]).shape, dtype=np.float32)
+    with np.errstate(all="ignore"):
+        for x in inputs:
+            acc = (acc + widen(x, dtype)).astype(np.float32)
+        q = (acc / np.float32(len(inputs))).astype(np.float32)
+    return round_fp32_bits(q.view(np.uint32), dtype)
+
+
 def ordered_key_extreme_oracle(inputs: Sequence[np.ndarray], dtype: str, op: str) -> np.ndarray:
     """MAX/MIN under detcomm's policy: any NaN -> canonical NaN; -0.0 and +0.0 compare equal and the
     result zero is +0.0; otherwise the IEEE maximum/minimum. Returns raw bits of `dtype`."""

@@ -317,13 +317,17 @@ def job_route_per_row_count(rank: int, w: int) -> tuple[set[str], set[str]]:
     comm.site("rc.ar", collective="all_reduce", dtype=torch.bfloat16, shape=(4,), max_rows=64)
     comm.site("rc.rs", collective="reduce_scatter", dtype=torch.bfloat16, shape=(4,), max_rows=64 * w)
     used: list[str] = []
-    run = comm._run
+    # Spy on the bound routes: every call of a site goes through exactly the object routing bound once.
+    originals = dict(comm._bound)
 
-    def spy(route, site, x, **kw):  # type: ignore[no-untyped-def]
-        used.append(route.value)
-        return run(route, site, x, **kw)
+    def spy(bound):  # type: ignore[no-untyped-def]
+        def call(x, args):  # type: ignore[no-untyped-def]
+            used.append(bound.route.value)
+            return bound(x, args)
+        return call
 
-    comm._run = spy
+    for name, bound in originals.items():
+        comm._bound[name] = spy(bound)
     try:
         for rows in range(1, 65):
             comm.all_reduce(torch.ones(rows, 4, dtype=torch.bfloat16), site="rc.ar")
@@ -333,7 +337,7 @@ def job_route_per_row_count(rank: int, w: int) -> tuple[set[str], set[str]]:
             comm.reduce_scatter(torch.ones(rows * w, 4, dtype=torch.bfloat16), site="rc.rs")
         return ar, set(used)
     finally:
-        del comm._run
+        comm._bound.update(originals)
 
 
 def job_init_timing(rank: int, w: int) -> tuple[float, int]:

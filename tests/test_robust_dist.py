@@ -114,8 +114,8 @@ def job_check_off_by_default_and_options(rank: int, w: int) -> tuple[bool, bool,
     import detcomm
 
     os.environ.pop("DETCOMM_CHECK", None)
-    off = _fresh("auto")._checker is None
-    on = _fresh("auto", check=True)._checker is not None
+    off = _fresh("auto")._verifier is None
+    on = _fresh("auto", check=True)._verifier is not None
     detcomm.shutdown()
     try:
         detcomm.init(numerics="auto", timeout_s=5)  # the cluster's group exists already
@@ -321,8 +321,8 @@ def job_churn(rank: int, w: int, calls: int) -> list[str]:
                 want = want[rank * rows // w : (rank + 1) * rows // w]
         if not np.array_equal(got, want):
             problems.append(f"call {i} {name} rows={rows}: != expected")
-    if comm._checker.seq != calls:
-        problems.append(f"{comm._checker.seq} calls checked, {calls} made")
+    if comm._verifier.seq != calls:
+        problems.append(f"{comm._verifier.seq} calls checked, {calls} made")
     detcomm.shutdown()
     return problems
 

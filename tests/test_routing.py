@@ -143,3 +143,14 @@ def test_route_table_says_when_a_site_is_chunked() -> None:
     assert "2 launches per call at max_rows" in auto.decide(wide).why
     narrow = Site("n", Collective.ALL_REDUCE, torch.bfloat16, (4096,), 2048)
     assert "launches" not in auto.decide(narrow).why
+
+
+def test_topology_from_rank_facts() -> None:
+    from detcomm.topology import RankFacts, from_facts
+
+    a, b = RankFacts("h1", 0, "00000000:1B:00"), RankFacts("h1", 1, "00000000:2C:00")
+    assert from_facts([a, a]).link == "same GPU"
+    two = from_facts([a, b])
+    assert two.same_host and two.gpus == 2 and two.link == ""  # the link is NVML's to tell
+    multi = from_facts([a, RankFacts("h2", 0, "00000000:1B:00")])
+    assert not multi.same_host and multi.link == "multi-host" and multi.gpus == 2

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..fold import Leaf
+from ..fold import Leaf, average
 from ..route import BoundRoute, Collective, ReduceOp, Route, Site
 from .base import bind_from
 from .native import NativeBackend
@@ -26,8 +26,10 @@ class A2AFoldBackend:
         return bind_from(self.route, site, {Collective.REDUCE_SCATTER: lambda x, a: self.reduce_scatter(x, site.op)})
 
     def reduce_scatter(self, x: torch.Tensor, op: ReduceOp) -> torch.Tensor:
-        assert op is ReduceOp.SUM, "routing sends only floating-point SUM here"
+        assert op.sums, "routing sends only floating-point SUM and AVG here"
         w = self.native.world_size
         n = x.shape[0] // w
-        recv = self.native.all_to_all(x, [n] * w, [n] * w)
-        return self.leaf.fold(recv.view(w, n, *x.shape[1:]), x.dtype)
+        stacked = self.native.all_to_all(x, [n] * w, [n] * w).view(w, n, *x.shape[1:])
+        if op is ReduceOp.AVG:
+            return average(self.leaf.fold(stacked, torch.float32), w, x.dtype)
+        return self.leaf.fold(stacked, x.dtype)

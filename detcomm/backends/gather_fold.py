@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..fold import Leaf
+from ..fold import Leaf, average
 from ..route import BoundRoute, Collective, ReduceOp, Route, Site
 from .base import bind_from
 from .native import NativeBackend
@@ -31,12 +31,16 @@ class GatherFoldBackend:
     def _gathered(self, x: torch.Tensor) -> torch.Tensor:
         return self.native.all_gather(x).view(self.native.world_size, *x.shape)
 
+    def _fold(self, stacked: torch.Tensor, dtype: torch.dtype, op: ReduceOp) -> torch.Tensor:
+        assert op.sums, "routing sends only floating-point SUM and AVG here"
+        if op is ReduceOp.AVG:
+            return average(self.leaf.fold(stacked, torch.float32), stacked.shape[0], dtype)
+        return self.leaf.fold(stacked, dtype)
+
     def all_reduce(self, x: torch.Tensor, op: ReduceOp) -> torch.Tensor:
-        assert op is ReduceOp.SUM, "routing sends only floating-point SUM here"
-        return self.leaf.fold(self._gathered(x), x.dtype)
+        return self._fold(self._gathered(x), x.dtype, op)
 
     def reduce_scatter(self, x: torch.Tensor, op: ReduceOp) -> torch.Tensor:
-        assert op is ReduceOp.SUM, "routing sends only floating-point SUM here"
         n = x.shape[0] // self.native.world_size
         r = self.native.rank
-        return self.leaf.fold(self._gathered(x)[:, r * n : (r + 1) * n], x.dtype)
+        return self._fold(self._gathered(x)[:, r * n : (r + 1) * n], x.dtype, op)

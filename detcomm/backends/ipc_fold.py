@@ -23,21 +23,21 @@ class IpcFoldBackend:
 
     def bind(self, site: Site) -> BoundRoute:
         return bind_from(self.route, site, {
-            Collective.ALL_REDUCE: lambda x, a: self.all_reduce(x, site.op),
-            Collective.REDUCE_SCATTER: lambda x, a: self.reduce_scatter(x, site.op),
-            Collective.ALL_GATHER: lambda x, a: self.all_gather(x),
+            Collective.ALL_REDUCE: lambda x, a: self.all_reduce(x, site.op, out=a.out),
+            Collective.REDUCE_SCATTER: lambda x, a: self.reduce_scatter(x, site.op, out=a.out),
+            Collective.ALL_GATHER: lambda x, a: self.all_gather(x, out=a.out),
         })
 
-    def all_reduce(self, x: torch.Tensor, op: ReduceOp) -> torch.Tensor:
+    def all_reduce(self, x: torch.Tensor, op: ReduceOp, *, out: torch.Tensor | None = None) -> torch.Tensor:
         assert op is ReduceOp.SUM, "routing sends only floating-point SUM here"
-        return self.workspace.all_reduce(x)
+        return self.workspace.all_reduce(x, out=out)
 
-    def reduce_scatter(self, x: torch.Tensor, op: ReduceOp) -> torch.Tensor:
+    def reduce_scatter(self, x: torch.Tensor, op: ReduceOp, *, out: torch.Tensor | None = None) -> torch.Tensor:
         assert op is ReduceOp.SUM, "routing sends only floating-point SUM here"
-        return self.workspace.reduce_scatter(x)
+        return self.workspace.reduce_scatter(x, out=out)
 
-    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
-        return self.workspace.all_gather(x)
+    def all_gather(self, x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.workspace.all_gather(x, out=out)
 
     def close(self) -> None:
         self.workspace.close()

@@ -58,6 +58,9 @@ class NativeBackend:
 
     # -- reductions ---------------------------------------------------------------------------------
     def all_reduce(self, x: torch.Tensor, op: ReduceOp) -> torch.Tensor:
+        if op is ReduceOp.AVG:
+            # gloo has no AVG: the library's SUM (not batch-invariant: this route makes no claim), one division.
+            return (self.all_reduce(x, ReduceOp.SUM).to(torch.float32) / self.world_size).to(x.dtype)
         if op is ReduceOp.SUM or not x.is_floating_point():
             out = self._lib(x).clone()
             dist.all_reduce(out, op=_TORCH_OP[op], group=self.group)
@@ -67,6 +70,8 @@ class NativeBackend:
         return keys.from_key(self._back(k, x), x.dtype, op=op.value)
 
     def reduce_scatter(self, x: torch.Tensor, op: ReduceOp) -> torch.Tensor:
+        if op is ReduceOp.AVG:
+            return (self.reduce_scatter(x, ReduceOp.SUM).to(torch.float32) / self.world_size).to(x.dtype)
         keyed = op is not ReduceOp.SUM and x.is_floating_point()
         src = self._lib(keys.to_key(x, op=op.value) if keyed else x)
         out = torch.empty((src.shape[0] // self.world_size, *src.shape[1:]), dtype=src.dtype, device=src.device)

@@ -122,8 +122,9 @@ def _rank_call(rank: int, world_size: int, collective: str, route: str, dtype: t
     name = f"bench.{collective}.{_DETCOMM_ROUTE[route]}.{str(dtype).replace('torch.', '')}.{hidden}"
     site = detcomm.site(name, collective=collective, dtype=dtype, shape=(hidden,), max_rows=_STATE["cfg"]["max_rows"],
                         route=_DETCOMM_ROUTE[route])
-    fn = {"all_reduce": detcomm.all_reduce, "reduce_scatter": detcomm.reduce_scatter,
-          "all_gather": detcomm.all_gather}[collective]
+    fns: dict[str, Callable[..., torch.Tensor]] = {
+        "all_reduce": detcomm.all_reduce, "reduce_scatter": detcomm.reduce_scatter, "all_gather": detcomm.all_gather}
+    fn = fns[collective]
     return lambda x: fn(x, site=site)
 
 
