@@ -42,6 +42,7 @@ from .envelope import (
     resolve_numerics,
 )
 from .fold import BATCH_INVARIANT, Leaf, Priority, reference_fold, register_leaf, select_leaf
+from .deadline import DEFAULT_TIMEOUT_S
 from .mpi_env import rank_facts_from_environment
 from .work import Work
 from .route import DEFAULT_MAX_ROWS, AutoBackend, Capabilities, Collective, ReduceOp, Route, Site
@@ -96,6 +97,7 @@ __all__ = [
     "Route",
     "Site",
     "DEFAULT_MAX_ROWS",
+    "DEFAULT_TIMEOUT_S",
 ]
 
 _COMMS: dict[object, Communicator] = {}
@@ -194,7 +196,7 @@ def init(
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend=backend, init_method="env://",
-                                **({} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}))
+                                timeout=timedelta(seconds=DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s))
         created = True
     pg = dist.group.WORLD if group is None else group
     if not created:

@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from .workspace import Workspace
 from .verify import CallChecker
 from .work import Work
+from .deadline import is_timeout, peer_timeout
 from .errors import DetcommError, WorkspaceUnavailable
 from .errors import RouteRefused
 
@@ -135,6 +136,7 @@ class Communicator:
                                 checker=self._selfchecks if selfcheck else None, leaf=self.leaf.name)
         self._sites: dict[str, Site] = {}
         self._bound: dict[str, BoundRoute] = {}
+        self._calls = 0  # collective calls made on this communicator (named in timeout errors)
         self._closed = False
         if selfcheck:
             try:
@@ -351,7 +353,7 @@ class Communicator:
         self._check_open()
         s = self._site_for_call(site, Collective.ALL_REDUCE, x, _enum(ReduceOp, op, "op", site))
         self._check_out(s.name, out, x, tuple(x.shape))
-        return self._finish(self._bound[s.name](x, CallArgs(out=_separate(out, x))), out, async_op)
+        return self._finish(self._call(s, x, CallArgs(out=_separate(out, x))), out, async_op)
 
     def reduce_scatter(self, x: torch.Tensor, site: str | Site, *, op: str = "sum", out: torch.Tensor | None = None,
                        async_op: bool = False) -> torch.Tensor | Work:
@@ -367,7 +369,7 @@ class Communicator:
             )
         s = self._site_for_call(site, Collective.REDUCE_SCATTER, x, rop)
         self._check_out(s.name, out, x, (x.shape[0] // self.world_size, *x.shape[1:]))
-        return self._finish(self._bound[s.name](x, CallArgs(out=_separate(out, x))), out, async_op)
+        return self._finish(self._call(s, x, CallArgs(out=_separate(out, x))), out, async_op)
 
     def all_gather(self, x: torch.Tensor, site: str | Site, *, out: torch.Tensor | None = None,
                    async_op: bool = False) -> torch.Tensor | Work:
@@ -375,7 +377,18 @@ class Communicator:
         self._check_open()
         s = self._site_for_call(site, Collective.ALL_GATHER, x, ReduceOp.SUM)
         self._check_out(s.name, out, x, (x.shape[0] * self.world_size, *x.shape[1:]))
-        return self._finish(self._bound[s.name](x, CallArgs(out=_separate(out, x))), out, async_op)
+        return self._finish(self._call(s, x, CallArgs(out=_separate(out, x))), out, async_op)
+
+    def _call(self, s: Site, x: torch.Tensor, args: CallArgs) -> torch.Tensor:
+        """Every collective call goes through here: the site's bound route, with a timeout translated into a
+        PeerTimeout that names the site, the call number and the ranks that never reached the call."""
+        self._calls += 1
+        try:
+            return self._bound[s.name](x, args)
+        except RuntimeError as e:  # torch.distributed.DistError derives from it
+            if isinstance(e, DetcommError) or not is_timeout(e):
+                raise
+            raise peer_timeout(s.name, self._calls, e, group=self.group, rank=self.rank) from e
 
     def _check_out(self, name: str, out: torch.Tensor | None, x: torch.Tensor, shape: tuple[int, ...]) -> None:
         """Validate a caller's output buffer before any communication."""
@@ -414,7 +427,7 @@ class Communicator:
                 f"{counts[self.rank]}; every rank must pass the same rows_per_rank"
             )
         s = self._site_for_call(site, Collective.TOKEN_ALL_GATHER, x, ReduceOp.SUM, rows_per_rank=counts)
-        return self._bound[s.name](x, CallArgs(rows_per_rank=tuple(counts)))
+        return self._call(s, x, CallArgs(rows_per_rank=tuple(counts)))
 
     def all_to_all(self, x: torch.Tensor, site: str | Site, *, splits: Sequence[int] | None = None) -> torch.Tensor:
         """Rank r sends its row block q to rank q and receives, in rank order, every rank's block r.
@@ -443,7 +456,7 @@ class Communicator:
         else:
             ins = in_splits
             outs = self._native.exchange_splits(ins, self.device)
-        return self._bound[s.name](x, CallArgs(in_splits=tuple(ins), out_splits=tuple(outs)))
+        return self._call(s, x, CallArgs(in_splits=tuple(ins), out_splits=tuple(outs)))
 
     def argmax(self, logits_shard: torch.Tensor, site: str | Site, *, vocab_start: int) -> torch.Tensor:
         """Vocabulary-parallel argmax: int64 global index per row; lowest index on exact ties; -0.0 == +0.0;
@@ -462,7 +475,7 @@ class Communicator:
             if vocab_start + logits_shard.shape[1] > 2**31:
                 raise ValueError(f"site {name!r}: global vocabulary indices must stay below 2**31")
         s = self._site_for_call(site, Collective.ARGMAX, logits_shard, ReduceOp.MAX)
-        return self._bound[s.name](logits_shard, CallArgs(vocab_start=vocab_start))
+        return self._call(s, logits_shard, CallArgs(vocab_start=vocab_start))
 
     # -- introspection and lifecycle ----------------------------------------------------------------
     def routes(self) -> RouteTable:
