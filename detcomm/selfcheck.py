@@ -24,16 +24,17 @@ import torch
 import torch.distributed as dist
 
 from .backends.native import NativeBackend
-from .fold import FLOAT_DTYPES, canonical_nan, reference_fold
+from .fold import canonical_nan, reference_fold
+from .invariance import bits_equal, placements
+from .invariance import rows_changed as _rows_differing
 from .payload import ill_conditioned, with_specials
 from .route import Collective, ReduceOp, Route
 
 __all__ = ["CheckKey", "CheckResult", "run_check", "bits_equal"]
 
 _BASE_ROWS = 3
-# (batch rows, offset of the checked rows): sizes and offsets chosen so rows land in different chunks of a
-# ring and at unaligned positions.
-_COMPOSITIONS = ((_BASE_ROWS, 0), (_BASE_ROWS + 1, 1), (_BASE_ROWS + 7, 4), (2 * _BASE_ROWS + 13, _BASE_ROWS + 9))
+# (batch rows, offset of the checked rows): the first four of detcomm.invariance's placements.
+_COMPOSITIONS = placements(_BASE_ROWS)[:4]
 _SEED = 0x5E1FC
 
 
@@ -57,27 +58,6 @@ class CheckResult:
     passed: bool
     reason: str
     seconds: float
-
-
-def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Exact equality of bit patterns (so -0.0 != +0.0 and NaN payloads count)."""
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    if a.dtype in FLOAT_DTYPES:
-        view = torch.int32 if a.dtype == torch.float32 else torch.int16
-        return torch.equal(a.contiguous().view(view), b.contiguous().view(view))
-    return torch.equal(a, b)
-
-
-def _rows_differing(a: torch.Tensor, b: torch.Tensor) -> int:
-    if a.dtype in FLOAT_DTYPES:
-        view = torch.int32 if a.dtype == torch.float32 else torch.int16
-        ne = a.contiguous().view(view) != b.contiguous().view(view)
-    else:
-        ne = a != b
-    if ne.dim() == 1:
-        return int(ne.sum())
-    return int(ne.reshape(ne.shape[0], -1).any(dim=1).sum())
 
 
 def _max_min_reference(stacked: torch.Tensor, op: ReduceOp) -> torch.Tensor:

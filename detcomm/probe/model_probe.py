@@ -35,8 +35,8 @@ import torch
 import torch.distributed as dist
 
 import detcomm
+from detcomm.invariance import bits
 
-from .bits import bits
 from .model import SITE_NAMES, ModelConfig, Segment, TPTransformer
 from .table import emit, format_table
 
