@@ -18,6 +18,7 @@ from typing import cast
 import torch
 
 from . import invariance as inv
+from .dtypes import name_of
 from .tables import format_table
 
 _PROBE_ROWS = 16
@@ -62,7 +63,7 @@ def _rank_main(rank: int, w: int, hidden: int) -> dict[str, object]:
     # 1. The deployment view: rl-bitwise routes every SUM site to a canonical fold.
     comm = detcomm.init(numerics="rl-bitwise")
     for dt in (torch.bfloat16, torch.float32):
-        tag = str(dt).replace("torch.", "")
+        tag = name_of(dt)
         comm.site(f"o_proj.{tag}", collective="all_reduce", dtype=dt, shape=(hidden,), max_rows=2048)
         comm.site(f"down_proj.rs.{tag}", collective="reduce_scatter", dtype=dt, shape=(hidden,), max_rows=2048 * w)
     comm.site("lm_head.argmax", collective="argmax", dtype=torch.bfloat16, shape=(hidden,), max_rows=2048)
@@ -71,14 +72,14 @@ def _rank_main(rank: int, w: int, hidden: int) -> dict[str, object]:
     out["checks"] = [(c.key.label(), c.passed, c.reason, c.seconds) for c in comm.checks()]
     reports = []
     for dt in (torch.bfloat16, torch.float32):
-        tag = str(dt).replace("torch.", "")
+        tag = name_of(dt)
         reports.append(_measure(comm, f"o_proj.{tag}", "all_reduce", dt, hidden, rank, w))
         reports.append(_measure(comm, f"down_proj.rs.{tag}", "reduce_scatter", dt, hidden, rank, w))
     detcomm.shutdown()
     # 2. The same sites on the native route (numerics=auto): the library's own reduction.
     comm = detcomm.init(numerics="auto")
     for dt in (torch.bfloat16, torch.float32):
-        tag = str(dt).replace("torch.", "")
+        tag = name_of(dt)
         comm.site(f"o_proj.{tag}", collective="all_reduce", dtype=dt, shape=(hidden,), max_rows=2048)
         comm.site(f"down_proj.rs.{tag}", collective="reduce_scatter", dtype=dt, shape=(hidden,), max_rows=2048 * w)
         reports.append(_measure(comm, f"o_proj.{tag}", "all_reduce", dt, hidden, rank, w))
@@ -131,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nFAIL: a fold route changed rows: {[r.site for r in bad]}")
         return 1
     print(f"\nfold routes: 0 rows changed. native route: {native_moved} rows changed"
-          + (" (expected: a ring's association order follows the buffer offset)" if native_moved else
+          + (" (expected: a ring's association order follows the buffer offset and the receiving rank)" if native_moved else
              " (W=2 adds two values, a+b == b+a: use --nproc 3 or more to see it move)"))
     return 0
 

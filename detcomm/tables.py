@@ -12,9 +12,12 @@ __all__ = ["format_table", "cell"]
 
 
 def cell(value: object) -> str:
-    """A cell's text: floats in ``%g`` (``inf`` for infinity), everything else ``str``."""
+    """A cell's text: integral floats as integers (ulp counts), other floats in ``%g`` (``inf`` for infinity),
+    everything else ``str``."""
     if isinstance(value, float):
-        return "inf" if value == float("inf") else f"{value:g}"
+        if value == float("inf"):
+            return "inf"
+        return str(int(value)) if value.is_integer() and abs(value) < 2**53 else f"{value:g}"
     return str(value)
 
 

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 import detcomm
 from detcomm import invariance as inv
+from detcomm.dtypes import name_of
 from detcomm.payload import ill_conditioned
 from detcomm.route import ROUTE_INFO, Route
 
@@ -164,7 +165,7 @@ def probe_site(
     counts = torch.tensor([disagreements, int(not repeatable)], dtype=torch.int64, device=device)
     dist.all_reduce(counts, op=dist.ReduceOp.SUM)
     return SiteResult(
-        site=spec.name, collective=spec.collective, op=spec.op, dtype=str(spec.dtype).replace("torch.", ""),
+        site=spec.name, collective=spec.collective, op=spec.op, dtype=name_of(spec.dtype),
         route=chosen.value, claim=claim, rows=rows, compositions=len(comps), rows_changed=tally.rows_changed,
         elements_changed=tally.elements_changed, max_ulps=tally.max_ulps, rank_disagreements=int(counts[0]),
         reference_repeatable=int(counts[1]) == 0,

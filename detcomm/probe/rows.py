@@ -23,7 +23,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from detcomm.dtypes import FLOAT_NAMES, from_name
+from detcomm.dtypes import FLOAT_NAMES, from_name, name_of
 from detcomm.invariance import changed_mask, ulp_distance
 
 from .table import emit, format_table
@@ -112,7 +112,7 @@ def map_rows(op: Op, x: torch.Tensor, *, max_rows: int | None = None, pad_to: in
                 ulps = float(ulp_distance(row0, prev)[mask].max())
                 boundaries.append(Boundary(t, int(mask.sum()), row0.numel(), ulps))
         prev = row0
-    return RowMap(name, tuple(x.shape[1:]), str(x.dtype).replace("torch.", ""), max_rows, pad_to, tuple(boundaries))
+    return RowMap(name, tuple(x.shape[1:]), name_of(x.dtype), max_rows, pad_to, tuple(boundaries))
 
 
 def matmul_op(n: int, k: int, *, dtype: torch.dtype, device: str, seed: int) -> tuple[Op, str]:
