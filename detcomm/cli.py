@@ -6,13 +6,11 @@ import argparse
 import json
 import sys
 
-import torch
-
+from .dtypes import TABLE, from_name, name_of
 from .envelope import known_envelopes, resolve_numerics
 from .route import AutoBackend, Capabilities, Collective, ReduceOp, Site
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-           "int32": torch.int32, "int64": torch.int64, "int8": torch.int8, "uint8": torch.uint8}
+_DTYPE_NAMES = [d.name for d in TABLE]
 
 # A tensor-parallel decoder layer's sites, for when no --site is given.
 _DEFAULT_SITES = (
@@ -34,11 +32,11 @@ def parse_site(spec: str) -> Site:
     if len(parts) not in (5, 6):
         raise ValueError(f"--site {spec!r}: expected name:collective:dtype:shape:max_rows[:op]")
     name, coll, dtype, shape, max_rows = parts[:5]
-    if dtype not in _DTYPES:
-        raise ValueError(f"--site {spec!r}: dtype must be one of {sorted(_DTYPES)}")
+    if dtype not in _DTYPE_NAMES:
+        raise ValueError(f"--site {spec!r}: dtype must be one of {sorted(_DTYPE_NAMES)}")
     op = parts[5] if len(parts) == 6 else ("max" if coll == "argmax" else "sum")
     dims = tuple(int(d) for d in shape.split("x")) if shape else ()
-    return Site(name, Collective(coll), _DTYPES[dtype], dims, int(max_rows), ReduceOp(op))
+    return Site(name, Collective(coll), from_name(dtype), dims, int(max_rows), ReduceOp(op))
 
 
 def _routes(args: argparse.Namespace) -> int:
@@ -53,7 +51,7 @@ def _routes(args: argparse.Namespace) -> int:
         d = auto.decide(s)
         rows.append({"site": s.name, "collective": s.collective.value,
                      "op": s.op.value if s.collective.reduces or s.collective is Collective.ARGMAX else "",
-                     "dtype": str(s.dtype).replace("torch.", ""), "shape": "x".join(map(str, s.shape)),
+                     "dtype": name_of(s.dtype), "shape": "x".join(map(str, s.shape)),
                      "max_rows": str(s.max_rows), "route": d.route.value, "why": d.why})
     if args.json:
         print(json.dumps(rows, indent=2))

@@ -1,10 +1,11 @@
 """``detcomm demo``: W local ranks show what batch invariance means and what the native route gets wrong.
 
 Each rank builds the same ill-conditioned rows (detcomm.payload) and reduces them many times: alone (the
-batch-1 reference), then inside batches of other sizes at other offsets, surrounded by other rows. For every
-site it counts the rows whose bits differ from the batch-1 reference and the largest distance in ulps. The
-fold routes must show zero; the native route (the library's ring) shows some at W >= 3. Runs on CPU with gloo,
-or on GPUs with NCCL when there is one GPU per rank.
+batch-1 reference), then inside batches of other sizes at other offsets, surrounded by other rows; a
+reduce-scatter's rows also travel to every receiving rank (detcomm.invariance). For every site it counts the
+probe rows whose bits differ from the batch-1 reference, wherever they landed, and the largest distance in
+ulps. The fold routes must show zero; the native route (the library's ring) shows some at W >= 3. Runs on CPU
+with gloo, or on GPUs with NCCL when there is one GPU per rank.
 """
 
 from __future__ import annotations
@@ -12,58 +13,47 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
-# (batch rows, offset of the 16 probed rows): sizes and offsets that put the rows in different ring chunks.
-_COMPOSITIONS = ((16, 0), (17, 1), (24, 3), (40, 11), (64, 0), (64, 37), (100, 50), (128, 101), (257, 200),
-                 (512, 333), (1000, 901))
+from . import invariance as inv
+from .dtypes import name_of
+from .tables import format_table
+
 _PROBE_ROWS = 16
+_FILLER_ROWS = 32
 
 
 @dataclass(frozen=True)
 class SiteReport:
     site: str
     route: str
-    rows_compared: int
+    rows_probed: int
     rows_changed: int
-    max_ulps: int
+    max_ulps: float
 
 
 def _measure(comm, site: str, collective: str, dtype: torch.dtype, hidden: int, rank: int, w: int) -> SiteReport:  # type: ignore[no-untyped-def]
     from .payload import ill_conditioned
-    from .probe.bits import changed_mask, ulp_distance
 
-    blocks = w if collective == "reduce_scatter" else 1
     dev = comm.device
+    # Pool rows 0..15 are the probe, the rest filler from "other requests".
+    pool = ill_conditioned(_PROBE_ROWS + _FILLER_ROWS, (hidden,), dtype, seed=7, rank=rank, world_size=w)
 
-    def run(x: torch.Tensor) -> torch.Tensor:
-        if collective == "reduce_scatter":
-            return comm.reduce_scatter(x, site=site)
-        return comm.all_reduce(x, site=site)
+    def run(comp: inv.Composition) -> torch.Tensor:
+        x = pool[comp.tensor()].to(dev)
+        out = comm.reduce_scatter(x, site=site) if collective == "reduce_scatter" else comm.all_reduce(x, site=site)
+        return inv.gather_whole(out, collective=collective).cpu()
 
-    base = ill_conditioned(blocks * _PROBE_ROWS, (hidden,), dtype, seed=7, rank=rank, world_size=w)
-    # Batch-1 reference: each probed row reduced on its own.
-    ref_rows = []
-    for i in range(_PROBE_ROWS):
-        one = base.view(blocks, _PROBE_ROWS, hidden)[:, i : i + 1].reshape(blocks, hidden).contiguous().to(dev)
-        ref_rows.append(run(one).cpu())
-    ref = torch.cat(ref_rows, dim=0)
-    changed = 0
-    max_ulps = 0
-    compared = 0
-    for k, (total, off) in enumerate(_COMPOSITIONS):
-        batch = ill_conditioned(blocks * total, (hidden,), dtype, seed=100 + k, rank=rank, world_size=w).view(blocks, total, hidden)
-        batch[:, off : off + _PROBE_ROWS] = base.view(blocks, _PROBE_ROWS, hidden)
-        got = run(batch.reshape(blocks * total, hidden).to(dev)).cpu()[off : off + _PROBE_ROWS]
-        changed += int(changed_mask(got, ref).any(dim=1).sum())
-        dist = ulp_distance(got, ref)
-        finite = dist[torch.isfinite(dist)]
-        max_ulps = max(max_ulps, int(finite.max()) if finite.numel() else 0)
-        compared += _PROBE_ROWS
+    # Batch-1 reference: each probed row reduced on its own (a reduce-scatter: received by rank 0, and
+    # compared on every other receiving rank); then every composition, wherever the rows land.
+    _, tally = inv.batch1_reference(run, _PROBE_ROWS, collective=collective, world_size=w)
+    comps = inv.compositions(_PROBE_ROWS, collective=collective, world_size=w, filler_rows=_FILLER_ROWS)
+    tally = inv.measure(run, comps, tally=tally).agreed(device=dev)
     route = comm.routes()
     route_of = {e.site.name: e.decision.route.value for e in route.entries}
-    return SiteReport(site, route_of[site], compared, changed, max_ulps)
+    return SiteReport(site, route_of[site], _PROBE_ROWS, tally.rows_changed, tally.max_ulps)
 
 
 def _rank_main(rank: int, w: int, hidden: int) -> dict[str, object]:
@@ -73,7 +63,7 @@ def _rank_main(rank: int, w: int, hidden: int) -> dict[str, object]:
     # 1. The deployment view: rl-bitwise routes every SUM site to a canonical fold.
     comm = detcomm.init(numerics="rl-bitwise")
     for dt in (torch.bfloat16, torch.float32):
-        tag = str(dt).replace("torch.", "")
+        tag = name_of(dt)
         comm.site(f"o_proj.{tag}", collective="all_reduce", dtype=dt, shape=(hidden,), max_rows=2048)
         comm.site(f"down_proj.rs.{tag}", collective="reduce_scatter", dtype=dt, shape=(hidden,), max_rows=2048 * w)
     comm.site("lm_head.argmax", collective="argmax", dtype=torch.bfloat16, shape=(hidden,), max_rows=2048)
@@ -82,14 +72,14 @@ def _rank_main(rank: int, w: int, hidden: int) -> dict[str, object]:
     out["checks"] = [(c.key.label(), c.passed, c.reason, c.seconds) for c in comm.checks()]
     reports = []
     for dt in (torch.bfloat16, torch.float32):
-        tag = str(dt).replace("torch.", "")
+        tag = name_of(dt)
         reports.append(_measure(comm, f"o_proj.{tag}", "all_reduce", dt, hidden, rank, w))
         reports.append(_measure(comm, f"down_proj.rs.{tag}", "reduce_scatter", dt, hidden, rank, w))
     detcomm.shutdown()
     # 2. The same sites on the native route (numerics=auto): the library's own reduction.
     comm = detcomm.init(numerics="auto")
     for dt in (torch.bfloat16, torch.float32):
-        tag = str(dt).replace("torch.", "")
+        tag = name_of(dt)
         comm.site(f"o_proj.{tag}", collective="all_reduce", dtype=dt, shape=(hidden,), max_rows=2048)
         comm.site(f"down_proj.rs.{tag}", collective="reduce_scatter", dtype=dt, shape=(hidden,), max_rows=2048 * w)
         reports.append(_measure(comm, f"o_proj.{tag}", "all_reduce", dt, hidden, rank, w))
@@ -102,13 +92,17 @@ def _rank_main(rank: int, w: int, hidden: int) -> dict[str, object]:
 
 def _format(result: dict[str, object], w: int, hidden: int) -> str:
     lines = [str(result["bitwise_table"]), "", "startup and site self-checks (rl-bitwise):"]
-    for label, passed, reason, secs in result["checks"]:  # type: ignore[union-attr]
+    for label, passed, reason, secs in result["checks"]:  # type: ignore[attr-defined]
         lines.append(f"  {'PASS' if passed else 'FAIL'}  {label:<48} {secs * 1e3:7.1f} ms  {'' if passed else reason}")
+    n_comps = len(inv.placements(_PROBE_ROWS))
     lines += ["", f"batch-composition probe: {_PROBE_ROWS} ill-conditioned rows of width {hidden}, reduced alone and "
-              f"inside {len(_COMPOSITIONS)} other batches (W={w}, {result['backend']})",
-              f"  {'site':<24} {'route':<12} {'rows changed':>14} {'max ulps':>9}"]
-    for r in result["reports"]:  # type: ignore[union-attr]
-        lines.append(f"  {r.site:<24} {r.route:<12} {f'{r.rows_changed}/{r.rows_compared}':>14} {r.max_ulps:>9}")
+              f"inside {n_comps} other batches, reduce-scatter rows on every receiving rank (W={w}, {result['backend']})",
+              ("rows changed: probe rows whose bits differ from their batch-1 result in some batch; max ulps: the "
+               "largest distance (inf: a NaN whose bits moved)")]
+    reports = cast("list[SiteReport]", result["reports"])
+    rows = [[r.site, r.route, f"{r.rows_changed}/{r.rows_probed}", r.max_ulps] for r in reports]
+    table = format_table(["site", "route", "rows changed", "max ulps"], rows, align="llrr")
+    lines += ["  " + line for line in table.split("\n")]
     return "\n".join(lines)
 
 
@@ -138,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nFAIL: a fold route changed rows: {[r.site for r in bad]}")
         return 1
     print(f"\nfold routes: 0 rows changed. native route: {native_moved} rows changed"
-          + (" (expected: a ring's association order follows the buffer offset)" if native_moved else
+          + (" (expected: a ring's association order follows the buffer offset and the receiving rank)" if native_moved else
              " (W=2 adds two values, a+b == b+a: use --nproc 3 or more to see it move)"))
     return 0
 

@@ -23,4 +23,7 @@ def test_demo_three_ranks() -> None:
     assert len(fold_rows) == 4 and all(changed == "0" for _, changed, _ in fold_rows)
     native = [int(c) for c in re.findall(r"^\s+o_proj\.\S+\s+native\s+(\d+)/", out, re.M)]
     assert len(native) == 2 and sum(native) > 0, out
+    # Reduce-scatter rows are compared on whichever rank receives them: the native ring's order shows.
+    native_rs = [int(c) for c in re.findall(r"^\s+down_proj\.rs\.\S+\s+native\s+(\d+)/", out, re.M)]
+    assert len(native_rs) == 2 and sum(native_rs) > 0, out
     assert re.search(r"native route: [1-9]\d* rows changed", out)

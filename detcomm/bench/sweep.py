@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from detcomm.dtypes import TABLE
+
 from . import harness
 from . import timing
 
@@ -49,7 +51,7 @@ FOLD_ROUTES = ("gather_fold", "ipc_one_shot", "ipc_two_shot", "a2a_fold", "ipc_f
 _WORKSPACE = ("ipc_one_shot", "ipc_two_shot", "ipc_fold")
 _MULTICAST = ("in_switch", "multicast_gather")
 _RING_SIMPLE_ENV = {"NCCL_ALGO": "Ring", "NCCL_PROTO": "Simple"}
-_ELEM = {"bfloat16": 2, "float16": 2, "float32": 4}
+_ELEM = {d.name: d.size for d in TABLE if d.is_float}
 
 
 @dataclass(frozen=True)
