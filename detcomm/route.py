@@ -28,7 +28,8 @@ import torch
 
 from .envelope import Resolved
 from .errors import RouteRefused
-from .fold import FLOAT_DTYPES
+from .dtypes import FLOAT_DTYPES, INT_DTYPES, SUPPORTED_DTYPES, name_of
+from .tables import format_table
 
 __all__ = [
     "Collective",
@@ -52,8 +53,6 @@ __all__ = [
 ]
 
 DEFAULT_MAX_ROWS = 8192
-INT_DTYPES: tuple[torch.dtype, ...] = (torch.int8, torch.uint8, torch.int32, torch.int64)
-SUPPORTED_DTYPES: tuple[torch.dtype, ...] = FLOAT_DTYPES + INT_DTYPES
 
 
 class Collective(str, Enum):
@@ -196,7 +195,7 @@ class Site:
         return n
 
     def describe(self) -> str:
-        dt = str(self.dtype).replace("torch.", "")
+        dt = name_of(self.dtype)
         op = f" {self.op.value}" if self.collective.reduces else ""
         return f"{self.collective.value}{op} {dt}[rows<={self.max_rows}, {', '.join(map(str, self.shape))}]"
 
@@ -289,7 +288,7 @@ class RouteEntry:
             "site": s.name,
             "collective": s.collective.value,
             "op": s.op.value if s.collective.reduces or s.collective is Collective.ARGMAX else "",
-            "dtype": str(s.dtype).replace("torch.", ""),
+            "dtype": name_of(s.dtype),
             "shape": list(s.shape),
             "max_rows": s.max_rows,
             "route": self.decision.route.value,
@@ -314,17 +313,12 @@ class RouteTable:
 
     def __str__(self) -> str:
         cols = ("site", "collective", "op", "dtype", "shape", "max_rows", "route", "selfcheck", "why")
-        rows = [{k: ("x".join(map(str, v)) if k == "shape" else str(v)) for k, v in d.items()}  # type: ignore[call-overload]
+        rows = [["x".join(map(str, d[c])) if c == "shape" else str(d[c]) for c in cols]  # type: ignore[call-overload]
                 for d in self.as_dicts()]
-        widths = {c: max([len(c)] + [len(r[c]) for r in rows]) for c in cols}
         head = f"detcomm routes: numerics={self.numerics} backend={self.backend} W={self.world_size} fold leaf={self.leaf}"
-        lines = [head] + ([self.note] if self.note else [])
-        lines.append("  ".join(c.ljust(widths[c]) for c in cols).rstrip())
-        lines.append("  ".join("-" * widths[c] for c in cols))
-        lines += ["  ".join(r[c].ljust(widths[c]) for c in cols).rstrip() for r in rows]
-        if not rows:
-            lines.append("(no sites declared)")
-        return "\n".join(lines)
+        if self.note:
+            head += "\n" + self.note
+        return format_table(cols, rows, title=head, align="l" * len(cols)) + ("" if rows else "\n(no sites declared)")
 
 
 _log = logging.getLogger("detcomm")

@@ -34,6 +34,7 @@ from .invariance import (
     measure,
 )
 from .invariance import rows_changed as _rows_differing
+from .dtypes import name_of
 from .payload import ill_conditioned, with_specials
 from .route import NO_ARGS, BoundRoute, CallArgs, Collective, ReduceOp, Route
 
@@ -54,7 +55,7 @@ class CheckKey:
     shape: tuple[int, ...]
 
     def label(self) -> str:
-        dt = str(self.dtype).replace("torch.", "")
+        dt = name_of(self.dtype)
         op = f" {self.op.value}" if self.collective.reduces else ""
         return f"{self.route.value}: {self.collective.value}{op} {dt}{list(self.shape)}"
 
