@@ -97,21 +97,21 @@ def _check(name: str, r: torch.Tensor, weight: torch.Tensor) -> int:
 def sum_of_squares(a: torch.Tensor) -> torch.Tensor:
     """S of every row of fp32 ``a`` [rows, H] in the definition's order (module docstring); returns [rows] fp32.
 
-    The squares are padded with +0.0 to whole passes of 256 chunks: adding +0.0 to a partial that is >= +0.0 or
-    NaN (the only values a sum of squares takes) leaves it unchanged, so the padding is the definition's "elements
-    < H" exactly."""
+    The squares are padded with +0.0 to whole 8-element chunks: adding +0.0 to a partial that is >= +0.0 or NaN
+    (the only values a sum of squares takes) leaves it unchanged, so the padding is the definition's "elements
+    < H" exactly. Lanes a pass does not reach keep their partial as it is."""
     assert a.dtype == torch.float32 and a.dim() == 2
     rows, hidden = a.shape
-    per_pass = LANES * CHUNK
-    passes = -(-hidden // per_pass)
+    chunks = -(-hidden // CHUNK)
     q = torch.mul(a, a)
-    if passes * per_pass != hidden:
-        q = torch.nn.functional.pad(q, (0, passes * per_pass - hidden))
-    q = q.view(rows, passes, LANES, CHUNK)  # element 2048*k + 8*t + j -> [k, t, j]
+    if chunks * CHUNK != hidden:
+        q = torch.nn.functional.pad(q, (0, chunks * CHUNK - hidden))
+    q = q.view(rows, chunks, CHUNK)  # chunk c = 256*k + t holds elements 8c .. 8c+7
     p = torch.zeros(rows, LANES, dtype=torch.float32, device=a.device)  # the +0.0 start of every lane
-    for k in range(passes):
+    for first in range(0, chunks, LANES):  # pass k = first / 256
+        n = min(LANES, chunks - first)
         for j in range(CHUNK):
-            p.add_(q[:, k, :, j])
+            p[:, :n].add_(q[:, first : first + n, j])
     v = p.view(rows, LANES // WARP, WARP)
     h = WARP // 2
     while h >= 1:  # halving tree inside each warp

@@ -28,6 +28,7 @@ _MAX_GRID = 65535  # rows beyond this are walked by a grid-stride loop; the bits
 _SFX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 
 _MODULES: dict[int, Any] = {}
+_FUNCTIONS: dict[tuple[int, str], Any] = {}
 _LOCK = threading.Lock()
 
 
@@ -42,7 +43,7 @@ def available() -> bool:
     return True
 
 
-def _functions(device_index: int) -> Any:
+def _module(device_index: int) -> Any:
     with _LOCK:
         mod = _MODULES.get(device_index)
         if mod is not None:
@@ -67,7 +68,9 @@ def _launch(name: str, device: torch.device, rows: int, args: list[Any]) -> None
     from cupy.cuda import driver  # noqa: PLC0415
 
     index = device.index if device.index is not None else torch.cuda.current_device()
-    fn = _functions(index).get_function(name)
+    fn = _FUNCTIONS.get((index, name))
+    if fn is None:
+        fn = _FUNCTIONS[(index, name)] = _module(index).get_function(name)
     params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
     stream = torch.cuda.current_stream(device).cuda_stream
     grid = max(1, min(rows, _MAX_GRID))
