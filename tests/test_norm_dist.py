@@ -25,7 +25,7 @@ def _x_bits(rank: int, dtype: str, seed: int) -> np.ndarray:
 
 
 def job_norm_rows(rank: int, w: int, dtype: str, seed: int) -> dict[str, bool]:
-    import detcomm.norm as norm
+    from detcomm import norm
 
     _comm("rl-bitwise")
     site = f"norm.{dtype}"
@@ -60,7 +60,7 @@ def job_norm_rows(rank: int, w: int, dtype: str, seed: int) -> dict[str, bool]:
 
 
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
-def test_all_reduce_residual_rmsnorm_rows_in_any_batch(cluster, dtype: str) -> None:  # noqa: ANN001
+def test_all_reduce_residual_rmsnorm_rows_in_any_batch(cluster, dtype: str) -> None:
     results = cluster.run(job_norm_rows, dtype, 3)
     for rank, res in enumerate(results):
         assert all(res.values()), (rank, res)

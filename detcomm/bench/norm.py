@@ -59,6 +59,17 @@ def _graph_us(fn: Callable[[], object], *, calls_per_graph: int, iters: int) -> 
     return summarize(time_cuda_graph(capture, iters=iters, calls_per_graph=calls_per_graph))
 
 
+def _methods(s: torch.Tensor, res: torch.Tensor, r: torch.Tensor, w: torch.Tensor) -> dict[str, Callable[[], object]]:
+    h = w.shape[0]
+    return {
+        "torch_rms_norm": lambda: torch.nn.functional.rms_norm(r, (h,), w, eps=EPS),
+        "hf_rms_norm": lambda: _hf_rms_norm(r, w),
+        "detcomm_rms_norm": lambda: norm.rms_norm(r, w, eps=EPS),
+        "torch_add_rms_norm": lambda: torch.nn.functional.rms_norm(res + s, (h,), w, eps=EPS),
+        "detcomm_add_rms_norm": lambda: norm.add_rms_norm(s, res, w, eps=EPS),
+    }
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
 
@@ -75,13 +86,7 @@ def run(*, rows: Sequence[int], hidden: Sequence[int], dtype: torch.dtype, calls
             s = torch.randn(n, h, device=dev, generator=gen).to(dtype)
             res = torch.randn(n, h, device=dev, generator=gen).to(dtype)
             r = (res.float() + s.float()).to(dtype)
-            methods: dict[str, Callable[[], object]] = {
-                "torch_rms_norm": lambda: torch.nn.functional.rms_norm(r, (h,), w, eps=EPS),
-                "hf_rms_norm": lambda: _hf_rms_norm(r, w),
-                "detcomm_rms_norm": lambda: norm.rms_norm(r, w, eps=EPS),
-                "torch_add_rms_norm": lambda: torch.nn.functional.rms_norm(res + s, (h,), w, eps=EPS),
-                "detcomm_add_rms_norm": lambda: norm.add_rms_norm(s, res, w, eps=EPS),
-            }
+            methods = _methods(s, res, r, w)
             rec: dict[str, object] = {"hidden": h, "rows": n, "dtype": str(dtype).removeprefix("torch.")}
             y = norm.rms_norm(r, w, eps=EPS)
             y2, r2 = norm.add_rms_norm(s, res, w, eps=EPS)
