@@ -44,6 +44,7 @@ from .envelope import (
 from .fold import BATCH_INVARIANT, Leaf, Priority, reference_fold, register_leaf, select_leaf
 from .deadline import DEFAULT_TIMEOUT_S
 from .mpi_env import rank_facts_from_environment
+from .norm import rms_norm
 from .work import Work
 from .route import DEFAULT_MAX_ROWS, AutoBackend, Capabilities, Collective, ReduceOp, Route, Site
 from .workspace import leaf as _cuda_leaf  # noqa: F401 - registers the CUDA fold leaf where cupy is installed
@@ -59,6 +60,8 @@ __all__ = [
     "all_to_all",
     "token_all_gather",
     "argmax",
+    "all_reduce_residual_rmsnorm",
+    "rms_norm",
     "routes",
     "shutdown",
     "get_communicator",
@@ -302,6 +305,13 @@ def token_all_gather(x: torch.Tensor, site: str | Site, *, rows_per_rank: Sequen
 def argmax(logits_shard: torch.Tensor, site: str | Site, *, vocab_start: int) -> torch.Tensor:
     """Vocabulary-parallel greedy argmax: global int64 index per row, lowest index on exact ties. Collective."""
     return _comm_for(site).argmax(logits_shard, site, vocab_start=vocab_start)
+
+
+def all_reduce_residual_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, *, eps: float,
+                                site: str | Site) -> tuple[torch.Tensor, torch.Tensor]:
+    """The site's all-reduce of ``x``, then r = round(residual + s) and y = the canonical RMSNorm of r; returns
+    ``(y, r)``, batch-invariant on every canonical route (docs/spec.md §9). Collective."""
+    return _comm_for(site).all_reduce_residual_rmsnorm(x, residual, weight, eps=eps, site=site)
 
 
 def routes(group: dist.ProcessGroup | None = None) -> RouteTable:

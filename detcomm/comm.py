@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from .workspace import Workspace
 from .verify import CallChecker
 from .work import Work
+from . import norm as _norm
 from .deadline import is_timeout, peer_timeout
 from .errors import DetcommError, WorkspaceUnavailable
 from .errors import RouteRefused
@@ -378,6 +379,17 @@ class Communicator:
         s = self._site_for_call(site, Collective.ALL_GATHER, x, ReduceOp.SUM)
         self._check_out(s.name, out, x, (x.shape[0] * self.world_size, *x.shape[1:]))
         return self._finish(self._call(s, x, CallArgs(out=_separate(out, x))), out, async_op)
+
+    def all_reduce_residual_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, *,
+                                    eps: float, site: str | Site) -> tuple[torch.Tensor, torch.Tensor]:
+        """s = the site's all-reduce of ``x``; r = round(residual + s); y = RMSNorm(r) in the canonical order
+        (docs/spec.md §9). Returns ``(y, r)``. Arguments are checked before any communication. Collective."""
+        self._check_open()
+        name = site.name if isinstance(site, Site) else site
+        _norm._check_add(f"site {name!r}: all_reduce_residual_rmsnorm", x, residual, weight)
+        _norm.eps_fp32(eps)
+        s = self._site_for_call(site, Collective.ALL_REDUCE_RMSNORM, x, ReduceOp.SUM)
+        return _norm.add_rms_norm(self._call(s, x, NO_ARGS), residual, weight, eps=eps)
 
     def _call(self, s: Site, x: torch.Tensor, args: CallArgs) -> torch.Tensor:
         """Every collective call goes through here: the site's bound route, with a timeout translated into a

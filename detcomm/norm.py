@@ -232,7 +232,7 @@ def all_reduce_residual_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight:
     """
     import detcomm  # noqa: PLC0415 (detcomm's package imports this module)
 
+    # Checked here too, so a bad argument is a ValueError even before detcomm.init (the communicator re-checks).
     _check_add("all_reduce_residual_rmsnorm", x, residual, weight)
     eps_fp32(eps)
-    s = detcomm.all_reduce(x, site=site)
-    return add_rms_norm(s, residual, weight, eps=eps)
+    return detcomm.all_reduce_residual_rmsnorm(x, residual, weight, eps=eps, site=site)

@@ -62,10 +62,12 @@ class Collective(str, Enum):
     ALL_TO_ALL = "all_to_all"
     TOKEN_ALL_GATHER = "token_all_gather"
     ARGMAX = "argmax"
+    # all-reduce, then the canonical residual add + RMSNorm (detcomm/norm.py): routed as an all-reduce
+    ALL_REDUCE_RMSNORM = "all_reduce_rmsnorm"
 
     @property
     def reduces(self) -> bool:
-        return self in (Collective.ALL_REDUCE, Collective.REDUCE_SCATTER)
+        return self in (Collective.ALL_REDUCE, Collective.REDUCE_SCATTER, Collective.ALL_REDUCE_RMSNORM)
 
 
 class ReduceOp(str, Enum):
@@ -109,9 +111,10 @@ ROUTE_INFO: Mapping[Route, RouteInfo] = {
 # Which routes can carry which collective at all (before envelope and capabilities).
 _CARRIES: Mapping[Route, frozenset[Collective]] = {
     Route.NATIVE: frozenset(Collective),
-    Route.GATHER_FOLD: frozenset({Collective.ALL_REDUCE, Collective.REDUCE_SCATTER}),
+    Route.GATHER_FOLD: frozenset({Collective.ALL_REDUCE, Collective.REDUCE_SCATTER, Collective.ALL_REDUCE_RMSNORM}),
     Route.A2A_FOLD: frozenset({Collective.REDUCE_SCATTER}),
-    Route.IPC_FOLD: frozenset({Collective.ALL_REDUCE, Collective.REDUCE_SCATTER, Collective.ALL_GATHER}),
+    Route.IPC_FOLD: frozenset({Collective.ALL_REDUCE, Collective.REDUCE_SCATTER, Collective.ALL_GATHER,
+                               Collective.ALL_REDUCE_RMSNORM}),
     Route.MULTICAST_GATHER: frozenset({Collective.ALL_GATHER, Collective.TOKEN_ALL_GATHER}),
     Route.IN_SWITCH: frozenset({Collective.ALL_REDUCE}),
 }
@@ -398,8 +401,13 @@ class AutoBackend:
                 why += f"; {launches} launches per call at max_rows (workspace_bytes={self.caps.workspace_bytes})"
             out.append(RouteDecision(Route.IPC_FOLD, why))
             no_ws = "ipc_fold refused"
-        if site.collective is Collective.ALL_REDUCE:
-            out.append(RouteDecision(Route.GATHER_FOLD, f"canonical fold after an all-gather ({no_ws})"))
+        if site.collective is Collective.ALL_REDUCE_RMSNORM:
+            # No fused kernel yet: the site's all-reduce takes the route, then the canonical add + RMSNorm.
+            out = [RouteDecision(d.route, d.why + "; then the canonical residual add + RMSNorm (composition)")
+                   for d in out]
+        if site.collective in (Collective.ALL_REDUCE, Collective.ALL_REDUCE_RMSNORM):
+            suffix = "; then the canonical residual add + RMSNorm (composition)" if site.collective is Collective.ALL_REDUCE_RMSNORM else ""
+            out.append(RouteDecision(Route.GATHER_FOLD, f"canonical fold after an all-gather ({no_ws}){suffix}"))
         else:
             out.append(RouteDecision(Route.A2A_FOLD, f"canonical fold after an all-to-all ({no_ws})"))
         return out

@@ -80,5 +80,5 @@ def test_arguments_checked_before_any_communication() -> None:
         all_reduce_residual_rmsnorm(x, x, torch.ones(7, dtype=torch.bfloat16), eps=EPS, site="s")
     with pytest.raises(ValueError, match="eps"):
         all_reduce_residual_rmsnorm(x, x, w, eps=-1.0, site="s")
-    with pytest.raises(RuntimeError, match="not initialized"):
+    with pytest.raises(RuntimeError, match="not initialized"):  # detcomm.DetcommError is a RuntimeError
         all_reduce_residual_rmsnorm(x, x, w, eps=EPS, site="s")
