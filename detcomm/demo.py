@@ -161,7 +161,7 @@ def _run_steps(args: argparse.Namespace, backend: str) -> dict[str, object]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="detcomm demo", description=__doc__.split("\n\n")[0])
     p.add_argument("--nproc", type=int, default=4, help="ranks to start (default 4)")
-    p.add_argument("--hidden", type=int, default=1024, help="row width (default 1024)")
+    p.add_argument("--hidden", type=int, default=256, help="row width (default 256)")
     p.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
                    help="the torch.distributed backend: auto (default) is NCCL when there is a GPU per rank, else "
                    "gloo on CPU")
