@@ -174,7 +174,9 @@ def test_launcher_leaves_pythonpath_alone_and_refuses_backend() -> None:
 
 def test_output_tags_become_one_rank_prefix() -> None:
     assert normalize("[rank1]:[rank1]: Traceback (most recent call last):", "torchrun") == "[rank1]: Traceback (most recent call last):"
-    assert normalize("[rank0]:hello", "torchrun") == "[rank0]:hello"
+    assert normalize("[rank0]:hello", "torchrun") == "[rank0]: hello"
+    assert normalize("[rank0]:  File x", "torchrun") == "[rank0]:   File x"
+    assert normalize("[rank0]:[rank0]:   File x", "torchrun") == "[rank0]:   File x"
     assert normalize("[1,2]<stdout>: hello", "openmpi") == "[rank2]: hello"
     assert normalize("[1,0]<stderr>:[rank0]: boom", "openmpi") == "[rank0]: boom"
     assert normalize("[3] hi", "hydra") == "[rank3]: hi"

@@ -27,21 +27,23 @@ from .rank import ERRORS_ENV
 
 __all__ = ["normalize", "failure_report", "run"]
 
+# Each backend's tag with the separator it puts after it (torchrun none, Open MPI and Hydra one space).
 _TAGS = {
     "torchrun": re.compile(r"\[rank(\d+)\]:"),
-    "openmpi": re.compile(r"\[\d+,(\d+)\]<(?:stdout|stderr|stddiag)>:"),
-    "hydra": re.compile(r"\[(\d+)\]"),
+    "openmpi": re.compile(r"\[\d+,(\d+)\]<(?:stdout|stderr|stddiag)>: ?"),
+    "hydra": re.compile(r"\[(\d+)\] ?"),
 }
 
 
 def normalize(line: str, flavor: str) -> str:
-    """One ``[rankN]:`` tag in front of a rank's line (``flavor``: torchrun, openmpi or hydra)."""
+    """``[rankN]: text`` for a rank's line, whichever way ``flavor`` (torchrun, openmpi, hydra) tagged it."""
     m = _TAGS[flavor].match(line)
     if m is None:
         return line
     rank = m.group(1)
-    rest = re.sub(rf"^(?:\s?\[rank{rank}\]:)+", "", line[m.end():])
-    return f"[rank{rank}]:{rest}"
+    rest = line[m.end():]
+    rest = re.sub(rf"^(?:\[rank{rank}\]: ?)+", "", rest)  # torch's excepthook tags a traceback once more
+    return f"[rank{rank}]: {rest}"
 
 
 def failure_report(folder: Path, status: int) -> list[str]:
