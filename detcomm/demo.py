@@ -5,6 +5,10 @@ batch-1 reference), then inside batches of other sizes at other offsets, surroun
 site it counts the rows whose bits differ from the batch-1 reference and the largest distance in ulps. The
 fold routes must show zero; the native route (the library's ring) shows some at W >= 3. Runs on CPU with gloo,
 or on GPUs with NCCL when there is one GPU per rank.
+
+The work runs as one job per step (start, init, each site under each envelope) on LocalCluster ranks that keep
+their communicator between steps: a progress line per step goes to stderr, and every step must finish within
+--timeout (also the ranks' process-group timeout), else the demo stops with an error naming --timeout.
 """
 
 from __future__ import annotations
@@ -68,7 +72,7 @@ def _measure(comm, site: str, collective: str, dtype: torch.dtype, hidden: int, 
 
 
 # ---- the steps, each one job on every rank (the communicator lives in the rank between jobs) ----------
-def _site_names(w: int) -> list[tuple[str, str, torch.dtype]]:
+def _site_names() -> list[tuple[str, str, torch.dtype]]:
     out = []
     for dt in (torch.bfloat16, torch.float32):
         tag = str(dt).replace("torch.", "")
@@ -81,8 +85,9 @@ def _init_job(rank: int, w: int, numerics: str, hidden: int) -> dict[str, object
 
     detcomm.shutdown()  # the previous step's communicator, if any
     comm = detcomm.init(numerics=numerics)
-    for name, coll, dt in _site_names(w):
-        comm.site(name, collective=coll, dtype=dt, shape=(hidden,), max_rows=2048 * (w if coll == "reduce_scatter" else 1))
+    for name, coll, dt in _site_names():
+        rows = 2048 * (w if coll == "reduce_scatter" else 1)
+        comm.site(name, collective=coll, dtype=dt, shape=(hidden,), max_rows=rows)
     if numerics == "rl-bitwise":
         # The deployment view: rl-bitwise routes every SUM site to a canonical fold; argmax and gathers too.
         comm.site("lm_head.argmax", collective="argmax", dtype=torch.bfloat16, shape=(hidden,), max_rows=2048)
@@ -122,7 +127,7 @@ def _run_steps(args: argparse.Namespace, backend: str) -> dict[str, object]:
     from ._spawn import LocalCluster
     from .envelope import envelope_environment
 
-    sites = _site_names(args.nproc)
+    sites = _site_names()
     total = 2 + 2 * (1 + len(sites))
     done = [0]
     t_start = time.monotonic()
