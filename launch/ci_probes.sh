@@ -39,7 +39,7 @@ run() {  # run <description> <command...>: show it, time it, stop on failure
 }
 
 for backend in torchrun mpi; do
-  L=("${LAUNCH[@]}" --nproc "$NPROC" --backend "$backend")
+  L=("${LAUNCH[@]}" --nproc "$NPROC" --launcher "$backend")
   run "collective probe, rl-bitwise, $backend" "${L[@]}" --numerics rl-bitwise -m detcomm.probe collectives
   run "collective probe, native negative control, $backend" "${L[@]}" --numerics auto -m detcomm.probe collectives --route native --expect-divergence
   run "model probe, rl-bitwise, $backend" "${L[@]}" --numerics rl-bitwise -m detcomm.probe model

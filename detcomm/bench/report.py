@@ -12,9 +12,12 @@ from typing import Any
 
 from detcomm.tables import format_table
 
-__all__ = ["RATIO_SIZES", "ratio_summary", "to_markdown", "write_outputs", "size_label", "load_result"]
+__all__ = ["CPU_NOTE", "RATIO_SIZES", "ratio_summary", "to_markdown", "write_outputs", "size_label", "load_result"]
 
 RATIO_SIZES = (16 << 10, 256 << 10, 4 << 20, 64 << 20)
+CPU_NOTE = ("Note: these are CPU timings (gloo processes sharing the host's cores with everything else): they are "
+            "noise, good for checking that the sweep runs, not for comparing routes. Measure on GPUs "
+            "(--device cuda) for ratios that mean something.")
 _FOLD = {"all_reduce": ("gather_fold", "ipc_one_shot", "ipc_two_shot"),
          "reduce_scatter": ("a2a_fold", "ipc_fold")}
 _CSV_FIELDS = ("harness", "world", "collective", "route", "dtype", "hidden", "rows", "bytes", "status",
@@ -115,7 +118,8 @@ def to_markdown(result: dict[str, Any], *, ratios: list[dict[str, Any]] | None =
     m = result["meta"]
     lines = [f"## detcomm-bench: {m['hardware']}, torch {m['torch']}" + (f", CUDA {m['cuda']}" if m["cuda"] else ""),
              "", f"date {m['date']}; command `{m['command']}`; {m['elapsed_s']} s", "",
-             "Latency in µs per call: median [p10, p90] over the timed calls (eager; graph = CUDA-graph replay). "
+             "Latency in µs per call: median [p10, p90] over the timed calls (eager; graph = CUDA-graph replay), "
+             "out-of-place (every call writes a new output tensor). "
              "algbw/busbw (GB/s, nccl-tests definitions) from the eager median. changed = fraction of the probe's "
              "elements whose bits change when the same rows sit at another offset or in another batch size; "
              "max ulps = largest distance from the canonical fold of the gathered inputs.", ""]
@@ -139,6 +143,8 @@ def to_markdown(result: dict[str, Any], *, ratios: list[dict[str, Any]] | None =
                             for u in result["unavailable"]], markdown=True, align="lrlll")]
     ratios = ratio_summary(result) if ratios is None else ratios
     lines += ["", "### Fold-route time over native time (median, eager / graph)", ""]
+    if any(r["harness"] == "gloo" for r in ratios):
+        lines += [CPU_NOTE, ""]
     ratio_rows = []
     keys = sorted({(r["harness"], r["world"], r["collective"], r["route"]) for r in ratios},
                   key=lambda k: (k[0], k[1], k[2], FOLD_ORDER.index(k[3])))

@@ -187,7 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     pad = f", fixed padded width {ns.pad_to}" if ns.pad_to else ""
     title = f"row-count map: row 0's bits at t = 1..{ns.max_rows} vs t-1 ({ns.dtype}, {ns.device}{pad})"
-    emit(format_table(["op", "input row", "class boundaries"],
+    emit(format_table(["op", "input row width K", "class boundaries"],
                       [[m.op, "x".join(map(str, m.input_shape)), m.describe()] for m in maps], title=title))
     if ns.json:
         with open(ns.json, "w") as f:
