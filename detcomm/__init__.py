@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any, Literal, overload
+from typing import Literal, overload
 
 import torch
 import torch.distributed as dist
@@ -28,6 +28,7 @@ from .comm import (
     RouteTable,
     warn_missing_environment,
 )
+from .deadline import DEFAULT_TIMEOUT_S
 from .envelope import (
     BITWISE_ENVELOPES,
     MULTICAST_OFF_ENV,
@@ -43,6 +44,7 @@ from .envelope import (
 from .errors import CollectiveMismatch, DetcommError, PeerTimeout, RouteRefused, WorkspaceFailed, WorkspaceUnavailable
 from .fold import BATCH_INVARIANT, Leaf, Priority, reference_fold, register_leaf, select_leaf
 from .mpi_env import rank_facts_from_environment
+from .norm import rms_norm
 from .route import DEFAULT_MAX_ROWS, AutoBackend, Capabilities, Collective, ReduceOp, Route, Site
 from .verify import check_from_env
 from .work import Work
@@ -59,6 +61,8 @@ __all__ = [
     "all_to_all",
     "token_all_gather",
     "argmax",
+    "all_reduce_residual_rmsnorm",
+    "rms_norm",
     "routes",
     "shutdown",
     "get_communicator",
@@ -97,6 +101,7 @@ __all__ = [
     "Route",
     "Site",
     "DEFAULT_MAX_ROWS",
+    "DEFAULT_TIMEOUT_S",
 ]
 
 _COMMS: dict[object, Communicator] = {}
@@ -194,8 +199,8 @@ def init(
         apply_environment(resolved.numerics, **{k: getattr(resolved.switches, k) for k in resolved.explicit})
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        pg_kw: dict[str, Any] = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
-        dist.init_process_group(backend=backend, init_method="env://", **pg_kw)
+        dist.init_process_group(backend=backend, init_method="env://",
+                                timeout=timedelta(seconds=DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s))
         created = True
     pg = dist.group.WORLD if group is None else group
     assert pg is not None  # the default group exists by now
@@ -320,6 +325,13 @@ def token_all_gather(x: torch.Tensor, site: str | Site, *, rows_per_rank: Sequen
 def argmax(logits_shard: torch.Tensor, site: str | Site, *, vocab_start: int) -> torch.Tensor:
     """Vocabulary-parallel greedy argmax: global int64 index per row, lowest index on exact ties. Collective."""
     return _comm_for(site).argmax(logits_shard, site, vocab_start=vocab_start)
+
+
+def all_reduce_residual_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, *, eps: float,
+                                site: str | Site) -> tuple[torch.Tensor, torch.Tensor]:
+    """The site's all-reduce of ``x``, then r = round(residual + s) and y = the canonical RMSNorm of r; returns
+    ``(y, r)``, batch-invariant on every canonical route (docs/spec.md §9). Collective."""
+    return _comm_for(site).all_reduce_residual_rmsnorm(x, residual, weight, eps=eps, site=site)
 
 
 def routes(group: dist.ProcessGroup | None = None) -> RouteTable:

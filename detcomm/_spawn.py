@@ -29,11 +29,18 @@ __all__ = ["LocalCluster", "RankFailed", "spawn"]
 
 
 class RankFailed(RuntimeError):
-    """A job raised on one or more ranks (the message holds each failing rank's traceback)."""
+    """A job raised on one or more ranks (the message holds each failing rank's traceback).
 
-    def __init__(self, failures: dict[int, str], *, torn_down: bool) -> None:
+    ``late`` lists the ranks that gave no result within the deadline (``deadline_s``), if any: the caller can
+    then name its own setting that raises the deadline.
+    """
+
+    def __init__(self, failures: dict[int, str], *, torn_down: bool, late: tuple[int, ...] = (),
+                 deadline_s: float | None = None) -> None:
         self.failures = failures
         self.torn_down = torn_down
+        self.late = late
+        self.deadline_s = deadline_s
         by_text: dict[str, list[int]] = {}
         for r, tb in sorted(failures.items()):
             by_text.setdefault(tb, []).append(r)
@@ -127,8 +134,9 @@ class LocalCluster:
                 missing = [r for r in range(self.world_size) if r not in got]
                 self.close(force=True)
                 for r in missing:
-                    failures.setdefault(r, f"no result within the deadline{' (process died)' if r in dead else ''}")
-                raise RankFailed(failures, torn_down=True) from None
+                    failures.setdefault(r, f"no result within the deadline of {deadline:g} s (LocalCluster.run's "
+                                           f"timeout_s raises it){' (process died)' if r in dead else ''}")
+                raise RankFailed(failures, torn_down=True, late=tuple(missing), deadline_s=deadline) from None
             got[rank] = (ok, value)
             if not ok:
                 failures[rank] = value

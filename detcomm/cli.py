@@ -1,66 +1,175 @@
-"""The ``detcomm`` command: ``detcomm demo`` (the main job) and ``detcomm routes`` (the static route table)."""
+"""The ``detcomm`` command: ``detcomm demo`` (the collectives alone, on local ranks) and ``detcomm routes`` (the
+route table a live group would give a set of sites, without starting one).
+
+``detcomm routes`` decides with the runtime's own router (detcomm.route.AutoBackend) on the capabilities a
+live group of that kind would find, so the static view cannot drift from what ``init`` does. It starts no
+ranks and imports no backend: its cost is the package import (torch).
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
 
-import torch
+__all__ = ["SiteSpec", "parse_site", "main"]
 
-from .envelope import known_envelopes, resolve_numerics
-from .route import AutoBackend, Capabilities, Collective, ReduceOp, Site
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-           "int32": torch.int32, "int64": torch.int64, "int8": torch.int8, "uint8": torch.uint8}
+# Accepted dtype spellings -> torch dtype names.
+DTYPE_NAMES = {
+    "bf16": "bfloat16", "bfloat16": "bfloat16",
+    "fp16": "float16", "half": "float16", "float16": "float16",
+    "fp32": "float32", "float": "float32", "float32": "float32",
+    "int8": "int8", "uint8": "uint8",
+    "int32": "int32", "int": "int32",
+    "int64": "int64", "long": "int64",
+}
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "token_all_gather", "all_to_all", "argmax")
+_REDUCING = ("all_reduce", "reduce_scatter")
 
 # A tensor-parallel decoder layer's sites, for when no --site is given.
 _DEFAULT_SITES = (
-    "attn.o_proj:all_reduce:bfloat16:4096:2048",
-    "mlp.down_proj:all_reduce:bfloat16:4096:2048",
-    "prefill.o_proj:all_reduce:bfloat16:4096:16384",
-    "attn.o_proj.rs:reduce_scatter:bfloat16:4096:16384",
-    "moe.router_max:all_reduce:float32:1:2048:max",
-    "lm_head.argmax:argmax:bfloat16:19008:2048",
-    "lm_head.gather:all_gather:bfloat16:19008:2048",
+    "attn.o_proj:all_reduce:bf16:4096:2048",
+    "mlp.down_proj:all_reduce:bf16:4096:2048",
+    "prefill.o_proj:all_reduce:bf16:4096:16384",
+    "attn.o_proj.rs:reduce_scatter:bf16:4096:16384",
+    "moe.router_max:all_reduce:fp32:1:2048:max",
+    "lm_head.argmax:argmax:bf16:19008:2048",
+    "lm_head.gather:all_gather:bf16:19008:2048",
     "tokens.gather:token_all_gather:int64::2048",
-    "ep.dispatch:all_to_all:bfloat16:4096:2048",
+    "ep.dispatch:all_to_all:bf16:4096:2048",
 )
 
+SITE_HELP = """\
+--site NAME:COLLECTIVE:DTYPE:SHAPE:MAX_ROWS[:OP]   (repeatable; default: a TP decoder layer's sites)
+  COLLECTIVE  all_reduce, reduce_scatter, all_gather, token_all_gather, all_to_all, argmax
+  DTYPE       bf16|bfloat16, fp16|half|float16, fp32|float|float32, int8, uint8, int32|int, int64|long
+  SHAPE       one row's trailing shape: 4096, or 4,128 (also 4x128); empty for one value per row
+  MAX_ROWS    the most rows one call carries (per rank for gathers)
+  OP          sum (default), max or min, for all_reduce and reduce_scatter only; argmax is a max by
+              definition; the gathers and all_to_all move data and take no op
+examples:
+  detcomm routes --backend nccl --world-size 8 --site o_proj:all_reduce:bf16:4096:2048
+  detcomm routes --backend gloo --world-size 4 --site lm_head:argmax:bf16:19008:64 --json
+"""
 
-def parse_site(spec: str) -> Site:
-    """``name:collective:dtype:shape:max_rows[:op]``; shape is ``x``-separated (``4096``, ``8x128``, empty)."""
+
+@dataclass(frozen=True)
+class SiteSpec:
+    """A parsed ``--site`` (names only: no torch needed)."""
+
+    name: str
+    collective: str
+    dtype: str
+    shape: tuple[int, ...]
+    max_rows: int
+    op: str
+
+
+def parse_site(spec: str) -> SiteSpec:
+    """``NAME:COLLECTIVE:DTYPE:SHAPE:MAX_ROWS[:OP]`` (see SITE_HELP); ValueError naming what is wrong."""
     parts = spec.split(":")
     if len(parts) not in (5, 6):
-        raise ValueError(f"--site {spec!r}: expected name:collective:dtype:shape:max_rows[:op]")
-    name, coll, dtype, shape, max_rows = parts[:5]
-    if dtype not in _DTYPES:
-        raise ValueError(f"--site {spec!r}: dtype must be one of {sorted(_DTYPES)}")
-    op = parts[5] if len(parts) == 6 else ("max" if coll == "argmax" else "sum")
-    dims = tuple(int(d) for d in shape.split("x")) if shape else ()
-    return Site(name, Collective(coll), _DTYPES[dtype], dims, int(max_rows), ReduceOp(op))
+        raise ValueError(f"--site {spec!r}: expected NAME:COLLECTIVE:DTYPE:SHAPE:MAX_ROWS[:OP], "
+                         f"e.g. o_proj:all_reduce:bf16:4096:2048")
+    name, coll, dtype, shape, max_rows = (p.strip() for p in parts[:5])
+    coll = coll.lower().replace("-", "_")
+    if not name:
+        raise ValueError(f"--site {spec!r}: the site needs a name")
+    if coll not in COLLECTIVES:
+        raise ValueError(f"--site {spec!r}: collective {coll!r} is not one of {', '.join(COLLECTIVES)}")
+    if dtype.lower() not in DTYPE_NAMES:
+        raise ValueError(f"--site {spec!r}: dtype {dtype!r} is not one of {', '.join(DTYPE_NAMES)}")
+    dims = [d for d in re.split(r"[,x×]", shape.strip("()[] ")) if d.strip()] if shape.strip("()[] ") else []
+    if not all(d.strip().isdigit() for d in dims):
+        raise ValueError(f"--site {spec!r}: shape {shape!r} must be integers separated by ',' (4096 or 4,128), "
+                         "or empty")
+    if not max_rows.isdigit() or int(max_rows) < 1:
+        raise ValueError(f"--site {spec!r}: MAX_ROWS {max_rows!r} must be a positive integer")
+    op = parts[5].strip().lower() if len(parts) == 6 else None
+    if coll in _REDUCING:
+        if op not in (None, "sum", "avg", "max", "min"):
+            raise ValueError(f"--site {spec!r}: op {op!r} is not one of sum, avg, max, min")
+        op = op or "sum"
+    elif coll == "argmax":
+        if op not in (None, "max"):
+            raise ValueError(f"--site {spec!r}: argmax is a MAX reduction; drop ':{op}'")
+        op = "max"
+    elif op is not None:
+        raise ValueError(f"--site {spec!r}: {coll} moves data and takes no reduce op; drop ':{op}'")
+    else:
+        op = "sum"
+    return SiteSpec(name, coll, DTYPE_NAMES[dtype.lower()], tuple(int(d) for d in dims), int(max_rows), op)
 
 
 def _routes(args: argparse.Namespace) -> int:
-    resolved = resolve_numerics(args.numerics)
-    device = "cuda" if args.backend == "nccl" else "cpu"
-    caps = Capabilities(backend=args.backend, device_type=device, world_size=args.world_size,
-                        workspace_reason="static view: the workspace is probed at startup")
-    auto = AutoBackend(resolved, caps)
-    sites = [parse_site(s) for s in (args.site or _DEFAULT_SITES)]
+    from .launch.environment import choose_numerics
+
+    numerics = choose_numerics(args.numerics, env=os.environ)
+    specs = [parse_site(s) for s in (args.site or _DEFAULT_SITES)]
+    if args.world_size < 1 or args.nodes < 1 or args.workspace_max_rows < 1:
+        raise ValueError("--world-size, --nodes and --workspace-max-rows must be positive")
+
+    import torch  # the router's types need it
+
+    from .envelope import resolve_numerics
+    from .route import AutoBackend, Capabilities, Collective, ReduceOp, Site
+
+    resolved = resolve_numerics(numerics)
+    sw = resolved.switches
+    cuda = args.backend == "nccl"
+
+    def caps(armed: bool, why: str) -> Capabilities:
+        return Capabilities(backend=args.backend, device_type="cuda" if cuda else "cpu", world_size=args.world_size,
+                            workspace=armed, workspace_reason=why,
+                            workspace_max_rows=args.workspace_max_rows if armed else 0)
+
+    # detcomm.init arms the CUDA-IPC workspace on a CUDA group under a batch-invariant envelope; it arms only
+    # where every rank proves peer access through CUDA IPC, which one node can and several cannot.
+    if not cuda:
+        no_ws = "CPU group: no CUDA-IPC workspace"
+    elif sw.force_deterministic_rsag:
+        no_ws = "force_deterministic_rsag: no symmetric-memory path"
+    elif not sw.batch_invariant_collectives:
+        no_ws = "workspace not armed (init(workspace=True) arms it)"
+    elif args.nodes > 1:
+        no_ws = f"{args.nodes} nodes: CUDA IPC reaches one node only"
+    else:
+        no_ws = ""
+    arms = not no_ws
+    live = AutoBackend(resolved, caps(True, "armed") if arms else caps(False, no_ws))
+    unarmed = AutoBackend(resolved, caps(False, "the workspace did not arm at init"))
     rows = []
-    for s in sites:
-        d = auto.decide(s)
+    for spec in specs:
+        s = Site(spec.name, Collective(spec.collective), getattr(torch, spec.dtype), spec.shape, spec.max_rows,
+                 ReduceOp(spec.op))
+        d = live.decide(s)
+        condition = ""
+        if arms:
+            other = unarmed.decide(s)
+            if other.route != d.route:
+                condition = f"if the workspace arms; else {other.route.value}"
         rows.append({"site": s.name, "collective": s.collective.value,
-                     "op": s.op.value if s.collective.reduces or s.collective is Collective.ARGMAX else "",
-                     "dtype": str(s.dtype).replace("torch.", ""), "shape": "x".join(map(str, s.shape)),
-                     "max_rows": str(s.max_rows), "route": d.route.value, "why": d.why})
+                     "op": spec.op if s.collective.reduces or s.collective is Collective.ARGMAX else "",
+                     "dtype": spec.dtype, "shape": ",".join(map(str, s.shape)), "max_rows": str(s.max_rows),
+                     "route": d.route.value, "condition": condition, "why": d.why})
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
-    cols = list(rows[0])
+    print(f"detcomm routes (static view of a live group): numerics={resolved.numerics} backend={args.backend} "
+          f"W={args.world_size} nodes={args.nodes}")
+    if arms:
+        print(f"workspace: init arms the CUDA-IPC workspace on this group when every rank proves CUDA IPC peer access "
+              f"at startup\n  (one node); it serves float SUM sites with max_rows <= {args.workspace_max_rows} "
+              "(ipc_fold); larger ones take gather_fold\n  (all_reduce) or a2a_fold (reduce_scatter). Where it does "
+              "not arm, every site takes its 'else' route.")
+    else:
+        print(f"workspace: {no_ws}")
+    cols = [c for c in rows[0] if c != "condition" or any(r["condition"] for r in rows)]
     widths = {c: max(len(c), *(len(r[c]) for r in rows)) for c in cols}
-    print(f"detcomm routes (static): numerics={resolved.numerics} backend={args.backend} W={args.world_size}")
     print("  ".join(c.ljust(widths[c]) for c in cols).rstrip())
     print("  ".join("-" * widths[c] for c in cols))
     for r in rows:
@@ -68,25 +177,44 @@ def _routes(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    from .comm import DEFAULT_WORKSPACE_MAX_ROWS
+    from .launch.environment import DEFAULT_NUMERICS
+
     p = argparse.ArgumentParser(prog="detcomm", description="bitwise batch-invariant collectives")
     sub = p.add_subparsers(dest="cmd", required=True)
-    d = sub.add_parser("demo", help="W local ranks: route table, self-checks, native vs fold under batch changes")
-    d.add_argument("rest", nargs=argparse.REMAINDER)
-    r = sub.add_parser("routes", help="the route table AutoBackend gives a set of sites (static; no ranks)")
-    r.add_argument("--numerics", default="rl-bitwise", choices=known_envelopes())
-    r.add_argument("--backend", default="nccl", choices=("nccl", "gloo"))
-    r.add_argument("--world-size", type=int, default=8)
-    r.add_argument("--site", action="append", help="name:collective:dtype:shape:max_rows[:op] (repeatable)")
-    r.add_argument("--json", action="store_true")
-    argv = sys.argv[1:] if argv is None else argv
+    sub.add_parser("demo", add_help=False,
+                   help="W local ranks: route table, self-checks, native vs fold under batch changes "
+                   "(detcomm demo --help)")
+    r = sub.add_parser(
+        "routes", help="the route table a live group would give a set of sites (static; starts no ranks)",
+        description="The route each site would take on a live group of this kind, decided by the runtime's own "
+        "router (detcomm.route.AutoBackend) from static facts; where the choice depends on what init finds "
+        "(the CUDA-IPC workspace arming), the 'condition' column says so.",
+        epilog=SITE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    r.add_argument("--numerics", default=None,
+                   help=f"numerics envelope (default: $DETCOMM_NUMERICS when exported, else {DEFAULT_NUMERICS})")
+    r.add_argument("--backend", default="nccl", choices=("nccl", "gloo"),
+                   help="the torch.distributed backend of the group (default nccl: GPUs)")
+    r.add_argument("--world-size", type=int, default=8, help="ranks in the group (default 8)")
+    r.add_argument("--nodes", type=int, default=1, help="nodes the group spans (default 1)")
+    r.add_argument("--workspace-max-rows", type=int, default=DEFAULT_WORKSPACE_MAX_ROWS,
+                   help=f"init(workspace_max_rows=...) (default {DEFAULT_WORKSPACE_MAX_ROWS})")
+    r.add_argument("--site", action="append", metavar="SPEC", help="NAME:COLLECTIVE:DTYPE:SHAPE:MAX_ROWS[:OP] "
+                   "(see below)")
+    r.add_argument("--json", action="store_true", help="print the table as JSON")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "demo":
         from .demo import main as demo_main
 
         return demo_main(argv[1:])
-    args = p.parse_args(argv)
+    args = _parser().parse_args(argv)
     try:
         return _routes(args)
     except ValueError as e:
-        print(f"detcomm routes: {e}", file=sys.stderr)
+        print(f"detcomm routes: error: {e}", file=sys.stderr)
         return 2

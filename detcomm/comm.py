@@ -26,6 +26,7 @@ from .backends import A2AFoldBackend, GatherFoldBackend, NativeBackend
 from .fold import BATCH_INVARIANT, FLOAT_DTYPES, Leaf, select_leaf
 from .route import (
     DEFAULT_MAX_ROWS,
+    NO_ARGS,
     SUPPORTED_DTYPES,
     AutoBackend,
     BoundRoute,
@@ -44,6 +45,8 @@ from .topology import discover as discover_topology
 
 if TYPE_CHECKING:
     from .workspace import Workspace
+from . import norm as _norm
+from .deadline import is_timeout, peer_timeout
 from .errors import DetcommError, WorkspaceUnavailable
 from .verify import CallChecker
 from .work import Work
@@ -134,6 +137,7 @@ class Communicator:
                                 checker=self._selfchecks if selfcheck else None, leaf=self.leaf.name)
         self._sites: dict[str, Site] = {}
         self._bound: dict[str, BoundRoute] = {}
+        self._calls = 0  # collective calls made on this communicator (named in timeout errors)
         self._closed = False
         if selfcheck:
             try:
@@ -350,7 +354,7 @@ class Communicator:
         self._check_open()
         s = self._site_for_call(site, Collective.ALL_REDUCE, x, _enum(ReduceOp, op, "op", site))
         self._check_out(s.name, out, x, tuple(x.shape))
-        return self._finish(self._bound[s.name](x, CallArgs(out=_separate(out, x))), out, async_op)
+        return self._finish(self._call(s, x, CallArgs(out=_separate(out, x))), out, async_op)
 
     def reduce_scatter(self, x: torch.Tensor, site: str | Site, *, op: str = "sum", out: torch.Tensor | None = None,
                        async_op: bool = False) -> torch.Tensor | Work:
@@ -366,7 +370,7 @@ class Communicator:
             )
         s = self._site_for_call(site, Collective.REDUCE_SCATTER, x, rop)
         self._check_out(s.name, out, x, (x.shape[0] // self.world_size, *x.shape[1:]))
-        return self._finish(self._bound[s.name](x, CallArgs(out=_separate(out, x))), out, async_op)
+        return self._finish(self._call(s, x, CallArgs(out=_separate(out, x))), out, async_op)
 
     def all_gather(self, x: torch.Tensor, site: str | Site, *, out: torch.Tensor | None = None,
                    async_op: bool = False) -> torch.Tensor | Work:
@@ -374,7 +378,29 @@ class Communicator:
         self._check_open()
         s = self._site_for_call(site, Collective.ALL_GATHER, x, ReduceOp.SUM)
         self._check_out(s.name, out, x, (x.shape[0] * self.world_size, *x.shape[1:]))
-        return self._finish(self._bound[s.name](x, CallArgs(out=_separate(out, x))), out, async_op)
+        return self._finish(self._call(s, x, CallArgs(out=_separate(out, x))), out, async_op)
+
+    def all_reduce_residual_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, *,
+                                    eps: float, site: str | Site) -> tuple[torch.Tensor, torch.Tensor]:
+        """s = the site's all-reduce of ``x``; r = round(residual + s); y = RMSNorm(r) in the canonical order
+        (docs/spec.md §9). Returns ``(y, r)``. Arguments are checked before any communication. Collective."""
+        self._check_open()
+        name = site.name if isinstance(site, Site) else site
+        _norm._check_add(f"site {name!r}: all_reduce_residual_rmsnorm", x, residual, weight)
+        _norm.eps_fp32(eps)
+        s = self._site_for_call(site, Collective.ALL_REDUCE_RMSNORM, x, ReduceOp.SUM)
+        return _norm.add_rms_norm(self._call(s, x, NO_ARGS), residual, weight, eps=eps)
+
+    def _call(self, s: Site, x: torch.Tensor, args: CallArgs) -> torch.Tensor:
+        """Every collective call goes through here: the site's bound route, with a timeout translated into a
+        PeerTimeout that names the site, the call number and the ranks that never reached the call."""
+        self._calls += 1
+        try:
+            return self._bound[s.name](x, args)
+        except RuntimeError as e:  # torch.distributed.DistError derives from it
+            if isinstance(e, DetcommError) or not is_timeout(e):
+                raise
+            raise peer_timeout(s.name, self._calls, e, group=self.group, rank=self.rank) from e
 
     def _check_out(self, name: str, out: torch.Tensor | None, x: torch.Tensor, shape: tuple[int, ...]) -> None:
         """Validate a caller's output buffer before any communication."""
@@ -413,7 +439,7 @@ class Communicator:
                 f"{counts[self.rank]}; every rank must pass the same rows_per_rank"
             )
         s = self._site_for_call(site, Collective.TOKEN_ALL_GATHER, x, ReduceOp.SUM, rows_per_rank=counts)
-        return self._bound[s.name](x, CallArgs(rows_per_rank=tuple(counts)))
+        return self._call(s, x, CallArgs(rows_per_rank=tuple(counts)))
 
     def all_to_all(self, x: torch.Tensor, site: str | Site, *, splits: Sequence[int] | None = None) -> torch.Tensor:
         """Rank r sends its row block q to rank q and receives, in rank order, every rank's block r.
@@ -442,7 +468,7 @@ class Communicator:
         else:
             ins = in_splits
             outs = self._native.exchange_splits(ins, self.device)
-        return self._bound[s.name](x, CallArgs(in_splits=tuple(ins), out_splits=tuple(outs)))
+        return self._call(s, x, CallArgs(in_splits=tuple(ins), out_splits=tuple(outs)))
 
     def argmax(self, logits_shard: torch.Tensor, site: str | Site, *, vocab_start: int) -> torch.Tensor:
         """Vocabulary-parallel argmax: int64 global index per row; lowest index on exact ties; -0.0 == +0.0;
@@ -461,7 +487,7 @@ class Communicator:
             if vocab_start + logits_shard.shape[1] > 2**31:
                 raise ValueError(f"site {name!r}: global vocabulary indices must stay below 2**31")
         s = self._site_for_call(site, Collective.ARGMAX, logits_shard, ReduceOp.MAX)
-        return self._bound[s.name](logits_shard, CallArgs(vocab_start=vocab_start))
+        return self._call(s, logits_shard, CallArgs(vocab_start=vocab_start))
 
     # -- introspection and lifecycle ----------------------------------------------------------------
     def routes(self) -> RouteTable:

@@ -26,6 +26,8 @@ from enum import IntEnum
 
 import torch
 
+from .dtypes import FLOAT_DTYPES, bits_view
+
 __all__ = [
     "FLOAT_DTYPES",
     "BATCH_INVARIANT",
@@ -41,11 +43,9 @@ __all__ = [
     "registered_leaves",
 ]
 
-FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
 BATCH_INVARIANT = "batch_invariant"
 
 _CANONICAL_NAN_BITS = {torch.float32: 0x7FC00000, torch.bfloat16: 0x7FC0, torch.float16: 0x7E00}
-_BITS_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 
 
 def canonical_nan(dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -59,7 +59,7 @@ def canonical_nan(dtype: torch.dtype, device: torch.device | str = "cpu") -> tor
 @functools.cache
 def _canonical_nan(dtype: torch.dtype, device: str) -> torch.Tensor:
     bits = _CANONICAL_NAN_BITS[dtype]
-    int_dtype = _BITS_VIEW[dtype]
+    int_dtype = bits_view(dtype)
     if int_dtype is torch.int16 and bits >= 0x8000:
         bits -= 0x10000
     return torch.tensor([bits], dtype=int_dtype, device=device).view(dtype)[0]

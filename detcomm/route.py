@@ -27,9 +27,10 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from .dtypes import FLOAT_DTYPES, SUPPORTED_DTYPES, name_of
 from .envelope import Resolved
 from .errors import RouteRefused
-from .fold import FLOAT_DTYPES
+from .tables import format_table
 
 __all__ = [
     "Collective",
@@ -53,8 +54,6 @@ __all__ = [
 ]
 
 DEFAULT_MAX_ROWS = 8192
-INT_DTYPES: tuple[torch.dtype, ...] = (torch.int8, torch.uint8, torch.int32, torch.int64)
-SUPPORTED_DTYPES: tuple[torch.dtype, ...] = FLOAT_DTYPES + INT_DTYPES
 
 
 class Collective(str, Enum):
@@ -64,10 +63,12 @@ class Collective(str, Enum):
     ALL_TO_ALL = "all_to_all"
     TOKEN_ALL_GATHER = "token_all_gather"
     ARGMAX = "argmax"
+    # all-reduce, then the canonical residual add + RMSNorm (detcomm/norm.py): routed as an all-reduce
+    ALL_REDUCE_RMSNORM = "all_reduce_rmsnorm"
 
     @property
     def reduces(self) -> bool:
-        return self in (Collective.ALL_REDUCE, Collective.REDUCE_SCATTER)
+        return self in (Collective.ALL_REDUCE, Collective.REDUCE_SCATTER, Collective.ALL_REDUCE_RMSNORM)
 
 
 class ReduceOp(str, Enum):
@@ -111,9 +112,10 @@ ROUTE_INFO: Mapping[Route, RouteInfo] = {
 # Which routes can carry which collective at all (before envelope and capabilities).
 _CARRIES: Mapping[Route, frozenset[Collective]] = {
     Route.NATIVE: frozenset(Collective),
-    Route.GATHER_FOLD: frozenset({Collective.ALL_REDUCE, Collective.REDUCE_SCATTER}),
+    Route.GATHER_FOLD: frozenset({Collective.ALL_REDUCE, Collective.REDUCE_SCATTER, Collective.ALL_REDUCE_RMSNORM}),
     Route.A2A_FOLD: frozenset({Collective.REDUCE_SCATTER}),
-    Route.IPC_FOLD: frozenset({Collective.ALL_REDUCE, Collective.REDUCE_SCATTER, Collective.ALL_GATHER}),
+    Route.IPC_FOLD: frozenset({Collective.ALL_REDUCE, Collective.REDUCE_SCATTER, Collective.ALL_GATHER,
+                               Collective.ALL_REDUCE_RMSNORM}),
     Route.MULTICAST_GATHER: frozenset({Collective.ALL_GATHER, Collective.TOKEN_ALL_GATHER}),
     Route.IN_SWITCH: frozenset({Collective.ALL_REDUCE}),
 }
@@ -197,7 +199,7 @@ class Site:
         return n
 
     def describe(self) -> str:
-        dt = str(self.dtype).replace("torch.", "")
+        dt = name_of(self.dtype)
         op = f" {self.op.value}" if self.collective.reduces else ""
         return f"{self.collective.value}{op} {dt}[rows<={self.max_rows}, {', '.join(map(str, self.shape))}]"
 
@@ -306,7 +308,7 @@ class RouteEntry:
             "site": s.name,
             "collective": s.collective.value,
             "op": s.op.value if s.collective.reduces or s.collective is Collective.ARGMAX else "",
-            "dtype": str(s.dtype).replace("torch.", ""),
+            "dtype": name_of(s.dtype),
             "shape": list(s.shape),
             "max_rows": s.max_rows,
             "route": self.decision.route.value,
@@ -331,17 +333,12 @@ class RouteTable:
 
     def __str__(self) -> str:
         cols = ("site", "collective", "op", "dtype", "shape", "max_rows", "route", "selfcheck", "why")
-        rows = [{k: ("x".join(map(str, v)) if k == "shape" else str(v)) for k, v in d.items()}  # type: ignore[call-overload]
+        rows = [["x".join(map(str, d[c])) if c == "shape" else str(d[c]) for c in cols]  # type: ignore[call-overload]
                 for d in self.as_dicts()]
-        widths = {c: max([len(c)] + [len(r[c]) for r in rows]) for c in cols}
         head = f"detcomm routes: numerics={self.numerics} backend={self.backend} W={self.world_size} fold leaf={self.leaf}"
-        lines = [head] + ([self.note] if self.note else [])
-        lines.append("  ".join(c.ljust(widths[c]) for c in cols).rstrip())
-        lines.append("  ".join("-" * widths[c] for c in cols))
-        lines += ["  ".join(r[c].ljust(widths[c]) for c in cols).rstrip() for r in rows]
-        if not rows:
-            lines.append("(no sites declared)")
-        return "\n".join(lines)
+        if self.note:
+            head += "\n" + self.note
+        return format_table(cols, rows, title=head, align="l" * len(cols)) + ("" if rows else "\n(no sites declared)")
 
 
 _log = logging.getLogger("detcomm")
@@ -421,8 +418,13 @@ class AutoBackend:
                 why += f"; {launches} launches per call at max_rows (workspace_bytes={self.caps.workspace_bytes})"
             out.append(RouteDecision(Route.IPC_FOLD, why))
             no_ws = "ipc_fold refused"
-        if site.collective is Collective.ALL_REDUCE:
-            out.append(RouteDecision(Route.GATHER_FOLD, f"canonical fold after an all-gather ({no_ws})"))
+        if site.collective is Collective.ALL_REDUCE_RMSNORM:
+            # No fused kernel yet: the site's all-reduce takes the route, then the canonical add + RMSNorm.
+            out = [RouteDecision(d.route, d.why + "; then the canonical residual add + RMSNorm (composition)")
+                   for d in out]
+        if site.collective in (Collective.ALL_REDUCE, Collective.ALL_REDUCE_RMSNORM):
+            suffix = "; then the canonical residual add + RMSNorm (composition)" if site.collective is Collective.ALL_REDUCE_RMSNORM else ""
+            out.append(RouteDecision(Route.GATHER_FOLD, f"canonical fold after an all-gather ({no_ws}){suffix}"))
         else:
             out.append(RouteDecision(Route.A2A_FOLD, f"canonical fold after an all-to-all ({no_ws})"))
         return out

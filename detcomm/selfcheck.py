@@ -24,16 +24,25 @@ import torch
 import torch.distributed as dist
 
 from .backends.native import NativeBackend
-from .fold import FLOAT_DTYPES, average, canonical_nan, reference_fold
+from .dtypes import name_of
+from .fold import average, canonical_nan, reference_fold
+from .invariance import (
+    Composition,
+    batch1_reference,
+    bits_equal,
+    compositions,
+    gather_whole,
+    measure,
+)
+from .invariance import rows_changed as _rows_differing
 from .payload import ill_conditioned, with_specials
 from .route import NO_ARGS, BoundRoute, CallArgs, Collective, ReduceOp, Route
 
 __all__ = ["CheckKey", "CheckResult", "SelfChecks", "run_check", "bits_equal"]
 
 _BASE_ROWS = 3
-# (batch rows, offset of the checked rows): sizes and offsets chosen so rows land in different chunks of a
-# ring and at unaligned positions.
-_COMPOSITIONS = ((_BASE_ROWS, 0), (_BASE_ROWS + 1, 1), (_BASE_ROWS + 7, 4), (2 * _BASE_ROWS + 13, _BASE_ROWS + 9))
+# Filler rows the compositions of check (b) draw from (detcomm.invariance places the checked rows among them).
+_FILLER_ROWS = 8
 _SEED = 0x5E1FC
 
 
@@ -46,7 +55,7 @@ class CheckKey:
     shape: tuple[int, ...]
 
     def label(self) -> str:
-        dt = str(self.dtype).replace("torch.", "")
+        dt = name_of(self.dtype)
         op = f" {self.op.value}" if self.collective.reduces else ""
         return f"{self.route.value}: {self.collective.value}{op} {dt}{list(self.shape)}"
 
@@ -61,27 +70,6 @@ class CheckResult:
     @property
     def label(self) -> str:
         return self.key.label()
-
-
-def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Exact equality of bit patterns (so -0.0 != +0.0 and NaN payloads count)."""
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    if a.dtype in FLOAT_DTYPES:
-        view = torch.int32 if a.dtype == torch.float32 else torch.int16
-        return torch.equal(a.contiguous().view(view), b.contiguous().view(view))
-    return torch.equal(a, b)
-
-
-def _rows_differing(a: torch.Tensor, b: torch.Tensor) -> int:
-    if a.dtype in FLOAT_DTYPES:
-        view = torch.int32 if a.dtype == torch.float32 else torch.int16
-        ne = a.contiguous().view(view) != b.contiguous().view(view)
-    else:
-        ne = a != b
-    if ne.dim() == 1:
-        return int(ne.sum())
-    return int(ne.reshape(ne.shape[0], -1).any(dim=1).sum())
 
 
 def _max_min_reference(stacked: torch.Tensor, op: ReduceOp) -> torch.Tensor:
@@ -142,17 +130,19 @@ def _checks(key: CheckKey, execute: Callable[[torch.Tensor], torch.Tensor], *, w
     if not bits_equal(execute(base), out):
         failures.append("(a) not repeatable")
 
-    moved = []
-    for i, (total, off) in enumerate(_COMPOSITIONS):
-        filler = _payload(key, blocks * total, seed=_SEED + 1 + i, rank=rank, w=w, device=device)
-        view = filler.view(blocks, total, *key.shape)
-        view[:, off : off + b] = base.view(blocks, b, *key.shape)
-        got = execute(filler)
-        got = got[off : off + b]
-        if not bits_equal(got, out):
-            moved.append(f"{total} rows @ offset {off}: {_rows_differing(got, out)} of {b} rows changed")
-    if moved:
-        failures.append("(b) rows moved with the batch: " + "; ".join(moved))
+    # (b) the first B rows alone, then at other offsets, in batches of other sizes and (reduce-scatter) on
+    # every receiving rank, compared wherever they land (detcomm.invariance).
+    pool = torch.cat([base[:b], _payload(key, _FILLER_ROWS, seed=_SEED + 1, rank=rank, w=w, device=device)])
+    coll = key.collective.value
+
+    def whole(comp: Composition) -> torch.Tensor:
+        return gather_whole(execute(pool[comp.tensor(device)]), collective=coll, all_gather=native.all_gather).cpu()
+
+    _, tally = batch1_reference(whole, b, collective=coll, world_size=w)
+    measure(whole, compositions(b, collective=coll, world_size=w, filler_rows=_FILLER_ROWS, count=4), tally=tally)
+    if tally.rows_changed:
+        failures.append(f"(b) rows moved with the batch or the receiving rank: {tally.rows_changed} of {b} rows "
+                        f"changed, up to {tally.max_ulps:g} ulps")
 
     stacked = native.all_gather(base).view(w, *base.shape).cpu()
     if key.collective is Collective.ARGMAX:

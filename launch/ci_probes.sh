@@ -31,7 +31,7 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 if command -v detcomm-launch >/dev/null; then LAUNCH=(detcomm-launch); else LAUNCH=("$PYTHON" -m detcomm.launch); fi
 
 for backend in torchrun mpi; do
-  L=("${LAUNCH[@]}" --nproc "$NPROC" --backend "$backend")
+  L=("${LAUNCH[@]}" --nproc "$NPROC" --launcher "$backend")
   step "collective probe, rl-bitwise, $backend" "${L[@]}" --numerics rl-bitwise -m detcomm.probe collectives
   step "collective probe, native negative control, $backend" "${L[@]}" --numerics auto -m detcomm.probe collectives --route native --expect-divergence
   step "model probe, rl-bitwise, $backend" "${L[@]}" --numerics rl-bitwise -m detcomm.probe model

@@ -60,6 +60,9 @@ def main(scenario: str, out: str) -> None:
         json.dump(result, f)
     if os.environ.get("ROBUST_LINGER"):
         time.sleep(600)  # under detcomm-launch: only the launcher's tear-down ends this rank
+    # A serving process does not vanish the instant a collective fails: stay a moment, so the rank hosting
+    # the rendezvous store (rank 0) still answers the other survivors' timeout diagnosis (detcomm/deadline.py).
+    time.sleep(3.0)
     # The group is broken: leave without the collective tear-down of shutdown().
     os._exit(0)
 

@@ -81,3 +81,50 @@ def test_quick_csv_and_markdown_parse(quick_run: tuple[Path, str]) -> None:
     table = [line for line in md.splitlines() if line.startswith("| gloo | 4 |")]
     assert len(table) >= len(data["points"]) and all(line.count("|") >= 15 for line in table[:len(data["points"])])
     assert "### Fold-route time over native time" in md
+
+
+def test_quick_ratio_table_says_cpu_timings_are_noise(quick_run: tuple[Path, str]) -> None:
+    from detcomm.bench.report import CPU_NOTE
+
+    _, stdout = quick_run
+    ratios = stdout[stdout.index("### Fold-route time over native time"):]
+    assert CPU_NOTE in ratios
+
+
+def test_nccl_tests_style_size_sweep() -> None:
+    from detcomm.bench.cli import _nbytes, byte_sweep
+
+    assert [_nbytes(t) for t in ("8", "64K", "128M", "1G", "2kb")] == [8, 64 << 10, 128 << 20, 1 << 30, 2 << 10]
+    shapes = byte_sweep(8, 128 << 20, 2, dtypes=("bfloat16", "float32"), hidden=4096, group=4)
+    for dtype, elem, top in (("bfloat16", 2, 128 << 20), ("float32", 4, 128 << 20)):
+        mine = [(h, r) for d, h, r in shapes if d == dtype]
+        sizes = [h * r * elem for h, r in mine]
+        # Every power of two from 8 B (fp32: from 8 B = 2 values) up to 128 MiB, once, in order.
+        assert sizes == [1 << i for i in range(3, 28)], (dtype, sizes)
+        # Whole 4096-wide rows from one row up; shorter messages are 4 rows (reduce-scatter splits them) or one.
+        assert all(h == 4096 for h, r in mine if h * r * elem >= 4096 * elem)
+        assert all(r in (1, 4) for h, r in mine if h < 4096)
+        assert sizes[-1] == top
+    assert byte_sweep(64, 256, 4, dtypes=("bfloat16",), hidden=16, group=2) == [("bfloat16", 16, 2), ("bfloat16", 16, 8)]
+    with pytest.raises(ValueError, match="larger than"):
+        byte_sweep(1024, 8, 2, dtypes=("bfloat16",), hidden=4096, group=4)
+
+
+def test_size_sweep_reaches_the_bench_config(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from detcomm.bench import cli, sweep
+
+    seen = {}
+
+    def fake_run(cfg: sweep.BenchConfig) -> dict:
+        seen["cfg"] = cfg
+        return {"meta": {"hardware": "x", "torch": "t", "cuda": None, "date": "d", "command": cfg.command,
+                         "elapsed_s": 0.0}, "points": [], "unavailable": []}
+
+    monkeypatch.setattr(sweep, "run_bench", fake_run)
+    assert cli.main(["--device", "cpu", "-b", "8K", "-e", "32K", "-f", "2", "--dtypes", "bfloat16", "--no-plots",
+                     "--no-progress", "--out", str(tmp_path)]) == 0
+    cfg = seen["cfg"]
+    assert cfg.shapes() == [("bfloat16", 4096, 1), ("bfloat16", 4096, 2), ("bfloat16", 4096, 4)]
+    assert cfg.rows == (1, 2, 4) and cfg.hidden == (4096,)
+    with pytest.raises(SystemExit):
+        cli.main(["-b", "8K", "--out", str(tmp_path)])  # -e missing

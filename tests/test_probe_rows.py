@@ -103,8 +103,9 @@ def test_bits_and_ulps() -> None:
     a = torch.tensor([0.0, 1.0, float("nan"), -1.0], dtype=torch.float32)
     b = torch.tensor([-0.0, torch.nextafter(torch.tensor(1.0), torch.tensor(2.0)).item(), 0.0, -1.0])
     assert changed_mask(a, b).tolist() == [True, True, True, False]
-    assert ulp_distance(a, b).tolist() == [0.0, 1.0, float("inf"), 0.0]
-    lo = torch.tensor([-1e-45], dtype=torch.float32)  # crossing zero: -denorm_min to +denorm_min is 2 ulps
-    assert ulp_distance(lo, -lo).item() == 2.0
+    # -0.0 is one step below +0.0: distance 0 exactly when the bits are identical (detcomm.invariance)
+    assert ulp_distance(a, b).tolist() == [1.0, 1.0, float("inf"), 0.0]
+    lo = torch.tensor([-1e-45], dtype=torch.float32)  # crossing zero: -denorm_min, -0.0, +0.0, +denorm_min
+    assert ulp_distance(lo, -lo).item() == 3.0
     x = torch.tensor([1.0], dtype=torch.bfloat16)
     assert ulp_distance(x, x * (1 + 2**-7)).item() == 1.0

@@ -33,6 +33,8 @@ class Bound:
 
 def bind_from(route: Route, site: Site, table: dict[Collective, Call]) -> BoundRoute:
     """Bind ``site`` to the entry of ``table`` (the backend's methods by collective)."""
-    call = table.get(site.collective)
+    # The norm composition's communication is its all-reduce (the communicator adds the residual and normalizes).
+    collective = Collective.ALL_REDUCE if site.collective is Collective.ALL_REDUCE_RMSNORM else site.collective
+    call = table.get(collective)
     assert call is not None, f"route {route.value} cannot carry {site.collective.value}: routing sent it here"
     return Bound(route, site, call)

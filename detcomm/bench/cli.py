@@ -2,6 +2,7 @@
 
     detcomm-bench --quick --out results/bench          # CPU smoke run: gloo, W=4, a handful of small sizes
     detcomm-bench --out results/bench                  # rows 1..8192 x hidden 4096/7168/8192, bf16 and fp32
+    detcomm-bench -b 8 -e 128M -f 2 --out results/bench  # nccl-tests style: message sizes 8 B .. 128 MiB, x2
     python -m detcomm.bench ...                        # the same without the console script
 
 Prints a progress bar (stderr) and the markdown tables (stdout); writes results.json, results.csv, results.md
@@ -37,6 +38,55 @@ def _ints(text: str) -> tuple[int, ...]:
     return vals
 
 
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+_ELEM = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def _nbytes(text: str) -> int:
+    """A message size as nccl-tests writes it: 8, 64K, 128M, 1G (powers of 1024; a trailing B is allowed)."""
+    t = text.strip().upper().removesuffix("B")
+    if t[-1:] in "KMG" and t[:-1].isdigit():
+        return int(t[:-1]) * _UNITS[t[-1]]
+    if t.isdigit() and int(t) > 0:
+        return int(t)
+    raise argparse.ArgumentTypeError(f"expected a size in bytes like 8, 64K, 128M or 1G, got {text!r}")
+
+
+def byte_sweep(minbytes: int, maxbytes: int, factor: int, *, dtypes: Sequence[str], hidden: int,
+               group: int) -> list[tuple[str, int, int]]:
+    """nccl-tests' sizes ``minbytes, minbytes*factor, ... <= maxbytes`` as (dtype, hidden, rows) for each dtype.
+
+    A message of at least one row is whole rows of ``hidden`` elements; a shorter one is ``group`` rows (the
+    largest W, so reduce-scatter and all-gather can split it) of fewer elements, else one row. Sizes that are not
+    a whole number of elements, or above one row but not a whole number of rows, are skipped.
+    """
+    if minbytes > maxbytes:
+        raise ValueError(f"-b {minbytes} is larger than -e {maxbytes}")
+    if factor < 2:
+        raise ValueError(f"-f must be >= 2, got {factor}")
+    sizes = []
+    size = minbytes
+    while size <= maxbytes:
+        sizes.append(size)
+        size *= factor
+    out = []
+    for dtype in dtypes:
+        for size in sizes:
+            n, rest = divmod(size, _ELEM[dtype])
+            if rest or n == 0:
+                continue
+            if n >= hidden:
+                if n % hidden == 0:
+                    out.append((dtype, hidden, n // hidden))
+            elif n % group == 0:
+                out.append((dtype, n // group, group))
+            else:
+                out.append((dtype, n, 1))
+    if not out:
+        raise ValueError(f"no size in -b {minbytes} .. -e {maxbytes} is a whole number of elements and rows")
+    return out
+
+
 def _names(text: str) -> tuple[str, ...]:
     return tuple(v.strip() for v in text.split(",") if v.strip())
 
@@ -54,6 +104,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--stream-worlds", type=_ints, help="CUDA only: W ranks as W streams of GPU 0 (workspace "
                    "routes) for these W (default 4,8 on CUDA)")
     p.add_argument("--rows", type=_ints, help="row counts (default 1,2,4,...,8192)")
+    p.add_argument("-b", "--minbytes", type=_nbytes, help="nccl-tests style sweep: smallest message size (8, 64K, "
+                   "128M, 1G); sizes go up by -f to -e, in whole rows of --hidden (one value, default 4096); "
+                   "replaces --rows")
+    p.add_argument("-e", "--maxbytes", type=_nbytes, help="nccl-tests style sweep: largest message size")
+    p.add_argument("-f", "--stepfactor", type=int, default=2, help="nccl-tests style sweep: size factor (default 2)")
     p.add_argument("--hidden", type=_ints, help="hidden sizes (default 4096,7168,8192)")
     p.add_argument("--fp32-hidden", type=_ints, help="hidden sizes for fp32 (default: as --hidden)")
     p.add_argument("--dtypes", type=_names, default=("bfloat16", "float32"), help="default bfloat16,float32")
@@ -111,13 +166,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         stream_worlds = args.stream_worlds if args.stream_worlds is not None else ((4, 8) if device == "cuda" else ())
         rows, hidden = args.rows or FULL_ROWS, args.hidden or FULL_HIDDEN
     command = "detcomm-bench " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
+    explicit: tuple[tuple[str, int, int], ...] = ()
+    if (args.minbytes is None) != (args.maxbytes is None):
+        _parser().error("-b/--minbytes and -e/--maxbytes go together")
+    if args.minbytes is not None:
+        if args.rows or (args.hidden and len(args.hidden) > 1) or args.fp32_hidden:
+            _parser().error("-b/-e choose the sizes: drop --rows and --fp32-hidden, and give at most one --hidden")
+        h = args.hidden[0] if args.hidden else QUICK_HIDDEN[0]
+        try:
+            explicit = tuple(byte_sweep(args.minbytes, args.maxbytes, args.stepfactor, dtypes=args.dtypes, hidden=h,
+                                        group=max((*worlds, *stream_worlds), default=1)))
+        except (ValueError, KeyError) as e:
+            _parser().error(str(e))
+        rows = tuple(sorted({r for _, _, r in explicit}))
+        hidden = tuple(sorted({hh for _, hh, _ in explicit}))
     try:
         cfg = sweep.BenchConfig(
             device=device, worlds=tuple(worlds), stream_worlds=tuple(stream_worlds), rows=tuple(rows),
             hidden=tuple(hidden), fp32_hidden=args.fp32_hidden, dtypes=tuple(args.dtypes),
             collectives=tuple(args.collectives), iters=args.iters, warmup=args.warmup, graph_calls=args.graph_calls,
             graph=not args.no_graph, numerics=not args.no_numerics, seed=args.seed, budget_s=args.budget_s,
-            allow_multicast=args.allow_multicast, progress=not args.no_progress, command=command)
+            allow_multicast=args.allow_multicast, progress=not args.no_progress, command=command,
+            explicit_shapes=explicit)
     except ValueError as e:
         _parser().error(str(e))
     if not cfg.worlds and not cfg.stream_worlds:

@@ -6,11 +6,14 @@ filler from "other requests". A batch is a list of pool-row indices, so the same
 offset inside a batch of any size, and the canonical fold of any batch is known from the fold of the pool
 alone (reference_fold of the W ranks' pools, indexed). Same pools, same seeds, same sizes for every route.
 
-Per measured point:
+Per measured point (the definitions of detcomm.invariance: changed = any bit, one NaN rule, one ulp distance):
   changed_frac  fraction of the probe's elements whose bits differ, in at least one placement (another
-                offset, another batch size), from their bits when the probe is reduced alone;
+                offset, another batch size; for a reduce-scatter the whole reduced buffer is compared, so a
+                row that moves to another receiving rank is compared there), from their bits when the probe
+                is reduced alone;
   max_ulps      the largest distance in ulps, over the probe's elements in every placement and alone, from
-                the canonical fold (0 for a canonical route; inf where a NaN stands against a number).
+                the canonical fold (0 exactly when the bits are the canonical fold's; inf where a NaN's bits
+                differ).
 """
 
 from __future__ import annotations
@@ -20,18 +23,15 @@ from dataclasses import dataclass
 
 import torch
 
+from detcomm import invariance as inv
 from detcomm.fold import reference_fold
 from detcomm.payload import ill_conditioned
 
-__all__ = ["POOL_ROWS", "Placement", "placements", "batch_index", "make_pools", "ulp_distance", "measure",
-           "measure_gather"]
+__all__ = ["POOL_ROWS", "Placement", "placements", "batch_index", "make_pools", "measure", "measure_gather"]
 
 # Probe rows in the pool (filler rows: as many again). Rows repeat every POOL_ROWS inside a large batch, which
 # keeps the payload cheap to build at 8192 x 8192; each element still sees its own ill-conditioned values.
 POOL_ROWS = 32
-
-_INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
-_MAG_MASK = {torch.float32: 0x7FFFFFFF, torch.bfloat16: 0x7FFF, torch.float16: 0x7FFF}
 
 
 @dataclass(frozen=True)
@@ -41,12 +41,17 @@ class Placement:
     front: int
     back: int
 
+    def composition(self, rows: int) -> inv.Composition:
+        return inv.place(self.front + rows + self.back, self.front, probe_rows=rows, filler_rows=POOL_ROWS)
+
 
 def placements(collective: str, rows: int, world_size: int) -> list[Placement]:
-    """The other batches the probe travels in: shifted by a little, doubled in size, and both.
+    """The other batches the probe travels in: shifted by a little, doubled in size, and both (the bench's
+    probe is the measured point's whole batch, so its placements stay within about twice its size).
 
     A ring chunks the buffer by message size, so both an offset and a batch size move an element's
-    association order there. Reduce-scatter batches keep their row count a multiple of W.
+    association order there. Reduce-scatter batches keep their row count a multiple of W; shifting by W rows
+    or doubling the batch also changes which rank receives each probe row.
     """
     if collective == "all_reduce":
         return [Placement(1, 0), Placement(0, rows), Placement(rows // 2 + 1, rows // 2 + 2)]
@@ -57,11 +62,10 @@ def placements(collective: str, rows: int, world_size: int) -> list[Placement]:
 
 
 def batch_index(rows: int, placement: Placement = Placement(0, 0)) -> torch.Tensor:
-    """Pool-row indices of a batch: filler rows (POOL_ROWS..2*POOL_ROWS-1) around the probe (0..POOL_ROWS-1)."""
-    front = [POOL_ROWS + (j % POOL_ROWS) for j in range(placement.front)]
-    probe = [i % POOL_ROWS for i in range(rows)]
-    back = [POOL_ROWS + ((placement.front + j) % POOL_ROWS) for j in range(placement.back)]
-    return torch.tensor(front + probe + back, dtype=torch.long)
+    """Pool-row indices of a batch: filler rows (POOL_ROWS..2*POOL_ROWS-1) around the probe (0..POOL_ROWS-1);
+    probe row i is pool row i % POOL_ROWS."""
+    index = torch.tensor(placement.composition(rows).index, dtype=torch.long)
+    return torch.where(index < rows, index % POOL_ROWS, POOL_ROWS + (index - rows) % POOL_ROWS)
 
 
 def make_pools(hidden: int, dtype: torch.dtype, *, world_size: int, seed: int, ranks: list[int],
@@ -77,23 +81,8 @@ def reference_pool(pools: dict[int, torch.Tensor], world_size: int) -> torch.Ten
     return reference_fold(stacked, stacked.dtype)
 
 
-def _ordered(t: torch.Tensor) -> torch.Tensor:
-    """Float bits as int64 in value order: adjacent floats differ by one; +0.0 and -0.0 are both 0."""
-    bits = t.contiguous().view(_INT_VIEW[t.dtype]).to(torch.int64)
-    mag = bits & _MAG_MASK[t.dtype]
-    return torch.where(bits < 0, -mag, mag)
-
-
-def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Elementwise distance in ulps (float64): 0 for equal values and for two NaNs, inf for NaN against a number."""
-    d = (_ordered(a) - _ordered(b)).abs().to(torch.float64)
-    na, nb = torch.isnan(a), torch.isnan(b)
-    d = torch.where(na & nb, torch.zeros_like(d), d)
-    return torch.where(na ^ nb, torch.full_like(d, float("inf")), d)
-
-
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return a.contiguous().view(_INT_VIEW[a.dtype]) == b.contiguous().view(_INT_VIEW[b.dtype])
+def _max_ulps(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(inv.ulp_distance(a, b).max()) if a.numel() else 0.0
 
 
 def measure(full_reduce: Callable[[torch.Tensor], torch.Tensor | None], *, collective: str, rows: int,
@@ -107,15 +96,13 @@ def measure(full_reduce: Callable[[torch.Tensor], torch.Tensor | None], *, colle
         return None
     assert ref_pool is not None
     ref = ref_pool.to(alone.device)[batch_index(rows).to(alone.device)]
-    changed = torch.zeros(alone.shape, dtype=torch.bool, device=alone.device)
-    worst = ulp_distance(alone, ref).max().item() if alone.numel() else 0.0
+    changed = inv.Tally(alone)
+    worst = _max_ulps(alone, ref)
     for p, out in moved:
         assert out is not None
-        probe = out[p.front:p.front + rows]
-        changed |= ~_same_bits(probe, alone)
-        worst = max(worst, ulp_distance(probe, ref).max().item())
-    frac = changed.float().mean().item() if changed.numel() else 0.0
-    return {"changed_frac": frac, "max_ulps": float(worst)}
+        changed.add(out, p.composition(rows))
+        worst = max(worst, _max_ulps(out[p.front:p.front + rows], ref))
+    return {"changed_frac": changed.changed_fraction, "max_ulps": worst}
 
 
 def measure_gather(gather: Callable[[torch.Tensor], torch.Tensor | None], *, rows_per_rank: int, world_size: int,
@@ -128,5 +115,4 @@ def measure_gather(gather: Callable[[torch.Tensor], torch.Tensor | None], *, row
         return None
     assert pools is not None
     want = torch.cat([pools[r].to(out.device)[idx.to(out.device)] for r in range(world_size)])
-    worst = ulp_distance(out, want).max().item() if out.numel() else 0.0
-    return {"changed_frac": None, "max_ulps": float(worst)}
+    return {"changed_frac": None, "max_ulps": _max_ulps(out, want)}

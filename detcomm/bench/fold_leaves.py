@@ -19,11 +19,10 @@ from pathlib import Path
 import torch
 
 import detcomm  # noqa: F401 - registers every leaf this installation has
+from detcomm.dtypes import FLOAT_NAMES, from_name, info
 from detcomm.fold import BATCH_INVARIANT, registered_leaves
 
 from .timing import median_ms_back_to_back
-
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,15 +30,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--rows", type=int, default=2048)
     p.add_argument("--hidden", type=int, default=4096)
-    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(FLOAT_NAMES))
     p.add_argument("--worlds", default="2,3,4,5,6,7,8")
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--out", help="write the results as JSON here")
     args = p.parse_args(argv)
     device = torch.device(args.device)
-    dtype = DTYPES[args.dtype]
+    dtype = from_name(args.dtype)
     leaves = [l for l in registered_leaves() if device.type in l.device_types and BATCH_INVARIANT in l.features]
-    elem = torch.finfo(dtype).bits // 8
+    elem = info(dtype).size
     hw = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads"
     rows = []
     print(f"fold leaves on {hw}: {args.rows}x{args.hidden} {args.dtype} per rank, median of {args.repeats}")

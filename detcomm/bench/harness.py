@@ -18,12 +18,14 @@ from typing import Any
 
 import torch
 
+from detcomm.dtypes import FLOAT_NAMES, from_name
+
 from . import divergence as div
 from . import timing
 
 __all__ = ["DTYPES", "rank_setup", "rank_point", "rank_teardown", "StreamsHarness"]
 
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+DTYPES = {name: from_name(name) for name in FLOAT_NAMES}
 
 # Workspace route label -> (Workspace method, keyword arguments).
 _WS_CALLS = {

@@ -33,6 +33,8 @@ os.environ.update(MULTICAST_OFF)
 
 import torch
 
+from detcomm.dtypes import info
+
 from .timing import median_ms_back_to_back as _median_ms
 
 SIZES = [16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
@@ -56,7 +58,7 @@ def bench_fold(quick: bool) -> list[dict]:
     for dtype, sfx in ((torch.bfloat16, "bf16"), (torch.float32, "f32")):
         for w in WORLDS:
             ks = kernel_set(0, w)
-            n = total_in // w // torch.tensor([], dtype=dtype).element_size()
+            n = total_in // w // info(dtype).size
             xs = [torch.randn(n, device=dev).to(dtype) for _ in range(w)]
             out = torch.empty(n, dtype=dtype, device=dev)
             table = torch.tensor([x.data_ptr() for x in xs], dtype=torch.int64, device=dev)

@@ -10,9 +10,14 @@ import math
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RATIO_SIZES", "ratio_summary", "to_markdown", "write_outputs", "size_label", "load_result"]
+from detcomm.tables import format_table
+
+__all__ = ["CPU_NOTE", "RATIO_SIZES", "ratio_summary", "to_markdown", "write_outputs", "size_label", "load_result"]
 
 RATIO_SIZES = (16 << 10, 256 << 10, 4 << 20, 64 << 20)
+CPU_NOTE = ("Note: these are CPU timings (gloo processes sharing the host's cores with everything else): they are "
+            "noise, good for checking that the sweep runs, not for comparing routes. Measure on GPUs "
+            "(--device cuda) for ratios that mean something.")
 _FOLD = {"all_reduce": ("gather_fold", "ipc_one_shot", "ipc_two_shot"),
          "reduce_scatter": ("a2a_fold", "ipc_fold")}
 _CSV_FIELDS = ("harness", "world", "collective", "route", "dtype", "hidden", "rows", "bytes", "status",
@@ -113,33 +118,34 @@ def to_markdown(result: dict[str, Any], *, ratios: list[dict[str, Any]] | None =
     m = result["meta"]
     lines = [f"## detcomm-bench: {m['hardware']}, torch {m['torch']}" + (f", CUDA {m['cuda']}" if m["cuda"] else ""),
              "", f"date {m['date']}; command `{m['command']}`; {m['elapsed_s']} s", "",
-             "Latency in µs per call: median [p10, p90] over the timed calls (eager; graph = CUDA-graph replay). "
+             "Latency in µs per call: median [p10, p90] over the timed calls (eager; graph = CUDA-graph replay), "
+             "out-of-place (every call writes a new output tensor). "
              "algbw/busbw (GB/s, nccl-tests definitions) from the eager median. changed = fraction of the probe's "
              "elements whose bits change when the same rows sit at another offset or in another batch size; "
              "max ulps = largest distance from the canonical fold of the gathered inputs.", ""]
     if m.get("harnesses"):
-        lines += ["| harness | setup |", "| --- | --- |"]
-        lines += [f"| {s['harness']} | " + ", ".join(f"{k}: {v}" for k, v in s.items() if k != "harness") + " |"
-                  for s in m["harnesses"]]
-        lines.append("")
-    lines += ["| harness | W | collective | route | dtype | rows×hidden | size | eager µs | graph µs | algbw | "
-              "busbw | changed | max ulps | status |",
-              "| --- | ---: | --- | --- | --- | --- | ---: | --- | --- | ---: | ---: | ---: | ---: | --- |"]
+        lines += [format_table(["harness", "setup"], [
+            [s["harness"], ", ".join(f"{k}: {v}" for k, v in s.items() if k != "harness")] for s in m["harnesses"]],
+            markdown=True, align="ll"), ""]
+    points = []
     for p in result["points"]:
         # The full reason stays in the JSON/CSV; the table keeps its first words.
         graph = _lat(p["graph"]) if p["graph"] else (p["graph_note"].split(":")[0] or "—")
-        lines.append(f"| {p['harness']} | {p['world']} | {p['collective']} | {p['route']} | {p['dtype']} | "
-                     f"{p['rows']}×{p['hidden']} | {size_label(p['bytes'])} | {_lat(p['eager'])} | {graph} | "
-                     f"{_f(p['algbw_GBps'], '{:.2f}')} | {_f(p['busbw_GBps'], '{:.2f}')} | "
-                     f"{_frac(p['changed_frac'])} | {_ulps(p['max_ulps'])} | {p['status']} |")
-    lines += ["", "### Routes not measured", "", "| harness | W | collective | route | status |",
-              "| --- | ---: | --- | --- | --- |"]
-    lines += [f"| {u['harness']} | {u['world']} | {u['collective']} | {u['route']} | {u['status']} |"
-              for u in result["unavailable"]]
+        points.append([p["harness"], p["world"], p["collective"], p["route"], p["dtype"], f"{p['rows']}×{p['hidden']}",
+                       size_label(p["bytes"]), _lat(p["eager"]), graph, _f(p["algbw_GBps"], "{:.2f}"),
+                       _f(p["busbw_GBps"], "{:.2f}"), _frac(p["changed_frac"]), _ulps(p["max_ulps"]), p["status"]])
+    lines.append(format_table(["harness", "W", "collective", "route", "dtype", "rows×hidden", "size", "eager µs",
+                               "graph µs", "algbw", "busbw", "changed", "max ulps", "status"], points,
+                              markdown=True, align="lrllllrllrrrrl"))
+    lines += ["", "### Routes not measured", "",
+              format_table(["harness", "W", "collective", "route", "status"],
+                           [[u["harness"], u["world"], u["collective"], u["route"], u["status"]]
+                            for u in result["unavailable"]], markdown=True, align="lrlll")]
     ratios = ratio_summary(result) if ratios is None else ratios
-    lines += ["", "### Fold-route time over native time (median, eager / graph)", "",
-              "| harness | W | collective | fold route | " + " | ".join(size_label(s) for s in RATIO_SIZES) +
-              " | over in-switch |", "| --- | ---: | --- | --- | " + " | ".join("---:" for _ in RATIO_SIZES) + " | --- |"]
+    lines += ["", "### Fold-route time over native time (median, eager / graph)", ""]
+    if any(r["harness"] == "gloo" for r in ratios):
+        lines += [CPU_NOTE, ""]
+    ratio_rows = []
     keys = sorted({(r["harness"], r["world"], r["collective"], r["route"]) for r in ratios},
                   key=lambda k: (k[0], k[1], k[2], FOLD_ORDER.index(k[3])))
     for k in keys:
@@ -159,7 +165,10 @@ def to_markdown(result: dict[str, Any], *, ratios: list[dict[str, Any]] | None =
                     cell += (f" (Ring/Simple {_f(r['vs_native_ring_simple_eager'], '{:.2f}')} / "
                              f"{_f(r['vs_native_ring_simple_graph'], '{:.2f}')})")
                 cells.append(cell)
-        lines.append(f"| {k[0]} | {k[1]} | {k[2]} | {k[3]} | " + " | ".join(cells) + f" | {ins} |")
+        ratio_rows.append([*k, *cells, ins])
+    lines.append(format_table(["harness", "W", "collective", "fold route", *(size_label(s) for s in RATIO_SIZES),
+                              "over in-switch"], ratio_rows, markdown=True,
+                              align="lrll" + "r" * len(RATIO_SIZES) + "l"))
     return "\n".join(lines) + "\n"
 
 

@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from detcomm.dtypes import TABLE
+
 from . import harness, timing
 
 __all__ = ["BenchConfig", "ROUTES", "FOLD_ROUTES", "run_bench"]
@@ -47,13 +49,14 @@ FOLD_ROUTES = ("gather_fold", "ipc_one_shot", "ipc_two_shot", "a2a_fold", "ipc_f
 _WORKSPACE = ("ipc_one_shot", "ipc_two_shot", "ipc_fold")
 _MULTICAST = ("in_switch", "multicast_gather")
 _RING_SIMPLE_ENV = {"NCCL_ALGO": "Ring", "NCCL_PROTO": "Simple"}
-_ELEM = {"bfloat16": 2, "float16": 2, "float32": 4}
+_ELEM = {d.name: d.size for d in TABLE if d.is_float}
 
 
 @dataclass(frozen=True)
 class BenchConfig:
     """What to sweep and how. Sizes: every rows x hidden for each dtype (``fp32_hidden`` narrows fp32's hidden
-    sizes, None = the same as ``hidden``); reduce-scatter and all-gather points need rows divisible by W."""
+    sizes, None = the same as ``hidden``), or exactly ``explicit_shapes`` ((dtype, hidden, rows) in sweep order:
+    an nccl-tests style byte sweep); reduce-scatter and all-gather points need rows divisible by W."""
 
     device: str
     worlds: tuple[int, ...]
@@ -74,6 +77,7 @@ class BenchConfig:
     ws_bytes: int = 64 << 20
     progress: bool = True
     command: str = ""
+    explicit_shapes: tuple[tuple[str, int, int], ...] = ()
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -104,6 +108,8 @@ class BenchConfig:
 
     def shapes(self) -> list[tuple[str, int, int]]:
         """(dtype, hidden, rows) in sweep order (grouped by shape: the ranks keep one payload pool at a time)."""
+        if self.explicit_shapes:
+            return list(self.explicit_shapes)
         out = []
         for d in self.dtypes:
             hs = self.fp32_hidden if (d == "float32" and self.fp32_hidden is not None) else self.hidden

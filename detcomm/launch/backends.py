@@ -1,16 +1,15 @@
 """The command lines that start W ranks: torch.distributed.run (torchrun) or a real mpiexec.
 
-Both are plain argv lists so the CLI can exec them and tests can inspect them. Neither backend is
+Both are plain argv lists so the CLI can run them and tests can inspect them. Neither launcher is
 reimplemented here: torchrun already tears the group down when a worker fails (its agent polls every
 0.1 s and SIGTERMs the rest), and mpiexec does so when a rank calls MPI_Abort, which detcomm.launch.mpi_bootstrap
-does on any uncaught exception.
+does on any uncaught exception. Every rank runs the target through detcomm.launch.rank (under torchrun) or
+detcomm.launch.mpi_bootstrap (under mpiexec), which record the rank's error for the launcher's last word.
 """
 
 from __future__ import annotations
 
-import os
 import shutil
-import site
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
@@ -25,7 +24,7 @@ __all__ = [
     "find_mpiexec",
     "torchrun_command",
     "mpiexec_command",
-    "source_pythonpath",
+    "TORCHRUN_LINE_PREFIX",
     "have_mpi4py",
 ]
 
@@ -33,6 +32,10 @@ MPI_INSTALL_HINT = (
     "install Open MPI (Debian/Ubuntu: apt-get install -y openmpi-bin libopenmpi-dev; conda: conda install -c "
     "conda-forge openmpi) or MPICH (apt-get install -y mpich), then pip install mpi4py"
 )
+
+# torchrun's tee prefix, by global rank (its default is the role and the local rank): the variable is read by
+# torch.distributed.run itself, so it goes into torchrun's environment.
+TORCHRUN_LINE_PREFIX = {"TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": "[rank${rank}]:"}
 
 
 @dataclass(frozen=True)
@@ -77,20 +80,20 @@ def find_mpiexec(*, path: str | None = None) -> MpiExec:
 
 
 def torchrun_command(nproc: int, target: Target, *, extra: Sequence[str] = (), python: str = sys.executable) -> list[str]:
-    """``python -m torch.distributed.run`` for ``nproc`` local workers, each worker's output tagged [rankN]:.
+    """torchrun (``detcomm.launch.torchrun_agent``) for ``nproc`` local workers, each running the target
+    through ``detcomm.launch.rank``; run it with ``TORCHRUN_LINE_PREFIX`` in its environment.
 
     ``--standalone`` (a private rendezvous on a free local port) unless ``extra`` configures a rendezvous
     itself (multi-node: --nnodes, --rdzv-*, --master-*).
     """
     _check_nproc(nproc)
     own_rdzv = any(a.startswith(("--nnodes", "--rdzv", "--master", "--node")) for a in extra)
-    cmd = [python, "-m", "torch.distributed.run"]
+    cmd = [python, "-m", "detcomm.launch.torchrun_agent"]
     if not own_rdzv:
         cmd.append("--standalone")
-    # --tee 3 copies both streams to the console with a "[<role><local rank>]:" prefix; role "rank" makes
-    # that "[rank1]:", the same tag detcomm.launch.mpi_bootstrap puts on a failing rank's traceback.
-    cmd += ["--nproc-per-node", str(nproc), "--tee", "3", "--role", "rank", *extra]
-    return cmd + target.argv()
+    # --tee 3 copies both streams to the console, each line tagged by TORCHRUN_LINE_PREFIX.
+    cmd += ["--nproc-per-node", str(nproc), "--tee", "3", *extra]
+    return cmd + ["-m", "detcomm.launch.rank", *target.argv()]
 
 
 def mpiexec_command(
@@ -123,20 +126,6 @@ def mpiexec_command(
         for name in sorted(forward):
             cmd += ["-genv", name, forward[name]]
     return cmd + list(extra) + [python, "-m", "detcomm.launch.mpi_bootstrap", *target.argv()]
-
-
-def source_pythonpath(env: Mapping[str, str]) -> str:
-    """PYTHONPATH under which ``launch`` (the MPI bootstrap) and ``detcomm`` import on every rank.
-
-    From a source checkout the checkout goes first (a rank running a script sees the script's directory,
-    not the current one, on sys.path); an installed package is already on sys.path and is left alone.
-    """
-    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    installed = {os.path.abspath(p) for p in site.getsitepackages() + [site.getusersitepackages()]}
-    current = env.get("PYTHONPATH", "")
-    if here in installed or here in current.split(os.pathsep):
-        return current
-    return here + (os.pathsep + current if current else "")
 
 
 def have_mpi4py() -> bool:

@@ -1,10 +1,10 @@
 """``detcomm-launch``: start W ranks under torchrun or mpiexec with the envelope's environment applied.
 
-    detcomm-launch --nproc 4 [--numerics rl-bitwise] [--backend torchrun|mpi] (-m MODULE | SCRIPT) [ARGS...]
+    detcomm-launch --nproc 4 [--numerics rl-bitwise] [--launcher torchrun|mpi] (-m MODULE | SCRIPT) [ARGS...]
 
-The launcher builds the ranks' environment (launch.environment), then replaces itself with torchrun or
-mpiexec (exec: signals reach the real launcher directly and its exit status is ours, so a failing rank gives
-a non-zero exit without a wrapper that could lose it).
+The launcher builds the ranks' environment (launch.environment), runs torchrun or mpiexec as its child
+(launch.relay: one ``[rankN]:`` tag per rank line, the first failing rank's error printed last) and exits
+with the child's status, so a failing rank gives a non-zero exit.
 """
 
 from __future__ import annotations
@@ -14,20 +14,36 @@ import os
 import shlex
 import sys
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from .backends import (
+    TORCHRUN_LINE_PREFIX,
     LaunchError,
     Target,
     find_mpiexec,
     have_mpi4py,
     mpiexec_command,
-    source_pythonpath,
     torchrun_command,
 )
-from .environment import launch_environment, launch_variables
+from .environment import DEFAULT_NUMERICS, NUMERICS_ENV, choose_numerics, launch_environment, launch_variables
 from .mpi_bootstrap import free_port
 
-__all__ = ["build_parser", "plan", "main"]
+__all__ = ["Plan", "build_parser", "plan", "main"]
+
+
+class Plan(NamedTuple):
+    """What to run: the command, its environment, notes for the user, and how its output tags ranks."""
+
+    cmd: list[str]
+    env: dict[str, str]
+    notes: list[str]
+    flavor: str  # torchrun | openmpi | hydra (detcomm.launch.relay)
+
+# --backend means the torch.distributed backend (gloo, nccl) in every detcomm command; the ranks' detcomm.init()
+# picks it (NCCL where there is a GPU), so the launcher takes none, and says so to whoever passes one.
+_BACKEND_MOVED = ("--backend names the torch.distributed backend (gloo or nccl) in detcomm's commands; the "
+                  "ranks' detcomm.init() picks it (NCCL with GPUs, else gloo). How ranks are started is "
+                  "--launcher torchrun|mpi")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,12 +52,17 @@ def build_parser() -> argparse.ArgumentParser:
         description="Start W detcomm ranks under torchrun or MPI with the numerics envelope's environment "
         "(NCCL_ALGO/NCCL_PROTO/NVIDIA_TF32_OVERRIDE under a bitwise envelope, DETCOMM_NUMERICS) and the "
         "multicast-off variables set before any rank starts. One failing rank takes the whole group down "
-        "with a non-zero exit.",
+        "with a non-zero exit, and its error is printed last. The ranks import detcomm from the interpreter's "
+        "own path: install the package (pip install -e .) or export PYTHONPATH yourself.",
     )
     p.add_argument("--nproc", type=int, required=True,
                    help="ranks to start: per node under torchrun (W on one node), in total under mpi (mpiexec -n)")
-    p.add_argument("--numerics", default="auto", help="numerics envelope: auto (default) or rl-bitwise")
-    p.add_argument("--backend", choices=("torchrun", "mpi"), default="torchrun", help="how ranks are started")
+    p.add_argument("--numerics", default=None,
+                   help=f"numerics envelope (default: ${NUMERICS_ENV} when exported, else {DEFAULT_NUMERICS}); "
+                   f"a value that contradicts an exported ${NUMERICS_ENV} is an error")
+    p.add_argument("--launcher", choices=("torchrun", "mpi"), default="torchrun",
+                   help="how ranks are started (default torchrun)")
+    p.add_argument("--backend", help=argparse.SUPPRESS)
     p.add_argument(
         "--torchrun-args", default="", metavar="ARGS",
         help="extra torch.distributed.run arguments, one shell-quoted string (e.g. multi-node rendezvous)",
@@ -57,25 +78,31 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def plan(ns: argparse.Namespace, *, base_env: dict[str, str] | None = None) -> tuple[list[str], dict[str, str], list[str]]:
-    """The command to exec, its environment, and notes for the user (pure apart from locating mpiexec).
+def plan(ns: argparse.Namespace, *, base_env: dict[str, str] | None = None) -> Plan:
+    """The command to run and its environment (pure apart from locating mpiexec).
 
     Raises:
-        ValueError: bad options (unknown envelope, non-positive --nproc).
-        LaunchError: the MPI backend is missing from this machine.
+        ValueError: bad options (unknown envelope, --numerics contradicting an exported DETCOMM_NUMERICS,
+            non-positive --nproc, a --backend).
+        LaunchError: the MPI launcher is missing from this machine.
     """
+    if ns.backend is not None:
+        raise ValueError(f"detcomm-launch takes no --backend ({ns.backend!r}): {_BACKEND_MOVED}")
     if ns.nproc < 1:
         raise ValueError(f"--nproc must be a positive integer, got {ns.nproc}")
-    env = launch_environment(ns.numerics, base=base_env)
+    base = dict(os.environ if base_env is None else base_env)
+    numerics = choose_numerics(ns.numerics, env=base)
+    env = launch_environment(numerics, base=base)
     target = Target(ns.target, tuple(ns.args), module=ns.module)
     notes: list[str] = []
-    env["PYTHONPATH"] = source_pythonpath(env)
-    if ns.backend == "torchrun":
-        return torchrun_command(ns.nproc, target, extra=shlex.split(ns.torchrun_args)), env, notes
+    if ns.launcher == "torchrun":
+        env.update(TORCHRUN_LINE_PREFIX)
+        return Plan(torchrun_command(ns.nproc, target, extra=shlex.split(ns.torchrun_args)), env, notes, "torchrun")
 
     mpi = find_mpiexec(path=env.get("PATH"))
-    forward = {k: env[k] for k in launch_variables(ns.numerics)}
-    forward["PYTHONPATH"] = env["PYTHONPATH"]
+    forward = {k: env[k] for k in launch_variables(numerics)}
+    if env.get("PYTHONPATH"):
+        forward["PYTHONPATH"] = env["PYTHONPATH"]  # the user's own: remote nodes see only what is forwarded
     if not have_mpi4py():
         # No MPI broadcast without mpi4py: fix the rendezvous here, which is only right on one node.
         env.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -87,14 +114,14 @@ def plan(ns: argparse.Namespace, *, base_env: dict[str, str] | None = None) -> t
             "ending the job when a rank exits non-zero; pip install mpi4py for MPI_Abort and multi-node jobs"
         )
     cmd = mpiexec_command(mpi, ns.nproc, target, forward=forward, extra=shlex.split(ns.mpiexec_args))
-    return cmd, env, notes
+    return Plan(cmd, env, notes, mpi.flavor)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``detcomm-launch``; on success it does not return (exec)."""
+    """Entry point of ``detcomm-launch``: runs the ranks and returns their launcher's exit status."""
     ns = build_parser().parse_args(argv)
     try:
-        cmd, env, notes = plan(ns)
+        cmd, env, notes, flavor = plan(ns)
     except (ValueError, LaunchError) as exc:
         print(f"detcomm-launch: error: {exc}", file=sys.stderr)
         return 2
@@ -106,10 +133,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{k}={changed[k]}")
         print(shlex.join(cmd))
         return 0
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execvpe(cmd[0], cmd, env)
-    return 0  # unreachable: exec replaced this process
+    from .relay import run
+
+    return run(cmd, env, flavor=flavor)
 
 
 if __name__ == "__main__":

@@ -11,10 +11,16 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-# The envelope module alone (stdlib only): the launcher need not import torch to start ranks.
-from detcomm.envelope import envelope_environment
+from detcomm import envelope
+from detcomm.envelope import envelope_environment, known_envelopes
 
-__all__ = ["MULTICAST_OFF", "launch_environment", "launch_variables"]
+__all__ = ["DEFAULT_NUMERICS", "MULTICAST_OFF", "NUMERICS_ENV", "choose_numerics", "launch_environment",
+           "launch_variables"]
+
+# The one default envelope of every detcomm entry point (init, the probes, detcomm routes, detcomm-launch).
+DEFAULT_NUMERICS: str = getattr(envelope, "DEFAULT_NUMERICS", "rl-bitwise")
+# What detcomm.init() in the ranks reads when no numerics= is passed.
+NUMERICS_ENV = "DETCOMM_NUMERICS"
 
 # docs/spec.md §8: set in every environment detcomm creates, whatever the envelope says. Kept here as well as in the
 # core's envelope_environment so that the launcher's promise does not depend on a switch (allow_multicast)
@@ -26,7 +32,33 @@ MULTICAST_OFF: Mapping[str, str] = {
 }
 
 
-def launch_environment(numerics: str = "auto", *, base: Mapping[str, str] | None = None) -> dict[str, str]:
+def choose_numerics(flag: str | None, *, env: Mapping[str, str], option: str = "--numerics") -> str:
+    """The envelope a command runs under: its ``--numerics`` flag, else an exported $DETCOMM_NUMERICS, else
+    ``DEFAULT_NUMERICS``.
+
+    An exported value wins over the default, so a user who exported rl-bitwise never gets a weaker envelope
+    from a launcher's default; a flag that contradicts the exported value is an error rather than a silent
+    choice between the two (the ranks' ``detcomm.init()`` reads the variable too).
+
+    Raises:
+        ValueError: the flag and the exported value differ, or either names no registered envelope.
+    """
+    exported = env.get(NUMERICS_ENV) or None
+    if exported is not None and exported not in known_envelopes():
+        raise ValueError(f"{NUMERICS_ENV}={exported!r} (exported in this environment) is not a numerics envelope; "
+                         f"known: {list(known_envelopes())}")
+    if flag is None:
+        return exported or DEFAULT_NUMERICS
+    if flag not in known_envelopes():
+        raise ValueError(f"unknown numerics envelope {flag!r} for {option}; known: {list(known_envelopes())}")
+    if exported is not None and flag != exported:
+        raise ValueError(
+            f"{option} {flag} contradicts {NUMERICS_ENV}={exported} exported in this environment; pass "
+            f"{option} {exported}, or change or unset {NUMERICS_ENV} (unset, the default is {DEFAULT_NUMERICS})")
+    return flag
+
+
+def launch_environment(numerics: str = DEFAULT_NUMERICS, *, base: Mapping[str, str] | None = None) -> dict[str, str]:
     """The complete environment for the ranks of a job launched under ``numerics``.
 
     Args:
@@ -48,7 +80,7 @@ def launch_environment(numerics: str = "auto", *, base: Mapping[str, str] | None
     return env
 
 
-def launch_variables(numerics: str = "auto") -> dict[str, str]:
+def launch_variables(numerics: str = DEFAULT_NUMERICS) -> dict[str, str]:
     """Only the variables the launcher sets or forces (for forwarding them to remote MPI nodes)."""
     names = set(envelope_environment(numerics)) | set(MULTICAST_OFF) | {"OMP_NUM_THREADS"}
     env = launch_environment(numerics)

@@ -9,7 +9,7 @@ starts it; a batch script may start it directly (launch/examples/slurm_mpi.sh).
 
 With mpi4py (preferred) the facts come from MPI itself and rank 0's rendezvous address is broadcast over MPI,
 so multi-node jobs need no extra configuration; an uncaught exception (or a non-zero SystemExit) on any rank
-prints that rank's traceback and calls MPI_Abort, which makes mpiexec kill every rank at once: ranks blocked
+records that rank's error (detcomm.launch.rank) and calls MPI_Abort, which makes mpiexec kill every rank at once: ranks blocked
 in a gloo or NCCL collective would otherwise wait for the dead peer until their timeout.
 Without mpi4py the launcher's variables are mapped instead (see ``detcomm.mpi_env``).
 """
@@ -17,14 +17,13 @@ Without mpi4py the launcher's variables are mapped instead (see ``detcomm.mpi_en
 from __future__ import annotations
 
 import os
-import runpy
 import socket
 import sys
-import traceback
 from collections.abc import Sequence
 
 from detcomm.mpi_env import RankFacts, rank_facts_from_environment, torch_distributed_variables
 
+from . import rank as _rank
 from .environment import MULTICAST_OFF
 
 __all__ = ["main", "free_port"]
@@ -75,47 +74,9 @@ def _facts_from_environment() -> tuple[RankFacts, str, int]:
     return facts, addr, int(port)
 
 
-def _report(rank: int, size: int, lines: Sequence[str]) -> None:
-    prefix = f"[rank{rank}]: "
-    sys.stdout.flush()
-    sys.stderr.write(f"{prefix}detcomm-launch: rank {rank} of {size} failed; aborting the whole job\n")
-    for chunk in lines:
-        for line in chunk.rstrip("\n").split("\n"):
-            sys.stderr.write(prefix + line + "\n")
-    sys.stderr.flush()
-
-
-def _target_traceback(exc: BaseException) -> list[str]:
-    """The traceback from the target's own frames on: the bootstrap's and runpy's frames are noise."""
-    tb = exc.__traceback__
-    while tb is not None and (tb.tb_frame.f_code.co_filename in (__file__, runpy.__file__) or tb.tb_frame.f_code.co_filename.startswith("<frozen")):
-        tb = tb.tb_next
-    return traceback.format_exception(type(exc), exc, tb if tb is not None else exc.__traceback__)
-
-
-def _run_target(module: bool, target: str, args: Sequence[str]) -> None:
-    sys.argv = [target, *args]
-    if module:
-        runpy.run_module(target, run_name="__main__", alter_sys=True)
-    else:
-        # As `python script.py` does: the script's directory first on sys.path.
-        sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
-        runpy.run_path(target, run_name="__main__")
-
-
-def _parse(argv: Sequence[str]) -> tuple[bool, str, list[str]]:
-    argv = list(argv)
-    module = bool(argv) and argv[0] in ("-m", "--module")
-    if module:
-        argv = argv[1:]
-    if not argv:
-        raise ValueError("usage: python -m detcomm.launch.mpi_bootstrap [-m] TARGET [ARGS...]")
-    return module, argv[0], argv[1:]
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Bootstrap one MPI rank and run the target in this process; returns the exit status on success."""
-    module, target, args = _parse(sys.argv[1:] if argv is None else argv)
+    module, target, args = _rank.parse(sys.argv[1:] if argv is None else argv, prog="detcomm.launch.mpi_bootstrap")
     try:
         from mpi4py import MPI
     except ImportError:
@@ -138,24 +99,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if reconfigure is not None:
             reconfigure(line_buffering=True, write_through=False)
 
-    try:
-        _run_target(module, target, args)
-    except SystemExit as exc:
-        code = exc.code
-        if code is None or code == 0:
-            return 0
-        status = code if isinstance(code, int) else 1
-        detail = [f"SystemExit({code!r})"]
-        _report(facts.rank, facts.world_size, detail)
-        if comm is not None:
-            comm.Abort(status)
-        return status
-    except BaseException as exc:
-        _report(facts.rank, facts.world_size, _target_traceback(exc))
-        if comm is not None:
-            comm.Abort(1)
-        return 1
-    return 0
+    # The error is recorded before MPI_Abort: the abort kills every rank at once, this one included.
+    status = _rank.run(facts.rank, facts.world_size, module, target, args)
+    if status and comm is not None:
+        comm.Abort(status)
+    return status
 
 
 if __name__ == "__main__":

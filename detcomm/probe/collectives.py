@@ -2,9 +2,10 @@
 
 For each site the same payload rows (detcomm.payload: magnitudes 1e-38..1e38, cancellations across ranks,
 ±0, subnormals) are reduced alone (batch 1, the reference, twice) and then inside batches of many sizes at
-random offsets among other rows. A row's output must keep its bits wherever it travels. The per-site table
-counts the payload rows whose output changed against the batch-1 reference, the largest change in ulps, and
-whether every rank held the same bits. A route that claims batch invariance (a canonical-fold route for a
+random offsets among other rows (detcomm.invariance). A row's output must keep its bits wherever it travels,
+including to another receiving rank of a reduce-scatter: its shards are gathered and every row is compared
+wherever it landed. The per-site table counts the payload rows (and elements) whose output changed against
+the batch-1 reference, the largest change in ulps, and whether every rank held the same bits. A route that claims batch invariance (a canonical-fold route for a
 float SUM; the exact key-based routes for MAX and argmax) and changed anything fails the probe (exit 1); the
 native route's float sums make no such claim and their changes are reported, not failed (at W >= 3 they are
 the expected negative control).
@@ -25,10 +26,11 @@ import torch
 import torch.distributed as dist
 
 import detcomm
+from detcomm import invariance as inv
+from detcomm.dtypes import name_of
 from detcomm.payload import ill_conditioned
 from detcomm.route import ROUTE_INFO, Route
 
-from .bits import bits, changed_mask, ulp_distance
 from .table import emit, format_table
 
 __all__ = ["SiteSpec", "SiteResult", "SITES", "probe_site", "main"]
@@ -92,7 +94,7 @@ class SiteResult:
 
 
 def _payload(spec: SiteSpec, rows: int, width: int, *, seed: int, rank: int, world: int) -> torch.Tensor:
-    x = ill_conditioned(rows, (width,), spec.dtype, seed=seed, rank=rank)
+    x = ill_conditioned(rows, (width,), spec.dtype, seed=seed, rank=rank, world_size=world)
     if spec.collective == "argmax":
         # Exact ties across shards (the same maximum on every rank: the lowest global index must win) and
         # rows whose maximum is a signed zero (-0.0 on some ranks, +0.0 on others: equal, lowest index wins).
@@ -106,26 +108,10 @@ def _payload(spec: SiteSpec, rows: int, width: int, *, seed: int, rank: int, wor
     return x
 
 
-def _compositions(rows: int, max_rows: int, multiple: int, *, seed: int, per_size: int) -> list[torch.Tensor]:
-    """Batches as index lists into the payload: many sizes, every row at many offsets. Same on every rank."""
-    g = torch.Generator().manual_seed(seed ^ 0xC0B)
-    sizes = sorted({s for s in (1, 2, 3, 4, 5, 7, 8, 11, 13, 16, 17, 23, 24, 31, 32, 33, 47, 48, 63, 64, 96, 127, 128)
-                    if s <= max_rows} | {max_rows})
-    sizes = sorted({max(multiple, (s // multiple) * multiple) for s in sizes})
-    out = []
-    for size in sizes:
-        for _ in range(per_size):
-            if size <= rows:
-                out.append(torch.randperm(rows, generator=g)[:size])
-            else:
-                out.append(torch.randint(0, rows, (size,), generator=g))
-    return out
-
-
 def _agree(t: torch.Tensor, device: torch.device) -> int:
     """Elements whose bits differ between ranks (0 when all ranks hold the same bits). Bookkeeping goes
     through torch.distributed directly: the probe must not check detcomm with detcomm."""
-    b = bits(t).to(torch.int64).reshape(-1).to(device)
+    b = inv.bits(t).to(torch.int64).reshape(-1).to(device)
     hi, lo = b.clone(), b.clone()
     dist.all_reduce(hi, op=dist.ReduceOp.MAX)
     dist.all_reduce(lo, op=dist.ReduceOp.MIN)
@@ -150,56 +136,39 @@ def probe_site(
     x = _payload(spec, rows, width, seed=seed, rank=rank, world=world).to(device)
     call: Callable[[torch.Tensor], torch.Tensor]
     if spec.collective == "argmax":
-        call = lambda b: detcomm.argmax(b, site=spec.name, vocab_start=rank * width).cpu()  # noqa: E731
+        call = lambda b: detcomm.argmax(b, site=spec.name, vocab_start=rank * width)  # noqa: E731
     elif spec.collective == "reduce_scatter":
-        call = lambda b: detcomm.reduce_scatter(b, site=spec.name).cpu()  # noqa: E731
+        call = lambda b: detcomm.reduce_scatter(b, site=spec.name)  # noqa: E731
     else:
-        call = lambda b: detcomm.all_reduce(b, site=spec.name, op=spec.op).cpu()  # noqa: E731
+        call = lambda b: detcomm.all_reduce(b, site=spec.name, op=spec.op)  # noqa: E731
 
-    # Batch-1 references; a reduce-scatter's smallest batch is one row per rank, all of them the row itself.
-    def reference() -> list[torch.Tensor]:
-        if spec.collective == "reduce_scatter":
-            return [call(x[i : i + 1].expand(world, width).contiguous())[0].clone() for i in range(rows)]
-        return [call(x[i : i + 1])[0].clone() for i in range(rows)]
+    # Whole outputs on every rank: a reduce-scatter's shards are gathered in rank order, so a row is compared
+    # with its batch-1 result on whichever rank received it.
+    def run(comp: inv.Composition) -> torch.Tensor:
+        return inv.gather_whole(call(x[comp.tensor(device)]), collective=spec.collective).cpu()
 
-    ref = reference()
-    repeatable = all(not bool(changed_mask(a, b).any()) for a, b in zip(ref, reference()))
-    disagreements = sum(_agree(r, device) for r in ref) if spec.collective != "reduce_scatter" else 0
+    # Batch-1 references (twice: the reference itself must repeat); a reduce-scatter's smallest batch is the
+    # row in every block, received by every rank.
+    ref, tally = inv.batch1_reference(run, rows, collective=spec.collective, world_size=world)
+    again, _ = inv.batch1_reference(run, rows, collective=spec.collective, world_size=world)
+    repeatable = inv.bits_equal(ref, again)
+    disagreements = _agree(ref, device)
 
     multiple = world if spec.collective == "reduce_scatter" else 1
-    comps = _compositions(rows, max_rows, multiple, seed=seed, per_size=per_size)
-    changed_rows = torch.zeros(rows, dtype=torch.bool)
-    elements = 0
-    max_ulps = 0.0
-    for idx in comps:
-        out = call(x[idx])
-        if spec.collective == "reduce_scatter":
-            k = idx.numel() // world
-            mine = idx[rank * k : (rank + 1) * k]
-        else:
-            mine = idx
+    comps = inv.shuffled(rows, max_rows=max_rows, multiple=multiple, seed=seed, per_size=per_size)
+    for comp in comps:
+        out = run(comp)
+        if spec.collective != "reduce_scatter":  # gathered reduce-scatter outputs are the same on every rank
             disagreements += _agree(out, device)
-        for j, i in enumerate(mine.tolist()):
-            got, want = out[j], ref[i]
-            mask = changed_mask(got, want)
-            if bool(mask.any()):
-                changed_rows[i] = True
-                elements += int(mask.sum())
-                max_ulps = max(max_ulps, float(ulp_distance(got, want)[mask].max()))
-
-    # Reduce-scatter rows live on one rank each: agree on the union before anyone reports.
-    counts = torch.tensor([int(changed_rows.sum()), elements, disagreements, int(not repeatable)], dtype=torch.int64)
-    flags = changed_rows.to(torch.int64).to(device)
-    counts = counts.to(device)
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        tally.add(out, comp)
+    tally = tally.agreed(device=device)
+    counts = torch.tensor([disagreements, int(not repeatable)], dtype=torch.int64, device=device)
     dist.all_reduce(counts, op=dist.ReduceOp.SUM)
-    ulps = torch.tensor([max_ulps], dtype=torch.float64, device=device)
-    dist.all_reduce(ulps, op=dist.ReduceOp.MAX)
     return SiteResult(
-        site=spec.name, collective=spec.collective, op=spec.op, dtype=str(spec.dtype).replace("torch.", ""),
-        route=chosen.value, claim=claim, rows=rows, compositions=len(comps), rows_changed=int(flags.sum()),
-        elements_changed=int(counts[1]), max_ulps=float(ulps[0]), rank_disagreements=int(counts[2]),
-        reference_repeatable=int(counts[3]) == 0,
+        site=spec.name, collective=spec.collective, op=spec.op, dtype=name_of(spec.dtype),
+        route=chosen.value, claim=claim, rows=rows, compositions=len(comps), rows_changed=tally.rows_changed,
+        elements_changed=tally.elements_changed, max_ulps=tally.max_ulps, rank_disagreements=int(counts[0]),
+        reference_repeatable=int(counts[1]) == 0,
     )
 
 

@@ -36,8 +36,8 @@ import torch.distributed as dist
 
 import detcomm
 from detcomm.envelope import DEFAULT_NUMERICS
+from detcomm.invariance import bits
 
-from .bits import bits
 from .model import SITE_NAMES, ModelConfig, Segment, TPTransformer
 from .table import emit, format_table
 

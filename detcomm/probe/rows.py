@@ -23,14 +23,15 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .bits import changed_mask, ulp_distance
+from detcomm.dtypes import FLOAT_NAMES, from_name, name_of
+from detcomm.invariance import changed_mask, ulp_distance
+
 from .table import emit, format_table
 
 __all__ = ["Boundary", "RowMap", "map_rows", "matmul_op", "load_op", "main"]
 
 Op = Callable[[torch.Tensor], torch.Tensor]
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -111,7 +112,7 @@ def map_rows(op: Op, x: torch.Tensor, *, max_rows: int | None = None, pad_to: in
                 ulps = float(ulp_distance(row0, prev)[mask].max())
                 boundaries.append(Boundary(t, int(mask.sum()), row0.numel(), ulps))
         prev = row0
-    return RowMap(name, tuple(x.shape[1:]), str(x.dtype).replace("torch.", ""), max_rows, pad_to, tuple(boundaries))
+    return RowMap(name, tuple(x.shape[1:]), name_of(x.dtype), max_rows, pad_to, tuple(boundaries))
 
 
 def matmul_op(n: int, k: int, *, dtype: torch.dtype, device: str, seed: int) -> tuple[Op, str]:
@@ -158,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-rows", type=int, default=64, help="largest row count T (default 64)")
     p.add_argument("--pad-to", type=int, default=None, metavar="T_PAD",
                    help="run every t at this fixed padded row width (must be >= --max-rows)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--dtype", choices=sorted(FLOAT_NAMES), default="float32")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda[:i]")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads for CPU kernels")
@@ -173,7 +174,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ns.shape = [[1024, 512]]
     if ns.threads is not None:
         torch.set_num_threads(ns.threads)
-    dtype = DTYPES[ns.dtype]
+    dtype = from_name(ns.dtype)
     total = max(ns.max_rows, ns.pad_to or 0)
     maps: list[RowMap] = []
     for n, k in ns.shape:
@@ -186,7 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     pad = f", fixed padded width {ns.pad_to}" if ns.pad_to else ""
     title = f"row-count map: row 0's bits at t = 1..{ns.max_rows} vs t-1 ({ns.dtype}, {ns.device}{pad})"
-    emit(format_table(["op", "input row", "class boundaries"],
+    emit(format_table(["op", "input row width K", "class boundaries"],
                       [[m.op, "x".join(map(str, m.input_shape)), m.describe()] for m in maps], title=title))
     if ns.json:
         with open(ns.json, "w") as f:

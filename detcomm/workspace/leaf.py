@@ -18,12 +18,12 @@ import importlib.util
 
 import torch
 
-from ..fold import BATCH_INVARIANT, FLOAT_DTYPES, Leaf, Priority, register_leaf
+from ..dtypes import FLOAT_DTYPES, info
+from ..fold import BATCH_INVARIANT, Leaf, Priority, register_leaf
 from . import plan
 
 __all__ = ["cuda_fold", "LEAF"]
 
-_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 
 
 def cuda_fold(stacked: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -54,7 +54,7 @@ def cuda_fold(stacked: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     # Elementwise, no barriers: the grid changes only the schedule, never an element's arithmetic.
     grid = max(1, min(4 * sms, -(-packs // plan.BLOCK_THREADS)))
     args = [ctypes.c_uint64(table.data_ptr()), ctypes.c_uint64(out.data_ptr()), ctypes.c_int64(n)]
-    ks.launch(f"detcomm_fold_local_{_SUFFIX[stacked.dtype]}", grid, args,
+    ks.launch(f"detcomm_fold_local_{info(stacked.dtype).suffix}", grid, args,
               stream_ptr=torch.cuda.current_stream(stacked.device).cuda_stream)
     return out
 

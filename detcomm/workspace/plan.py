@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
+from ..dtypes import TABLE
+
 # --- mirrored from csrc/detcomm_common.cuh -----------------------------------------------------------------
 MAX_WORLD = 8
 MAX_BLOCKS = 256
@@ -25,8 +27,9 @@ BARRIER_NAMES = ("start", "mid", "end")
 # The header must hold flags[kind][block][rank] and epochs[kind][block], all u32.
 assert (BARRIER_KINDS * MAX_BLOCKS * MAX_WORLD + BARRIER_KINDS * MAX_BLOCKS) * 4 <= HEADER_BYTES
 
-ELEM_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
-DTYPE_SUFFIX = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+# The float dtypes the kernels fold, by name (detcomm.dtypes): element bytes and kernel-name suffix.
+ELEM_SIZES = {d.name: d.size for d in TABLE if d.is_float}
+DTYPE_SUFFIX = {d.name: str(d.suffix) for d in TABLE if d.is_float}
 
 DEFAULT_MAX_ROWS_ARMED = 2048
 # Above this message size all_reduce takes two-shot. Both give the same bits; this only moves latency.

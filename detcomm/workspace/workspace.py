@@ -12,11 +12,11 @@ from typing import Any
 
 import torch
 
+from ..dtypes import FLOAT_DTYPES, FLOAT_NAMES, name_of
 from ..errors import WorkspaceUnavailable
 from . import plan
 from .kernels import KernelSet, kernel_set
 
-_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 DEFAULT_TIMEOUT_S = 10.0
 
 
@@ -310,10 +310,9 @@ class Workspace:
 
     def _fold_dtype(self, x: torch.Tensor) -> str:
         self._check_tensor(x)
-        try:
-            return _DTYPES[x.dtype]
-        except KeyError:
-            raise ValueError(f"the workspace folds float32, bfloat16 and float16, got {x.dtype}") from None
+        if x.dtype not in FLOAT_DTYPES:
+            raise ValueError(f"the workspace folds {list(FLOAT_NAMES)}, got {x.dtype}")
+        return name_of(x.dtype)
 
     def _output(self, x: torch.Tensor, out: torch.Tensor | None, shape: tuple[int, ...]) -> torch.Tensor:
         if out is None:

@@ -14,7 +14,7 @@ cd "${SLURM_SUBMIT_DIR:-.}"
 # detcomm-launch computes the ranks' environment (envelope + multicast off) and forwards it to every node
 # (-x for Open MPI, -genv for MPICH); --nproc is the whole job's rank count, the hosts come from Slurm's
 # allocation (Open MPI and MPICH read it themselves).
-exec detcomm-launch --backend mpi --nproc "$SLURM_NTASKS" --numerics rl-bitwise \
+exec detcomm-launch --launcher mpi --nproc "$SLURM_NTASKS" --numerics rl-bitwise \
   -m detcomm.probe model "$@"
 # Equivalent without detcomm-launch (e.g. srun --mpi=pmix): export the variables of
 # detcomm.envelope_environment("rl-bitwise") and NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1

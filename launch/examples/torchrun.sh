@@ -7,5 +7,7 @@ set -euo pipefail
 eval "$(python -c 'import detcomm; print("\n".join(f"export {k}={v}" for k, v in detcomm.envelope_environment("rl-bitwise").items()))')"
 # docs/spec.md §8: multicast off in every environment, whatever the envelope says.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-exec python -m torch.distributed.run --standalone --nproc-per-node "${NPROC:-4}" --tee 3 --role rank \
+# Each line tagged [rankN]: by global rank (torchrun's default tag is the role and the local rank).
+export TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE='[rank${rank}]:'
+exec python -m torch.distributed.run --standalone --nproc-per-node "${NPROC:-4}" --tee 3 \
   -m detcomm.probe model "$@"

@@ -1,0 +1,85 @@
+"""Deadlines: the default timeout of the groups detcomm creates, and a timeout error that names who is missing.
+
+A collective whose peer never arrives fails in the library with a message that names neither the site nor the
+peer ("Timed out waiting 300000ms for recv operation"). When a blocking call of a site times out, every rank
+that timed out writes where it did (site and call number) into the process group's key-value store (the
+rendezvous store every torch.distributed group already has), waits a moment for the other waiting ranks to
+do the same, and raises ``PeerTimeout`` naming the site, the call number, where the other ranks timed out,
+and the ranks that wrote nothing: those are dead, frozen, or stuck outside detcomm. The store is touched on this
+failure path only, so a healthy call pays nothing.
+
+DEFAULT_TIMEOUT_S: the deadline of every blocking wait on a group ``detcomm.init`` creates, when
+``timeout_s`` is not given. Five minutes: far beyond any healthy collective (microseconds to milliseconds),
+and beyond the host stalls a serving process meets between two collectives (weights loading on one rank
+while the others wait, a kernel JIT, a GC pause), yet a dead rank surfaces in minutes rather than after
+gloo's 30-minute default. A group the caller created keeps its own timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch.distributed as dist
+
+from .errors import PeerTimeout
+
+__all__ = ["DEFAULT_TIMEOUT_S", "is_timeout", "timeout_reports", "peer_timeout"]
+
+DEFAULT_TIMEOUT_S = 300.0
+_GRACE_S = 2.0  # how long a timed-out rank waits for the other timed-out ranks to sign in
+_log = logging.getLogger("detcomm")
+
+
+def is_timeout(e: BaseException) -> bool:
+    """Whether a torch.distributed error is a deadline (gloo and NCCL spell it "Timed out" / "timeout")."""
+    text = str(e).lower()
+    return "timed out" in text or "timeout" in text
+
+
+def _store() -> Any:
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - no store reachable: the error says so instead of naming ranks
+        return None
+
+
+def timeout_reports(prefix: str, rank: int, ranks: list[int], mine: str, *,
+                    grace_s: float = _GRACE_S) -> dict[int, str] | None:
+    """Post ``mine`` (where this rank timed out) under ``prefix/rank``, wait ``grace_s`` for the other timed-out
+    ranks to do the same, and return what every rank posted ({} entries for ranks that posted nothing). None
+    when the store is unreachable (its host, rank 0 of the default group, may be the one that died)."""
+    store = _store()
+    if store is None:
+        return None
+    try:
+        store.set(f"{prefix}/{rank}", mine)
+        time.sleep(grace_s)
+        return {r: store.get(f"{prefix}/{r}").decode() for r in ranks if store.check([f"{prefix}/{r}"])}
+    except Exception:  # noqa: BLE001 - the store's host is gone
+        return None
+
+
+def peer_timeout(site: str, call: int, e: BaseException, *, group: dist.ProcessGroup, rank: int) -> PeerTimeout:
+    """The PeerTimeout to raise for a timed-out call of ``site`` (call number ``call`` of this communicator).
+
+    Ranks that timed out too report where (a ring lets a rank finish a call its neighbour is still waiting in,
+    so survivors may stand at neighbouring calls); the ranks that report nothing are the ones to look at."""
+    ranks = dist.get_process_group_ranks(group)
+    me = dist.get_rank()
+    posted = timeout_reports(f"detcomm/timeout/{getattr(group, 'group_name', 'default')}", me, ranks,
+                             f"site {site!r} call #{call}")
+    if posted is None:
+        who = "the rendezvous store is unreachable, so the silent rank is unknown (rank 0, its host, may have died)"
+    else:
+        silent = [r for r in ranks if r not in posted]
+        others = "; ".join(f"rank {r} timed out at {w}" for r, w in sorted(posted.items()) if r != me)
+        who = (f"rank(s) {silent} did not report a timeout (dead, frozen, or stuck outside detcomm)" if silent
+               else "every rank timed out (a rank left the collective mid-way)")
+        if others:
+            who += f"; {others}"
+    msg = (f"site {site!r}, call #{call} on rank {rank}: the collective timed out; {who}. The deadline is "
+           f"init(timeout_s=...) (default {DEFAULT_TIMEOUT_S:.0f} s for groups detcomm creates). Library error: {e}")
+    _log.error("detcomm: %s", msg)
+    return PeerTimeout(msg)

@@ -1,0 +1,238 @@
+"""The canonical residual add + RMSNorm (docs/spec.md §9) and its composition with the canonical all-reduce.
+
+For one row r of H elements (dtype bf16, fp16 or fp32) and a weight w of H elements (any of those dtypes)::
+
+    a_i = fp32(r_i);  q_i = fp32(a_i * a_i)
+    lane t = 0..255 owns the 8-element chunks c = t, t+256, t+512, ... (elements 8c .. 8c+7, those < H);
+        p_t = +0.0, then p_t = fp32(p_t + q_i) over its elements in increasing index order
+    S = halving tree over each warp's 32 lanes (h = 16, 8, 4, 2, 1: v_l = v_l + v_{l+h}), then over the 8 warp
+        results (h = 4, 2, 1)
+    inv_rms = fp32(1 / fp32(sqrt(fp32(fp32(S / H) + fp32(eps)))))     # each step correctly rounded
+    y_i = round_dtype(fp32(fp32(a_i * inv_rms) * fp32(w_i)))             # canonical NaN
+
+Every step is one IEEE fp32 operation rounded to nearest even: no FMA contraction, no flush-to-zero, no
+approximate rsqrt. The order depends only on H, never on the row count, the row's offset, the batch or W, so a
+row's bits are the same whatever it travels with. The fixed geometry (256 lanes of 8-element chunks, warps of 32)
+is what one 256-thread CUDA block per row computes with 16-byte loads and a shuffle tree (csrc/rms_norm.cu).
+
+Two implementations give those bits: torch elementwise ops arranged in that order (any device; the sums are
+explicit adds of slices, so no torch reduction kernel picks an order), and the NVRTC kernel (CUDA devices where
+cupy is installed). ``rms_norm`` takes the kernel when it can; tests hold both to an independent numpy oracle.
+
+The residual add: r = round_dtype(fp32(residual) + fp32(s)), s the all-reduced (already rounded) sum.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from numbers import Real
+
+import torch
+
+from . import norm_cuda
+from .fold import FLOAT_DTYPES, canonicalize_nan
+from .route import Site
+
+__all__ = [
+    "LANES",
+    "CHUNK",
+    "WARP",
+    "MAX_HIDDEN",
+    "eps_fp32",
+    "sum_of_squares",
+    "sqrt_rn",
+    "inv_rms",
+    "rms_norm",
+    "rms_norm_torch",
+    "add_rms_norm",
+    "add_rms_norm_torch",
+    "all_reduce_residual_rmsnorm",
+]
+
+log = logging.getLogger("detcomm.norm")
+
+LANES = 256
+CHUNK = 8
+WARP = 32
+# fp32(H) must be exact for S / H to be the definition's one rounding.
+MAX_HIDDEN = 1 << 24
+
+
+def eps_fp32(eps: float) -> float:
+    """``eps`` rounded to fp32 (nearest even): the value every implementation adds. Refuses what is not a finite
+    non-negative real number, or what fp32 cannot hold."""
+    if isinstance(eps, bool) or not isinstance(eps, Real):
+        raise TypeError(f"eps must be a real number, got {type(eps).__name__}")
+    value = float(eps)
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"eps must be finite and >= 0, got {eps!r}")
+    e32 = torch.tensor(value, dtype=torch.float32).item()
+    if math.isinf(e32):
+        raise ValueError(f"eps {eps!r} overflows fp32")
+    return e32
+
+
+def _check(name: str, r: torch.Tensor, weight: torch.Tensor) -> int:
+    for what, t in (("input", r), ("weight", weight)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: {what} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in FLOAT_DTYPES:
+            raise ValueError(f"{name}: {what} dtype must be one of {FLOAT_DTYPES}, got {t.dtype}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name}: {what} is not contiguous; pass {what}.contiguous()")
+    if weight.dim() != 1:
+        raise ValueError(f"{name}: weight must be 1-D [hidden], got shape {tuple(weight.shape)}")
+    hidden = weight.shape[0]
+    if r.dim() < 1 or r.shape[-1] != hidden:
+        raise ValueError(f"{name}: the input's last dimension must equal the weight's length {hidden}, "
+                         f"got shape {tuple(r.shape)}")
+    if not 1 <= hidden <= MAX_HIDDEN:
+        raise ValueError(f"{name}: hidden size must be in 1..{MAX_HIDDEN}, got {hidden}")
+    if r.device != weight.device:
+        raise ValueError(f"{name}: input on {r.device} but weight on {weight.device}; move the weight")
+    return hidden
+
+
+def sum_of_squares(a: torch.Tensor) -> torch.Tensor:
+    """S of every row of fp32 ``a`` [rows, H] in the definition's order (module docstring); returns [rows] fp32.
+
+    The squares are padded with +0.0 to whole 8-element chunks: adding +0.0 to a partial that is >= +0.0 or NaN
+    (the only values a sum of squares takes) leaves it unchanged, so the padding is the definition's "elements
+    < H" exactly. Lanes a pass does not reach keep their partial as it is."""
+    assert a.dtype == torch.float32 and a.dim() == 2
+    rows, hidden = a.shape
+    chunks = -(-hidden // CHUNK)
+    q = torch.mul(a, a)
+    if chunks * CHUNK != hidden:
+        q = torch.nn.functional.pad(q, (0, chunks * CHUNK - hidden))
+    q = q.view(rows, chunks, CHUNK)  # chunk c = 256*k + t holds elements 8c .. 8c+7
+    p = torch.zeros(rows, LANES, dtype=torch.float32, device=a.device)  # the +0.0 start of every lane
+    for first in range(0, chunks, LANES):  # pass k = first / 256
+        n = min(LANES, chunks - first)
+        for j in range(CHUNK):
+            p[:, :n].add_(q[:, first : first + n, j])
+    v = p.view(rows, LANES // WARP, WARP)
+    h = WARP // 2
+    while h >= 1:  # halving tree inside each warp
+        v = v[..., :h] + v[..., h : 2 * h]
+        h //= 2
+    u = v[..., 0]
+    h = LANES // WARP // 2
+    while h >= 1:  # halving tree over the warp results
+        u = u[:, :h] + u[:, h : 2 * h]
+        h //= 2
+    return u[:, 0].contiguous()
+
+
+def sqrt_rn(v: torch.Tensor) -> torch.Tensor:
+    """The correctly rounded fp32 square root of fp32 ``v``, whatever the accuracy of torch's sqrt.
+
+    torch.sqrt is not correctly rounded everywhere: on CPUs with AVX-512 its vectorized fp32 and fp64 kernels are
+    off by an ulp on about 0.5 % of inputs (tests/test_norm.py measures it). So: a guess from the fp64 root rounded to
+    fp32 (within one fp32 ulp of the true root for any fp64 sqrt that is off by a few fp64 ulps), then one exact
+    correction step. y is the rounded root iff m_lo^2 < v < m_hi^2, m_lo and m_hi the midpoints between y and its
+    fp32 neighbours: the midpoints have 25 significant bits, so they and their squares (50 bits) are exact in
+    fp64, and v never equals one of those squares (an odd 25-bit integer squared has more bits than v), so the
+    comparisons decide exactly. Zero, Inf and NaN pass through (the guess is exact there)."""
+    assert v.dtype == torch.float32
+    y = torch.sqrt(v.to(torch.float64)).to(torch.float32)
+    down = torch.nextafter(y, torch.full_like(y, -math.inf))
+    up = torch.nextafter(y, torch.full_like(y, math.inf))
+    v64, y64 = v.to(torch.float64), y.to(torch.float64)
+    m_lo = torch.mul(torch.add(y64, down.to(torch.float64)), 0.5)
+    m_hi = torch.mul(torch.add(y64, up.to(torch.float64)), 0.5)
+    fix = torch.isfinite(v) & (v > 0)
+    y = torch.where(fix & (v64 < m_lo * m_lo), down, y)
+    return torch.where(fix & (v64 > m_hi * m_hi), up, y)
+
+
+def inv_rms(sum_sq: torch.Tensor, hidden: int, eps32: float) -> torch.Tensor:
+    """1 / sqrt(S / H + eps) with every step one correctly rounded fp32 operation.
+
+    Both operands of each division are full tensors: torch turns a division by a scalar into a multiplication by
+    its reciprocal on some devices and dtypes, which is a different rounding."""
+    assert sum_sq.dtype == torch.float32
+    mean = torch.div(sum_sq, torch.full_like(sum_sq, float(hidden)))
+    var = torch.add(mean, torch.full_like(mean, eps32))
+    return torch.div(torch.ones_like(var), sqrt_rn(var))
+
+
+def rms_norm_torch(r: torch.Tensor, weight: torch.Tensor, *, eps: float) -> torch.Tensor:
+    """The canonical RMSNorm with torch elementwise ops (any device); the same bits as the kernel."""
+    hidden = _check("rms_norm", r, weight)
+    eps32 = eps_fp32(eps)
+    a = r.reshape(-1, hidden).to(torch.float32)
+    inv = inv_rms(sum_of_squares(a), hidden, eps32)
+    y = torch.mul(torch.mul(a, inv[:, None]), weight.to(torch.float32)[None, :])
+    return canonicalize_nan(y.to(r.dtype)).view(r.shape)
+
+
+def _use_kernel(t: torch.Tensor) -> bool:
+    return t.is_cuda and norm_cuda.available()
+
+
+def rms_norm(r: torch.Tensor, weight: torch.Tensor, *, eps: float) -> torch.Tensor:
+    """The canonical RMSNorm of docs/spec.md §9 over the last dimension of ``r``; not collective.
+
+    ``weight``: [H] of any float dtype. Returns a new tensor of ``r``'s dtype and shape. Each row's bits depend
+    only on that row, the weight and eps (batch-invariant), and are the same on the CPU and on a GPU.
+    """
+    hidden = _check("rms_norm", r, weight)
+    eps32 = eps_fp32(eps)
+    if not _use_kernel(r):
+        return rms_norm_torch(r, weight, eps=eps)
+    return norm_cuda.rms_norm_cuda(r.view(-1, hidden), weight, eps32).view(r.shape)
+
+
+def _check_add(name: str, s: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> int:
+    hidden = _check(name, s, weight)
+    if not isinstance(residual, torch.Tensor):
+        raise TypeError(f"{name}: residual must be a torch.Tensor, got {type(residual).__name__}")
+    if residual.dtype != s.dtype or residual.shape != s.shape or residual.device != s.device:
+        raise ValueError(f"{name}: residual must match the input's dtype, shape and device: got "
+                         f"{residual.dtype} {tuple(residual.shape)} on {residual.device} vs "
+                         f"{s.dtype} {tuple(s.shape)} on {s.device}")
+    if not residual.is_contiguous():
+        raise ValueError(f"{name}: residual is not contiguous; pass residual.contiguous()")
+    return hidden
+
+
+def add_rms_norm_torch(s: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, *,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, r): r = round(fp32(residual) + fp32(s)), y = the canonical RMSNorm of r; torch ops, any device."""
+    _check_add("add_rms_norm", s, residual, weight)
+    r = canonicalize_nan(torch.add(residual.to(torch.float32), s.to(torch.float32)).to(s.dtype))
+    return rms_norm_torch(r, weight, eps=eps), r
+
+
+def add_rms_norm(s: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, *,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The canonical residual add then RMSNorm of ``s`` (an already reduced sum); not collective.
+
+    Returns ``(y, r)`` with r = round(fp32(residual) + fp32(s)) (the next layer's residual) and y = rms_norm(r).
+    On a CUDA device with cupy both come from one kernel pass; the bits are those of the torch composition.
+    """
+    hidden = _check_add("add_rms_norm", s, residual, weight)
+    eps32 = eps_fp32(eps)
+    if not _use_kernel(s):
+        return add_rms_norm_torch(s, residual, weight, eps=eps)
+    y, r = norm_cuda.add_rms_norm_cuda(s.view(-1, hidden), residual.view(-1, hidden), weight, eps32)
+    return y.view(s.shape), r.view(s.shape)
+
+
+def all_reduce_residual_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, *, eps: float,
+                                site: str | Site) -> tuple[torch.Tensor, torch.Tensor]:
+    """All-reduce ``x`` over the site's group, add ``residual``, RMSNorm: returns ``(y, r)``. Collective.
+
+    s = detcomm.all_reduce(x, site=site) (the canonical fold on every bitwise route), then ``add_rms_norm``.
+    ``x`` and ``residual`` are [rows, ..., H] of one float dtype, ``weight`` [H]. Arguments are checked before any
+    communication. ``r`` is the new residual stream, ``y`` the normalized input of the next layer; both are
+    batch-invariant wherever the site's route is.
+    """
+    import detcomm  # noqa: PLC0415 (detcomm's package imports this module)
+
+    # Checked here too, so a bad argument is a ValueError even before detcomm.init (the communicator re-checks).
+    _check_add("all_reduce_residual_rmsnorm", x, residual, weight)
+    eps_fp32(eps)
+    return detcomm.all_reduce_residual_rmsnorm(x, residual, weight, eps=eps, site=site)

@@ -1,0 +1,40 @@
+"""csrc/rms_norm.cu compiles with nvcc (no GPU needed) and its code keeps docs/spec.md §9's arithmetic: no FMA,
+no flush-to-zero, round-to-nearest adds, products, divisions and square roots, no approximate reciprocal root."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from detcomm import norm_cuda
+from detcomm.workspace import kernels
+
+CU = Path(__file__).resolve().parents[1] / "csrc" / norm_cuda.SOURCE_FILE
+NVCC = shutil.which("nvcc")
+FLAGS = ["-arch=sm_90", "-std=c++17", "--fmad=false", "-ftz=false", "-prec-div=true", "-prec-sqrt=true",
+         "-DDETCOMM_W=1"]
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not on PATH")
+def test_ptx_keeps_the_canonical_arithmetic(tmp_path: Path) -> None:
+    out = tmp_path / "norm.ptx"
+    p = subprocess.run([NVCC, *FLAGS, "-ptx", str(CU), "-o", str(out)], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    ptx = out.read_text()
+    assert not re.search(r"\bfma\.", ptx) and ".ftz" not in ptx
+    assert not re.search(r"\b(rsqrt|rcp|ex2|lg2)\.", ptx)
+    for op in ("add.rn.f32", "mul.rn.f32", "div.rn.f32", "sqrt.rn.f32", "cvt.rn.bf16.f32", "cvt.rn.f16.f32"):
+        assert op in ptx, op
+    assert not re.search(r"\b(add|mul|div|sqrt)\.(approx\.)?f32", ptx)  # every operation names its rounding
+    names = set(re.findall(r"\.entry (detcomm_\w+)\(", ptx))
+    assert names == {f"detcomm_{k}_{a}_w{b}" for k in ("rms_norm", "add_rms_norm")
+                     for a in ("f32", "bf16", "f16") for b in ("f32", "bf16", "f16")}
+
+
+def test_runtime_source_is_one_unit() -> None:
+    src = kernels.flatten_source((norm_cuda.SOURCE_FILE,))
+    assert '#include "' not in src and "detcomm_add_rms_norm" in src and "struct Traits" in src
