@@ -3,10 +3,11 @@
 // out + s*out_stride bytes; the END barrier keeps slots stable until all ranks have read them.
 #include "detcomm_common.cuh"
 
+#if DETCOMM_WANT(DT_U8)
 extern "C" __global__ void __launch_bounds__(DETCOMM_BLOCK_THREADS)
-    detcomm_all_gather(const u8* x, u8* out, i64 nbytes, i64 out_stride, char* const* data, u32* const* sigs,
-                       int rank, u64 timeout_ns, u32* err) {
-  const Group g{data, sigs, rank, timeout_ns, err};
+    detcomm_all_gather(const u8* x, u8* out, i64 nbytes, i64 out_stride, u32 call, char* const* data,
+                       u32* const* sigs, int rank, u64 timeout_ns, u32* ctrl) {
+  const Group g{data, sigs, rank, timeout_ns, ctrl, (DETCOMM_KIND_ALL_GATHER << 8) | DT_U8, call, (u64)nbytes};
   constexpr int kPer = Traits<DT_U8>::kPer;
   const i64 tid = thread_id();
   const i64 stride = grid_stride();
@@ -14,7 +15,7 @@ extern "C" __global__ void __launch_bounds__(DETCOMM_BLOCK_THREADS)
   uint4* own = reinterpret_cast<uint4*>(g.data[g.rank]);
 
   for (i64 p = tid; p < npacks; p += stride) st_ws(own + p, load_user<DT_U8>(x + p * kPer, nbytes - p * kPer));
-  block_barrier(g, BARRIER_START);
+  if (!block_barrier(g, BARRIER_START)) return;
 #pragma unroll 1
   for (int s = 0; s < DETCOMM_W; ++s) {
     const uint4* src = reinterpret_cast<const uint4*>(g.data[s]);
@@ -23,3 +24,4 @@ extern "C" __global__ void __launch_bounds__(DETCOMM_BLOCK_THREADS)
   }
   block_barrier(g, BARRIER_END);
 }
+#endif

@@ -15,7 +15,7 @@ __device__ __forceinline__ void one_shot(const typename Traits<DT>::T* __restric
   uint4* own = reinterpret_cast<uint4*>(g.data[g.rank]);
 
   for (i64 p = tid; p < npacks; p += stride) st_ws(own + p, load_user<DT>(x + p * kPer, n - p * kPer));
-  block_barrier(g, BARRIER_START);
+  if (!block_barrier(g, BARRIER_START)) return;
 
   for (i64 p = tid; p < npacks; p += stride) {
     uint4 in[DETCOMM_W];
@@ -29,12 +29,18 @@ __device__ __forceinline__ void one_shot(const typename Traits<DT>::T* __restric
 
 #define DETCOMM_ONE_SHOT(NAME, DT)                                                                        \
   extern "C" __global__ void __launch_bounds__(DETCOMM_BLOCK_THREADS)                                     \
-      NAME(const Traits<DT>::T* x, Traits<DT>::T* out, i64 n, char* const* data, u32* const* sigs, int rank, \
-           u64 timeout_ns, u32* err) {                                                                     \
-    const Group g{data, sigs, rank, timeout_ns, err};                                                      \
+      NAME(const Traits<DT>::T* x, Traits<DT>::T* out, i64 n, u32 call, char* const* data, u32* const* sigs, \
+           int rank, u64 timeout_ns, u32* ctrl) {                                                          \
+    const Group g{data, sigs, rank, timeout_ns, ctrl, (DETCOMM_KIND_ONE_SHOT << 8) | DT, call, (u64)n};    \
     one_shot<DT>(x, out, n, g);                                                                           \
   }
 
+#if DETCOMM_WANT(DT_F32)
 DETCOMM_ONE_SHOT(detcomm_one_shot_f32, DT_F32)
+#endif
+#if DETCOMM_WANT(DT_BF16)
 DETCOMM_ONE_SHOT(detcomm_one_shot_bf16, DT_BF16)
+#endif
+#if DETCOMM_WANT(DT_F16)
 DETCOMM_ONE_SHOT(detcomm_one_shot_f16, DT_F16)
+#endif

@@ -31,7 +31,7 @@ __device__ __forceinline__ void slice_fold(const typename Traits<DT>::T* __restr
     for (i64 j = tid; j < np; j += stride)
       st_ws(own + (i64)s * Lp + j, load_user<DT>(x + (i64)s * x_stride + j * kPer, len - j * kPer));
   }
-  block_barrier(g, BARRIER_START);
+  if (!block_barrier(g, BARRIER_START)) return;
 
   // Phase 1: fold slice r from every rank's slot.
   {
@@ -49,7 +49,7 @@ __device__ __forceinline__ void slice_fold(const typename Traits<DT>::T* __restr
   }
 
   if (kGather) {
-    block_barrier(g, BARRIER_MID);
+    if (!block_barrier(g, BARRIER_MID)) return;
     // Phase 2: every other rank's folded slice.
 #pragma unroll 1
     for (int s = 0; s < DETCOMM_W; ++s) {

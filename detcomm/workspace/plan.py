@@ -16,14 +16,29 @@ MAX_BLOCKS = 256
 BLOCK_THREADS = 512
 PACK_BYTES = 16
 BARRIER_KINDS = 3
-HEADER_BYTES = 32768
+HEADER_BYTES = 65536
 PROBE_BYTES = 4096
-ERR_WORDS = 8
+DESC_WORDS = 4
+ERR_WORDS = 16
+CTRL_WORDS = 32
+HOST_ABORT_WORD = 16
 ERR_TIMEOUT = 0xDE7C0001
+ERR_ABORTED = 0xDE7C0002
+ERR_PEER_FAILED = 0xDE7C0003
+ERR_MISMATCH = 0xDE7C0004
+ERR_OVERLAP = 0xDE7C0005
+ABORT_BY_KERNEL = 0x100
+ABORT_BY_HOST = 0x200
+KIND_CODES = {1: "one_shot", 2: "two_shot", 3: "reduce_scatter", 4: "all_gather"}
+DTYPE_CODES = {0: "float32", 1: "bfloat16", 2: "float16", 3: "bytes"}
 BARRIER_NAMES = ("start", "mid", "end")
 
-# The header must hold flags[kind][block][rank] and epochs[kind][block], all u32.
-assert (BARRIER_KINDS * MAX_BLOCKS * MAX_WORLD + BARRIER_KINDS * MAX_BLOCKS) * 4 <= HEADER_BYTES
+# Header words: flags[kind][block][rank], epochs[kind][block], desc[block][rank][4], abort, claim, busy[block].
+DESC_BASE = BARRIER_KINDS * MAX_BLOCKS * (MAX_WORLD + 1)
+CTRL_BASE = DESC_BASE + MAX_BLOCKS * MAX_WORLD * DESC_WORDS
+ABORT_INDEX = CTRL_BASE
+HEADER_WORDS_USED = CTRL_BASE + 2 + MAX_BLOCKS
+assert HEADER_WORDS_USED * 4 <= HEADER_BYTES
 
 ELEM_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
 DTYPE_SUFFIX = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
@@ -173,6 +188,77 @@ def reduce_scatter_slices(chunk_rows: int, row_elems: int, dtype: str, grid: int
     per = pack_elems(dtype)
     length = chunk_rows * row_elems
     return SliceGeometry(length, _round_up(_ceil_div(length, per), stride_packs(grid)))
+
+
+# --- kernel variants a site can reach -----------------------------------------------------------------------
+def variants(collective: str, *, row_bytes: int, max_rows: int, world_size: int, capacity_bytes: int,
+             one_shot_max_bytes: int) -> list[str]:
+    """The code paths calls of 1..max_rows rows of row_bytes each can take, in a fixed order: the kernels
+    ("one_shot", "two_shot", "reduce_scatter", "all_gather") and "chunked" when some call needs several launches.
+    For reduce_scatter, max_rows counts the input rows (W shards). [] when not even one row fits a launch.
+
+    The self-checks run each before a site uses the workspace: all_reduce(algo=...) forces a kernel and
+    chunk_rows=... forces chunking on any payload of two rows or more."""
+    if row_bytes < 1 or max_rows < 1:
+        raise ValueError(f"row_bytes and max_rows must be >= 1, got {row_bytes} and {max_rows}")
+    if collective == "all_reduce":
+        per = capacity_bytes // row_bytes
+        if per < 1:
+            return []
+        out = []
+        if row_bytes <= one_shot_max_bytes:
+            out.append("one_shot")
+        if min(max_rows, per) * row_bytes > one_shot_max_bytes:
+            out.append("two_shot")
+        return out + (["chunked"] if max_rows > per else [])
+    if collective == "reduce_scatter":
+        per = capacity_bytes // (row_bytes * world_size)
+        if per < 1:
+            return []
+        return ["reduce_scatter"] + (["chunked"] if max_rows // world_size > per else [])
+    if collective == "all_gather":
+        per = capacity_bytes // row_bytes
+        if per < 1:
+            return []
+        return ["all_gather"] + (["chunked"] if max_rows > per else [])
+    raise ValueError(f"collective must be all_reduce, reduce_scatter or all_gather, got {collective!r}")
+
+
+# --- failure records (written by fail_workspace in csrc/detcomm_common.cuh) ----------------------------------
+def describe_call(what: int, call: int, count: int) -> str:
+    kind = KIND_CODES.get(what >> 8, f"kind {what >> 8}")
+    dtype = DTYPE_CODES.get(what & 0xFF, f"dtype {what & 0xFF}")
+    return f"call {call}: {kind} {dtype} count {count}"
+
+
+def decode_record(rec: Sequence[int], labels: dict[int, str] | None = None) -> str | None:
+    """A rank's failure record as one line, None when the record is empty. `labels` maps call numbers to what the
+    host issued them for (site names)."""
+    tag = rec[0]
+    if tag == 0:
+        return None
+    rank, peer, kind, epoch, seen, ms, block = rec[1:8]
+    what, call = rec[8], rec[9]
+    count = rec[10] | (rec[11] << 32)
+    label = (labels or {}).get(call)
+    where = (f"{describe_call(what, call, count)}{f' ({label})' if label else ''}, "
+             f"{BARRIER_NAMES[kind] if kind < len(BARRIER_NAMES) else kind} barrier, block {block}")
+    if tag == ERR_TIMEOUT:
+        return (f"rank {rank} timed out after {ms} ms waiting for rank {peer} at {where} "
+                f"(epoch {epoch}, flag seen {seen})")
+    if tag == ERR_ABORTED:
+        return f"rank {rank}'s host aborted the workspace while it waited for rank {peer} at {where}"
+    if tag == ERR_PEER_FAILED:
+        by = "host aborted" if seen & ABORT_BY_HOST else "kernel failed"
+        return f"rank {rank} stopped at {where}: rank {seen & 0xFF}'s {by} first"
+    if tag == ERR_MISMATCH:
+        theirs = describe_call(rec[12], rec[13], rec[14] | (rec[15] << 32))
+        return (f"rank {rank} and rank {peer} made different calls: rank {rank} {where}; rank {peer} {theirs} "
+                "(every rank must make the same collective calls in the same order)")
+    if tag == ERR_OVERLAP:
+        return (f"rank {rank} ran two workspace kernels at once ({where}; the other holds call {seen & 0x7FFFFFFF}): "
+                "one collective per workspace at a time, graph replays included; order the streams")
+    return f"rank {rank}: unknown failure record {tag:#x} at {where}"
 
 
 # --- barrier epochs (mirror of block_barrier in csrc/detcomm_common.cuh) -----------------------------------

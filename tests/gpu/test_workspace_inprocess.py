@@ -153,12 +153,11 @@ def test_fold_local_kernel_matches_oracle():
         ks = kernel_set(0, world)
         for dtype in DTYPES:
             bits = ill_conditioned(rng, world, (1000, 13), dtype)
-            xs = [to_tensor(b, dtype, "cuda:0") for b in bits]
+            xs = torch.stack([to_tensor(b, dtype, "cuda:0") for b in bits])
             out = torch.empty_like(xs[0])
-            table = torch.tensor([x.data_ptr() for x in xs], dtype=torch.int64, device="cuda:0")
             sfx = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}[dtype]
-            ks.launch(f"detcomm_fold_local_{sfx}", 7, [ctypes.c_uint64(table.data_ptr()), ctypes.c_uint64(out.data_ptr()),
-                                                       ctypes.c_int64(out.numel())],
+            ks.launch(f"detcomm_fold_local_{sfx}", 7, [ctypes.c_uint64(xs.data_ptr()), ctypes.c_int64(out.numel()),
+                                                       ctypes.c_uint64(out.data_ptr()), ctypes.c_int64(out.numel())],
                       stream_ptr=torch.cuda.current_stream().cuda_stream)
             torch.cuda.synchronize()
             got = from_tensor(out)
