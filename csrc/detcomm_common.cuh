@@ -318,6 +318,8 @@ struct Group {
 __device__ __noinline__ void fail_workspace(const Group& g, u32 tag, int kind, int peer, u32 epoch, u32 seen,
                                             u64 waited_ns, const u32* peer_desc) {
   u32* own = g.sigs[g.rank];
+  // Claim first: the thread that detects the failure owns the record, not a thread stopped by its abort word.
+  const bool reporter = atomicCAS(own + DETCOMM_CLAIM_INDEX, 0u, 1u) == 0u;
   // Own header first (this rank's other blocks stop at once), then every peer's, unless a peer's abort is what
   // stopped us (that peer already told everyone). atomicCAS keeps the first abort's identity in our header.
   atomicCAS(own + DETCOMM_ABORT_INDEX, 0u, DETCOMM_ABORT_BY_KERNEL | (u32)g.rank);
@@ -326,7 +328,7 @@ __device__ __noinline__ void fail_workspace(const Group& g, u32 tag, int kind, i
       if (p != g.rank) st_relaxed_sys(g.sigs[p] + DETCOMM_ABORT_INDEX, DETCOMM_ABORT_BY_KERNEL | (u32)g.rank);
   }
   __threadfence_system();
-  if (atomicCAS(own + DETCOMM_CLAIM_INDEX, 0u, 1u) != 0u) return;  // another thread of this rank reported first
+  if (!reporter) return;  // another thread of this rank reports
   volatile u32* rec = g.ctrl;
   rec[1] = (u32)g.rank;
   rec[2] = (u32)peer;
@@ -350,16 +352,26 @@ __device__ __noinline__ void fail_workspace(const Group& g, u32 tag, int kind, i
 #endif
 }
 
-// Spin until `*flag == epoch`. Returns 0, or the record tag of the failure it reported.
+// The arrival test. The negative control (tests only, DETCOMM_TEST_STALE_FLAGS) accepts any earlier use's flag,
+// so from the second use on a barrier passes before the peer arrives: the slow-rank test must catch it.
+__device__ __forceinline__ bool has_arrived(u32 seen, u32 epoch) {
+#ifdef DETCOMM_TEST_STALE_FLAGS
+  return seen != 0u;
+#else
+  return seen == epoch;
+#endif
+}
+
+// Spin until the peer's flag shows this use. Returns 0, or the record tag of the failure it reported.
 __device__ __forceinline__ u32 wait_flag(const Group& g, const u32* flag, u32 epoch, int kind, int peer) {
   u32 seen = ld_acquire_sys(flag);
-  if (seen == epoch) return 0;
+  if (has_arrived(seen, epoch)) return 0;
   const u32* abort_word = g.sigs[g.rank] + DETCOMM_ABORT_INDEX;
   const volatile u32* host_abort = g.ctrl + DETCOMM_HOST_ABORT_WORD;
   const u64 start = global_timer_ns();
   for (u32 it = 1;; ++it) {
     seen = ld_acquire_sys(flag);
-    if (seen == epoch) return 0;
+    if (has_arrived(seen, epoch)) return 0;
     const u32 ab = ld_relaxed_sys(abort_word);
     if (ab != 0u) {
       fail_workspace(g, DETCOMM_ERR_PEER_FAILED, kind, (int)(ab & 0xFFu), epoch, ab, global_timer_ns() - start, nullptr);
@@ -380,15 +392,6 @@ __device__ __forceinline__ u32 wait_flag(const Group& g, const u32* flag, u32 ep
 // Returns true when every rank's block arrived; false when the workspace failed (the caller returns at once,
 // uniformly for the whole block).
 __device__ __forceinline__ bool block_barrier(const Group& g, int kind) {
-#ifdef DETCOMM_TEST_SKIP_END_BARRIER
-  // Negative control (tests only): without the END barrier a fast rank overwrites its slot while a slow peer
-  // may still read it; the slow-rank test must catch this.
-  if (kind == BARRIER_END) {
-    __syncthreads();
-    if (threadIdx.x == 32) atomicExch(g.sigs[g.rank] + busy_index(blockIdx.x), 0u);
-    return true;
-  }
-#endif
   __syncthreads();
   const int t = threadIdx.x;
   u32* own = g.sigs[g.rank];

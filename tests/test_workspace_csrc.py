@@ -120,7 +120,7 @@ def test_nvrtc_options_are_exact():
     assert not any("fast" in o or "ftz=true" in o for o in opts)
     assert kernels.ROTATE_MACRO not in " ".join(opts) and "DETCOMM_DTYPE" not in " ".join(opts)
     assert f"-D{kernels.ROTATE_MACRO}=1" in kernels.nvrtc_options(4, "sm_90", variant="rotated")
-    assert "-DDETCOMM_TEST_SKIP_END_BARRIER=1" in kernels.nvrtc_options(4, "sm_90", variant="no_end_barrier")
+    assert "-DDETCOMM_TEST_STALE_FLAGS=1" in kernels.nvrtc_options(4, "sm_90", variant="stale_flags")
     assert "-DDETCOMM_DTYPE=1" in kernels.nvrtc_options(4, "sm_90", module="bfloat16")
     with pytest.raises(ValueError):
         kernels.nvrtc_options(4, "sm_90", variant="fast")

@@ -76,14 +76,14 @@ def bench_fold(quick: bool) -> list[dict]:
 
 
 # ---- (b) in-process latency --------------------------------------------------------------------------------
-def bench_latency(quick: bool) -> list[dict]:
+def bench_latency(quick: bool, worlds: list[int] = WORLDS, sizes: list[int] | None = None) -> list[dict]:
     from detcomm.workspace import Workspace
 
     dev = torch.device("cuda", 0)
-    sizes = SIZES[:4] if quick else SIZES
+    sizes = sizes or (SIZES[:4] if quick else SIZES)
     rows = []
     main = torch.cuda.current_stream(dev)
-    for w in WORLDS:
+    for w in worlds:
         views = Workspace.in_process(w, device=dev, capacity_bytes=max(sizes), max_rows_armed=1 << 20, timeout_s=30.0)
         streams = [torch.cuda.Stream(dev) for _ in range(w)]
         for size in sizes:
@@ -238,6 +238,8 @@ def main() -> None:
     ap.add_argument("--out", required=True, help="path prefix: writes <out>.md and <out>.json")
     ap.add_argument("--modes", default="fold,latency,nccl", help="comma-separated subset of fold,latency,nccl")
     ap.add_argument("--quick", action="store_true", help="smaller sizes (smoke run)")
+    ap.add_argument("--worlds", default=",".join(map(str, WORLDS)), help="latency mode: comma-separated W values")
+    ap.add_argument("--sizes", default="", help="latency mode: comma-separated message sizes in KiB (default: all)")
     args = ap.parse_args()
     modes = set(args.modes.split(","))
     if not modes <= {"fold", "latency", "nccl"}:
@@ -253,7 +255,8 @@ def main() -> None:
     if "fold" in modes:
         rows += bench_fold(args.quick)
     if "latency" in modes:
-        rows += bench_latency(args.quick)
+        rows += bench_latency(args.quick, [int(w) for w in args.worlds.split(",")],
+                              [int(k) << 10 for k in args.sizes.split(",")] if args.sizes else None)
     if "nccl" in modes:
         rows += bench_nccl(args.quick, out.parent)
     md = to_markdown(rows, header)

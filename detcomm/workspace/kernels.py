@@ -56,10 +56,10 @@ CSRC = _kernel_source_dir()
 KERNEL_FILES = ("one_shot.cu", "two_shot.cu", "reduce_scatter.cu", "all_gather.cu", "fold_local.cu")
 ROTATE_MACRO = "DETCOMM_ROTATE_RANK_ORDER"
 TRAP_ENV = "DETCOMM_WORKSPACE_TRAP"
-# Test-only builds: "rotated" folds in the wrong rank order, "no_end_barrier" drops the END barrier. Each is a
+# Test-only builds: "rotated" folds in the wrong rank order, "stale_flags" lets a barrier pass on an earlier use's flag. Each is a
 # negative control that a test must catch; "canonical" is the only build a workspace serves with.
 VARIANT_MACROS = {"canonical": (), "rotated": (f"-D{ROTATE_MACRO}=1",),
-                  "no_end_barrier": ("-DDETCOMM_TEST_SKIP_END_BARRIER=1",)}
+                  "stale_flags": ("-DDETCOMM_TEST_STALE_FLAGS=1",)}
 # One module per dtype (csrc: DETCOMM_DTYPE) and one for the byte-moving all-gather.
 MODULE_DTYPE_CODES = {"float32": 0, "bfloat16": 1, "float16": 2, "bytes": 3}
 

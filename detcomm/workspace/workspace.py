@@ -76,7 +76,8 @@ class Workspace:
     """One rank's armed CUDA-IPC workspace (or one rank view of an in-process group).
 
     Collective calls (every rank of the group must make them, in the same order, with the same shapes):
-    `create`, `all_reduce`, `reduce_scatter`, `all_gather`, `close`. Local calls: `abort`, `error_record`.
+    `create`, `all_reduce`, `reduce_scatter`, `all_gather`, `close`. Local calls: `abort`, `check`, `synchronize`,
+    `error_record`, `variants`.
     `in_process` is not collective (one process plays every rank); its rank views' collectives must still be
     called once per rank, each from its own stream.
 
@@ -142,7 +143,7 @@ class Workspace:
         DEFAULT_TIMEOUT_S for why 60 s). Raises ValueError for bad arguments and WorkspaceUnavailable (on every
         rank, with every rank's reason) when no kernel module, the symmetric memory or the peer-access proof
         fails. A dtype whose module cannot be built on some rank is refused alone on every rank (`refused`,
-        `variants`). `_variant` "rotated" / "no_end_barrier" build negative-control kernels (tests only).
+        `variants`). `_variant` "rotated" / "stale_flags" build negative-control kernels (tests only).
         """
         import torch.distributed as dist  # noqa: PLC0415
 
