@@ -9,18 +9,45 @@ extern "C" __global__ void __launch_bounds__(DETCOMM_BLOCK_THREADS)
                        u32* const* sigs, int rank, u64 timeout_ns, u32* ctrl) {
   const Group g{data, sigs, rank, timeout_ns, ctrl, (DETCOMM_KIND_ALL_GATHER << 8) | DT_U8, call, (u64)nbytes};
   constexpr int kPer = Traits<DT_U8>::kPer;
+  constexpr int U = DETCOMM_UNROLL;
   const i64 tid = thread_id();
   const i64 stride = grid_stride();
   const i64 npacks = (nbytes + kPer - 1) / kPer;
   uint4* own = reinterpret_cast<uint4*>(g.data[g.rank]);
 
-  for (i64 p = tid; p < npacks; p += stride) st_ws(own + p, load_user<DT_U8>(x + p * kPer, nbytes - p * kPer));
+  for (i64 p0 = tid; p0 < npacks; p0 += U * stride) {
+    uint4 v[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const i64 p = p0 + u * stride;
+      if (p < npacks) v[u] = load_user<DT_U8>(x + p * kPer, nbytes - p * kPer);
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const i64 p = p0 + u * stride;
+      if (p < npacks) st_ws(own + p, v[u]);
+    }
+  }
   if (!block_barrier(g, BARRIER_START)) return;
-#pragma unroll 1
-  for (int s = 0; s < DETCOMM_W; ++s) {
-    const uint4* src = reinterpret_cast<const uint4*>(g.data[s]);
-    for (i64 p = tid; p < npacks; p += stride)
-      store_user<DT_U8>(out + (i64)s * out_stride + p * kPer, nbytes - p * kPer, ld_ws(src + p));
+  // Every rank's pack of one sweep in flight at once, then the stores.
+  for (i64 p0 = tid; p0 < npacks; p0 += U * stride) {
+    uint4 v[U][DETCOMM_W];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const i64 p = p0 + u * stride;
+      if (p < npacks) {
+#pragma unroll
+        for (int s = 0; s < DETCOMM_W; ++s) v[u][s] = ld_ws(reinterpret_cast<const uint4*>(g.data[s]) + p);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const i64 p = p0 + u * stride;
+      if (p < npacks) {
+#pragma unroll
+        for (int s = 0; s < DETCOMM_W; ++s) store_user<DT_U8>(out + (i64)s * out_stride + p * kPer, nbytes - p * kPer, v[u][s]);
+      }
+    }
   }
   block_barrier(g, BARRIER_END);
 }

@@ -164,20 +164,18 @@ template <int DT> union PackU {
 // Memory access
 // ----------------------------------------------------------------------------------------------------
 // Workspace slots are 16-byte aligned and padded, so a whole pack is always readable there. `.cg` keeps
-// peer data out of L1, which is not coherent with other GPUs' (or other processes') writes.
-__device__ __forceinline__ uint4 ld_ws(const uint4* p) {
-  uint4 v;
-  asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p)
-               : "memory");
-  return v;
-}
-__device__ __forceinline__ void st_ws(uint4* p, const uint4& v) {
-  asm volatile("st.global.cg.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z),
-               "r"(v.w)
-               : "memory");
-}
+// peer data out of L1, which is not coherent with other GPUs' (or other processes') writes. These are the
+// compiler's own load/store builtins, not asm with a "memory" clobber: the compiler still orders them against
+// the barriers (__syncthreads and the release/acquire asm are compiler memory barriers) but is free to issue
+// the independent loads of one thread back to back, which is where the bandwidth comes from.
+__device__ __forceinline__ uint4 ld_ws(const uint4* p) { return __ldcg(p); }
+__device__ __forceinline__ void st_ws(uint4* p, const uint4& v) { __stcg(p, v); }
+
+// Packs in flight per thread: each thread handles DETCOMM_UNROLL packs of one grid sweep before storing any, so
+// a thread has up to DETCOMM_UNROLL * W independent 16-byte loads outstanding (at most 8 per peer set, which keeps
+// the registers of a 512-thread block under its 128-per-thread bound). Pack q is still handled by thread
+// q mod stride, so the per-block ownership below is unchanged.
+#define DETCOMM_UNROLL ((8 / DETCOMM_W) > 0 ? (8 / DETCOMM_W) : 1)
 
 // A caller's tensor may start at any element offset and end mid-pack: one 16-byte access where the pack is
 // aligned and whole, element by element otherwise (the scalar tail). Which path runs never changes which
@@ -406,20 +404,23 @@ __device__ __forceinline__ bool block_barrier(const Group& g, int kind) {
       fail_workspace(g, DETCOMM_ERR_PEER_FAILED, kind, (int)(ab & 0xFFu), epoch, ab, 0, nullptr);
     } else {
       if (kind == BARRIER_START) {
+        // Strong (relaxed, system-scope) accesses: ordered by the flag's release/acquire, never a data race.
         u32* d = g.sigs[t] + desc_index(blockIdx.x, g.rank);
-        d[0] = g.what;
-        d[1] = g.call;
-        d[2] = (u32)g.count;
-        d[3] = (u32)(g.count >> 32);
+        st_relaxed_sys(d + 0, g.what);
+        st_relaxed_sys(d + 1, g.call);
+        st_relaxed_sys(d + 2, (u32)g.count);
+        st_relaxed_sys(d + 3, (u32)(g.count >> 32));
       }
       st_release_sys(g.sigs[t] + flag_index(kind, blockIdx.x, g.rank), epoch);
       failed = wait_flag(g, own + flag_index(kind, blockIdx.x, t), epoch, kind, t) != 0u;
       if (!failed && kind == BARRIER_START) {
-        const volatile u32* d = own + desc_index(blockIdx.x, t);
-        u32 pd[DETCOMM_DESC_WORDS] = {d[0], d[1], d[2], d[3]};
+        const u32* d = own + desc_index(blockIdx.x, t);
+        u32 pd[DETCOMM_DESC_WORDS] = {ld_relaxed_sys(d + 0), ld_relaxed_sys(d + 1), ld_relaxed_sys(d + 2),
+                                      ld_relaxed_sys(d + 3)};
         if (pd[0] != g.what || pd[1] != g.call || pd[2] != (u32)g.count || pd[3] != (u32)(g.count >> 32)) {
           failed = 1;
-          fail_workspace(g, DETCOMM_ERR_MISMATCH, kind, t, epoch, pd[1], 0, pd);
+          const u32 seen = ld_relaxed_sys(own + flag_index(kind, blockIdx.x, t));
+          fail_workspace(g, DETCOMM_ERR_MISMATCH, kind, t, epoch, seen, 0, pd);
         }
       }
     }

@@ -9,13 +9,24 @@ template <int DT>
 __device__ __forceinline__ void fold_local(const typename Traits<DT>::T* base, i64 step,
                                            typename Traits<DT>::T* __restrict__ out, i64 n) {
   constexpr int kPer = Traits<DT>::kPer;
+  constexpr int U = DETCOMM_UNROLL;
   const i64 npacks = (n + kPer - 1) / kPer;
   const i64 stride = (i64)gridDim.x * blockDim.x;
-  for (i64 p = (i64)blockIdx.x * blockDim.x + threadIdx.x; p < npacks; p += stride) {
-    uint4 in[DETCOMM_W];
+  for (i64 p0 = (i64)blockIdx.x * blockDim.x + threadIdx.x; p0 < npacks; p0 += U * stride) {
+    uint4 in[U][DETCOMM_W];
 #pragma unroll
-    for (int k = 0; k < DETCOMM_W; ++k) in[k] = load_user<DT>(base + k * step + p * kPer, n - p * kPer);
-    store_user<DT>(out + p * kPer, n - p * kPer, fold_pack<DT>(in, 0));
+    for (int u = 0; u < U; ++u) {
+      const i64 p = p0 + u * stride;
+      if (p < npacks) {
+#pragma unroll
+        for (int k = 0; k < DETCOMM_W; ++k) in[u][k] = load_user<DT>(base + k * step + p * kPer, n - p * kPer);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const i64 p = p0 + u * stride;
+      if (p < npacks) store_user<DT>(out + p * kPer, n - p * kPer, fold_pack<DT>(in[u], 0));
+    }
   }
 }
 

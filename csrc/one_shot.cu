@@ -9,19 +9,45 @@ template <int DT>
 __device__ __forceinline__ void one_shot(const typename Traits<DT>::T* __restrict__ x,
                                          typename Traits<DT>::T* __restrict__ out, i64 n, const Group& g) {
   constexpr int kPer = Traits<DT>::kPer;
+  constexpr int U = DETCOMM_UNROLL;
   const i64 tid = thread_id();
   const i64 stride = grid_stride();
   const i64 npacks = (n + kPer - 1) / kPer;
   uint4* own = reinterpret_cast<uint4*>(g.data[g.rank]);
+  const uint4* src[DETCOMM_W];
+#pragma unroll
+  for (int k = 0; k < DETCOMM_W; ++k) src[k] = reinterpret_cast<const uint4*>(g.data[k]);
 
-  for (i64 p = tid; p < npacks; p += stride) st_ws(own + p, load_user<DT>(x + p * kPer, n - p * kPer));
+  for (i64 p0 = tid; p0 < npacks; p0 += U * stride) {
+    uint4 v[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const i64 p = p0 + u * stride;
+      if (p < npacks) v[u] = load_user<DT>(x + p * kPer, n - p * kPer);
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const i64 p = p0 + u * stride;
+      if (p < npacks) st_ws(own + p, v[u]);
+    }
+  }
   if (!block_barrier(g, BARRIER_START)) return;
 
-  for (i64 p = tid; p < npacks; p += stride) {
-    uint4 in[DETCOMM_W];
+  for (i64 p0 = tid; p0 < npacks; p0 += U * stride) {
+    uint4 in[U][DETCOMM_W];
 #pragma unroll
-    for (int k = 0; k < DETCOMM_W; ++k) in[k] = ld_ws(reinterpret_cast<const uint4*>(g.data[k]) + p);
-    store_user<DT>(out + p * kPer, n - p * kPer, fold_pack<DT>(in, g.rank));
+    for (int u = 0; u < U; ++u) {
+      const i64 p = p0 + u * stride;
+      if (p < npacks) {
+#pragma unroll
+        for (int k = 0; k < DETCOMM_W; ++k) in[u][k] = ld_ws(src[k] + p);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const i64 p = p0 + u * stride;
+      if (p < npacks) store_user<DT>(out + p * kPer, n - p * kPer, fold_pack<DT>(in[u], g.rank));
+    }
   }
   // END keeps peers from overwriting their slots (next collective) while this rank still reads them.
   block_barrier(g, BARRIER_END);

@@ -42,6 +42,9 @@ def test_grid_is_static_and_co_resident():
             assert g == plan.grid_blocks(w, sm)
     assert plan.grid_blocks(8, 132) == 16
     assert plan.grid_blocks(2, 132, max_grid=32) == 32
+    # one GPU per rank: every SM, whatever W
+    assert plan.grid_blocks(8, 132, shared_gpu=False) == 132 == plan.grid_blocks(2, 132, shared_gpu=False)
+    assert plan.grid_blocks(8, 300, shared_gpu=False) == plan.MAX_BLOCKS
     with pytest.raises(ValueError):
         plan.grid_blocks(9, 132)
     with pytest.raises(ValueError):

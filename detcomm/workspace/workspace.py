@@ -155,9 +155,10 @@ class Workspace:
         if not 1 <= world <= plan.MAX_WORLD:
             raise ValueError(f"the workspace serves groups of 1..{plan.MAX_WORLD} ranks, got {world}")
 
-        err, sm_count, ks, refused = None, 0, None, {}
+        err, sm_count, gpu_id, ks, refused = None, 0, "", None, {}
         try:
-            sm_count = torch.cuda.get_device_properties(dev).multi_processor_count
+            props = torch.cuda.get_device_properties(dev)
+            sm_count, gpu_id = props.multi_processor_count, str(props.uuid)
             ks = kernel_set(dev.index, world, variant=_variant)
             refused = ks.refused
             if len(refused) == len(MODULE_DTYPE_CODES):
@@ -166,7 +167,7 @@ class Workspace:
             err = f"kernels: {type(e).__name__}: {e}"
         config = (capacity_bytes, max_rows_armed, one_shot_max_bytes, max_grid, _variant, timeout_s)
         infos: list[Any] = [None] * world
-        dist.all_gather_object(infos, (err, sm_count, config, refused), group=group)
+        dist.all_gather_object(infos, (err, sm_count, config, refused, gpu_id), group=group)
         reasons = [f"rank {r}: {i[0]}" for r, i in enumerate(infos) if i[0]]
         reasons += [f"rank {r}: configuration {i[2]} differs from rank 0's {infos[0][2]}"
                     for r, i in enumerate(infos) if i[2] != infos[0][2]]
@@ -175,7 +176,9 @@ class Workspace:
         assert ks is not None
         # A module refused on any rank is refused on every rank (the same calls must run everywhere).
         all_refused = {m: f"rank {r}: {why}" for r, i in reversed(list(enumerate(infos))) for m, why in i[3].items()}
-        grid = plan.grid_blocks(world, min(i[1] for i in infos), max_grid=max_grid)
+        # Geometry from topology: the device identities every rank reported decide whether ranks share a GPU.
+        shared = len({i[4] for i in infos}) < world
+        grid = plan.grid_blocks(world, min(i[1] for i in infos), max_grid=max_grid, shared_gpu=shared)
         try:
             transport = IpcSymmetricBuffer.create(plan.buffer_bytes(capacity_bytes, world, grid), group=group,
                                                   device_index=dev.index, probe_offset=plan.probe_offset())
