@@ -177,14 +177,14 @@ def _nccl_rank(rank: int, world: int, init_file: str, sizes: list[int], nccl_env
         Path(result_file).write_text(json.dumps(rows))
 
 
-def bench_nccl(quick: bool, tmp: Path) -> list[dict]:
+def bench_nccl(quick: bool, tmp: Path, sizes: list[int] | None = None) -> list[dict]:
     import torch.multiprocessing as mp
 
     world = min(torch.cuda.device_count(), 8)
     if world < 2:
         print("nccl mode: fewer than 2 GPUs, skipped", flush=True)
         return []
-    sizes = SIZES[:4] if quick else SIZES
+    sizes = sizes or (SIZES[:4] if quick else SIZES)
     rows = []
     for tag, env in (("default", {}), ("ring_simple", {"NCCL_ALGO": "Ring", "NCCL_PROTO": "Simple"})):
         result = tmp / f"nccl_{tag}.json"
@@ -239,7 +239,7 @@ def main() -> None:
     ap.add_argument("--modes", default="fold,latency,nccl", help="comma-separated subset of fold,latency,nccl")
     ap.add_argument("--quick", action="store_true", help="smaller sizes (smoke run)")
     ap.add_argument("--worlds", default=",".join(map(str, WORLDS)), help="latency mode: comma-separated W values")
-    ap.add_argument("--sizes", default="", help="latency mode: comma-separated message sizes in KiB (default: all)")
+    ap.add_argument("--sizes", default="", help="latency and nccl modes: comma-separated sizes in KiB (default: all)")
     args = ap.parse_args()
     modes = set(args.modes.split(","))
     if not modes <= {"fold", "latency", "nccl"}:
@@ -254,11 +254,11 @@ def main() -> None:
     rows: list[dict] = []
     if "fold" in modes:
         rows += bench_fold(args.quick)
+    sizes = [int(k) << 10 for k in args.sizes.split(",")] if args.sizes else None
     if "latency" in modes:
-        rows += bench_latency(args.quick, [int(w) for w in args.worlds.split(",")],
-                              [int(k) << 10 for k in args.sizes.split(",")] if args.sizes else None)
+        rows += bench_latency(args.quick, [int(w) for w in args.worlds.split(",")], sizes)
     if "nccl" in modes:
-        rows += bench_nccl(args.quick, out.parent)
+        rows += bench_nccl(args.quick, out.parent, sizes)
     md = to_markdown(rows, header)
     out.with_suffix(".md").write_text(md + "\n")
     out.with_suffix(".json").write_text(json.dumps({"header": header, "rows": rows}, indent=1))
