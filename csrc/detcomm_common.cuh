@@ -164,12 +164,18 @@ template <int DT> union PackU {
 // Memory access
 // ----------------------------------------------------------------------------------------------------
 // Workspace slots are 16-byte aligned and padded, so a whole pack is always readable there. `.cg` keeps
-// peer data out of L1, which is not coherent with other GPUs' (or other processes') writes. These are the
-// compiler's own load/store builtins, not asm with a "memory" clobber: the compiler still orders them against
-// the barriers (__syncthreads and the release/acquire asm are compiler memory barriers) but is free to issue
-// the independent loads of one thread back to back, which is where the bandwidth comes from.
-__device__ __forceinline__ uint4 ld_ws(const uint4* p) { return __ldcg(p); }
-__device__ __forceinline__ void st_ws(uint4* p, const uint4& v) { __stcg(p, v); }
+// peer data out of L1, which is not coherent with other GPUs' (or other processes') writes. `asm volatile`
+// keeps these in program order with the barriers (whose asm and bar.sync are volatile too), and no "memory"
+// clobber: the compiler may keep pointers and values in registers across them, so the independent loads of
+// one sweep (see DETCOMM_UNROLL) go out back to back instead of one round trip each.
+__device__ __forceinline__ uint4 ld_ws(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ void st_ws(uint4* p, const uint4& v) {
+  asm volatile("st.global.cg.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w));
+}
 
 // Packs in flight per thread: each thread handles DETCOMM_UNROLL packs of one grid sweep before storing any, so
 // a thread has up to DETCOMM_UNROLL * W independent 16-byte loads outstanding (at most 8 per peer set, which keeps
