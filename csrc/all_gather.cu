@@ -13,6 +13,7 @@ extern "C" __global__ void __launch_bounds__(DETCOMM_BLOCK_THREADS)
   const i64 tid = thread_id();
   const i64 stride = grid_stride();
   const i64 npacks = (nbytes + kPer - 1) / kPer;
+  if (!block_owns_packs(npacks)) return;
   uint4* own = reinterpret_cast<uint4*>(g.data[g.rank]);
 
   for (i64 p0 = tid; p0 < npacks; p0 += U * stride) {

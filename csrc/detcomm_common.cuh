@@ -451,5 +451,12 @@ __device__ __forceinline__ bool block_barrier(const Group& g, int kind) {
 // rank, where stride = gridDim.x * BLOCK_THREADS: one-shot and all-gather walk q = thread id + k*stride;
 // two-shot and reduce-scatter place slice s at s*Lp with Lp a multiple of stride. That is what makes
 // per-block barriers sufficient, also between different kernels on the same workspace.
+//
+// A block that owns no pack of a launch returns at once, before any barrier: it touches no slot in this launch,
+// every rank's block b makes the same decision (the count is the same on every rank, and block 0, which always
+// owns a pack, compares the counts at its start barrier), so block b's epochs stay equal on all ranks and its
+// barriers in the launches around this one still order its slot accesses. Small messages then pay barriers
+// only in the few blocks that carry data, instead of in every block of the grid.
+__device__ __forceinline__ bool block_owns_packs(i64 packs) { return (i64)blockIdx.x * DETCOMM_BLOCK_THREADS < packs; }
 __device__ __forceinline__ i64 thread_id() { return (i64)blockIdx.x * DETCOMM_BLOCK_THREADS + threadIdx.x; }
 __device__ __forceinline__ i64 grid_stride() { return (i64)gridDim.x * DETCOMM_BLOCK_THREADS; }

@@ -13,6 +13,7 @@ __device__ __forceinline__ void one_shot(const typename Traits<DT>::T* __restric
   const i64 tid = thread_id();
   const i64 stride = grid_stride();
   const i64 npacks = (n + kPer - 1) / kPer;
+  if (!block_owns_packs(npacks)) return;
   uint4* own = reinterpret_cast<uint4*>(g.data[g.rank]);
   const uint4* src[DETCOMM_W];
 #pragma unroll
