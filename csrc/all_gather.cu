@@ -16,19 +16,7 @@ extern "C" __global__ void __launch_bounds__(DETCOMM_BLOCK_THREADS)
   if (!block_owns_packs(npacks)) return;
   uint4* own = reinterpret_cast<uint4*>(g.data[g.rank]);
 
-  for (i64 p0 = tid; p0 < npacks; p0 += U * stride) {
-    uint4 v[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const i64 p = p0 + u * stride;
-      if (p < npacks) v[u] = load_user<DT_U8>(x + p * kPer, nbytes - p * kPer);
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const i64 p = p0 + u * stride;
-      if (p < npacks) st_ws(own + p, v[u]);
-    }
-  }
+  copy_in<DT_U8>(x, nbytes, own, tid, stride);
   if (!block_barrier(g, BARRIER_START)) return;
   // Every rank's pack of one sweep in flight at once, then the stores.
   for (i64 p0 = tid; p0 < npacks; p0 += U * stride) {

@@ -219,6 +219,28 @@ __device__ __forceinline__ void store_user(typename Traits<DT>::T* p, i64 valid,
   }
 }
 
+// Copy n elements of a caller's tensor into workspace packs dst[0..): DETCOMM_UNROLL packs of one sweep loaded
+// before any is stored. Pack j is handled by thread j mod stride (the ownership "Work assignment" relies on).
+template <int DT>
+__device__ __forceinline__ void copy_in(const typename Traits<DT>::T* x, i64 n, uint4* dst, i64 tid, i64 stride) {
+  constexpr int kPer = Traits<DT>::kPer;
+  constexpr int U = DETCOMM_UNROLL;
+  const i64 np = (n + kPer - 1) / kPer;
+  for (i64 j0 = tid; j0 < np; j0 += U * stride) {
+    uint4 v[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const i64 j = j0 + u * stride;
+      if (j < np) v[u] = load_user<DT>(x + j * kPer, n - j * kPer);
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const i64 j = j0 + u * stride;
+      if (j < np) st_ws(dst + j, v[u]);
+    }
+  }
+}
+
 // ----------------------------------------------------------------------------------------------------
 // The canonical fold of one pack from W ranks
 // ----------------------------------------------------------------------------------------------------

@@ -19,19 +19,7 @@ __device__ __forceinline__ void one_shot(const typename Traits<DT>::T* __restric
 #pragma unroll
   for (int k = 0; k < DETCOMM_W; ++k) src[k] = reinterpret_cast<const uint4*>(g.data[k]);
 
-  for (i64 p0 = tid; p0 < npacks; p0 += U * stride) {
-    uint4 v[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const i64 p = p0 + u * stride;
-      if (p < npacks) v[u] = load_user<DT>(x + p * kPer, n - p * kPer);
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const i64 p = p0 + u * stride;
-      if (p < npacks) st_ws(own + p, v[u]);
-    }
-  }
+  copy_in<DT>(x, n, own, tid, stride);
   if (!block_barrier(g, BARRIER_START)) return;
 
   for (i64 p0 = tid; p0 < npacks; p0 += U * stride) {

@@ -31,23 +31,8 @@ __device__ __forceinline__ void slice_fold(const typename Traits<DT>::T* __restr
 
   // Phase 0: this rank's W slices into its slot (slice s at s*Lp).
 #pragma unroll 1
-  for (int s = 0; s < DETCOMM_W; ++s) {
-    const i64 len = slice_len(s, n, L);
-    const i64 np = (len + kPer - 1) / kPer;
-    for (i64 j0 = tid; j0 < np; j0 += U * stride) {
-      uint4 v[U];
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const i64 j = j0 + u * stride;
-        if (j < np) v[u] = load_user<DT>(x + (i64)s * x_stride + j * kPer, len - j * kPer);
-      }
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const i64 j = j0 + u * stride;
-        if (j < np) st_ws(own + (i64)s * Lp + j, v[u]);
-      }
-    }
-  }
+  for (int s = 0; s < DETCOMM_W; ++s)
+    copy_in<DT>(x + (i64)s * x_stride, slice_len(s, n, L), own + (i64)s * Lp, tid, stride);
   if (!block_barrier(g, BARRIER_START)) return;
 
   // Phase 1: fold slice r from every rank's slot.
