@@ -124,7 +124,7 @@ def test_epoch_rule_is_exact_across_the_wrap():
 
 
 def test_variants_a_site_can_reach():
-    kw = dict(world_size=2, capacity_bytes=16 << 20, one_shot_max_bytes=512 << 10)
+    kw = {"world_size": 2, "capacity_bytes": 16 << 20, "one_shot_max_bytes": 512 << 10}
     # 8192-wide bf16 rows: 16 KiB each; 64 rows = 1 MiB > one-shot limit -> two-shot reachable
     assert plan.variants("all_reduce", row_bytes=16384, max_rows=64, **kw) == ["one_shot", "two_shot"]
     assert plan.variants("all_reduce", row_bytes=16384, max_rows=32, **kw) == ["one_shot"]
