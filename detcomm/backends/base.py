@@ -9,8 +9,8 @@ table of what each route carries), hence an assertion, not a user error.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
 
 import torch
 
@@ -26,6 +26,9 @@ class Bound:
     route: Route
     site: Site
     call: Call
+    # Every kernel variant a call of the site can reach, by name, each forced (ipc_fold: one_shot, two_shot,
+    # chunked...): the self-checks prove each before the site's first use. Empty: the route has one code path.
+    variants: Mapping[str, Call] = field(default_factory=dict)
 
     def __call__(self, x: torch.Tensor, args: CallArgs) -> torch.Tensor:
         return self.call(x, args)
