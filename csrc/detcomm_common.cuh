@@ -16,10 +16,12 @@
 //
 // Memory layout of one rank's symmetric buffer (mirrored in detcomm/workspace/plan.py, checked by a CPU
 // test that parses the #defines below):
-//   [0, DETCOMM_HEADER_BYTES)        barrier flags and epoch counters (u32 words)
+//   [0, DETCOMM_HEADER_BYTES)        barrier flags, epoch counters, start-barrier call descriptors, the abort
+//                                    word, the record claim and the per-block busy words (u32 words)
 //   [.., + DETCOMM_PROBE_BYTES)      scratch the startup peer-access proof writes through IPC handles
 //   [.., + slot bytes)               the data slot: this rank's rows (and the two-shot partial results)
-// Every rank writes only its own data slot; peers only read it. The only remote writes are barrier flags.
+// Every rank writes only its own data slot; peers only read it. The only remote writes are barrier flags, the
+// call descriptors that travel with the start barrier, and the abort word.
 #pragma once
 
 #if !defined(__CUDACC_RTC__)
@@ -44,10 +46,27 @@ typedef long long i64;
 #define DETCOMM_BLOCK_THREADS 512
 #define DETCOMM_PACK_BYTES 16
 #define DETCOMM_BARRIER_KINDS 3
-#define DETCOMM_HEADER_BYTES 32768
+#define DETCOMM_HEADER_BYTES 65536
 #define DETCOMM_PROBE_BYTES 4096
-#define DETCOMM_ERR_WORDS 8
+#define DETCOMM_DESC_WORDS 4
+// The host-mapped control block of one rank: one failure record, then the host's abort word.
+#define DETCOMM_ERR_WORDS 16
+#define DETCOMM_CTRL_WORDS 32
+#define DETCOMM_HOST_ABORT_WORD 16
+// Record tags (word 0 of the record; written last, so a tagged record is complete).
 #define DETCOMM_ERR_TIMEOUT 0xDE7C0001u
+#define DETCOMM_ERR_ABORTED 0xDE7C0002u
+#define DETCOMM_ERR_PEER_FAILED 0xDE7C0003u
+#define DETCOMM_ERR_MISMATCH 0xDE7C0004u
+#define DETCOMM_ERR_OVERLAP 0xDE7C0005u
+// Values of the abort word in a header: who raised it and how.
+#define DETCOMM_ABORT_BY_KERNEL 0x100u
+#define DETCOMM_ABORT_BY_HOST 0x200u
+// What a call descriptor names: kernel kind << 8 | dtype code.
+#define DETCOMM_KIND_ONE_SHOT 1
+#define DETCOMM_KIND_TWO_SHOT 2
+#define DETCOMM_KIND_REDUCE_SCATTER 3
+#define DETCOMM_KIND_ALL_GATHER 4
 
 #define BARRIER_START 0
 #define BARRIER_MID 1
@@ -61,6 +80,27 @@ __device__ __forceinline__ u32 flag_index(int kind, int block, int src) {
 __device__ __forceinline__ u32 epoch_index(int kind, int block) {
   return (u32)(DETCOMM_BARRIER_KINDS * DETCOMM_MAX_BLOCKS * DETCOMM_MAX_W + kind * DETCOMM_MAX_BLOCKS + block);
 }
+#define DETCOMM_DESC_BASE (DETCOMM_BARRIER_KINDS * DETCOMM_MAX_BLOCKS * (DETCOMM_MAX_W + 1))
+// desc[block][source rank][4]: the call the source rank's block is making (what, call, count lo, count hi),
+// stored by the source before its start-barrier flag, read by the owner after it.
+__device__ __forceinline__ u32 desc_index(int block, int src) {
+  return (u32)(DETCOMM_DESC_BASE + (block * DETCOMM_MAX_W + src) * DETCOMM_DESC_WORDS);
+}
+#define DETCOMM_CTRL_BASE (DETCOMM_DESC_BASE + DETCOMM_MAX_BLOCKS * DETCOMM_MAX_W * DETCOMM_DESC_WORDS)
+#define DETCOMM_ABORT_INDEX DETCOMM_CTRL_BASE        // nonzero: the workspace failed (sticky until re-created)
+#define DETCOMM_CLAIM_INDEX (DETCOMM_CTRL_BASE + 1)  // the first failing thread of this rank claims the record
+// busy[block]: set while a kernel of this rank runs that block (two kernels at once on one rank are an error).
+__device__ __forceinline__ u32 busy_index(int block) { return (u32)(DETCOMM_CTRL_BASE + 2 + block); }
+#define DETCOMM_HEADER_WORDS_USED (DETCOMM_CTRL_BASE + 2 + DETCOMM_MAX_BLOCKS)
+static_assert(DETCOMM_HEADER_WORDS_USED * 4 <= DETCOMM_HEADER_BYTES, "header layout overflows DETCOMM_HEADER_BYTES");
+
+// One module per dtype at run time (-DDETCOMM_DTYPE=<code>, see detcomm/workspace/kernels.py), so a dtype whose
+// conversions an architecture lacks is refused alone; without it (the CPU compile check) every dtype is built.
+#ifdef DETCOMM_DTYPE
+#define DETCOMM_WANT(DT) (DETCOMM_DTYPE == (DT))
+#else
+#define DETCOMM_WANT(DT) 1
+#endif
 
 // ----------------------------------------------------------------------------------------------------
 // dtypes: code 0 = fp32, 1 = bf16, 2 = fp16, 3 = raw bytes (data movement only)
@@ -124,20 +164,24 @@ template <int DT> union PackU {
 // Memory access
 // ----------------------------------------------------------------------------------------------------
 // Workspace slots are 16-byte aligned and padded, so a whole pack is always readable there. `.cg` keeps
-// peer data out of L1, which is not coherent with other GPUs' (or other processes') writes.
+// peer data out of L1, which is not coherent with other GPUs' (or other processes') writes. `asm volatile`
+// keeps these in program order with the barriers (whose asm and bar.sync are volatile too), and no "memory"
+// clobber: the compiler may keep pointers and values in registers across them, so the independent loads of
+// one sweep (see DETCOMM_UNROLL) go out back to back instead of one round trip each.
 __device__ __forceinline__ uint4 ld_ws(const uint4* p) {
   uint4 v;
-  asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p)
-               : "memory");
+  asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
   return v;
 }
 __device__ __forceinline__ void st_ws(uint4* p, const uint4& v) {
-  asm volatile("st.global.cg.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z),
-               "r"(v.w)
-               : "memory");
+  asm volatile("st.global.cg.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w));
 }
+
+// Packs in flight per thread: each thread handles DETCOMM_UNROLL packs of one grid sweep before storing any, so
+// a thread has up to DETCOMM_UNROLL * W independent 16-byte loads outstanding (at most 8 per peer set, which keeps
+// the registers of a 512-thread block under its 128-per-thread bound). Pack q is still handled by thread
+// q mod stride, so the per-block ownership below is unchanged.
+#define DETCOMM_UNROLL ((8 / DETCOMM_W) > 0 ? (8 / DETCOMM_W) : 1)
 
 // A caller's tensor may start at any element offset and end mid-pack: one 16-byte access where the pack is
 // aligned and whole, element by element otherwise (the scalar tail). Which path runs never changes which
@@ -171,6 +215,28 @@ __device__ __forceinline__ void store_user(typename Traits<DT>::T* p, i64 valid,
 #pragma unroll
     for (int i = 0; i < kPer; ++i) {
       if (i < valid) p[i] = u.e[i];
+    }
+  }
+}
+
+// Copy n elements of a caller's tensor into workspace packs dst[0..): DETCOMM_UNROLL packs of one sweep loaded
+// before any is stored. Pack j is handled by thread j mod stride (the ownership "Work assignment" relies on).
+template <int DT>
+__device__ __forceinline__ void copy_in(const typename Traits<DT>::T* x, i64 n, uint4* dst, i64 tid, i64 stride) {
+  constexpr int kPer = Traits<DT>::kPer;
+  constexpr int U = DETCOMM_UNROLL;
+  const i64 np = (n + kPer - 1) / kPer;
+  for (i64 j0 = tid; j0 < np; j0 += U * stride) {
+    uint4 v[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const i64 j = j0 + u * stride;
+      if (j < np) v[u] = load_user<DT>(x + j * kPer, n - j * kPer);
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const i64 j = j0 + u * stride;
+      if (j < np) st_ws(dst + j, v[u]);
     }
   }
 }
@@ -224,12 +290,23 @@ __device__ __forceinline__ uint4 fold_pack(const uint4 (&in)[DETCOMM_W], int ran
 // barrier (two-shot) are interleaved with kernels that do not.
 //
 // Ordering: __syncthreads() makes every thread's prior data stores precede the release (release is
-// cumulative over what bar.sync ordered before it); the acquire load plus the second __syncthreads() makes
-// the peers' data visible to all threads of the block before they read it.
+// cumulative over what bar.sync ordered before it); the acquire load plus __syncthreads_or() makes the
+// peers' data visible to all threads of the block before they read it.
 //
-// Deadline: a spin that outlives timeout_ns (read from %globaltimer) writes an error record naming the rank
-// it waited for into `err` (host-mapped pinned memory, readable by the host after the trap has killed the
-// CUDA context) and executes __trap() instead of hanging.
+// The call descriptor (docs/spec.md §9, failure semantics): with the START flag every rank also stores its
+// (kernel kind | dtype, call number, element count) into desc[b][r] of every peer, before the release; after
+// the acquire each rank compares every peer's descriptor with its own. A mismatch (one rank in another call,
+// another dtype or count) fails the workspace on every rank, whatever the host-side checking says. The slot
+// desc[b][p] is rewritten only at peer p's next START of block b, which needs this rank's block b to have
+// passed this call's END: the comparison never reads a later call's descriptor.
+//
+// Failure instead of a hang: every spin polls the abort word in its own header (peers and the host store
+// there) and, every 256 iterations, the host's abort word in mapped pinned memory, and gives up after
+// timeout_ns (read from %globaltimer). A failing thread raises the abort word in every rank's header (so its
+// peers stop too), claims this rank's single record (atomicCAS on the header's claim word: the first failing
+// thread of the rank wins), writes it into host-mapped memory, and returns false; the kernel then returns
+// without touching the data. The CUDA context survives; the host raises WorkspaceFailed at its next call
+// or synchronisation. Only the debug build (DETCOMM_WORKSPACE_TRAP=1 -> DETCOMM_TRAP_ON_FAILURE) traps.
 __device__ __forceinline__ void st_release_sys(u32* p, u32 v) {
   asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
@@ -237,6 +314,14 @@ __device__ __forceinline__ u32 ld_acquire_sys(const u32* p) {
   u32 v;
   asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
+}
+__device__ __forceinline__ u32 ld_relaxed_sys(const u32* p) {
+  u32 v;
+  asm volatile("ld.relaxed.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_relaxed_sys(u32* p, u32 v) {
+  asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 __device__ __forceinline__ u64 global_timer_ns() {
   u64 t;
@@ -249,50 +334,136 @@ struct Group {
   u32* const* sigs;   // [W] header base of every rank, as mapped in this process
   int rank;
   u64 timeout_ns;
-  u32* err;  // host-mapped: [DETCOMM_MAX_BLOCKS][DETCOMM_ERR_WORDS]
+  u32* ctrl;  // host-mapped: [DETCOMM_CTRL_WORDS] = this rank's record, then the host's abort word
+  u32 what;   // this call's descriptor: kernel kind << 8 | dtype code
+  u32 call;   //   the host's launch number
+  u64 count;  //   the element (or byte) count every rank must agree on
 };
 
-__device__ __noinline__ void report_timeout(const Group& g, int kind, int peer, u32 epoch, u32 seen, u64 waited_ns) {
-  // One record per block (blocks never share a slot): fields first, the tag last, so a record whose tag is
-  // set is complete even if another block's trap tears the grid down a moment later.
-  volatile u32* rec = g.err + blockIdx.x * DETCOMM_ERR_WORDS;
+// The failure path, out of line so the spin loop stays small. `peer_desc` is the peer's descriptor on a mismatch.
+__device__ __noinline__ void fail_workspace(const Group& g, u32 tag, int kind, int peer, u32 epoch, u32 seen,
+                                            u64 waited_ns, const u32* peer_desc) {
+  u32* own = g.sigs[g.rank];
+  // Claim first: the thread that detects the failure owns the record, not a thread stopped by its abort word.
+  const bool reporter = atomicCAS(own + DETCOMM_CLAIM_INDEX, 0u, 1u) == 0u;
+  // Own header first (this rank's other blocks stop at once), then every peer's, unless a peer's abort is what
+  // stopped us (that peer already told everyone). atomicCAS keeps the first abort's identity in our header.
+  atomicCAS(own + DETCOMM_ABORT_INDEX, 0u, DETCOMM_ABORT_BY_KERNEL | (u32)g.rank);
+  if (tag != DETCOMM_ERR_PEER_FAILED) {
+    for (int p = 0; p < DETCOMM_W; ++p)
+      if (p != g.rank) st_relaxed_sys(g.sigs[p] + DETCOMM_ABORT_INDEX, DETCOMM_ABORT_BY_KERNEL | (u32)g.rank);
+  }
+  __threadfence_system();
+  if (!reporter) return;  // another thread of this rank reports
+  volatile u32* rec = g.ctrl;
   rec[1] = (u32)g.rank;
   rec[2] = (u32)peer;
   rec[3] = (u32)kind;
   rec[4] = epoch;
   rec[5] = seen;
   rec[6] = (u32)(waited_ns / 1000000ull);
+  rec[7] = blockIdx.x;
+  rec[8] = g.what;
+  rec[9] = g.call;
+  rec[10] = (u32)g.count;
+  rec[11] = (u32)(g.count >> 32);
+  for (int i = 0; i < DETCOMM_DESC_WORDS; ++i) rec[12 + i] = peer_desc ? peer_desc[i] : 0u;
   __threadfence_system();
-  rec[0] = DETCOMM_ERR_TIMEOUT;
+  rec[0] = tag;  // last: a tagged record is complete
   __threadfence_system();
-  printf("detcomm: rank %d block %d timed out after %llu ms at barrier %d waiting for rank %d (epoch %u, seen %u)\n",
-         g.rank, (int)blockIdx.x, waited_ns / 1000000ull, kind, peer, epoch, seen);
-  __trap();
+  printf("detcomm: rank %d: workspace failed (record %#x) at barrier %d, call %u, peer %d (epoch %u, seen %#x, %llu ms)\n",
+         g.rank, tag, kind, g.call, peer, epoch, seen, waited_ns / 1000000ull);
+#ifdef DETCOMM_TRAP_ON_FAILURE
+  __trap();  // debug only: keeps the failing kernel on the stack for a debugger, at the price of the context
+#endif
 }
 
-__device__ __forceinline__ void block_barrier(const Group& g, int kind) {
+// The arrival test. The negative control (tests only, DETCOMM_TEST_STALE_FLAGS) accepts any earlier use's flag,
+// so from the second use on a barrier passes before the peer arrives: the slow-rank test must catch it.
+__device__ __forceinline__ bool has_arrived(u32 seen, u32 epoch) {
+#ifdef DETCOMM_TEST_STALE_FLAGS
+  return seen != 0u;
+#else
+  return seen == epoch;
+#endif
+}
+
+// Spin until the peer's flag shows this use. Returns 0, or the record tag of the failure it reported.
+__device__ __forceinline__ u32 wait_flag(const Group& g, const u32* flag, u32 epoch, int kind, int peer) {
+  u32 seen = ld_acquire_sys(flag);
+  if (has_arrived(seen, epoch)) return 0;
+  const u32* abort_word = g.sigs[g.rank] + DETCOMM_ABORT_INDEX;
+  const volatile u32* host_abort = g.ctrl + DETCOMM_HOST_ABORT_WORD;
+  const u64 start = global_timer_ns();
+  for (u32 it = 1;; ++it) {
+    seen = ld_acquire_sys(flag);
+    if (has_arrived(seen, epoch)) return 0;
+    const u32 ab = ld_relaxed_sys(abort_word);
+    if (ab != 0u) {
+      fail_workspace(g, DETCOMM_ERR_PEER_FAILED, kind, (int)(ab & 0xFFu), epoch, ab, global_timer_ns() - start, nullptr);
+      return DETCOMM_ERR_PEER_FAILED;
+    }
+    if ((it & 255u) == 0u && *host_abort != 0u) {  // over PCIe: polled rarely
+      fail_workspace(g, DETCOMM_ERR_ABORTED, kind, peer, epoch, seen, global_timer_ns() - start, nullptr);
+      return DETCOMM_ERR_ABORTED;
+    }
+    const u64 waited = global_timer_ns() - start;
+    if (waited > g.timeout_ns) {
+      fail_workspace(g, DETCOMM_ERR_TIMEOUT, kind, peer, epoch, seen, waited, nullptr);
+      return DETCOMM_ERR_TIMEOUT;
+    }
+  }
+}
+
+// Returns true when every rank's block arrived; false when the workspace failed (the caller returns at once,
+// uniformly for the whole block).
+__device__ __forceinline__ bool block_barrier(const Group& g, int kind) {
   __syncthreads();
   const int t = threadIdx.x;
   u32* own = g.sigs[g.rank];
+  int failed = 0;
   if (t < DETCOMM_W) {
-    // Only this block of this rank ever touches its epoch word, and only between the two __syncthreads of
-    // one barrier of one launch: a plain read is race-free.
+    // Only this block of this rank ever touches its epoch word, and only between the two barriers of one
+    // use: a plain read is race-free.
     const u32 epoch = own[epoch_index(kind, blockIdx.x)] + 1u;
-    st_release_sys(g.sigs[t] + flag_index(kind, blockIdx.x, g.rank), epoch);
-    const u32* mine = own + flag_index(kind, blockIdx.x, t);
-    u32 seen = ld_acquire_sys(mine);
-    if (seen != epoch) {
-      const u64 start = global_timer_ns();
-      while (true) {
-        seen = ld_acquire_sys(mine);
-        if (seen == epoch) break;
-        const u64 waited = global_timer_ns() - start;
-        if (waited > g.timeout_ns) report_timeout(g, kind, t, epoch, seen, waited);
+    const u32 ab = ld_relaxed_sys(own + DETCOMM_ABORT_INDEX);
+    if (ab != 0u) {
+      failed = 1;  // the workspace already failed: arrive nowhere, touch nothing
+      fail_workspace(g, DETCOMM_ERR_PEER_FAILED, kind, (int)(ab & 0xFFu), epoch, ab, 0, nullptr);
+    } else {
+      if (kind == BARRIER_START) {
+        // Strong (relaxed, system-scope) accesses: ordered by the flag's release/acquire, never a data race.
+        u32* d = g.sigs[t] + desc_index(blockIdx.x, g.rank);
+        st_relaxed_sys(d + 0, g.what);
+        st_relaxed_sys(d + 1, g.call);
+        st_relaxed_sys(d + 2, (u32)g.count);
+        st_relaxed_sys(d + 3, (u32)(g.count >> 32));
+      }
+      st_release_sys(g.sigs[t] + flag_index(kind, blockIdx.x, g.rank), epoch);
+      failed = wait_flag(g, own + flag_index(kind, blockIdx.x, t), epoch, kind, t) != 0u;
+      if (!failed && kind == BARRIER_START) {
+        const u32* d = own + desc_index(blockIdx.x, t);
+        u32 pd[DETCOMM_DESC_WORDS] = {ld_relaxed_sys(d + 0), ld_relaxed_sys(d + 1), ld_relaxed_sys(d + 2),
+                                      ld_relaxed_sys(d + 3)};
+        if (pd[0] != g.what || pd[1] != g.call || pd[2] != (u32)g.count || pd[3] != (u32)(g.count >> 32)) {
+          failed = 1;
+          const u32 seen = ld_relaxed_sys(own + flag_index(kind, blockIdx.x, t));
+          fail_workspace(g, DETCOMM_ERR_MISMATCH, kind, t, epoch, seen, 0, pd);
+        }
       }
     }
+  } else if (t == 32 && kind == BARRIER_START) {
+    // One kernel per rank at a time (a graph replay and an eager call on two streams would interleave their
+    // barriers): claim this block's busy word; END releases it.
+    if (atomicCAS(own + busy_index(blockIdx.x), 0u, g.call | 0x80000000u) != 0u) {
+      failed = 1;
+      fail_workspace(g, DETCOMM_ERR_OVERLAP, kind, g.rank, 0, own[busy_index(blockIdx.x)], 0, nullptr);
+    }
   }
-  __syncthreads();
+  if (__syncthreads_or(failed)) return false;
   if (t == 0) own[epoch_index(kind, blockIdx.x)] += 1u;
+  if (t == 32 && kind == BARRIER_END) atomicExch(own + busy_index(blockIdx.x), 0u);
+  return true;
 }
 
 // ----------------------------------------------------------------------------------------------------
@@ -302,5 +473,12 @@ __device__ __forceinline__ void block_barrier(const Group& g, int kind) {
 // rank, where stride = gridDim.x * BLOCK_THREADS: one-shot and all-gather walk q = thread id + k*stride;
 // two-shot and reduce-scatter place slice s at s*Lp with Lp a multiple of stride. That is what makes
 // per-block barriers sufficient, also between different kernels on the same workspace.
+//
+// A block that owns no pack of a launch returns at once, before any barrier: it touches no slot in this launch,
+// every rank's block b makes the same decision (the count is the same on every rank, and block 0, which always
+// owns a pack, compares the counts at its start barrier), so block b's epochs stay equal on all ranks and its
+// barriers in the launches around this one still order its slot accesses. Small messages then pay barriers
+// only in the few blocks that carry data, instead of in every block of the grid.
+__device__ __forceinline__ bool block_owns_packs(i64 packs) { return (i64)blockIdx.x * DETCOMM_BLOCK_THREADS < packs; }
 __device__ __forceinline__ i64 thread_id() { return (i64)blockIdx.x * DETCOMM_BLOCK_THREADS + threadIdx.x; }
 __device__ __forceinline__ i64 grid_stride() { return (i64)gridDim.x * DETCOMM_BLOCK_THREADS; }

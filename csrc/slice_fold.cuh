@@ -4,7 +4,8 @@
 // rank lands at pack offset s*Lp of that rank's slot, where Lp is a multiple of the grid stride (see
 // detcomm_common.cuh, "Work assignment"). Rank r folds slice r from all W slots (docs/spec.md §1, rank order
 // 0..W-1). Two-shot then writes the folded slice back into its own slot and, after a MID barrier, gathers
-// the other ranks' folded slices; reduce-scatter stops after the fold.
+// the other ranks' folded slices (all peers' packs of one sweep loaded before any is stored); reduce-scatter
+// stops after the fold.
 #pragma once
 #include "detcomm_common.cuh"
 
@@ -18,47 +19,72 @@ __device__ __forceinline__ void slice_fold(const typename Traits<DT>::T* __restr
                                            i64 L, i64 Lp, typename Traits<DT>::T* __restrict__ out_self,
                                            typename Traits<DT>::T* __restrict__ out, const Group& g) {
   constexpr int kPer = Traits<DT>::kPer;
+  constexpr int U = DETCOMM_UNROLL;
   const i64 tid = thread_id();
   const i64 stride = grid_stride();
   const int r = g.rank;
+  if (!block_owns_packs((L + kPer - 1) / kPer)) return;  // slice 0 is the longest: L elements
   uint4* own = reinterpret_cast<uint4*>(g.data[r]);
+  const uint4* src[DETCOMM_W];
+#pragma unroll
+  for (int k = 0; k < DETCOMM_W; ++k) src[k] = reinterpret_cast<const uint4*>(g.data[k]);
 
   // Phase 0: this rank's W slices into its slot (slice s at s*Lp).
 #pragma unroll 1
-  for (int s = 0; s < DETCOMM_W; ++s) {
-    const i64 len = slice_len(s, n, L);
-    const i64 np = (len + kPer - 1) / kPer;
-    for (i64 j = tid; j < np; j += stride)
-      st_ws(own + (i64)s * Lp + j, load_user<DT>(x + (i64)s * x_stride + j * kPer, len - j * kPer));
-  }
-  block_barrier(g, BARRIER_START);
+  for (int s = 0; s < DETCOMM_W; ++s)
+    copy_in<DT>(x + (i64)s * x_stride, slice_len(s, n, L), own + (i64)s * Lp, tid, stride);
+  if (!block_barrier(g, BARRIER_START)) return;
 
   // Phase 1: fold slice r from every rank's slot.
   {
     const i64 len = slice_len(r, n, L);
     const i64 np = (len + kPer - 1) / kPer;
-    for (i64 j = tid; j < np; j += stride) {
-      uint4 in[DETCOMM_W];
+    for (i64 j0 = tid; j0 < np; j0 += U * stride) {
+      uint4 in[U][DETCOMM_W];
 #pragma unroll
-      for (int k = 0; k < DETCOMM_W; ++k) in[k] = ld_ws(reinterpret_cast<const uint4*>(g.data[k]) + (i64)r * Lp + j);
-      const uint4 v = fold_pack<DT>(in, r);
-      store_user<DT>(out_self + j * kPer, len - j * kPer, v);
-      // Slice r of this slot is read by no other rank in phase 1, so the result can replace it in place.
-      if (kGather) st_ws(own + (i64)r * Lp + j, v);
+      for (int u = 0; u < U; ++u) {
+        const i64 j = j0 + u * stride;
+        if (j < np) {
+#pragma unroll
+          for (int k = 0; k < DETCOMM_W; ++k) in[u][k] = ld_ws(src[k] + (i64)r * Lp + j);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const i64 j = j0 + u * stride;
+        if (j < np) {
+          const uint4 v = fold_pack<DT>(in[u], r);
+          store_user<DT>(out_self + j * kPer, len - j * kPer, v);
+          // Slice r of this slot is read by no other rank in phase 1, so the result can replace it in place.
+          if (kGather) st_ws(own + (i64)r * Lp + j, v);
+        }
+      }
     }
   }
 
   if (kGather) {
-    block_barrier(g, BARRIER_MID);
-    // Phase 2: every other rank's folded slice.
-#pragma unroll 1
-    for (int s = 0; s < DETCOMM_W; ++s) {
-      if (s == r) continue;
-      const i64 len = slice_len(s, n, L);
-      const i64 np = (len + kPer - 1) / kPer;
-      for (i64 j = tid; j < np; j += stride)
-        store_user<DT>(out + (i64)s * L + j * kPer, len - j * kPer,
-                       ld_ws(reinterpret_cast<const uint4*>(g.data[s]) + (i64)s * Lp + j));
+    if (!block_barrier(g, BARRIER_MID)) return;
+    // Phase 2: every other rank's folded slice, all peers of one sweep in flight at once.
+    const i64 np_max = (L + kPer - 1) / kPer;
+    for (i64 j0 = tid; j0 < np_max; j0 += U * stride) {
+      uint4 v[U][DETCOMM_W];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const i64 j = j0 + u * stride;
+#pragma unroll
+        for (int s = 0; s < DETCOMM_W; ++s) {
+          if (s != r && j * kPer < slice_len(s, n, L)) v[u][s] = ld_ws(src[s] + (i64)s * Lp + j);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const i64 j = j0 + u * stride;
+#pragma unroll
+        for (int s = 0; s < DETCOMM_W; ++s) {
+          const i64 len = slice_len(s, n, L);
+          if (s != r && j * kPer < len) store_user<DT>(out + (i64)s * L + j * kPer, len - j * kPer, v[u][s]);
+        }
+      }
     }
   }
   block_barrier(g, BARRIER_END);

@@ -8,12 +8,18 @@
 
 #define DETCOMM_TWO_SHOT(NAME, DT)                                                                          \
   extern "C" __global__ void __launch_bounds__(DETCOMM_BLOCK_THREADS)                                       \
-      NAME(const Traits<DT>::T* x, Traits<DT>::T* out, i64 n, i64 L, i64 Lp, char* const* data,             \
-           u32* const* sigs, int rank, u64 timeout_ns, u32* err) {                                          \
-    const Group g{data, sigs, rank, timeout_ns, err};                                                       \
+      NAME(const Traits<DT>::T* x, Traits<DT>::T* out, i64 n, i64 L, i64 Lp, u32 call, char* const* data,   \
+           u32* const* sigs, int rank, u64 timeout_ns, u32* ctrl) {                                         \
+    const Group g{data, sigs, rank, timeout_ns, ctrl, (DETCOMM_KIND_TWO_SHOT << 8) | DT, call, (u64)n};     \
     slice_fold<DT, true>(x, L, n, L, Lp, out + (i64)rank * L, out, g);                                      \
   }
 
+#if DETCOMM_WANT(DT_F32)
 DETCOMM_TWO_SHOT(detcomm_two_shot_f32, DT_F32)
+#endif
+#if DETCOMM_WANT(DT_BF16)
 DETCOMM_TWO_SHOT(detcomm_two_shot_bf16, DT_BF16)
+#endif
+#if DETCOMM_WANT(DT_F16)
 DETCOMM_TWO_SHOT(detcomm_two_shot_f16, DT_F16)
+#endif

@@ -53,11 +53,13 @@ class CheckKey:
     op: ReduceOp
     dtype: torch.dtype
     shape: tuple[int, ...]
+    variant: str = ""  # a forced kernel variant of the route ("" = the route's own choice)
 
     def label(self) -> str:
         dt = name_of(self.dtype)
         op = f" {self.op.value}" if self.collective.reduces else ""
-        return f"{self.route.value}: {self.collective.value}{op} {dt}{list(self.shape)}"
+        variant = f" [{self.variant}]" if self.variant else ""
+        return f"{self.route.value}{variant}: {self.collective.value}{op} {dt}{list(self.shape)}"
 
 
 @dataclass(frozen=True)
@@ -179,15 +181,24 @@ class SelfChecks:
         self.results: dict[CheckKey, CheckResult] = {}
 
     def __call__(self, bound: BoundRoute) -> CheckResult:
+        """Check the bound route and every kernel variant it exposes; the first failure is the verdict."""
         site = bound.site
-        key = CheckKey(bound.route, site.collective, site.op, site.dtype, site.shape)
-        result = self.results.get(key)
-        if result is None:
-            # An argmax check gives each rank the vocabulary shard it would hold in a real call.
-            args = (CallArgs(vocab_start=self.native.rank * site.shape[0])
-                    if site.collective is Collective.ARGMAX else NO_ARGS)
-            result = run_check(key, lambda x: bound(x, args), native=self.native, device=self.device)
-            self.results[key] = result
+        # An argmax check gives each rank the vocabulary shard it would hold in a real call.
+        args = (CallArgs(vocab_start=self.native.rank * site.shape[0])
+                if site.collective is Collective.ARGMAX else NO_ARGS)
+        calls: dict[str, Callable[[torch.Tensor, CallArgs], torch.Tensor]] = {"": bound}
+        calls.update(getattr(bound, "variants", {}))
+        result: CheckResult | None = None
+        for variant, call in calls.items():
+            key = CheckKey(bound.route, site.collective, site.op, site.dtype, site.shape, variant)
+            result = self.results.get(key)
+            if result is None:
+                result = run_check(key, lambda x, c=call: c(x, args), native=self.native,  # type: ignore[misc]
+                                   device=self.device)
+                self.results[key] = result
+            if not result.passed:
+                return result
+        assert result is not None
         return result
 
     def seconds(self) -> float:

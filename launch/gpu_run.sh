@@ -24,7 +24,7 @@ if [[ $STAGES == *core* ]]; then
 fi
 # 1. in-process W-stream tests + CPU host-logic tests (fast, most informative first)
 [[ $STAGES == *inprocess* ]] && timeout 300 $PY -m pytest -q -rs -p no:cacheprovider --timeout=240 \
-  tests/gpu/test_workspace_inprocess.py tests/test_workspace_plan.py \
+  tests/gpu/test_workspace_inprocess.py tests/gpu/test_workspace_failures.py tests/test_workspace_plan.py \
   --junitxml="$OUT/junit_inprocess.xml" 2>&1 | tee "$OUT/pytest_inprocess.log"
 # 2. bench (fold bandwidth vs copy, in-process latency; the nccl mode runs only where >= 2 GPUs exist)
 [[ $STAGES == *bench* ]] && timeout 200 $PY -m detcomm.bench.ipc_kernels --out "$OUT/bench" --modes "${BENCH_MODES:-fold,latency,nccl}" 2>&1 | tee "$OUT/bench.log"

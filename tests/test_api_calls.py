@@ -96,3 +96,39 @@ def test_avg_oracle_rounds_once_from_the_fp32_sum() -> None:
             "bfloat16")
         diff += int((good != twice).sum())
     assert diff > 0
+
+
+def job_wrong_site_same_shape(rank: int, w: int, guard: bool) -> str:
+    """Rank 1 calls site "b" while the others call "a" (same shape, checking off)."""
+    import detcomm
+
+    detcomm.shutdown()
+    comm = detcomm.init(numerics="rl-bitwise", check=False)
+    try:
+        for name in ("g.a", "g.b", "s.a", "s.b"):
+            coll = "all_reduce" if name.startswith("g") else "reduce_scatter"
+            comm.site(name, collective=coll, dtype=torch.float32, shape=(4,), max_rows=2 * w)
+        if not guard:  # the negative control: the same routes bound without their header
+            for name, bound in list(comm._bound.items()):
+                backend = comm._backends[bound.route]
+                comm._bound[name] = lambda x, a, b=backend, op=bound.site.op, c=bound.site.collective: (
+                    b.all_reduce(x, op) if c.value == "all_reduce" else b.reduce_scatter(x, op))
+        x = torch.full((w, 4), float(rank + 1))
+        outcome = []
+        for coll, prefix in (("all_reduce", "g"), ("reduce_scatter", "s")):
+            name = f"{prefix}.b" if rank == 1 else f"{prefix}.a"
+            try:
+                getattr(detcomm, coll)(x, name)
+                outcome.append("silent")
+            except detcomm.CollectiveMismatch as e:
+                ok = f"rank 1: site '{prefix}.b' call #1" in str(e) and f"rank 0: site '{prefix}.a' call #1" in str(e)
+                outcome.append("raised" if ok else f"raised without names: {e}")
+        return ",".join(outcome)
+    finally:
+        detcomm.shutdown()
+
+
+def test_the_call_guard_catches_ranks_on_different_sites(cluster3plus) -> None:  # noqa: ANN001
+    assert cluster3plus.run(job_wrong_site_same_shape, True) == ["raised,raised"] * cluster3plus.world_size
+    # Without the header the same calls fold each other's data without a word.
+    assert cluster3plus.run(job_wrong_site_same_shape, False) == ["silent,silent"] * cluster3plus.world_size

@@ -47,7 +47,59 @@ def test_ptx_has_no_fma_and_no_ftz(cu, tmp_path):
     assert "add.rn.f32" in ptx and "cvt.rn.bf16.f32" in ptx and "cvt.rn.f16.f32" in ptx
     assert not re.search(r"\badd\.f32", ptx)  # every fp32 add names its rounding
     if cu != "fold_local.cu":  # the only kernel without barriers
-        assert "st.release.sys" in ptx and "ld.acquire.sys" in ptx and "%globaltimer" in ptx and "trap;" in ptx
+        assert "st.release.sys" in ptx and "ld.acquire.sys" in ptx and "%globaltimer" in ptx
+        assert "ld.relaxed.sys" in ptx  # the spins poll the abort word
+        assert "trap;" not in ptx  # a failing barrier returns; it never destroys the context
+
+
+@needs_nvcc
+def test_trap_only_in_the_debug_build(tmp_path):
+    out = tmp_path / "k.ptx"
+    p = subprocess.run([NVCC, *FLAGS, "-DDETCOMM_W=2", "-DDETCOMM_TRAP_ON_FAILURE=1", "-ptx", str(CSRC / "one_shot.cu"),
+                        "-o", str(out)], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    assert "trap;" in out.read_text()
+    assert "-DDETCOMM_TRAP_ON_FAILURE=1" in kernels.nvrtc_options(2, "sm_90", trap=True)
+    assert not any("TRAP" in o for o in kernels.nvrtc_options(2, "sm_90"))
+
+
+def _nvcc_cubin(tmp_path):
+    def compile_fn(source, options):
+        src, out = tmp_path / "unit.cu", tmp_path / "unit.cubin"
+        src.write_text(source)
+        opts = [o.replace("--std=", "-std=") for o in options]
+        p = subprocess.run([NVCC, *opts, "-cubin", str(src), "-o", str(out)], capture_output=True, text=True)
+        if p.returncode:
+            raise RuntimeError(p.stderr)
+        return out.read_bytes()
+    return compile_fn
+
+
+@needs_nvcc
+def test_each_dtype_is_its_own_module_and_is_refused_alone(tmp_path):
+    """sm_75 has no cvt.rn.bf16.f32: only the bf16 module is refused; fp32, fp16 and the all-gather build. On
+    sm_90 every module builds. (Without per-dtype modules the one unit fails as a whole on sm_75.)"""
+    compile_fn = _nvcc_cubin(tmp_path)
+    old = kernels.compile_modules(2, "sm_75", compile_fn=compile_fn)
+    assert set(old) == set(kernels.MODULE_DTYPE_CODES)
+    assert isinstance(old["bfloat16"], str) and "sm_80" in old["bfloat16"], old["bfloat16"]
+    assert all(isinstance(old[m], bytes) for m in ("float32", "float16", "bytes")), old
+    new = kernels.compile_modules(2, "sm_90", compile_fn=compile_fn)
+    assert all(isinstance(v, bytes) and v[:4] == b"\x7fELF" for v in new.values()), new
+    with pytest.raises(RuntimeError):  # the negative control: all dtypes in one unit fail together on sm_75
+        compile_fn(kernels.flatten_source(), kernels.nvrtc_options(2, "sm_75"))
+
+
+@needs_nvcc
+def test_dtype_module_holds_only_its_kernels(tmp_path):
+    for module, code in kernels.MODULE_DTYPE_CODES.items():
+        out = tmp_path / f"{module}.ptx"
+        p = subprocess.run([NVCC, *FLAGS, "-DDETCOMM_W=2", f"-DDETCOMM_DTYPE={code}", "-ptx", str(CSRC / "one_shot.cu"),
+                            "-o", str(out)], capture_output=True, text=True)
+        assert p.returncode == 0, p.stderr
+        entries = set(re.findall(r"\.entry (\w+)", out.read_text()))
+        want = {n for n in kernels.module_functions(module) if "one_shot" in n}
+        assert entries == want, (module, entries)
 
 
 @needs_nvcc
@@ -67,8 +119,14 @@ def test_nvrtc_options_are_exact():
     assert "--fmad=false" in opts and "-ftz=false" in opts and "-prec-div=true" in opts and "-prec-sqrt=true" in opts
     assert "-arch=sm_90" in opts and "--std=c++17" in opts and "-DDETCOMM_W=4" in opts
     assert not any("fast" in o or "ftz=true" in o for o in opts)
-    assert kernels.ROTATE_MACRO not in " ".join(opts)
-    assert f"-D{kernels.ROTATE_MACRO}=1" in kernels.nvrtc_options(4, "sm_90", rotated=True)
+    assert kernels.ROTATE_MACRO not in " ".join(opts) and "DETCOMM_DTYPE" not in " ".join(opts)
+    assert f"-D{kernels.ROTATE_MACRO}=1" in kernels.nvrtc_options(4, "sm_90", variant="rotated")
+    assert "-DDETCOMM_TEST_STALE_FLAGS=1" in kernels.nvrtc_options(4, "sm_90", variant="stale_flags")
+    assert "-DDETCOMM_DTYPE=1" in kernels.nvrtc_options(4, "sm_90", module="bfloat16")
+    with pytest.raises(ValueError):
+        kernels.nvrtc_options(4, "sm_90", variant="fast")
+    with pytest.raises(ValueError):
+        kernels.nvrtc_options(4, "sm_90", module="int8")
     with pytest.raises(ValueError):
         kernels.nvrtc_options(9, "sm_90")
     with pytest.raises(ValueError):
@@ -93,7 +151,7 @@ def test_nvrtc_compiles_the_runtime_module(tmp_path, monkeypatch):
         pytest.skip(f"NVRTC unavailable: {e}")
     monkeypatch.setenv("DETCOMM_CACHE_DIR", str(tmp_path))
     src = kernels.flatten_source()
-    cubin = kernels.compile_cubin(src, kernels.nvrtc_options(3, "sm_90"))
+    cubin = kernels.compile_cubin(src, kernels.nvrtc_options(3, "sm_90", module="float32"))
     assert cubin[:4] == b"\x7fELF"
     assert len(list(tmp_path.glob("*.cubin"))) == 1
-    assert kernels.compile_cubin(src, kernels.nvrtc_options(3, "sm_90")) == cubin  # served from the cache
+    assert kernels.compile_cubin(src, kernels.nvrtc_options(3, "sm_90", module="float32")) == cubin  # from the cache

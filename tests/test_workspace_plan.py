@@ -23,7 +23,15 @@ def test_constants_match_the_device_header():
     assert int(defines["DETCOMM_HEADER_BYTES"]) == plan.HEADER_BYTES
     assert int(defines["DETCOMM_PROBE_BYTES"]) == plan.PROBE_BYTES
     assert int(defines["DETCOMM_ERR_WORDS"]) == plan.ERR_WORDS
-    assert int(defines["DETCOMM_ERR_TIMEOUT"].rstrip("u"), 16) == plan.ERR_TIMEOUT
+    assert int(defines["DETCOMM_CTRL_WORDS"]) == plan.CTRL_WORDS
+    assert int(defines["DETCOMM_HOST_ABORT_WORD"]) == plan.HOST_ABORT_WORD
+    assert int(defines["DETCOMM_DESC_WORDS"]) == plan.DESC_WORDS
+    for name in ("TIMEOUT", "ABORTED", "PEER_FAILED", "MISMATCH", "OVERLAP"):
+        assert int(defines[f"DETCOMM_ERR_{name}"].rstrip("u"), 16) == getattr(plan, f"ERR_{name}")
+    assert int(defines["DETCOMM_ABORT_BY_KERNEL"].rstrip("u"), 16) == plan.ABORT_BY_KERNEL
+    assert int(defines["DETCOMM_ABORT_BY_HOST"].rstrip("u"), 16) == plan.ABORT_BY_HOST
+    for code, kind in plan.KIND_CODES.items():
+        assert int(defines[f"DETCOMM_KIND_{kind.upper()}"]) == code
 
 
 def test_grid_is_static_and_co_resident():
@@ -34,24 +42,13 @@ def test_grid_is_static_and_co_resident():
             assert g == plan.grid_blocks(w, sm)
     assert plan.grid_blocks(8, 132) == 16
     assert plan.grid_blocks(2, 132, max_grid=32) == 32
+    # one GPU per rank: every SM, whatever W
+    assert plan.grid_blocks(8, 132, shared_gpu=False) == 132 == plan.grid_blocks(2, 132, shared_gpu=False)
+    assert plan.grid_blocks(8, 300, shared_gpu=False) == plan.MAX_BLOCKS
     with pytest.raises(ValueError):
         plan.grid_blocks(9, 132)
     with pytest.raises(ValueError):
         plan.grid_blocks(4, 3)
-
-
-def test_plan_capacity_arms_only_small_sites():
-    sites = [plan.SiteNeed("o_proj", 2048, 8192 * 2), plan.SiteNeed("down", 512, 4096 * 2),
-             plan.SiteNeed("prefill", 8192, 8192 * 2)]
-    cap = plan.plan_capacity(sites)
-    assert cap == 2048 * 8192 * 2
-    assert plan.plan_capacity(sites, max_rows_armed=512) == 512 * 4096 * 2
-    assert plan.plan_capacity([plan.SiteNeed("big", 9000, 10)]) == 0
-    assert plan.plan_capacity([plan.SiteNeed("odd", 3, 10)]) == 4096  # rounded up to 4 KiB
-    with pytest.raises(ValueError):
-        plan.plan_capacity(sites, max_rows_armed=0)
-    with pytest.raises(ValueError):
-        plan.plan_capacity([plan.SiteNeed("bad", 0, 10)])
 
 
 def test_chunks_cover_rows_exactly_and_respect_capacity():
@@ -110,3 +107,36 @@ def test_epoch_rule_is_exact_across_the_wrap():
     assert plan.arrived(0, 0) and not plan.arrived(2**32 - 1, 0)  # a stale flag one use behind, across the wrap
     # An ordering comparison would be fooled by a flag 2^31 uses old; equality is not.
     assert not plan.arrived((5 - 2**31) % 2**32, 5)
+
+
+def test_variants_a_site_can_reach():
+    kw = {"world_size": 2, "capacity_bytes": 16 << 20, "one_shot_max_bytes": 512 << 10}
+    # 8192-wide bf16 rows: 16 KiB each; 64 rows = 1 MiB > one-shot limit -> two-shot reachable
+    assert plan.variants("all_reduce", row_bytes=16384, max_rows=64, **kw) == ["one_shot", "two_shot"]
+    assert plan.variants("all_reduce", row_bytes=16384, max_rows=32, **kw) == ["one_shot"]
+    assert plan.variants("all_reduce", row_bytes=16384, max_rows=33, **kw) == ["one_shot", "two_shot"]
+    assert plan.variants("all_reduce", row_bytes=16384, max_rows=1025, **kw) == ["one_shot", "two_shot", "chunked"]
+    assert plan.variants("all_reduce", row_bytes=1 << 20, max_rows=1, **kw) == ["two_shot"]  # one row > one-shot
+    assert plan.variants("all_reduce", row_bytes=(16 << 20) + 1, max_rows=1, **kw) == []
+    assert plan.variants("reduce_scatter", row_bytes=16384, max_rows=2 * 512, **kw) == ["reduce_scatter"]
+    assert plan.variants("reduce_scatter", row_bytes=16384, max_rows=2 * 513, **kw) == ["reduce_scatter", "chunked"]
+    assert plan.variants("all_gather", row_bytes=16384, max_rows=1024, **kw) == ["all_gather"]
+    assert plan.variants("all_gather", row_bytes=16384, max_rows=1025, **kw) == ["all_gather", "chunked"]
+    with pytest.raises(ValueError):
+        plan.variants("broadcast", row_bytes=4, max_rows=1, **kw)
+
+
+def test_failure_records_decode_to_one_line():
+    rec = [0] * plan.ERR_WORDS
+    assert plan.decode_record(rec) is None
+    rec[:12] = [plan.ERR_TIMEOUT, 1, 0, 0, 7, 6, 60000, 3, (2 << 8) | 1, 41, 4096, 0]
+    line = plan.decode_record(rec, {41: "layer.3.attn_out"})
+    assert "rank 1 timed out after 60000 ms waiting for rank 0" in line
+    assert "call 41: two_shot bfloat16 count 4096 (layer.3.attn_out)" in line and "start barrier" in line
+    rec[0], rec[12:16] = plan.ERR_MISMATCH, [(1 << 8) | 1, 41, 2048, 0]
+    line = plan.decode_record(rec)
+    assert "different calls" in line and "rank 0 call 41: one_shot bfloat16 count 2048" in line
+    rec[0], rec[5] = plan.ERR_PEER_FAILED, plan.ABORT_BY_HOST | 2
+    assert "rank 2's host aborted first" in plan.decode_record(rec)
+    rec[5] = plan.ABORT_BY_KERNEL | 0
+    assert "rank 0's kernel failed first" in plan.decode_record(rec)

@@ -9,12 +9,12 @@ table of what each route carries), hence an assertion, not a user error.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 import torch
 
-from ..route import BoundRoute, CallArgs, Collective, Route, Site
+from ..route import CallArgs, Collective, Route, Site
 
 Call = Callable[[torch.Tensor, CallArgs], torch.Tensor]
 
@@ -26,12 +26,15 @@ class Bound:
     route: Route
     site: Site
     call: Call
+    # Every kernel variant a call of the site can reach, by name, each forced (ipc_fold: one_shot, two_shot,
+    # chunked...): the self-checks prove each before the site's first use. Empty: the route has one code path.
+    variants: Mapping[str, Call] = field(default_factory=dict)
 
     def __call__(self, x: torch.Tensor, args: CallArgs) -> torch.Tensor:
         return self.call(x, args)
 
 
-def bind_from(route: Route, site: Site, table: dict[Collective, Call]) -> BoundRoute:
+def bind_from(route: Route, site: Site, table: dict[Collective, Call]) -> Bound:
     """Bind ``site`` to the entry of ``table`` (the backend's methods by collective)."""
     # The norm composition's communication is its all-reduce (the communicator adds the residual and normalizes).
     collective = Collective.ALL_REDUCE if site.collective is Collective.ALL_REDUCE_RMSNORM else site.collective

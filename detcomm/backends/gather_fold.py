@@ -12,6 +12,7 @@ import torch
 from ..fold import Leaf, average
 from ..route import BoundRoute, Collective, ReduceOp, Route, Site
 from .base import bind_from
+from .guard import CallGuard, append_header, split
 from .native import NativeBackend
 
 
@@ -23,13 +24,21 @@ class GatherFoldBackend:
         self.leaf = leaf
 
     def bind(self, site: Site) -> BoundRoute:
+        guard = CallGuard(site)
         return bind_from(self.route, site, {
-            Collective.ALL_REDUCE: lambda x, a: self.all_reduce(x, site.op),
-            Collective.REDUCE_SCATTER: lambda x, a: self.reduce_scatter(x, site.op),
+            Collective.ALL_REDUCE: lambda x, a: self.all_reduce(x, site.op, guard=guard),
+            Collective.REDUCE_SCATTER: lambda x, a: self.reduce_scatter(x, site.op, guard=guard),
         })
 
-    def _gathered(self, x: torch.Tensor) -> torch.Tensor:
-        return self.native.all_gather(x).view(self.native.world_size, *x.shape)
+    def _gathered(self, x: torch.Tensor, guard: CallGuard | None) -> torch.Tensor:
+        w = self.native.world_size
+        if guard is None:
+            return self.native.all_gather(x).view(w, *x.shape)
+        msgs = self.native.all_gather(append_header(x, guard.next_header()).view(1, -1))
+        # The torch leaf folds strided views; the CUDA leaf reads one contiguous [W, ...] block.
+        stacked, headers = split(msgs, x, contiguous=x.is_cuda)
+        guard.check(headers)
+        return stacked
 
     def _fold(self, stacked: torch.Tensor, dtype: torch.dtype, op: ReduceOp) -> torch.Tensor:
         assert op.sums, "routing sends only floating-point SUM and AVG here"
@@ -37,10 +46,10 @@ class GatherFoldBackend:
             return average(self.leaf.fold(stacked, torch.float32), stacked.shape[0], dtype)
         return self.leaf.fold(stacked, dtype)
 
-    def all_reduce(self, x: torch.Tensor, op: ReduceOp) -> torch.Tensor:
-        return self._fold(self._gathered(x), x.dtype, op)
+    def all_reduce(self, x: torch.Tensor, op: ReduceOp, *, guard: CallGuard | None = None) -> torch.Tensor:
+        return self._fold(self._gathered(x, guard), x.dtype, op)
 
-    def reduce_scatter(self, x: torch.Tensor, op: ReduceOp) -> torch.Tensor:
+    def reduce_scatter(self, x: torch.Tensor, op: ReduceOp, *, guard: CallGuard | None = None) -> torch.Tensor:
         n = x.shape[0] // self.native.world_size
         r = self.native.rank
-        return self._fold(self._gathered(x)[:, r * n : (r + 1) * n], x.dtype, op)
+        return self._fold(self._gathered(x, guard)[:, r * n : (r + 1) * n], x.dtype, op)

@@ -12,7 +12,7 @@ import torch
 
 from ..route import BoundRoute, Collective, ReduceOp, Route, Site
 from ..workspace import Workspace
-from .base import bind_from
+from .base import Bound, Call, bind_from
 
 
 class IpcFoldBackend:
@@ -22,22 +22,39 @@ class IpcFoldBackend:
         self.workspace = workspace
 
     def bind(self, site: Site) -> BoundRoute:
-        return bind_from(self.route, site, {
-            Collective.ALL_REDUCE: lambda x, a: self.all_reduce(x, site.op, out=a.out),
-            Collective.REDUCE_SCATTER: lambda x, a: self.reduce_scatter(x, site.op, out=a.out),
-            Collective.ALL_GATHER: lambda x, a: self.all_gather(x, out=a.out),
+        label = site.name
+        coll = Collective.ALL_REDUCE if site.collective is Collective.ALL_REDUCE_RMSNORM else site.collective
+        bound = bind_from(self.route, site, {
+            Collective.ALL_REDUCE: lambda x, a: self.all_reduce(x, site.op, out=a.out, label=label),
+            Collective.REDUCE_SCATTER: lambda x, a: self.reduce_scatter(x, site.op, out=a.out, label=label),
+            Collective.ALL_GATHER: lambda x, a: self.all_gather(x, out=a.out, label=label),
         })
+        ws = self.workspace
+        forced: dict[str, Call] = {}
+        for v in ws.variants(coll.value, site.dtype, site.row_numel, site.max_rows):
+            if coll is Collective.ALL_REDUCE:
+                kw: dict[str, object] = {"chunk_rows": 1} if v == "chunked" else {"algo": v}
+                forced[v] = lambda x, a, kw=kw: ws.all_reduce(x, label=label, **kw)  # type: ignore[misc]
+            elif coll is Collective.REDUCE_SCATTER:
+                kw = {"chunk_rows": 1} if v == "chunked" else {}
+                forced[v] = lambda x, a, kw=kw: ws.reduce_scatter(x, label=label, **kw)  # type: ignore[misc]
+            else:
+                kw = {"chunk_rows": 1} if v == "chunked" else {}
+                forced[v] = lambda x, a, kw=kw: ws.all_gather(x, label=label, **kw)  # type: ignore[misc]
+        return Bound(bound.route, bound.site, bound.call, forced)
 
-    def all_reduce(self, x: torch.Tensor, op: ReduceOp, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    def all_reduce(self, x: torch.Tensor, op: ReduceOp, *, out: torch.Tensor | None = None,
+                   label: str | None = None) -> torch.Tensor:
         assert op is ReduceOp.SUM, "routing sends only floating-point SUM here"
-        return self.workspace.all_reduce(x, out=out)
+        return self.workspace.all_reduce(x, out=out, label=label)
 
-    def reduce_scatter(self, x: torch.Tensor, op: ReduceOp, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    def reduce_scatter(self, x: torch.Tensor, op: ReduceOp, *, out: torch.Tensor | None = None,
+                       label: str | None = None) -> torch.Tensor:
         assert op is ReduceOp.SUM, "routing sends only floating-point SUM here"
-        return self.workspace.reduce_scatter(x, out=out)
+        return self.workspace.reduce_scatter(x, out=out, label=label)
 
-    def all_gather(self, x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
-        return self.workspace.all_gather(x, out=out)
+    def all_gather(self, x: torch.Tensor, *, out: torch.Tensor | None = None, label: str | None = None) -> torch.Tensor:
+        return self.workspace.all_gather(x, out=out, label=label)
 
     def close(self) -> None:
         self.workspace.close()

@@ -59,11 +59,10 @@ def bench_fold(quick: bool) -> list[dict]:
         for w in WORLDS:
             ks = kernel_set(0, w)
             n = total_in // w // info(dtype).size
-            xs = [torch.randn(n, device=dev).to(dtype) for _ in range(w)]
+            xs = torch.randn(w, n, device=dev).to(dtype)  # input k at base + k * n elements
             out = torch.empty(n, dtype=dtype, device=dev)
-            table = torch.tensor([x.data_ptr() for x in xs], dtype=torch.int64, device=dev)
             stream = torch.cuda.current_stream().cuda_stream
-            args = [ctypes.c_uint64(table.data_ptr()), ctypes.c_uint64(out.data_ptr()), ctypes.c_int64(n)]
+            args = [ctypes.c_uint64(xs.data_ptr()), ctypes.c_int64(n), ctypes.c_uint64(out.data_ptr()), ctypes.c_int64(n)]
 
             def run() -> None:
                 ks.launch(f"detcomm_fold_local_{sfx}", sm * 4, args, stream_ptr=stream)
@@ -73,19 +72,19 @@ def bench_fold(quick: bool) -> list[dict]:
             gbs = moved / ms / 1e6
             rows.append({"mode": "fold", "kernel": f"fold W={w} {sfx}", "world": w, "dtype": sfx, "bytes": moved,
                          "ms": ms, "GB/s": gbs, "pct_of_copy": 100.0 * gbs / copy_gbs})
-            del xs, out, table
+            del xs, out
     return rows
 
 
 # ---- (b) in-process latency --------------------------------------------------------------------------------
-def bench_latency(quick: bool) -> list[dict]:
+def bench_latency(quick: bool, worlds: list[int] = WORLDS, sizes: list[int] | None = None) -> list[dict]:
     from detcomm.workspace import Workspace
 
     dev = torch.device("cuda", 0)
-    sizes = SIZES[:4] if quick else SIZES
+    sizes = sizes or (SIZES[:4] if quick else SIZES)
     rows = []
     main = torch.cuda.current_stream(dev)
-    for w in WORLDS:
+    for w in worlds:
         views = Workspace.in_process(w, device=dev, capacity_bytes=max(sizes), max_rows_armed=1 << 20, timeout_s=30.0)
         streams = [torch.cuda.Stream(dev) for _ in range(w)]
         for size in sizes:
@@ -179,14 +178,14 @@ def _nccl_rank(rank: int, world: int, init_file: str, sizes: list[int], nccl_env
         Path(result_file).write_text(json.dumps(rows))
 
 
-def bench_nccl(quick: bool, tmp: Path) -> list[dict]:
+def bench_nccl(quick: bool, tmp: Path, sizes: list[int] | None = None) -> list[dict]:
     import torch.multiprocessing as mp
 
     world = min(torch.cuda.device_count(), 8)
     if world < 2:
         print("nccl mode: fewer than 2 GPUs, skipped", flush=True)
         return []
-    sizes = SIZES[:4] if quick else SIZES
+    sizes = sizes or (SIZES[:4] if quick else SIZES)
     rows = []
     for tag, env in (("default", {}), ("ring_simple", {"NCCL_ALGO": "Ring", "NCCL_PROTO": "Simple"})):
         result = tmp / f"nccl_{tag}.json"
@@ -240,6 +239,8 @@ def main() -> None:
     ap.add_argument("--out", required=True, help="path prefix: writes <out>.md and <out>.json")
     ap.add_argument("--modes", default="fold,latency,nccl", help="comma-separated subset of fold,latency,nccl")
     ap.add_argument("--quick", action="store_true", help="smaller sizes (smoke run)")
+    ap.add_argument("--worlds", default=",".join(map(str, WORLDS)), help="latency mode: comma-separated W values")
+    ap.add_argument("--sizes", default="", help="latency and nccl modes: comma-separated sizes in KiB (default: all)")
     args = ap.parse_args()
     modes = set(args.modes.split(","))
     if not modes <= {"fold", "latency", "nccl"}:
@@ -254,10 +255,11 @@ def main() -> None:
     rows: list[dict] = []
     if "fold" in modes:
         rows += bench_fold(args.quick)
+    sizes = [int(k) << 10 for k in args.sizes.split(",")] if args.sizes else None
     if "latency" in modes:
-        rows += bench_latency(args.quick)
+        rows += bench_latency(args.quick, [int(w) for w in args.worlds.split(",")], sizes)
     if "nccl" in modes:
-        rows += bench_nccl(args.quick, out.parent)
+        rows += bench_nccl(args.quick, out.parent, sizes)
     md = to_markdown(rows, header)
     out.with_suffix(".md").write_text(md + "\n")
     out.with_suffix(".json").write_text(json.dumps({"header": header, "rows": rows}, indent=1))

@@ -1,11 +1,13 @@
-"""Cost of the cross-rank call check (detcomm.init(check=True) / DETCOMM_CHECK=1) on CPU gloo.
+"""Cost of the call checks on CPU gloo: the cross-rank call verification (detcomm.init(check=True) /
+DETCOMM_CHECK=1) and the always-on call guard of the fold routes (detcomm/backends/guard.py).
 
     python -m detcomm.bench.verify_cost [--nproc 4] [--calls 400] [--rows 8] [--width 64]
 
 For a small all_reduce (fp32, rows x width) on the native route (numerics=auto) and on gather_fold
 (rl-bitwise), the median per-call time with the check off and on, measured on every rank after a warm-up
 (rank 0's numbers printed; the medians of the ranks differ by noise only). The difference is the check's
-overhead: one all-gather of a 9-int64 fingerprint per call.
+overhead: one all-gather of a 9-int64 fingerprint per call. The guard's cost is gather_fold with its 16-byte
+header against the same route bound without it (``--guard``).
 """
 
 from __future__ import annotations
@@ -17,14 +19,20 @@ import time
 from detcomm._spawn import LocalCluster
 
 
-def job(rank: int, world_size: int, numerics: str, check: bool, calls: int, rows: int, width: int) -> float:
+def job(rank: int, world_size: int, numerics: str, check: bool, calls: int, rows: int, width: int,
+        guard: bool = True) -> float:
     import torch
 
     import detcomm
 
     detcomm.shutdown()
-    detcomm.init(numerics=numerics, check=check)
+    comm = detcomm.init(numerics=numerics, check=check)
     x = torch.randn(rows, width)
+    detcomm.all_reduce(x, site="bench")
+    if not guard:  # the same route without its header (what the guard adds is the difference)
+        bound = comm._bound["bench"]
+        backend = comm._backends[bound.route]
+        comm._bound["bench"] = lambda t, a: backend.all_reduce(t, bound.site.op)  # type: ignore[assignment,attr-defined]
     for _ in range(20):
         detcomm.all_reduce(x, site="bench")
     times = []
@@ -45,7 +53,7 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=8)
     p.add_argument("--width", type=int, default=64)
     a = p.parse_args()
-    print(f"check cost: gloo W={a.nproc}, all_reduce fp32 [{a.rows}, {a.width}], median of {a.calls} calls per setting")
+    print(f"call-check cost: gloo W={a.nproc}, all_reduce fp32 [{a.rows}, {a.width}], median of {a.calls} calls per setting")
     with LocalCluster(a.nproc) as cluster:
         for numerics in ("auto", "rl-bitwise"):
             res: dict[bool, list[float]] = {}
@@ -56,6 +64,13 @@ def main() -> None:
             route = "native" if numerics == "auto" else "gather_fold"
             print(f"  {route:<12} off {off * 1e6:8.1f} us   on {on * 1e6:8.1f} us   overhead {(on - off) * 1e6:8.1f} us/call "
                   f"({on / off:.2f}x)")
+        res = {}
+        for guard in (False, True, False, True):
+            res.setdefault(guard, []).append(
+                cluster.run(job, "rl-bitwise", False, a.calls, a.rows, a.width, guard)[0])
+        off, on = min(res[False]), min(res[True])
+        print(f"  call guard (gather_fold): without {off * 1e6:8.1f} us   with {on * 1e6:8.1f} us   overhead "
+              f"{(on - off) * 1e6:8.1f} us/call ({on / off:.2f}x)")
 
 
 if __name__ == "__main__":

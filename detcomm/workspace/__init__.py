@@ -4,15 +4,16 @@ all-gather kernels over symmetric device memory, on one node.
 Public surface (what the core calls; see docs/INTERFACES.md):
     Workspace.create(group, *, device, capacity_bytes, max_rows_armed, ...) -> Workspace   # collective
     Workspace.in_process(world_size, *, device, capacity_bytes, ...) -> list[Workspace]     # one process, W views
-    ws.all_reduce(x) / ws.reduce_scatter(x) / ws.all_gather(x) -> Tensor                    # collective
-    ws.close()  # collective        ws.abort()  # local        ws.error_record()  # local
-    WorkspaceUnavailable(RuntimeError)
-    plan.plan_capacity(sites, max_rows_armed=2048) -> capacity_bytes
+    ws.all_reduce(x, *, algo=, chunk_rows=, label=) / ws.reduce_scatter(x) / ws.all_gather(x)   # collective
+    ws.close()  # collective        ws.abort() / ws.check() / ws.synchronize()  # local (WorkspaceFailed)
+    ws.variants(collective, dtype, row_numel, max_rows) -> ["one_shot", "two_shot", "chunked", ...]  # local
+    ws.refused  # {module: reason} for dtypes whose kernels could not be built (refused alone)
+    WorkspaceUnavailable, WorkspaceFailed (detcomm.errors)
 
 Importing this package needs neither cupy nor a GPU.
 """
 
 from . import plan
-from .workspace import Workspace, WorkspaceUnavailable
+from .workspace import Workspace, WorkspaceFailed, WorkspaceUnavailable
 
-__all__ = ["Workspace", "WorkspaceUnavailable", "plan"]
+__all__ = ["Workspace", "WorkspaceFailed", "WorkspaceUnavailable", "plan"]

@@ -1,13 +1,17 @@
 """Run-time compilation, disk cache and launch of the workspace kernels in csrc/*.cu.
 
 How: csrc/*.cu (with their local #include "..." headers inlined, so the cache key covers every line) are compiled
-by NVRTC through cupy's thin binding (cupy.cuda.nvrtc) into a cubin for the device's own architecture, cached
+by NVRTC through cupy's thin binding (cupy.cuda.nvrtc) into one cubin per dtype (-DDETCOMM_DTYPE; plus one for the
+byte-moving all-gather) for the device's own architecture, so a dtype an architecture cannot convert (bf16 needs
+sm_80) is refused alone and the others still load (`KernelSet.refused`). Cubins are cached
 under ~/.cache/detcomm/kernels (or $DETCOMM_CACHE_DIR) keyed by sha256(source, options, arch, NVRTC version),
 loaded with cupy.cuda.function.Module and launched on the caller's current torch stream. A GPU user has no build
 step; `import detcomm` works without cupy or a GPU because cupy is imported only here, lazily.
 
 Options, all spelled out (docs/spec.md §1 forbids contraction and flush-to-zero): --std=c++17, -arch=sm_XY of the device,
---fmad=false, -ftz=false, -prec-div=true, -prec-sqrt=true, -DDETCOMM_W=<W>; never --use_fast_math.
+--fmad=false, -ftz=false, -prec-div=true, -prec-sqrt=true, -DDETCOMM_W=<W>, -DDETCOMM_DTYPE=<code>; never
+--use_fast_math. DETCOMM_WORKSPACE_TRAP=1 in the environment adds -DDETCOMM_TRAP_ON_FAILURE: a failing barrier
+then traps after writing its record (debugging only: a trap destroys the CUDA context of that rank).
 
 Alternatives rejected:
 - cupy.RawModule / RawKernel: its compile-with-cache path appends '-ftz=true' to the options
@@ -30,7 +34,7 @@ import os
 import re
 import tempfile
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,6 +55,13 @@ def _kernel_source_dir() -> Path:
 CSRC = _kernel_source_dir()
 KERNEL_FILES = ("one_shot.cu", "two_shot.cu", "reduce_scatter.cu", "all_gather.cu", "fold_local.cu")
 ROTATE_MACRO = "DETCOMM_ROTATE_RANK_ORDER"
+TRAP_ENV = "DETCOMM_WORKSPACE_TRAP"
+# Test-only builds: "rotated" folds in the wrong rank order, "stale_flags" lets a barrier pass on an earlier use's flag. Each is a
+# negative control that a test must catch; "canonical" is the only build a workspace serves with.
+VARIANT_MACROS = {"canonical": (), "rotated": (f"-D{ROTATE_MACRO}=1",),
+                  "stale_flags": ("-DDETCOMM_TEST_STALE_FLAGS=1",)}
+# One module per dtype (csrc: DETCOMM_DTYPE) and one for the byte-moving all-gather.
+MODULE_DTYPE_CODES = {"float32": 0, "bfloat16": 1, "float16": 2, "bytes": 3}
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
 _PRAGMA_ONCE = re.compile(r"^\s*#\s*pragma\s+once\s*$")
@@ -89,12 +100,18 @@ def flatten_source(files: Sequence[str] = KERNEL_FILES, *, root: Path = CSRC) ->
     return "\n".join(out) + "\n"
 
 
-def nvrtc_options(world_size: int, arch: str, *, rotated: bool = False) -> tuple[str, ...]:
-    """The exact NVRTC options of a module (no option is added behind our back: see the header)."""
+def nvrtc_options(world_size: int, arch: str, *, module: str | None = None, variant: str = "canonical",
+                  trap: bool = False) -> tuple[str, ...]:
+    """The exact NVRTC options of a module (no option is added behind our back: see the header). `module` is a
+    key of MODULE_DTYPE_CODES (None: every dtype in one unit, as the CPU compile check builds it)."""
     if not 1 <= world_size <= plan.MAX_WORLD:
         raise ValueError(f"world_size must be in 1..{plan.MAX_WORLD}, got {world_size}")
     if not re.fullmatch(r"sm_\d+[a-z]?", arch):
         raise ValueError(f"arch must look like 'sm_90', got {arch!r}")
+    if variant not in VARIANT_MACROS:
+        raise ValueError(f"variant must be one of {sorted(VARIANT_MACROS)}, got {variant!r}")
+    if module is not None and module not in MODULE_DTYPE_CODES:
+        raise ValueError(f"module must be one of {sorted(MODULE_DTYPE_CODES)}, got {module!r}")
     opts: tuple[str, ...] = (
         "--std=c++17",
         f"-arch={arch}",
@@ -104,8 +121,11 @@ def nvrtc_options(world_size: int, arch: str, *, rotated: bool = False) -> tuple
         "-prec-sqrt=true",
         f"-DDETCOMM_W={world_size}",
     )
-    if rotated:
-        opts += (f"-D{ROTATE_MACRO}=1",)
+    if module is not None:
+        opts += (f"-DDETCOMM_DTYPE={MODULE_DTYPE_CODES[module]}",)
+    opts += VARIANT_MACROS[variant]
+    if trap:
+        opts += ("-DDETCOMM_TRAP_ON_FAILURE=1",)
     return opts
 
 
@@ -146,32 +166,67 @@ class ModuleKey:
     device_index: int
     world_size: int
     arch: str
-    rotated: bool
+    variant: str
+    trap: bool
+
+
+def module_functions(module: str) -> list[str]:
+    """The kernels one module defines."""
+    if module == "bytes":
+        return ["detcomm_all_gather"]
+    sfx = plan.DTYPE_SUFFIX[module]
+    return [f"detcomm_{kind}_{sfx}" for kind in ("one_shot", "two_shot", "reduce_scatter", "fold_local")]
+
+
+def compile_modules(world_size: int, arch: str, *, variant: str = "canonical", trap: bool = False,
+                    compile_fn: Callable[[str, Sequence[str]], bytes] = compile_cubin) -> dict[str, bytes | str]:
+    """Every module's cubin, or the reason it could not be built (a str): one failing dtype refuses only itself.
+    No GPU needed; `compile_fn(source, options)` is NVRTC by default (the CPU test passes an nvcc-backed one)."""
+    source = flatten_source()
+    out: dict[str, bytes | str] = {}
+    for module in MODULE_DTYPE_CODES:
+        try:
+            out[module] = compile_fn(source, nvrtc_options(world_size, arch, module=module, variant=variant, trap=trap))
+        except Exception as e:  # noqa: BLE001 - reported as this module's refusal, never as the whole set's
+            text = str(e).strip().splitlines()
+            out[module] = f"{type(e).__name__}: " + " | ".join(text[:4])[:600]
+    return out
 
 
 class KernelSet:
-    """The loaded workspace kernels of one (device, W, variant). Get one with `kernel_set(...)`; loading is the
-    only step that needs the GPU, and it must happen outside CUDA graph capture (Workspace.create does it)."""
+    """The loaded workspace kernels of one (device, W, variant), one module per dtype. Get one with
+    `kernel_set(...)`; loading is the only step that needs the GPU, and it must happen outside CUDA graph capture
+    (Workspace.create does it). `refused` maps each module that could not be built or loaded to the reason."""
 
     def __init__(self, key: ModuleKey) -> None:
         cupy = _cupy()
         self.key = key
-        source = flatten_source()
-        cubin = compile_cubin(source, nvrtc_options(key.world_size, key.arch, rotated=key.rotated))
+        self.refused: dict[str, str] = {}
+        self._modules: list[Any] = []
+        self._functions: dict[str, Any] = {}
+        built = compile_modules(key.world_size, key.arch, variant=key.variant, trap=key.trap)
         with cupy.cuda.Device(key.device_index):
             cupy.cuda.runtime.deviceSynchronize()  # makes sure the primary context exists before cuModuleLoadData
-            self._module = cupy.cuda.function.Module()
-            self._module.load(cubin)
-            self._functions = {}
-            for name in self.names():
-                self._functions[name] = self._module.get_function(name)
+            for module, cubin in built.items():
+                if isinstance(cubin, str):
+                    self.refused[module] = cubin
+                    continue
+                try:
+                    m = cupy.cuda.function.Module()
+                    m.load(cubin)
+                    funcs = {name: m.get_function(name) for name in module_functions(module)}
+                except Exception as e:  # noqa: BLE001 - a module the driver rejects is refused alone
+                    self.refused[module] = f"load: {type(e).__name__}: {e}"
+                    continue
+                self._modules.append(m)
+                self._functions.update(funcs)
+
+    def available(self, module: str) -> bool:
+        return module not in self.refused
 
     @staticmethod
     def names() -> list[str]:
-        names = ["detcomm_all_gather"]
-        for kind in ("one_shot", "two_shot", "reduce_scatter", "fold_local"):
-            names += [f"detcomm_{kind}_{sfx}" for sfx in plan.DTYPE_SUFFIX.values()]
-        return names
+        return [name for module in MODULE_DTYPE_CODES for name in module_functions(module)]
 
     def launch(self, name: str, grid: int, args: Sequence[Any], *, stream_ptr: int) -> None:
         """Launch `name` with `grid` blocks of plan.BLOCK_THREADS on the raw CUDA stream `stream_ptr`.
@@ -190,16 +245,29 @@ _SETS: dict[ModuleKey, KernelSet] = {}
 _LOCK = threading.Lock()
 
 
-def kernel_set(device_index: int, world_size: int, *, rotated: bool = False) -> KernelSet:
-    """Compile (or fetch from the disk cache) and load the kernels for this device and W. Not collective."""
+def _key(device_index: int, world_size: int, variant: str) -> ModuleKey:
     import torch  # noqa: PLC0415
 
-    if torch.cuda.is_current_stream_capturing():
-        raise RuntimeError("detcomm workspace: kernels must be loaded before CUDA graph capture (Workspace.create does it)")
     major, minor = torch.cuda.get_device_capability(device_index)
-    key = ModuleKey(device_index, world_size, f"sm_{major}{minor}", rotated)
+    return ModuleKey(device_index, world_size, f"sm_{major}{minor}", variant, os.environ.get(TRAP_ENV) == "1")
+
+
+def loaded_kernel_set(device_index: int, world_size: int, *, variant: str = "canonical") -> KernelSet | None:
+    """The kernel set if already loaded in this process, else None (legal during CUDA graph capture)."""
+    return _SETS.get(_key(device_index, world_size, variant))
+
+
+def kernel_set(device_index: int, world_size: int, *, variant: str = "canonical") -> KernelSet:
+    """Compile (or fetch from the disk cache) and load the kernels for this device and W. Not collective. A set
+    already loaded is returned even under CUDA graph capture; loading a new one there raises."""
+    import torch  # noqa: PLC0415
+
+    key = _key(device_index, world_size, variant)
     with _LOCK:
         ks = _SETS.get(key)
         if ks is None:
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("detcomm workspace: kernels must be loaded before CUDA graph capture "
+                                   "(Workspace.create does it)")
             ks = _SETS[key] = KernelSet(key)
         return ks

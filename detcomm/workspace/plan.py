@@ -7,7 +7,7 @@ and fails if the two drift apart.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from ..dtypes import TABLE
@@ -18,14 +18,29 @@ MAX_BLOCKS = 256
 BLOCK_THREADS = 512
 PACK_BYTES = 16
 BARRIER_KINDS = 3
-HEADER_BYTES = 32768
+HEADER_BYTES = 65536
 PROBE_BYTES = 4096
-ERR_WORDS = 8
+DESC_WORDS = 4
+ERR_WORDS = 16
+CTRL_WORDS = 32
+HOST_ABORT_WORD = 16
 ERR_TIMEOUT = 0xDE7C0001
+ERR_ABORTED = 0xDE7C0002
+ERR_PEER_FAILED = 0xDE7C0003
+ERR_MISMATCH = 0xDE7C0004
+ERR_OVERLAP = 0xDE7C0005
+ABORT_BY_KERNEL = 0x100
+ABORT_BY_HOST = 0x200
+KIND_CODES = {1: "one_shot", 2: "two_shot", 3: "reduce_scatter", 4: "all_gather"}
+DTYPE_CODES = {0: "float32", 1: "bfloat16", 2: "float16", 3: "bytes"}
 BARRIER_NAMES = ("start", "mid", "end")
 
-# The header must hold flags[kind][block][rank] and epochs[kind][block], all u32.
-assert (BARRIER_KINDS * MAX_BLOCKS * MAX_WORLD + BARRIER_KINDS * MAX_BLOCKS) * 4 <= HEADER_BYTES
+# Header words: flags[kind][block][rank], epochs[kind][block], desc[block][rank][4], abort, claim, busy[block].
+DESC_BASE = BARRIER_KINDS * MAX_BLOCKS * (MAX_WORLD + 1)
+CTRL_BASE = DESC_BASE + MAX_BLOCKS * MAX_WORLD * DESC_WORDS
+ABORT_INDEX = CTRL_BASE
+HEADER_WORDS_USED = CTRL_BASE + 2 + MAX_BLOCKS
+assert HEADER_WORDS_USED * 4 <= HEADER_BYTES
 
 # The float dtypes the kernels fold, by name (detcomm.dtypes): element bytes and kernel-name suffix.
 ELEM_SIZES = {d.name: d.size for d in TABLE if d.is_float}
@@ -34,7 +49,8 @@ DTYPE_SUFFIX = {d.name: str(d.suffix) for d in TABLE if d.is_float}
 DEFAULT_MAX_ROWS_ARMED = 2048
 # Above this message size all_reduce takes two-shot. Both give the same bits; this only moves latency.
 DEFAULT_ONE_SHOT_MAX_BYTES = 512 * 1024
-DEFAULT_MAX_GRID = 64
+# No cap below the SM count by default: grid_blocks says why every SM helps.
+DEFAULT_MAX_GRID = MAX_BLOCKS
 
 
 def _round_up(x: int, m: int) -> int:
@@ -46,15 +62,19 @@ def _ceil_div(a: int, b: int) -> int:
 
 
 # --- kernel geometry ----------------------------------------------------------------------------------------
-def grid_blocks(world_size: int, sm_count: int, *, max_grid: int = DEFAULT_MAX_GRID) -> int:
+def grid_blocks(world_size: int, sm_count: int, *, max_grid: int = DEFAULT_MAX_GRID, shared_gpu: bool = True) -> int:
     """Blocks per rank for every workspace kernel: a function of static facts only (W, the SM count agreed by all
-    ranks at create, the configured cap), so every rank launches the same grid.
+    ranks at create, whether ranks share a GPU, the configured cap), so every rank launches the same grid.
 
-    Why sm_count // W: a block spins on the barrier until the same block of every peer arrives. When the W
-    ranks share one GPU (in-process streams) all W grids must be resident at once, or a resident block could
-    spin forever on a peer block that is waiting for its SM. One 512-thread block always fits an SM, so
-    W * grid <= sm_count guarantees co-residency. (Processes sharing a GPU time-slice whole contexts, and
-    each context's grid fits the GPU alone, so they progress too.)
+    One GPU per rank (shared_gpu=False): every SM. The kernels are limited by the loads each SM keeps in flight,
+    not by bandwidth (measured on an H200, W = 1, 64 MiB: 529 / 280 / 165 / 101 us with 16 / 33 / 64 / 132
+    blocks), so each rank uses its whole GPU.
+
+    Ranks sharing a GPU (in-process streams, or processes on one device): sm_count // W. A block spins on the
+    barrier until the same block of every peer arrives, so all W grids must be resident at once, or a resident
+    block could spin forever on a peer block that is waiting for its SM. One 512-thread block always fits an SM,
+    so W * grid <= sm_count guarantees co-residency. (Processes sharing a GPU time-slice whole contexts, and each
+    context's grid fits the GPU alone, so they progress too.)
     """
     if not 1 <= world_size <= MAX_WORLD:
         raise ValueError(f"world_size must be in 1..{MAX_WORLD}, got {world_size}")
@@ -62,7 +82,8 @@ def grid_blocks(world_size: int, sm_count: int, *, max_grid: int = DEFAULT_MAX_G
         raise ValueError(f"sm_count {sm_count} < world_size {world_size}: ranks cannot be co-resident")
     if max_grid < 1:
         raise ValueError(f"max_grid must be >= 1, got {max_grid}")
-    return max(1, min(MAX_BLOCKS, max_grid, sm_count // world_size))
+    per_rank = sm_count // world_size if shared_gpu else sm_count
+    return max(1, min(MAX_BLOCKS, max_grid, per_rank))
 
 
 def stride_packs(grid: int) -> int:
@@ -102,33 +123,6 @@ def data_offset() -> int:
 
 def probe_offset() -> int:
     return HEADER_BYTES
-
-
-# --- capacity planning --------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class SiteNeed:
-    """What one declared site asks of the workspace: the most rows it carries and the bytes of one row."""
-
-    name: str
-    max_rows: int
-    row_bytes: int
-
-
-def plan_capacity(sites: Iterable[SiteNeed], *, max_rows_armed: int = DEFAULT_MAX_ROWS_ARMED) -> int:
-    """Capacity in bytes that serves every site with max_rows <= max_rows_armed without chunking.
-
-    Sites above max_rows_armed (prefill-sized) are not armed: they route elsewhere, or are chunked if routed
-    here anyway. Returns 0 when no site qualifies (then there is nothing to arm).
-    """
-    if max_rows_armed < 1:
-        raise ValueError(f"max_rows_armed must be >= 1, got {max_rows_armed}")
-    need = 0
-    for s in sites:
-        if s.max_rows < 1 or s.row_bytes < 1:
-            raise ValueError(f"site {s.name!r}: max_rows and row_bytes must be >= 1")
-        if s.max_rows <= max_rows_armed:
-            need = max(need, s.max_rows * s.row_bytes)
-    return _round_up(need, 4096) if need else 0
 
 
 # --- chunking -----------------------------------------------------------------------------------------------
@@ -176,6 +170,77 @@ def reduce_scatter_slices(chunk_rows: int, row_elems: int, dtype: str, grid: int
     per = pack_elems(dtype)
     length = chunk_rows * row_elems
     return SliceGeometry(length, _round_up(_ceil_div(length, per), stride_packs(grid)))
+
+
+# --- kernel variants a site can reach -----------------------------------------------------------------------
+def variants(collective: str, *, row_bytes: int, max_rows: int, world_size: int, capacity_bytes: int,
+             one_shot_max_bytes: int) -> list[str]:
+    """The code paths calls of 1..max_rows rows of row_bytes each can take, in a fixed order: the kernels
+    ("one_shot", "two_shot", "reduce_scatter", "all_gather") and "chunked" when some call needs several launches.
+    For reduce_scatter, max_rows counts the input rows (W shards). [] when not even one row fits a launch.
+
+    The self-checks run each before a site uses the workspace: all_reduce(algo=...) forces a kernel and
+    chunk_rows=... forces chunking on any payload of two rows or more."""
+    if row_bytes < 1 or max_rows < 1:
+        raise ValueError(f"row_bytes and max_rows must be >= 1, got {row_bytes} and {max_rows}")
+    if collective == "all_reduce":
+        per = capacity_bytes // row_bytes
+        if per < 1:
+            return []
+        out = []
+        if row_bytes <= one_shot_max_bytes:
+            out.append("one_shot")
+        if min(max_rows, per) * row_bytes > one_shot_max_bytes:
+            out.append("two_shot")
+        return out + (["chunked"] if max_rows > per else [])
+    if collective == "reduce_scatter":
+        per = capacity_bytes // (row_bytes * world_size)
+        if per < 1:
+            return []
+        return ["reduce_scatter"] + (["chunked"] if max_rows // world_size > per else [])
+    if collective == "all_gather":
+        per = capacity_bytes // row_bytes
+        if per < 1:
+            return []
+        return ["all_gather"] + (["chunked"] if max_rows > per else [])
+    raise ValueError(f"collective must be all_reduce, reduce_scatter or all_gather, got {collective!r}")
+
+
+# --- failure records (written by fail_workspace in csrc/detcomm_common.cuh) ----------------------------------
+def describe_call(what: int, call: int, count: int) -> str:
+    kind = KIND_CODES.get(what >> 8, f"kind {what >> 8}")
+    dtype = DTYPE_CODES.get(what & 0xFF, f"dtype {what & 0xFF}")
+    return f"call {call}: {kind} {dtype} count {count}"
+
+
+def decode_record(rec: Sequence[int], labels: dict[int, str] | None = None) -> str | None:
+    """A rank's failure record as one line, None when the record is empty. `labels` maps call numbers to what the
+    host issued them for (site names)."""
+    tag = rec[0]
+    if tag == 0:
+        return None
+    rank, peer, kind, epoch, seen, ms, block = rec[1:8]
+    what, call = rec[8], rec[9]
+    count = rec[10] | (rec[11] << 32)
+    label = (labels or {}).get(call)
+    where = (f"{describe_call(what, call, count)}{f' ({label})' if label else ''}, "
+             f"{BARRIER_NAMES[kind] if kind < len(BARRIER_NAMES) else kind} barrier, block {block}")
+    if tag == ERR_TIMEOUT:
+        return (f"rank {rank} timed out after {ms} ms waiting for rank {peer} at {where} "
+                f"(epoch {epoch}, flag seen {seen})")
+    if tag == ERR_ABORTED:
+        return f"rank {rank}'s host aborted the workspace while it waited for rank {peer} at {where}"
+    if tag == ERR_PEER_FAILED:
+        by = "host aborted" if seen & ABORT_BY_HOST else "kernel failed"
+        return f"rank {rank} stopped at {where}: rank {seen & 0xFF}'s {by} first"
+    if tag == ERR_MISMATCH:
+        theirs = describe_call(rec[12], rec[13], rec[14] | (rec[15] << 32))
+        return (f"rank {rank} and rank {peer} made different calls: rank {rank} {where}; rank {peer} {theirs} "
+                "(every rank must make the same collective calls in the same order)")
+    if tag == ERR_OVERLAP:
+        return (f"rank {rank} ran two workspace kernels at once ({where}; the other holds call {seen & 0x7FFFFFFF}): "
+                "one collective per workspace at a time, graph replays included; order the streams")
+    return f"rank {rank}: unknown failure record {tag:#x} at {where}"
 
 
 # --- barrier epochs (mirror of block_barrier in csrc/detcomm_common.cuh) -----------------------------------

@@ -7,17 +7,27 @@ give the same bits; the row count only picks the kernel and the chunking.
 from __future__ import annotations
 
 import ctypes
+import logging
 import threading
 from typing import Any
 
 import torch
 
-from ..dtypes import FLOAT_DTYPES, FLOAT_NAMES, name_of
-from ..errors import WorkspaceUnavailable
+from ..dtypes import FLOAT_DTYPES, FLOAT_NAMES, info, name_of
+from ..errors import WorkspaceFailed, WorkspaceUnavailable
 from . import plan
-from .kernels import KernelSet, kernel_set
+from .kernels import MODULE_DTYPE_CODES, VARIANT_MACROS, KernelSet, kernel_set
 
-DEFAULT_TIMEOUT_S = 10.0
+_LOG = logging.getLogger("detcomm.workspace")
+# The device-side deadline of every barrier spin. A spin only waits while some rank has not launched its kernel
+# yet, so the deadline must outlast the longest host stall a healthy rank can have between two collectives: a
+# first-call JIT compile (torch.compile, Triton, NVRTC: seconds to tens of seconds), a full garbage collection of
+# a large heap, a checkpoint page-in. 60 s covers those with margin, and a real failure (a dead or diverged
+# rank) still surfaces within a minute; the failure no longer costs any rank its CUDA context, so a generous
+# deadline is cheap. Override per workspace (Workspace.create(timeout_s=...), which init(timeout_s=) sets).
+DEFAULT_TIMEOUT_S = 60.0
+# Call numbers whose label is kept for failure messages (the kernels report the call they were in).
+_LABELS_KEPT = 4096
 
 
 def _refuse_under_capture(what: str) -> None:
@@ -36,23 +46,23 @@ def _i64(x: int) -> ctypes.c_int64:
     return ctypes.c_int64(x)
 
 
-class _HostErrorWords:
-    """Pinned, device-mapped host memory for the kernels' timeout records. It stays readable from the host after
-    a __trap() has destroyed the CUDA context, which is the point."""
+class _HostCtrl:
+    """Pinned, device-mapped host memory: this rank's failure record (written by the first failing kernel thread
+    of the rank) and the host's abort word (polled by every spin). Mapped memory needs no copy to read, so the
+    host reads the record with one load, without waiting on the device, and also after a debug trap."""
 
-    def __init__(self, words: int) -> None:
+    def __init__(self) -> None:
         from cupy.cuda import runtime  # noqa: PLC0415
 
-        self.words = words
-        self.ptr = runtime.hostAlloc(words * 4, runtime.hostAllocMapped)
-        ctypes.memset(self.ptr, 0, words * 4)
-        self._array = (ctypes.c_uint32 * words).from_address(self.ptr)
+        self.ptr = runtime.hostAlloc(plan.CTRL_WORDS * 4, runtime.hostAllocMapped)
+        ctypes.memset(self.ptr, 0, plan.CTRL_WORDS * 4)
+        self.words = (ctypes.c_uint32 * plan.CTRL_WORDS).from_address(self.ptr)
 
-    def read(self) -> list[int]:
-        return list(self._array)
+    def tagged(self) -> bool:
+        return self.words[0] != 0
 
-    def clear(self) -> None:
-        ctypes.memset(self.ptr, 0, self.words * 4)
+    def record(self) -> list[int]:
+        return list(self.words[:plan.ERR_WORDS])
 
     def free(self) -> None:
         from cupy.cuda import runtime  # noqa: PLC0415
@@ -66,12 +76,22 @@ class Workspace:
     """One rank's armed CUDA-IPC workspace (or one rank view of an in-process group).
 
     Collective calls (every rank of the group must make them, in the same order, with the same shapes):
-    `create`, `all_reduce`, `reduce_scatter`, `all_gather`, `close`. Local calls: `abort`, `error_record`.
+    `create`, `all_reduce`, `reduce_scatter`, `all_gather`, `close`. Local calls: `abort`, `check`, `synchronize`,
+    `error_record`, `variants`.
     `in_process` is not collective (one process plays every rank); its rank views' collectives must still be
     called once per rank, each from its own stream.
 
     Inputs are contiguous tensors on the workspace's device, [rows, *trailing], rows along dim 0. One collective
-    may be in flight per workspace: a call from another stream while the previous one has not finished raises.
+    may be in flight per workspace: a call from another stream while the previous one has not finished raises;
+    a graph replay overlapping another kernel of the workspace fails the workspace (device-side busy words).
+
+    Failures (docs/spec.md §9): a barrier that passes its deadline, an `abort()` on any rank, ranks making
+    different calls (kernel, dtype, element count or call number, compared on the device at every start barrier,
+    whatever host-side checking says) or two kernels at once end the kernels of every rank without a trap; each
+    rank records one line, and the host raises WorkspaceFailed naming the rank, the awaited rank, the call and
+    its label at the next call, `check()`, `synchronize()` or `close()`, after which every call raises until the
+    workspace is re-created. A rank that was not inside a kernel learns of a peer's failure when its next kernel
+    runs (that kernel stops at once), so it raises at the call after, or at `synchronize()`.
     """
 
     def __init__(self, *, transport: Any, kernels: KernelSet, grid: int, capacity_bytes: int, max_rows_armed: int,
@@ -93,14 +113,22 @@ class Workspace:
         # The kernels read the peer pointers from device memory (a kernel argument cannot hold W pointers
         # portably through the driver API); allocated once here, so calls never allocate.
         self._table = torch.tensor(data_ptrs + sig_ptrs, dtype=torch.int64, device=device)
-        self._err = _HostErrorWords(plan.MAX_BLOCKS * plan.ERR_WORDS)
+        self._ctrl = _HostCtrl()
         # The Group arguments every kernel ends with: constant for the workspace's life, built once.
         self._tail = [_u64(self._table.data_ptr()), _u64(self._table.data_ptr() + 8 * self.world_size),
-                      ctypes.c_int32(self.rank), _u64(self.timeout_ns), _u64(self._err.ptr)]
+                      ctypes.c_int32(self.rank), _u64(self.timeout_ns), _u64(self._ctrl.ptr)]
+        self._sig_ptrs = sig_ptrs
         self._lock = threading.Lock()
         self._last_stream: torch.cuda.Stream | None = None
         self._done = torch.cuda.Event()
         self._dead: str | None = None
+        self._failure: str | None = None
+        # Launch numbers: every launch carries one, peers compare them at the start barrier; labels name them.
+        self._calls = 0
+        self._labels: dict[int, str] = {}
+        self.refused: dict[str, str] = dict(kernels.refused)
+        #: (collective, dtype, variant) of every code path this workspace has run, for the self-check tests.
+        self.variants_run: set[tuple[str, str, str]] = set()
 
     # ---- construction ----------------------------------------------------------------------------------
     @classmethod
@@ -109,11 +137,13 @@ class Workspace:
                max_grid: int = plan.DEFAULT_MAX_GRID, _variant: str = "canonical") -> Workspace:
         """Arm a workspace over `group` (torch.distributed group; None = default). COLLECTIVE.
 
-        capacity_bytes: bytes of one rank's rows one launch carries (plan.plan_capacity sizes it from the sites);
+        capacity_bytes: bytes of one rank's rows one launch carries (init's workspace_bytes; more rows are chunked);
         max_rows_armed: the most rows of the sites this workspace was armed for (reported to the router; calls
-        with more rows still work, chunked). Raises ValueError for bad arguments and WorkspaceUnavailable (on
-        every rank, with every rank's reason) when the kernels, the symmetric memory or the peer-access proof
-        fail. `_variant="rotated"` builds the negative-control kernels (tests only: NOT the canonical fold).
+        with more rows still work, chunked). timeout_s: the device-side deadline of every barrier (see
+        DEFAULT_TIMEOUT_S for why 60 s). Raises ValueError for bad arguments and WorkspaceUnavailable (on every
+        rank, with every rank's reason) when no kernel module, the symmetric memory or the peer-access proof
+        fails. A dtype whose module cannot be built on some rank is refused alone on every rank (`refused`,
+        `variants`). `_variant` "rotated" / "stale_flags" build negative-control kernels (tests only).
         """
         import torch.distributed as dist  # noqa: PLC0415
 
@@ -125,30 +155,42 @@ class Workspace:
         if not 1 <= world <= plan.MAX_WORLD:
             raise ValueError(f"the workspace serves groups of 1..{plan.MAX_WORLD} ranks, got {world}")
 
-        err, sm_count, ks = None, 0, None
+        err, sm_count, gpu_id, ks, refused = None, 0, "", None, {}
         try:
-            sm_count = torch.cuda.get_device_properties(dev).multi_processor_count
-            ks = kernel_set(dev.index, world, rotated=_variant == "rotated")
+            props = torch.cuda.get_device_properties(dev)
+            sm_count, gpu_id = props.multi_processor_count, str(props.uuid)
+            ks = kernel_set(dev.index, world, variant=_variant)
+            refused = ks.refused
+            if len(refused) == len(MODULE_DTYPE_CODES):
+                err = "kernels: no module could be built: " + "; ".join(f"{m}: {r}" for m, r in refused.items())
         except Exception as e:  # noqa: BLE001 - reported to every rank below
             err = f"kernels: {type(e).__name__}: {e}"
-        config = (capacity_bytes, max_rows_armed, one_shot_max_bytes, max_grid, _variant)
+        config = (capacity_bytes, max_rows_armed, one_shot_max_bytes, max_grid, _variant, timeout_s)
         infos: list[Any] = [None] * world
-        dist.all_gather_object(infos, (err, sm_count, config), group=group)
+        dist.all_gather_object(infos, (err, sm_count, config, refused, gpu_id), group=group)
         reasons = [f"rank {r}: {i[0]}" for r, i in enumerate(infos) if i[0]]
         reasons += [f"rank {r}: configuration {i[2]} differs from rank 0's {infos[0][2]}"
                     for r, i in enumerate(infos) if i[2] != infos[0][2]]
         if reasons:
             raise WorkspaceUnavailable("; ".join(reasons))
         assert ks is not None
-        grid = plan.grid_blocks(world, min(i[1] for i in infos), max_grid=max_grid)
+        # A module refused on any rank is refused on every rank (the same calls must run everywhere).
+        all_refused = {m: f"rank {r}: {why}" for r, i in reversed(list(enumerate(infos))) for m, why in i[3].items()}
+        # Geometry from topology: the device identities every rank reported decide whether ranks share a GPU.
+        shared = len({i[4] for i in infos}) < world
+        grid = plan.grid_blocks(world, min(i[1] for i in infos), max_grid=max_grid, shared_gpu=shared)
         try:
             transport = IpcSymmetricBuffer.create(plan.buffer_bytes(capacity_bytes, world, grid), group=group,
                                                   device_index=dev.index, probe_offset=plan.probe_offset())
         except SymmMemUnavailable as e:
             raise WorkspaceUnavailable(str(e)) from e
-        return cls(transport=transport, kernels=ks, grid=grid, capacity_bytes=capacity_bytes,
-                   max_rows_armed=max_rows_armed, one_shot_max_bytes=one_shot_max_bytes,
-                   timeout_ns=int(timeout_s * 1e9), device=dev)
+        ws = cls(transport=transport, kernels=ks, grid=grid, capacity_bytes=capacity_bytes,
+                 max_rows_armed=max_rows_armed, one_shot_max_bytes=one_shot_max_bytes,
+                 timeout_ns=int(timeout_s * 1e9), device=dev)
+        ws.refused = all_refused
+        if all_refused:
+            _LOG.warning("detcomm workspace: kernel modules refused (their calls take another route): %s", all_refused)
+        return ws
 
     @classmethod
     def in_process(cls, world_size: int, *, device: torch.device | str | int, capacity_bytes: int,
@@ -169,7 +211,7 @@ class Workspace:
             raise ValueError(f"world_size must be in 1..{plan.MAX_WORLD}, got {world_size}")
         sm_count = torch.cuda.get_device_properties(dev).multi_processor_count
         grid = plan.grid_blocks(world_size, sm_count, max_grid=max_grid)
-        ks = kernel_set(dev.index, world_size, rotated=_variant == "rotated")
+        ks = kernel_set(dev.index, world_size, variant=_variant)
         views = create_local_group(world_size, plan.buffer_bytes(capacity_bytes, world_size, grid),
                                    device_index=dev.index, probe_offset=plan.probe_offset())
         return [cls(transport=v, kernels=ks, grid=grid, capacity_bytes=capacity_bytes, max_rows_armed=max_rows_armed,
@@ -192,47 +234,104 @@ class Workspace:
             raise ValueError(f"one_shot_max_bytes must be >= 0, got {one_shot_max_bytes}")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-        if variant not in ("canonical", "rotated"):
+        if variant not in VARIANT_MACROS:
             raise ValueError(f"unknown kernel variant {variant!r}")
         return dev
 
     # ---- lifecycle -------------------------------------------------------------------------------------
     def close(self) -> None:
-        """COLLECTIVE: wait for this rank's work, meet the peers, release the IPC mappings and buffers."""
+        """COLLECTIVE: wait for this rank's work, meet the peers, release the IPC mappings and buffers. After an
+        abort or a failure every kernel has ended (no spin outlives the deadline), so close still releases."""
         if self._dead == "closed":
             return
+        if self._dead == "aborted":
+            # abort() promised to leave memory to process exit: a peer may still store its abort word here.
+            self._dead = "closed"
+            return
         self._transport.close()
-        self._err.free()
+        self._ctrl.free()
         self._dead = "closed"
 
     def abort(self) -> None:
-        """LOCAL (for failures): never waits on the device or the peers. The workspace refuses every later call;
-        device buffers, mappings and the host error words stay allocated until the process exits, because a
-        peer's kernel may still be writing into them."""
-        if self._dead is None:
-            self._dead = "aborted"
-            self._transport.abort()
+        """LOCAL (for failures): never waits on the device or the peers. Releases this rank's spinning kernels
+        (the host abort word every spin polls) and tells the peers (their header's abort word, written by an
+        asynchronous copy on a private stream), whose kernels then stop at their next barrier and raise
+        WorkspaceFailed naming this rank. The workspace refuses every later call; device buffers, mappings and
+        the control words stay allocated until the process exits, because a peer's kernel may still write them."""
+        if self._dead in ("aborted", "closed"):
+            return
+        self._dead = "aborted"
+        value = plan.ABORT_BY_HOST | self.rank
+        self._ctrl.words[plan.HOST_ABORT_WORD] = value
+        try:
+            from cupy.cuda import runtime  # noqa: PLC0415
+
+            src = self._ctrl.ptr + plan.HOST_ABORT_WORD * 4
+            with torch.cuda.device(self.device):
+                stream = runtime.streamCreateWithFlags(1)  # cudaStreamNonBlocking: never waits on the spinning work
+                for base in self._sig_ptrs:
+                    runtime.memcpyAsync(base + plan.ABORT_INDEX * 4, src, 4, runtime.memcpyHostToDevice, stream)
+        except Exception as e:  # noqa: BLE001 - a context a debug trap destroyed cannot copy; the deadline still ends the peers' spins
+            _LOG.warning("detcomm workspace (rank %d): could not tell the peers about the abort: %s", self.rank, e)
+        self._transport.abort()
+
+    def check(self) -> None:
+        """LOCAL, never waits: raise WorkspaceFailed if a kernel of this rank recorded a failure (or the workspace
+        was aborted). Every collective call does this first; call it after synchronizing to learn about the last
+        call (see `synchronize`)."""
+        if self._failure is not None:
+            raise WorkspaceFailed(self._failure)
+        if self._ctrl.ptr and self._ctrl.tagged():
+            line = plan.decode_record(self._ctrl.record(), self._labels)
+            self._failure = (f"detcomm workspace (rank {self.rank}) failed: {line}. It refuses every call until it is "
+                             "re-created (close it and create a new one on every rank).")
+            if self._dead is None:
+                self._dead = "failed"
+            raise WorkspaceFailed(self._failure)
+        if self._dead == "aborted":
+            self._failure = f"detcomm workspace (rank {self.rank}) was aborted on this rank; re-create it"
+            raise WorkspaceFailed(self._failure)
+        if self._dead == "closed":
+            raise RuntimeError(f"detcomm workspace (rank {self.rank}) is closed")
+
+    def synchronize(self) -> None:
+        """LOCAL: wait for this rank's work on the current stream (at most the deadline, since no spin outlives
+        it), then `check()`."""
+        torch.cuda.current_stream(self.device).synchronize()
+        self.check()
 
     def error_record(self) -> str | None:
-        """LOCAL: the first timeout record a kernel of this rank wrote before trapping, decoded; None if none.
-        Readable after the trap has destroyed the CUDA context (the words live in pinned host memory)."""
-        if not self._err.ptr:
+        """LOCAL: this rank's failure record, decoded into one line; None if there is none. Readable without
+        waiting on the device (the record lives in mapped pinned host memory)."""
+        if not self._ctrl.ptr:
             return None
-        words = self._err.read()
-        for b in range(plan.MAX_BLOCKS):
-            rec = words[b * plan.ERR_WORDS:(b + 1) * plan.ERR_WORDS]
-            if rec[0] == plan.ERR_TIMEOUT:
-                kind = plan.BARRIER_NAMES[rec[3]] if rec[3] < len(plan.BARRIER_NAMES) else str(rec[3])
-                return (f"rank {rec[1]} (block {b}) timed out after {rec[6]} ms at the {kind} barrier waiting for "
-                        f"rank {rec[2]} (epoch {rec[4]}, flag seen {rec[5]})")
-        return None
+        return plan.decode_record(self._ctrl.record(), self._labels)
+
+    def variants(self, collective: str, dtype: torch.dtype, row_numel: int, max_rows: int) -> list[str]:
+        """LOCAL: the code paths calls of a site can take (plan.variants: "one_shot", "two_shot",
+        "reduce_scatter", "all_gather", "chunked"); [] when the workspace cannot serve it (a row larger than a
+        launch, or a dtype whose kernels were refused). The self-checks run each before the site's first use:
+        all_reduce(algo="one_shot" | "two_shot") forces a kernel, chunk_rows=1 (with 2+ rows) forces chunking."""
+        if collective == "all_gather":
+            module, elem = "bytes", torch.empty((), dtype=dtype).element_size()
+        else:
+            if dtype not in FLOAT_DTYPES:
+                raise ValueError(f"the workspace folds float32, bfloat16 and float16, got {dtype}")
+            module, elem = name_of(dtype), info(dtype).size
+        if module in self.refused:
+            return []
+        return plan.variants(collective, row_bytes=row_numel * elem, max_rows=max_rows, world_size=self.world_size,
+                             capacity_bytes=self.capacity_bytes, one_shot_max_bytes=self.one_shot_max_bytes)
 
     # ---- collectives -----------------------------------------------------------------------------------
-    def all_reduce(self, x: torch.Tensor, *, out: torch.Tensor | None = None, algo: str | None = None) -> torch.Tensor:
+    def all_reduce(self, x: torch.Tensor, *, out: torch.Tensor | None = None, algo: str | None = None,
+                   chunk_rows: int | None = None, label: str | None = None) -> torch.Tensor:
         """COLLECTIVE. SUM of x over the group by the canonical fold; every rank gets identical bits.
 
         algo: None chooses by message size (one-shot up to one_shot_max_bytes per launch, two-shot above);
-        "one_shot" / "two_shot" force one (tests, bench). All choices and any chunking give the same bits.
+        "one_shot" / "two_shot" force one (self-checks, tests, bench). chunk_rows: rows per launch (default: as
+        many as the capacity holds; smaller forces chunking). label: named in failure messages (the site). All
+        choices and any chunking give the same bits.
         """
         if algo not in (None, "one_shot", "two_shot"):
             raise ValueError(f"algo must be None, 'one_shot' or 'two_shot', got {algo!r}")
@@ -242,23 +341,29 @@ class Workspace:
         if rows == 0 or row_elems == 0:
             return out
         sfx = plan.DTYPE_SUFFIX[dtype]
-        per = plan.rows_per_chunk(self.capacity_bytes, row_bytes)
+        per = self._per_chunk(row_bytes, chunk_rows, 1)
         with self._collective() as stream_ptr:
             for a, b in plan.chunks(rows, per):
                 n = (b - a) * row_elems
                 xp, op = x.data_ptr() + a * row_bytes, out.data_ptr() + a * row_bytes
                 one = algo == "one_shot" or (algo is None and n * x.element_size() <= self.one_shot_max_bytes)
                 if one:
-                    self._launch(f"detcomm_one_shot_{sfx}", [_u64(xp), _u64(op), _i64(n)], stream_ptr)
+                    self._launch(f"detcomm_one_shot_{sfx}", [_u64(xp), _u64(op), _i64(n)], stream_ptr, label)
                 else:
                     geo = plan.two_shot_slices(n, self.world_size, dtype, self.grid)
                     assert geo.slot_bytes_used(self.world_size) <= self._slot_bytes, (geo, self._slot_bytes)
                     self._launch(f"detcomm_two_shot_{sfx}",
-                                 [_u64(xp), _u64(op), _i64(n), _i64(geo.length), _i64(geo.stride_packs)], stream_ptr)
+                                 [_u64(xp), _u64(op), _i64(n), _i64(geo.length), _i64(geo.stride_packs)], stream_ptr,
+                                 label)
+                self.variants_run.add(("all_reduce", dtype, "one_shot" if one else "two_shot"))
+            if rows > per:
+                self.variants_run.add(("all_reduce", dtype, "chunked"))
         return out
 
-    def reduce_scatter(self, x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
-        """COLLECTIVE. x is [W * R, *trailing]; rank r gets the canonical fold over ranks of rows [r*R, (r+1)*R)."""
+    def reduce_scatter(self, x: torch.Tensor, *, out: torch.Tensor | None = None, chunk_rows: int | None = None,
+                       label: str | None = None) -> torch.Tensor:
+        """COLLECTIVE. x is [W * R, *trailing]; rank r gets the canonical fold over ranks of rows [r*R, (r+1)*R).
+        chunk_rows: shard rows per launch (smaller than the capacity allows forces chunking)."""
         dtype = self._fold_dtype(x)
         rows, row_elems, row_bytes = self._rows(x)
         if rows % self.world_size:
@@ -268,7 +373,7 @@ class Workspace:
         if shard == 0 or row_elems == 0:
             return out
         sfx = plan.DTYPE_SUFFIX[dtype]
-        per = plan.rows_per_chunk(self.capacity_bytes, row_bytes, parts=self.world_size)
+        per = self._per_chunk(row_bytes, chunk_rows, self.world_size)
         with self._collective() as stream_ptr:
             for a, b in plan.chunks(shard, per):
                 geo = plan.reduce_scatter_slices(b - a, row_elems, dtype, self.grid)
@@ -276,31 +381,41 @@ class Workspace:
                 self._launch(f"detcomm_reduce_scatter_{sfx}",
                              [_u64(x.data_ptr() + a * row_bytes), _i64(shard * row_elems),
                               _u64(out.data_ptr() + a * row_bytes), _i64(geo.length), _i64(geo.stride_packs)],
-                             stream_ptr)
+                             stream_ptr, label)
+            self.variants_run.add(("reduce_scatter", dtype, "reduce_scatter"))
+            if shard > per:
+                self.variants_run.add(("reduce_scatter", dtype, "chunked"))
         return out
 
-    def all_gather(self, x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    def all_gather(self, x: torch.Tensor, *, out: torch.Tensor | None = None, chunk_rows: int | None = None,
+                   label: str | None = None) -> torch.Tensor:
         """COLLECTIVE. x is [R, *trailing] on every rank; returns [W * R, *trailing], rank r's rows at r*R.
-        Data movement only (any dtype)."""
+        Data movement only (any dtype). chunk_rows: rows per launch (smaller forces chunking)."""
         self._check_tensor(x)
+        if "bytes" in self.refused:
+            raise WorkspaceUnavailable(f"the workspace's all-gather kernel was refused: {self.refused['bytes']}")
         rows, row_elems, row_bytes = self._rows(x)
         out = self._output(x, out, (self.world_size * rows, *x.shape[1:]))
         if rows == 0 or row_bytes == 0:
             return out
-        per = plan.rows_per_chunk(self.capacity_bytes, row_bytes)
+        per = self._per_chunk(row_bytes, chunk_rows, 1)
         with self._collective() as stream_ptr:
             for a, b in plan.chunks(rows, per):
                 self._launch("detcomm_all_gather",
                              [_u64(x.data_ptr() + a * row_bytes), _u64(out.data_ptr() + a * row_bytes),
-                              _i64((b - a) * row_bytes), _i64(rows * row_bytes)], stream_ptr)
+                              _i64((b - a) * row_bytes), _i64(rows * row_bytes)], stream_ptr, label)
+            dt = str(x.dtype).removeprefix("torch.")
+            self.variants_run.add(("all_gather", dt, "all_gather"))
+            if rows > per:
+                self.variants_run.add(("all_gather", dt, "chunked"))
         return out
 
     # ---- helpers ---------------------------------------------------------------------------------------
     def _check_tensor(self, x: torch.Tensor) -> None:
-        if self._dead is not None:
-            raise RuntimeError(f"detcomm workspace (rank {self.rank}) is {self._dead}")
+        if self._dead is not None or self._ctrl.tagged():
+            self.check()
         if not isinstance(x, torch.Tensor):
-            raise ValueError(f"expected a torch.Tensor, got {type(x).__name__}")
+            raise TypeError(f"expected a torch.Tensor, got {type(x).__name__}")
         if x.device != self.device:
             raise ValueError(f"tensor on {x.device}, workspace on {self.device}")
         if x.dim() < 1:
@@ -312,16 +427,35 @@ class Workspace:
         self._check_tensor(x)
         if x.dtype not in FLOAT_DTYPES:
             raise ValueError(f"the workspace folds {list(FLOAT_NAMES)}, got {x.dtype}")
-        return name_of(x.dtype)
+        dtype = name_of(x.dtype)
+        if dtype in self.refused:
+            raise WorkspaceUnavailable(f"the workspace's {dtype} kernels were refused: {self.refused[dtype]}")
+        return dtype
 
     def _output(self, x: torch.Tensor, out: torch.Tensor | None, shape: tuple[int, ...]) -> torch.Tensor:
         if out is None:
             return torch.empty(shape, dtype=x.dtype, device=x.device)
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
         if tuple(out.shape) != shape or out.dtype != x.dtype or out.device != x.device or not out.is_contiguous():
             raise ValueError(f"out must be a contiguous {x.dtype} tensor of shape {shape} on {x.device}")
-        if out.data_ptr() == x.data_ptr() and out.numel():
-            raise ValueError("out must not alias x")
+        # Chunk k's output would overwrite chunk k+1's input (and the kernels read x while writing out): any
+        # overlap of the two byte ranges is refused, before any communication.
+        x0, o0 = x.data_ptr(), out.data_ptr()
+        x1, o1 = x0 + x.numel() * x.element_size(), o0 + out.numel() * out.element_size()
+        if x0 < o1 and o0 < x1:
+            raise ValueError(f"out [{o0:#x}, {o1:#x}) overlaps x [{x0:#x}, {x1:#x}); pass a separate output tensor")
         return out
+
+    def _per_chunk(self, row_bytes: int, chunk_rows: int | None, parts: int) -> int:
+        per = plan.rows_per_chunk(self.capacity_bytes, row_bytes, parts=parts)
+        if chunk_rows is None:
+            return per
+        if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int):
+            raise TypeError(f"chunk_rows must be an int, got {type(chunk_rows).__name__}")
+        if not 1 <= chunk_rows <= per:
+            raise ValueError(f"chunk_rows must be in 1..{per} (rows one launch carries), got {chunk_rows}")
+        return chunk_rows
 
     @staticmethod
     def _rows(x: torch.Tensor) -> tuple[int, int, int]:
@@ -329,8 +463,12 @@ class Workspace:
         row_elems = x[0].numel() if rows else 0
         return rows, row_elems, row_elems * x.element_size()
 
-    def _launch(self, name: str, args: list[Any], stream_ptr: int) -> None:
-        self._kernels.launch(name, self.grid, args + self._tail, stream_ptr=stream_ptr)
+    def _launch(self, name: str, args: list[Any], stream_ptr: int, label: str | None) -> None:
+        call = self._calls = (self._calls + 1) & 0xFFFFFFFF
+        if label is not None:
+            self._labels[call] = label
+            self._labels.pop((call - _LABELS_KEPT) & 0xFFFFFFFF, None)
+        self._kernels.launch(name, self.grid, args + [ctypes.c_uint32(call)] + self._tail, stream_ptr=stream_ptr)
 
     def _collective(self) -> _InFlight:
         return _InFlight(self)

@@ -34,6 +34,13 @@ def job_workspace_route(rank: int, w: int, shared_gpu: bool, variant: str) -> di
     comm.site("ws.rs", collective="reduce_scatter", dtype=torch.float16, shape=(40,), max_rows=64 * w)
     table = {e["site"]: (e["route"], e["why"]) for e in comm.routes().as_dicts()}
     out["routes"] = table
+    # Every kernel variant the declared ipc_fold sites can reach ran in a self-check before any real call.
+    ws = comm._workspace
+    if ws is not None:
+        need = {("all_reduce", "bfloat16", v) for v in ws.variants("all_reduce", torch.bfloat16, 96, 2048)}
+        need |= {("reduce_scatter", "float16", v) for v in ws.variants("reduce_scatter", torch.float16, 40, 64 * w)}
+        out["variants_missing"] = sorted(need - ws.variants_run)
+        out["variants_listed"] = sorted(need)
     ok = []
     for site, dtype, rows, width in (("ws.ar", "bfloat16", 1, 96), ("ws.ar", "bfloat16", 37, 96),
                                      ("ws.ar", "bfloat16", 2048, 96), ("ws.big", "float32", 5, 96)):
@@ -57,6 +64,7 @@ def test_workspace_route_processes_sharing_one_gpu(world: int) -> None:
         assert r["routes"]["ws.ar"][0] == "ipc_fold", r
         assert r["routes"]["ws.rs"][0] == "ipc_fold", r
         assert r["routes"]["ws.big"][0] == "gather_fold"  # max_rows above the armed rows: static
+        assert r["variants_missing"] == [] and len(r["variants_listed"]) >= 2, r
         assert all(r["ok"]), r
         assert any(label.startswith("workspace:") and passed for label, passed in r["checks"])
 

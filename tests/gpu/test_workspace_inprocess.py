@@ -2,11 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
-
 import numpy as np
 import pytest
 import torch
@@ -21,7 +16,6 @@ DTYPES = ["float32", "bfloat16", "float16"]
 ROWS = [1, 2, 3, 5, 7, 31, 61, 127, 257, 1021, 4093, 4096]
 TRAILING = 40  # 160 B fp32 rows, 80 B bf16 rows: rows start on 16 B boundaries only every few rows
 CAPACITY = 4096 * TRAILING * 4 + 4096  # all of ROWS fit without chunking (chunking has its own test)
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _CACHE: dict = {}
 
 
@@ -153,12 +147,11 @@ def test_fold_local_kernel_matches_oracle():
         ks = kernel_set(0, world)
         for dtype in DTYPES:
             bits = ill_conditioned(rng, world, (1000, 13), dtype)
-            xs = [to_tensor(b, dtype, "cuda:0") for b in bits]
+            xs = torch.stack([to_tensor(b, dtype, "cuda:0") for b in bits])
             out = torch.empty_like(xs[0])
-            table = torch.tensor([x.data_ptr() for x in xs], dtype=torch.int64, device="cuda:0")
             sfx = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}[dtype]
-            ks.launch(f"detcomm_fold_local_{sfx}", 7, [ctypes.c_uint64(table.data_ptr()), ctypes.c_uint64(out.data_ptr()),
-                                                       ctypes.c_int64(out.numel())],
+            ks.launch(f"detcomm_fold_local_{sfx}", 7, [ctypes.c_uint64(xs.data_ptr()), ctypes.c_int64(out.numel()),
+                                                       ctypes.c_uint64(out.data_ptr()), ctypes.c_int64(out.numel())],
                       stream_ptr=torch.cuda.current_stream().cuda_stream)
             torch.cuda.synchronize()
             got = from_tensor(out)
@@ -265,28 +258,3 @@ def test_caller_errors_are_value_errors():
         v.all_reduce(torch.ones(4, 4, device="cuda:0"), algo="three_shot")
     with pytest.raises(ValueError):
         v.all_reduce(torch.ones(4, 4))  # CPU tensor
-
-
-def test_timeout_traps_and_names_the_missing_rank():
-    """Only rank 0 of 2 launches: its barrier spin must hit the deadline, write the record and trap (in a child
-    process, since a trap destroys the CUDA context)."""
-    script = textwrap.dedent("""
-        import torch
-        from detcomm.workspace import Workspace
-        views = Workspace.in_process(2, device="cuda:0", capacity_bytes=4096, timeout_s=0.2)
-        x = torch.ones(4, 8, device="cuda:0")
-        views[0].all_reduce(x)
-        try:
-            torch.cuda.synchronize()
-            print("NO-TRAP")
-        except Exception as e:
-            print("CUDA-ERROR", type(e).__name__)
-        print("RECORD", views[0].error_record())
-        views[0].abort()  # local, never touches the dead context
-        print("ABORTED")
-    """)
-    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
-    assert "CUDA-ERROR" in p.stdout, p.stdout + p.stderr
-    assert "RECORD rank 0" in p.stdout and "waiting for rank 1" in p.stdout, p.stdout + p.stderr
-    assert "ABORTED" in p.stdout, p.stdout + p.stderr

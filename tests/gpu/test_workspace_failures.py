@@ -1,0 +1,344 @@
+"""Workspace failure semantics (docs/spec.md §9) on one GPU, W ranks as W streams: a deadline, an abort, ranks
+making different calls or one rank running two kernels at once end the kernels of every rank with one record per
+rank and a WorkspaceFailed on the host; the CUDA context survives. Also the slow-rank barrier test of the real
+kernels (with its stale-flag negative control), overlapping out/x, the variants a site can reach and the
+capturable CUDA fold leaf.
+
+The tests whose kernels must hit a deadline run in a child process: if a regression brought the trap back, it
+would take only that child's context."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+from harness import Ranks
+from payloads import first_mismatch, from_tensor, ill_conditioned, to_tensor
+
+from oracle import fold_oracle
+
+pytestmark = pytest.mark.gpu
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _child(script: str, *, env: dict[str, str] | None = None) -> str:
+    full = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {}))
+    p = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True, timeout=180,
+                       check=False, env=full, cwd=REPO)
+    return p.stdout + p.stderr
+
+
+def test_deadline_ends_the_kernel_without_a_trap_one_record_per_rank():
+    """W = 3, rank 2 never launches. Ranks 0 and 1 pass their 0.3 s deadline in every block: each writes ONE
+    record and prints ONE line, the kernels return, the context survives, and both ranks raise WorkspaceFailed
+    naming rank 2 and the call's label. Rank 2 learns of it at its next call (its kernel stops at once), and
+    every later call of every rank raises."""
+    out = _child("""
+        import torch
+        from detcomm.workspace import Workspace
+        from detcomm.errors import WorkspaceFailed
+        views = Workspace.in_process(3, device="cuda:0", capacity_bytes=1 << 16, timeout_s=0.3)
+        streams = [torch.cuda.Stream() for _ in views]
+        x = torch.ones(64, 256, device="cuda:0")  # 4096 packs: the 8 blocks that own them wait, 2 threads each
+        for r in (0, 1):
+            with torch.cuda.stream(streams[r]):
+                views[r].all_reduce(x, label="site.missing_rank")
+        torch.cuda.synchronize()  # returns: no trap, no CUDA error
+        print("SYNC-OK")
+        for r in (0, 1):
+            try:
+                views[r].check()
+                print("NO-RAISE", r)
+            except WorkspaceFailed as e:
+                print("RAISED", r, e)
+        print("CONTEXT-OK", float(torch.ones(4, device="cuda:0").sum()))
+        with torch.cuda.stream(streams[2]):
+            views[2].all_reduce(x)  # its kernel sees the abort word and stops at once
+        try:
+            views[2].synchronize()
+            print("NO-RAISE 2")
+        except WorkspaceFailed as e:
+            print("RAISED", 2, e)
+        for r in range(3):
+            try:
+                views[r].all_reduce(x)
+                print("ACCEPTED", r)
+            except WorkspaceFailed:
+                print("REFUSED", r)
+    """)
+    assert "SYNC-OK" in out and "CONTEXT-OK 4.0" in out, out
+    lines = {r: next(l for l in out.splitlines() if l.startswith(f"RAISED {r} ")) for r in (0, 1)}
+    # The first rank past its deadline names rank 2; the other either does too or was stopped by that abort first.
+    assert any(f"rank {r} timed out" in lines[r] and "waiting for rank 2" in lines[r] for r in (0, 1)), lines
+    for r in (0, 1):
+        line = lines[r]
+        assert ("waiting for rank 2" in line or f"rank {1 - r}'s kernel failed first" in line), line
+        assert "site.missing_rank" in line and "call 1: one_shot float32" in line, line
+        # one printed line per rank, although all 44 blocks (and 2 threads each) hit the deadline
+        assert sum(l.startswith(f"detcomm: rank {r}: workspace failed") for l in out.splitlines()) == 1, out
+    assert "rank 2 stopped" in out and "kernel failed first" in out, out
+    assert all(f"REFUSED {r}" in out for r in range(3)), out
+
+
+def test_debug_switch_traps():
+    """DETCOMM_WORKSPACE_TRAP=1 builds the debug kernels: the record is written, then the kernel traps (the
+    context is lost, as the switch documents)."""
+    out = _child("""
+        import torch
+        from detcomm.workspace import Workspace
+        views = Workspace.in_process(2, device="cuda:0", capacity_bytes=4096, timeout_s=0.2)
+        views[0].all_reduce(torch.ones(4, 8, device="cuda:0"))
+        try:
+            torch.cuda.synchronize()
+            print("NO-TRAP")
+        except Exception as e:
+            print("CUDA-ERROR", type(e).__name__)
+        print("RECORD", views[0].error_record())
+        views[0].abort()
+        print("ABORTED")
+    """, env={"DETCOMM_WORKSPACE_TRAP": "1", "DETCOMM_CACHE_DIR": os.environ.get("DETCOMM_CACHE_DIR", "")})
+    assert "CUDA-ERROR" in out and "RECORD rank 0 timed out" in out and "waiting for rank 1" in out, out
+    assert "ABORTED" in out, out
+
+
+def test_abort_releases_a_spinning_kernel_and_tells_the_peer():
+    """Rank 0 spins on rank 1 with a 60 s deadline; abort() on rank 0 ends the spin (the record says aborted, not
+    timed out) and rank 1's next kernel stops at once, naming rank 0's abort."""
+    out = _child("""
+        import time, torch
+        from detcomm.workspace import Workspace
+        from detcomm.errors import WorkspaceFailed
+        views = Workspace.in_process(2, device="cuda:0", capacity_bytes=4096, timeout_s=60.0)
+        s0, s1 = torch.cuda.Stream(), torch.cuda.Stream()
+        x = torch.ones(4, 8, device="cuda:0")
+        with torch.cuda.stream(s0):
+            views[0].all_reduce(x)
+        time.sleep(0.3)
+        views[0].abort()
+        s0.synchronize()
+        print("RECORD0", views[0].error_record())
+        with torch.cuda.stream(s1):
+            views[1].all_reduce(x)
+        try:
+            views[1].synchronize()
+            print("NO-RAISE")
+        except WorkspaceFailed as e:
+            print("RAISED1", e)
+    """)
+    rec = next(l for l in out.splitlines() if l.startswith("RECORD0"))
+    assert "aborted" in rec and "timed out" not in rec, out
+    assert "RAISED1" in out and "rank 0's host aborted first" in out, out
+
+
+def _ranks(world: int, **kw) -> Ranks:
+    from detcomm.workspace import Workspace
+
+    return Ranks(Workspace.in_process(world, device="cuda:0", **kw))
+
+
+def test_different_calls_raise_on_every_rank():
+    """Rank 1 sends one more row than rank 0 (then another dtype; then another call number): the start-barrier
+    descriptors differ, every rank's kernel stops and every rank raises, with no host-side checking involved."""
+    from detcomm.errors import WorkspaceFailed
+
+    cases = [
+        (torch.ones(8, 16, device="cuda:0"), torch.ones(9, 16, device="cuda:0")),
+        (torch.ones(8, 16, device="cuda:0"), torch.ones(8, 16, device="cuda:0", dtype=torch.bfloat16)),
+    ]
+    for xs in cases:
+        R = _ranks(2, capacity_bytes=1 << 16, timeout_s=30.0)
+        R.run("all_reduce", list(xs))
+        for r, v in enumerate(R.views):
+            with pytest.raises(WorkspaceFailed, match="made different calls"):
+                v.check()
+    # call numbers: same kernel, dtype and count, but rank 0's host has counted five launches more
+    R = _ranks(2, capacity_bytes=1 << 16, timeout_s=30.0)
+    x = [torch.ones(8, 16, device="cuda:0") for _ in range(2)]
+    R.run("all_reduce", x)
+    for v in R.views:
+        v.check()
+    R.views[0]._calls += 5
+    R.run("all_reduce", x)
+    for v in R.views:
+        with pytest.raises(WorkspaceFailed, match="made different calls"):
+            v.check()
+
+
+def test_graph_replay_beside_an_eager_call_fails_the_workspace():
+    """The host's in-flight guard cannot see replays: a replay of rank 0's graph on one stream and an eager call of
+    rank 0 on another run two kernels at once. The busy words catch it on the device and the rank raises."""
+    from detcomm.errors import WorkspaceFailed
+
+    R = _ranks(2, capacity_bytes=1 << 16, timeout_s=30.0)
+    x = [torch.ones(8, 16, device="cuda:0") for _ in range(2)]
+    R.run("all_reduce", x)  # warm-up
+    graphs = []
+    for r in range(2):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=R.streams[r]):
+            R.views[r].all_reduce(x[r])
+        graphs.append(g)
+    other = torch.cuda.Stream()
+    with torch.cuda.stream(R.streams[0]):
+        graphs[0].replay()  # spins: rank 1 has not replayed
+    with torch.cuda.stream(other):
+        R.views[0].all_reduce(x[0])  # not seen by the host guard (the replay is not a host call)
+    torch.cuda.synchronize()
+    with pytest.raises(WorkspaceFailed, match="two workspace kernels at once"):
+        R.views[0].check()
+
+
+def test_overlapping_out_and_x_are_refused_before_any_launch():
+    R = _ranks(2, capacity_bytes=1 << 16, timeout_s=30.0)
+    v = R.views[0]
+    buf = torch.zeros(17, 16, device="cuda:0")
+    calls = v._calls
+    for x, out in ((buf[:8], buf[1:9]), (buf[1:9], buf[:8]), (buf[:8], buf[:8]), (buf[4:12], buf[8:16])):
+        with pytest.raises(ValueError, match="overlaps"):
+            v.all_reduce(x, out=out)
+    with pytest.raises(ValueError, match="overlaps"):
+        v.all_gather(buf[:4], out=buf[3:11])
+    assert v._calls == calls  # nothing launched
+    # adjacent ranges do not overlap: accepted
+    outs = [torch.zeros(8, 16, device="cuda:0") for _ in range(2)]
+    xs = [buf[:8], torch.ones(8, 16, device="cuda:0")]
+    for r in range(2):
+        with torch.cuda.stream(R.streams[r]):
+            R.views[r].all_reduce(xs[r], out=buf[8:16] if r == 0 else outs[1])
+    torch.cuda.synchronize()
+    assert torch.equal(buf[8:16], torch.ones(8, 16, device="cuda:0")) and torch.equal(outs[1], buf[8:16])
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_variants_forced_kernels_and_chunking_match_the_oracle(world):
+    """Every variant `variants()` lists for a site can be forced on a small payload, as the self-checks do, and
+    gives the oracle's bits; variants_run records what ran."""
+    dtype, trailing = "bfloat16", 24
+    R = _ranks(world, capacity_bytes=37 * trailing * 2, one_shot_max_bytes=10 * trailing * 2, timeout_s=30.0)
+    v = R.views[0]
+    assert v.variants("all_reduce", torch.bfloat16, trailing, 100) == ["one_shot", "two_shot", "chunked"]
+    assert v.variants("all_reduce", torch.bfloat16, trailing, 5) == ["one_shot"]
+    assert v.variants("reduce_scatter", torch.bfloat16, trailing, world * 30) == ["reduce_scatter", "chunked"]
+    assert v.variants("all_gather", torch.bfloat16, trailing, 38) == ["all_gather", "chunked"]
+    rng = np.random.default_rng(world)
+    bits = ill_conditioned(rng, world, (5, trailing), dtype)
+    want = fold_oracle(bits, dtype)
+    for kw in ({"algo": "one_shot"}, {"algo": "two_shot"}, {"chunk_rows": 1}, {"chunk_rows": 2, "algo": "two_shot"}):
+        for r, got in enumerate(R.run_bits("all_reduce", bits, dtype, **kw)):
+            assert np.array_equal(got, want), f"{kw} rank {r}: {first_mismatch(got, want)}"
+    rs = ill_conditioned(rng, world, (world * 3, trailing), dtype)
+    full = fold_oracle(rs, dtype)
+    for r, got in enumerate(R.run_bits("reduce_scatter", rs, dtype, chunk_rows=1)):
+        assert np.array_equal(got, full[r * 3:(r + 1) * 3])
+    for r, got in enumerate(R.run_bits("all_gather", bits, dtype, chunk_rows=2)):
+        assert np.array_equal(got, np.concatenate(bits))
+    assert {("all_reduce", dtype, k) for k in ("one_shot", "two_shot", "chunked")} <= v.variants_run
+    assert ("reduce_scatter", dtype, "chunked") in v.variants_run and ("all_gather", dtype, "chunked") in v.variants_run
+    with pytest.raises(ValueError):
+        v.all_reduce(torch.ones(4, trailing, dtype=torch.bfloat16, device="cuda:0"), chunk_rows=38)
+
+
+def _slow_rank_sequence(R: Ranks, rng, *, slow: int, sleep_cycles: int) -> list[str]:
+    """Consecutive calls that use START, MID and END barriers in every order (one-shot, two-shot, reduce-scatter,
+    all-gather), launched back to back with rank `slow` sleeping on its stream before each. Returns mismatches.
+
+    Every input and output is allocated and uploaded first, and the sleep kernel is loaded first: between the
+    launches the host issues nothing else, since in one process a device allocation or the lazy loading of a
+    kernel may wait for the spinning kernels of the other ranks (this harness's limit, not the protocol's)."""
+    world, dtype, trailing = R.world, "float32", 40
+    plan_ = [("all_reduce", {"algo": "one_shot"}), ("all_reduce", {"algo": "two_shot"}), ("reduce_scatter", {}),
+             ("all_gather", {}), ("all_reduce", {"algo": "two_shot"}), ("all_reduce", {"algo": "one_shot"}),
+             ("reduce_scatter", {}), ("all_reduce", {"algo": "two_shot"})] * 2
+    torch.cuda._sleep(1)
+    staged = []
+    for i, (op, kw) in enumerate(plan_):
+        rows = world * (64 + 17 * i)
+        bits = ill_conditioned(rng, world, (rows, trailing), dtype)
+        xs = [to_tensor(b, dtype, "cuda:0") for b in bits]
+        out_rows = {"all_reduce": rows, "reduce_scatter": rows // world, "all_gather": world * rows}[op]
+        outs = [torch.empty(out_rows, trailing, device="cuda:0") for _ in range(world)]
+        staged.append((op, kw, bits, xs, outs))
+    torch.cuda.synchronize()
+    for op, kw, _bits, xs, outs in staged:
+        for r in range(world):
+            with torch.cuda.stream(R.streams[r]):
+                if r == slow:
+                    torch.cuda._sleep(sleep_cycles)
+                getattr(R.views[r], op)(xs[r], out=outs[r], **kw)
+    torch.cuda.synchronize()
+    bad = []
+    for i, (op, kw, bits, _xs, outs) in enumerate(staged):
+        full = fold_oracle(bits, dtype) if op != "all_gather" else np.concatenate(bits)
+        shard = full.shape[0] // world
+        for r, o in enumerate(outs):
+            want = full[r * shard:(r + 1) * shard] if op == "reduce_scatter" else full
+            got = from_tensor(o)
+            if not np.array_equal(got, want):
+                bad.append(f"call {i} {op} {kw} rank {r}: {first_mismatch(got, want)}")
+    return bad
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_slow_rank_never_lets_a_flag_be_consumed_early(world):
+    """The real kernels through consecutive uses of every barrier kind, one rank ~1 ms late to every call: every
+    result equals the oracle and nothing fails. The negative control (a build whose barriers accept an earlier
+    use's flag) is caught by the same sequence: wrong bits or a failed workspace."""
+    from detcomm.errors import WorkspaceFailed
+
+    rng = np.random.default_rng(world)
+    R = _ranks(world, capacity_bytes=1 << 20, timeout_s=30.0)
+    bad = _slow_rank_sequence(R, rng, slow=world - 1, sleep_cycles=2_000_000)
+    for v in R.views:
+        v.check()
+    assert bad == []
+    # The control: caught as wrong bits, or (usually) as a failed workspace, raised while the calls are still
+    # being issued (a rank passed a start barrier on an earlier call's flag and found that call's descriptor).
+    Stale = _ranks(world, capacity_bytes=1 << 20, timeout_s=5.0, _variant="stale_flags")
+    failed = []
+    try:
+        bad = _slow_rank_sequence(Stale, rng, slow=world - 1, sleep_cycles=2_000_000)
+    except WorkspaceFailed as e:
+        bad, failed = [], [str(e)]
+    torch.cuda.synchronize()
+    for v in Stale.views:
+        try:
+            v.check()
+        except WorkspaceFailed as e:
+            failed.append(str(e))
+    assert bad or failed, "the stale-flag control passed: the slow-rank test cannot see a flag consumed early"
+    assert not failed or any("made different calls" in f or "stopped" in f for f in failed), failed
+
+
+def test_cuda_fold_leaf_is_capturable_and_falls_back():
+    """gather_fold's CUDA leaf inside a CUDA graph: captured once, replayed with new values, oracle bits. A dtype
+    whose module is refused folds with the portable leaf (same bits) instead of raising."""
+    from detcomm.workspace import kernels, leaf
+
+    world, dtype = 3, "bfloat16"
+    rng = np.random.default_rng(9)
+    static = torch.stack([to_tensor(b, dtype, "cuda:0") for b in ill_conditioned(rng, world, (33, 40), dtype)])
+    leaf.cuda_fold(static, static.dtype)  # loads the kernels before capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    with torch.cuda.graph(g, stream=s):
+        out = leaf.cuda_fold(static, static.dtype)
+    for it in range(3):
+        bits = ill_conditioned(rng, world, (33, 40), dtype)
+        static.copy_(torch.stack([to_tensor(b, dtype, "cuda:0") for b in bits]))
+        g.replay()
+        torch.cuda.synchronize()
+        got, want = from_tensor(out), fold_oracle(bits, dtype)
+        assert np.array_equal(got, want), f"replay {it}: {first_mismatch(got, want)}"
+    ks = kernels.kernel_set(0, world)
+    ks.refused["bfloat16"] = "simulated: no bf16 conversions on this architecture"
+    try:
+        got = from_tensor(leaf.cuda_fold(static, static.dtype))
+        assert np.array_equal(got, want)
+    finally:
+        del ks.refused["bfloat16"]
