@@ -42,6 +42,12 @@ def cluster(request) -> LocalCluster:  # noqa: ANN001
     return get_cluster(request.param)
 
 
+@pytest.fixture
+def cluster4() -> LocalCluster:
+    """W = 4 only (the collective probe's width)."""
+    return get_cluster(4)
+
+
 @pytest.fixture(params=[3, 4], ids=lambda w: f"W{w}")
 def cluster3plus(request) -> LocalCluster:  # noqa: ANN001
     """W >= 3 only: at W = 2 every order of two addends gives the same sum (a + b == b + a)."""

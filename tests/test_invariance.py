@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import get_cluster
 from detcomm import invariance as inv
 from detcomm.payload import ill_conditioned
 
@@ -246,8 +245,8 @@ def job_reduce_scatter(rank: int, w: int, route: str) -> tuple[int, int, float, 
 
 
 @pytest.mark.slow
-def test_native_reduce_scatter_caught_fold_routes_not_w4() -> None:
-    cluster = get_cluster(4)
+def test_native_reduce_scatter_caught_fold_routes_not_w4(cluster4) -> None:  # noqa: ANN001
+    cluster = cluster4
     native = cluster.run(job_reduce_scatter, "native")
     assert len({r[:3] for r in native}) == 1  # the agreed tally is the same on every rank
     rows, elements, ulps, receivers_only = native[0]
