@@ -176,7 +176,7 @@ class Communicator:
             world_size=self.world_size,
             workspace=armed,
             workspace_reason=ws_why,
-            workspace_max_rows=max_rows if armed else 0,
+            workspace_max_rows=self._workspace.max_rows_armed if self._workspace is not None else 0,
             workspace_bytes=capacity if armed else 0,
             topology=topo.describe() if topo is not None else "CPU",
             multicast=False,
