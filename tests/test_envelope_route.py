@@ -235,5 +235,5 @@ def test_public_api_names() -> None:
                  "argmax", "routes", "shutdown", "BITWISE_ENVELOPES", "register_numerics_envelope",
                  "envelope_environment", "apply_environment"):
         assert callable(getattr(detcomm, name)) or name == "BITWISE_ENVELOPES"
-    assert list(inspect.signature(detcomm.all_reduce).parameters) == ["x", "site", "op"]
+    assert list(inspect.signature(detcomm.all_reduce).parameters) == ["x", "site", "op", "out", "async_op"]
     assert list(inspect.signature(detcomm.argmax).parameters) == ["logits_shard", "site", "vocab_start"]

@@ -54,7 +54,7 @@ def test_collective_probe_fold_routes_pass(world: int, tmp_path: Path) -> None:
 @pytest.mark.parametrize("world", [3, 4])
 def test_collective_probe_catches_native(world: int, tmp_path: Path) -> None:
     out = tmp_path / "c.json"
-    proc = _run(["--nproc", str(world), "-m", "detcomm.probe", "collectives", *COLLECTIVES, "--route", "native",
+    proc = _run(["--nproc", str(world), "-m", "detcomm.probe", "collectives", *COLLECTIVES, "--numerics", "auto", "--route", "native",
                  "--json", str(out), "--expect-divergence"])
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     sites = {s["site"]: s for s in _json(out)["sites"]}
@@ -80,7 +80,7 @@ def test_model_probe_fold_passes_and_native_diverges(world: int, tmp_path: Path)
     assert res["passed"] and res["local_rows_invariant"] and res["ranks_agree"]
     assert res["routes"]["o_proj"] == "gather_fold" and all(not c["diverged"] for c in res["comparisons"])
 
-    proc = _run(["--nproc", str(world), "-m", "detcomm.probe", "model", *MODEL, "--route", "native",
+    proc = _run(["--nproc", str(world), "-m", "detcomm.probe", "model", *MODEL, "--numerics", "auto", "--route", "native",
                  "--json", str(native)])
     assert proc.returncode != 0, "the model probe passed the native route: its negative control is blind"
     res = _json(native)

@@ -345,8 +345,8 @@ def _install_lie(where: str):  # type: ignore[no-untyped-def]
     if where == "gather":
         real = GatherFoldBackend._gathered
 
-        def rotated(self, x):  # type: ignore[no-untyped-def]
-            return torch.roll(real(self, x), shifts=1, dims=0)
+        def rotated(self, x, guard):  # type: ignore[no-untyped-def]
+            return torch.roll(real(self, x, guard), shifts=1, dims=0)
 
         GatherFoldBackend._gathered = rotated  # type: ignore[method-assign]
         return lambda: setattr(GatherFoldBackend, "_gathered", real)
@@ -354,7 +354,8 @@ def _install_lie(where: str):  # type: ignore[no-untyped-def]
 
     def rotated_a2a(self, x, ins, outs):  # type: ignore[no-untyped-def]
         out = real_a2a(self, x, ins, outs)
-        return torch.roll(out.view(self.world_size, -1, *x.shape[1:]), 1, 0).reshape(out.shape)
+        # One block per source rank (the fold routes' messages carry their call-guard header; it rolls along).
+        return torch.roll(out.reshape(self.world_size, -1), 1, 0).reshape(out.shape)
 
     NativeBackend.all_to_all = rotated_a2a  # type: ignore[method-assign]
     return lambda: setattr(NativeBackend, "all_to_all", real_a2a)

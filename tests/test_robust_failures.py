@@ -91,7 +91,7 @@ def test_launcher_tears_down_and_names_the_killed_rank(tmp_path: Path) -> None:
     elapsed = time.monotonic() - t0
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out
-    assert "rank      : 1 (local_rank: 1)" in out and "SIGKILL" in out, out[-3000:]
+    assert "rank 1 (signal SIGKILL)" in out, out[-3000:]  # the launcher names the killed rank and its signal
     assert elapsed < 60, f"the group took {elapsed:.0f} s to go down"
     # A survivor that got to report had raised (then lingered) before the launcher took it down. torchrun may
     # stop a survivor before its gloo error arrives, so not every survivor reports here; that survivors raise
