@@ -62,13 +62,14 @@ def test_sharded_matches_unsharded(name: str, tmp_path) -> None:  # noqa: ANN001
 
 
 def test_head_count_refused_with_the_fix() -> None:
-    cfg = tiny_config("llama-tiny")  # 8 attention heads, 4 KV heads, intermediate 256
+    cfg = tiny_config("llama-tiny")  # 24 attention heads, 12 KV heads, intermediate 384
+    check_divisible(cfg, 3)
     check_divisible(cfg, 4)
-    with pytest.raises(ValueError, match=r"num_key_value_heads=4.* does not divide by 3: .*\[1, 2, 4\]"):
+    with pytest.raises(ValueError, match=r"num_key_value_heads=12.* does not divide by 5: .*\[1, 2, 3, 4, 6, 12\]"):
+        check_divisible(cfg, 5)
+    cfg.num_key_value_heads = 8
+    with pytest.raises(ValueError, match=r"num_key_value_heads=8 does not divide by 3: .*world size in \[1, 2, 4, 8\]"):
         check_divisible(cfg, 3)
-    cfg.num_attention_heads = 6
-    with pytest.raises(ValueError, match=r"num_attention_heads=6.*world size in \[1, 2\]"):
-        check_divisible(cfg, 4)
 
 
 def test_unsupported_family_refused() -> None:

@@ -20,11 +20,11 @@ __all__ = ["TINY_CONFIGS", "tiny_config", "write_tiny_checkpoint", "load_causal_
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
-# Small enough for W=4 ranks on two CPU cores; grouped-query attention (8 heads, 4 KV heads) so W in
-# {1, 2, 4} divides both; Mistral's sliding window (48) binds inside the probe's contexts; Qwen2 keeps its
+# Small enough for W=4 ranks on two CPU cores; grouped-query attention (24 heads, 12 KV heads) so every W
+# in {1, 2, 3, 4, 6, 12} divides both; Mistral's sliding window (48) binds inside the probe's contexts; Qwen2 keeps its
 # q/k/v biases; the Qwen models tie the LM head to the embedding, as the small released ones do.
-_COMMON: dict[str, Any] = dict(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                               num_attention_heads=8, num_key_value_heads=4, head_dim=16,
+_COMMON: dict[str, Any] = dict(vocab_size=1024, hidden_size=192, intermediate_size=384, num_hidden_layers=2,
+                               num_attention_heads=24, num_key_value_heads=12, head_dim=8,
                                max_position_embeddings=512, rms_norm_eps=1e-6, initializer_range=0.05)
 TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama-tiny": ("LlamaConfig", dict(tie_word_embeddings=False)),
