@@ -144,7 +144,7 @@ class DetcommProcessGroup(dist.ProcessGroup):
             self._nccl = ProcessGroupNCCL(PrefixStore("nccl/", store), rank, size, opts)
 
     # -- identity ------------------------------------------------------------------------------------------
-    def getBackendName(self) -> str:  # noqa: N802 - torch's name
+    def getBackendName(self) -> str:
         return BACKEND_NAME
 
     def name(self) -> str:
@@ -208,7 +208,7 @@ class DetcommProcessGroup(dist.ProcessGroup):
         output.copy_(_fold(recv.view(self._size, n), opts.reduceOp, self._size).view_as(output))
         return _DoneWork([output])
 
-    def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> Work:  # noqa: A002
+    def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> Work:
         return self._reduce_scatter_flat(output, input.contiguous().view(-1), opts)
 
     reduce_scatter_single = _reduce_scatter_base  # torch >= 2.12's name for the same call
@@ -222,7 +222,7 @@ class DetcommProcessGroup(dist.ProcessGroup):
         return self._reduce_scatter_flat(outputs[0], flat, opts)
 
     # -- delegated: data movement and exact reductions ---------------------------------------------------
-    def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Work:  # noqa: A002
+    def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Work:
         return self._backend(input)._allgather_base(output, input, opts or AllgatherOptions())
 
     all_gather_single = _allgather_base  # torch >= 2.12's name
@@ -237,7 +237,7 @@ class DetcommProcessGroup(dist.ProcessGroup):
         tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
         return self._backend(tensors[0]).broadcast(tensors, opts)
 
-    def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],  # noqa: A002
+    def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],
                       input_split_sizes: list[int], opts: Any = None) -> Work:
         return self._backend(input).alltoall_base(output, input, output_split_sizes, input_split_sizes,
                                                   opts or AllToAllOptions())

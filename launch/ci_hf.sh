@@ -27,7 +27,7 @@ run() {  # run <description> <command...>: show it, time it, stop on failure
   echo "=== ok: $what ($((SECONDS - t0)) s)"
 }
 
-run "HF probe, llama-tiny fp32, rl-bitwise" "${L[@]}" --numerics rl-bitwise -m detcomm.probe hf --config llama-tiny --dtype float32
-run "HF probe, qwen3-tiny bf16, rl-bitwise" "${L[@]}" --numerics rl-bitwise -m detcomm.probe hf --config qwen3-tiny --dtype bfloat16
-run "HF probe, native negative control" "${L[@]}" --numerics auto -m detcomm.probe hf --config llama-tiny --route native --expect-divergence
+run "HF probe, llama-tiny fp32, rl-bitwise" "${L[@]}" --numerics rl-bitwise -m detcomm.probe hf --config llama-tiny --dtype float32 --requests 6 --new-tokens 6
+run "HF probe, qwen3-tiny bf16, rl-bitwise" "${L[@]}" --numerics rl-bitwise -m detcomm.probe hf --config qwen3-tiny --dtype bfloat16 --requests 6 --new-tokens 6
+run "HF probe, native negative control" "${L[@]}" --numerics auto -m detcomm.probe hf --config llama-tiny --route native --expect-divergence --requests 6 --new-tokens 6
 echo "=== HF probes passed (W=$NPROC)"

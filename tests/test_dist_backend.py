@@ -13,10 +13,9 @@ from __future__ import annotations
 import os
 
 import numpy as np
+import oracle
 import pytest
 import torch
-
-import oracle
 from datagen import random_bits, to_bits, to_torch
 
 H, F, T_PAD, K = 32, 96, 64, 6  # hidden, FFN (divides by 2, 3, 4), fixed row width, request rows
@@ -118,7 +117,7 @@ def job_tp_mlp(rank: int, w: int, kind: str, comps: int) -> tuple[list[bytes], l
 
 
 @pytest.mark.slow
-def test_tp_mlp_step_batch_invariant(cluster) -> None:  # noqa: ANN001
+def test_tp_mlp_step_batch_invariant(cluster) -> None:
     """Outputs and input gradients of the request rows: same bits alone and inside 5 other batches, and the
     fold oracle's bits, on every rank."""
     res = cluster.run(job_tp_mlp, "detcomm", 6)
@@ -129,7 +128,7 @@ def test_tp_mlp_step_batch_invariant(cluster) -> None:  # noqa: ANN001
 
 
 @pytest.mark.slow
-def test_tp_mlp_native_gloo_moves(cluster3plus) -> None:  # noqa: ANN001
+def test_tp_mlp_native_gloo_moves(cluster3plus) -> None:
     """Negative control: the same step on a plain gloo group changes the request's bits with the batch."""
     ys, dxs, _ = cluster3plus.run(job_tp_mlp, "gloo", 6)[0]
     assert len(set(ys)) > 1 or len(set(dxs)) > 1
@@ -192,7 +191,7 @@ def job_ddp_buckets(rank: int, w: int, kind: str) -> tuple[list[bytes], bool]:
 
 
 @pytest.mark.slow
-def test_gradient_bucket_layouts(cluster) -> None:  # noqa: ANN001
+def test_gradient_bucket_layouts(cluster) -> None:
     """DDP, one bucket, a shifted reversed bucket, a bucket per parameter: the same gradient bits, the oracle's."""
     res = cluster.run(job_ddp_buckets, "detcomm")
     for layouts, ok in res:
@@ -202,7 +201,7 @@ def test_gradient_bucket_layouts(cluster) -> None:  # noqa: ANN001
 
 
 @pytest.mark.slow
-def test_gradient_bucket_layouts_native_gloo_moves(cluster3plus) -> None:  # noqa: ANN001
+def test_gradient_bucket_layouts_native_gloo_moves(cluster3plus) -> None:
     layouts, _ = cluster3plus.run(job_ddp_buckets, "gloo")[0]
     assert len(set(layouts)) > 1
 
@@ -232,7 +231,7 @@ def job_zero(rank: int, w: int, n: int) -> dict[str, object]:
             "gathered": np.array_equal(to_bits(full), want), "all_reduce": np.array_equal(to_bits(summed), want)}
 
 
-def test_reduce_scatter_and_all_gather_tensor(cluster) -> None:  # noqa: ANN001
+def test_reduce_scatter_and_all_gather_tensor(cluster) -> None:
     for r in cluster.run(job_zero, 37):
         assert r == {"waited": True, "completed": True, "shard": True, "async": True, "gathered": True,
                      "all_reduce": True}
@@ -262,7 +261,7 @@ def job_delegated(rank: int, w: int) -> dict[str, object]:
             "backend": dist.get_backend(pg)}
 
 
-def test_delegated_and_refused(cluster) -> None:  # noqa: ANN001
+def test_delegated_and_refused(cluster) -> None:
     for r in cluster.run(job_delegated):
         w = cluster.world_size
         assert r["int"] == [w * (w + 1) // 2, -(w * (w - 1) // 2)]
@@ -275,7 +274,7 @@ def job_init_default(rank: int, w: int, store_path: str) -> bool:
     """dist.init_process_group("detcomm") as the default group; then a plain dist.all_reduce folds."""
     import torch.distributed as dist
 
-    import detcomm.dist_backend  # noqa: F401
+    import detcomm.dist_backend  # noqa: F401 - registers the backend
 
     dist.destroy_process_group()
     dist.init_process_group("detcomm", store=dist.FileStore(store_path, w), rank=rank, world_size=w)
@@ -285,7 +284,7 @@ def job_init_default(rank: int, w: int, store_path: str) -> bool:
     return dist.get_backend() == "detcomm" and bool(np.array_equal(to_bits(x), oracle.fold_oracle(inputs, "bfloat16")))
 
 
-def test_init_process_group_detcomm(tmp_path) -> None:  # noqa: ANN001
+def test_init_process_group_detcomm(tmp_path) -> None:
     from detcomm._spawn import LocalCluster
 
     with LocalCluster(3, pg_timeout_s=30.0) as c:

@@ -11,12 +11,12 @@ import torch
 
 pytest.importorskip("transformers")
 
-from conftest import get_cluster  # noqa: E402
+from conftest import get_cluster
 
-from detcomm.hf import TINY_CONFIGS, write_tiny_checkpoint  # noqa: E402
-from detcomm.hf.checkpoints import tiny_config  # noqa: E402
-from detcomm.hf.layers import vocab_shard_width  # noqa: E402
-from detcomm.hf.shard import check_divisible  # noqa: E402
+from detcomm.hf import TINY_CONFIGS, write_tiny_checkpoint
+from detcomm.hf.checkpoints import tiny_config
+from detcomm.hf.layers import vocab_shard_width
+from detcomm.hf.shard import check_divisible
 
 PROMPT = [5, 77, 300, 2, 999, 41, 12, 640, 8, 3, 700, 15]
 
@@ -54,7 +54,7 @@ def job_against_unsharded(rank: int, w: int, directory: str) -> tuple[float, flo
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(TINY_CONFIGS))
-def test_sharded_matches_unsharded(name: str, tmp_path) -> None:  # noqa: ANN001
+def test_sharded_matches_unsharded(name: str, tmp_path) -> None:
     directory = write_tiny_checkpoint(name, str(tmp_path), seed=3)
     for engine_err, own_err, lp_err, tokens, ref_tokens in get_cluster(2).run(job_against_unsharded, directory):
         assert engine_err < 1e-4 and own_err < 1e-4 and lp_err < 1e-4, (engine_err, own_err, lp_err)

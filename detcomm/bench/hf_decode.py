@@ -102,6 +102,18 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _decode_step(lm: Any, caches: list[torch.Tensor], toks: list[int], pos: int, *, logprobs: bool) -> int:
+    """One greedy decode step of every request (one row each, at position ``pos``); updates ``toks`` in place
+    and returns the next position. Collective."""
+    from ..probe.model import Segment
+
+    logits, _ = lm.forward([Segment(cache, [tok], pos) for cache, tok in zip(caches, toks)])
+    if logprobs:
+        lm.logprobs(logits)
+    toks[:] = [int(t) for t in lm.greedy(logits).tolist()]
+    return pos + 1
+
+
 def _time_phase(lm: Any, concurrency: Sequence[int], ns: argparse.Namespace) -> dict[int, float]:
     from ..probe.model import Segment
 
@@ -120,23 +132,13 @@ def _time_phase(lm: Any, concurrency: Sequence[int], ns: argparse.Namespace) -> 
                 toks[j] = int(t)
             i = group[-1] + 1
         pos = ns.prompt
-
-        def step() -> None:
-            nonlocal pos
-            logits, _ = lm.forward([Segment(caches[j], [toks[j]], pos) for j in range(c)])
-            if ns.logprobs:
-                lm.logprobs(logits)
-            for j, t in enumerate(lm.greedy(logits).tolist()):
-                toks[j] = int(t)
-            pos += 1
-
         for _ in range(ns.warmup):
-            step()
+            pos = _decode_step(lm, caches, toks, pos, logprobs=ns.logprobs)
         _sync(lm.device)
         dist.barrier()
         t0 = time.perf_counter()
         for _ in range(ns.steps):
-            step()
+            pos = _decode_step(lm, caches, toks, pos, logprobs=ns.logprobs)
         _sync(lm.device)
         elapsed = time.perf_counter() - t0
         # The slowest rank's time is the step time.
@@ -144,7 +146,6 @@ def _time_phase(lm: Any, concurrency: Sequence[int], ns: argparse.Namespace) -> 
                              device=lm.device if dist.get_backend() == "nccl" else "cpu")
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
         out[c] = c * ns.steps / float(worst)
-        del caches
     return out
 
 
@@ -164,6 +165,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     phases = [p.strip() for p in ns.phases.split(",") if p.strip()]
     if not phases or any(p not in ("fold", "native") for p in phases):
         raise ValueError(f"--phases takes fold and/or native, got {ns.phases!r}")
+    if not 1 <= ns.prompt <= ns.t_pad or ns.steps < 1 or ns.warmup < 0:
+        raise ValueError(f"--prompt must be 1..--t-pad ({ns.t_pad}), --steps >= 1, --warmup >= 0")
     if max(ns.concurrency) > ns.t_pad:
         raise ValueError(f"--concurrency {max(ns.concurrency)} exceeds --t-pad {ns.t_pad} rows per step")
     max_context = -(-(ns.prompt + ns.warmup + ns.steps + 1) // 64) * 64
@@ -179,7 +182,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         dist.init_process_group(backend=backend, init_method="env://")
     rank, world = dist.get_rank(), dist.get_world_size()
     results: dict[str, dict[int, float]] = {}
-    routes: dict[str, str] = {}
+    routes: dict[str, Any] = {}
     for phase in phases:
         detcomm.init(numerics="rl-bitwise" if phase == "fold" else "auto", device=device)
         try:
@@ -192,11 +195,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     if rank == 0:
-        rows = []
+        rows: list[list[object]] = []
         for c in ns.concurrency:
-            f, n = results.get("fold", {}).get(c), results.get("native", {}).get(c)
-            rows.append([c, "-" if f is None else round(f, 1), "-" if n is None else round(n, 1),
-                         "-" if f is None or n is None else round(n / f, 3)])
+            fo, na = results.get("fold", {}).get(c), results.get("native", {}).get(c)
+            rows.append([c, "-" if fo is None else round(fo, 1), "-" if na is None else round(na, 1),
+                         "-" if fo is None or na is None else round(na / fo, 3)])
         title = (f"HF decode: W={world} backend={backend} device={device} dtype={ns.dtype} "
                  f"{'model=' + ns.model if ns.model else f'hidden={ns.hidden} layers={ns.layers} heads={ns.heads}/kv {ns.kv_heads} ffn={ns.ffn} vocab={ns.vocab}'} "
                  f"T_pad={ns.t_pad} steps={ns.steps} logprobs={'yes' if ns.logprobs else 'no'} "

@@ -24,8 +24,9 @@ __all__ = ["load", "TPCausalLM", "ServingConfig", "StepLogits", "SUPPORTED_FAMIL
            "check_divisible", "load_causal_lm", "write_tiny_checkpoint"]
 
 
-def load(directory: str, *, dtype: torch.dtype = torch.bfloat16, serving: ServingConfig = ServingConfig(),
+def load(directory: str, *, dtype: torch.dtype = torch.bfloat16, serving: ServingConfig | None = None,
          route: str | None = None) -> TPCausalLM:
     """Load a local checkpoint directory and shard it over the detcomm group. Collective: call on every rank
-    after ``detcomm.init``. ``route`` forces the route of the sum sites ("native": no bitwise claim)."""
-    return TPCausalLM(load_causal_lm(directory, dtype=dtype), serving, route=route)
+    after ``detcomm.init``. ``serving``: the step geometry (default ``ServingConfig()``: 64 rows a step, 128 tokens
+    of KV cache a request). ``route`` forces the route of the sum sites ("native": no bitwise claim)."""
+    return TPCausalLM(load_causal_lm(directory, dtype=dtype), serving or ServingConfig(), route=route)

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -81,6 +81,11 @@ class ServingConfig:
             raise ValueError(f"q_block must divide t_pad={self.t_pad}, got {self.q_block}")
 
 
+def _partial_linear(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A row-parallel module's local product, without its all-reduce."""
+    return lambda x: F.linear(x, weight)
+
+
 @dataclass
 class StepLogits:
     """One step's vocabulary shard: ``buf`` the fp32 [T_pad, shard] logits of every row, ``rows`` the buffer
@@ -101,7 +106,8 @@ class TPCausalLM:
     sharded in place and moved to the communicator's device.
     """
 
-    def __init__(self, model: nn.Module, serving: ServingConfig = ServingConfig(), *, route: str | None = None) -> None:
+    def __init__(self, model: Any, serving: ServingConfig | None = None, *, route: str | None = None) -> None:
+        serving = serving or ServingConfig()
         serving.check()
         comm = detcomm.get_communicator()
         self.cfg = serving
@@ -109,12 +115,12 @@ class TPCausalLM:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.step_rows = StepRows()
         self.shards: Shards = shard_model(model, rank=self.rank, world=self.world, step=self.step_rows)
-        self.model = model.to(self.device).eval()
-        self.config = model.config
+        self.model: Any = model.to(self.device).eval()
+        self.config: Any = model.config
         self.dtype = next(model.parameters()).dtype
         if self.dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype}")
-        self.layers = list(model.model.layers)
+        self.layers: list[Any] = list(model.model.layers)
         declare_sites(self.shards, hidden=self.config.hidden_size, dtype=self.dtype, max_rows=serving.t_pad,
                       route=route)
         modeling = sys.modules[type(self.layers[0].self_attn).__module__]
@@ -133,7 +139,7 @@ class TPCausalLM:
             self._masks[w] = self._mask_table(w)
 
     # -- geometry --------------------------------------------------------------------------------------
-    def _window(self, attn: nn.Module) -> int | None:
+    def _window(self, attn: Any) -> int | None:
         if hasattr(attn, "sliding_window"):  # Qwen2/Qwen3: per layer, None for full attention
             return attn.sliding_window
         return getattr(self.config, "sliding_window", None)  # Mistral: model-wide; Llama: none
@@ -163,13 +169,13 @@ class TPCausalLM:
         for layer in self.layers:
             a, m = layer.self_attn, layer.mlp
             ops += [(lin, lin.in_features) for lin in (a.q_proj, a.k_proj, a.v_proj, m.gate_proj, m.up_proj)]
-            ops += [(lambda x, w=lin.weight: F.linear(x, w), lin.in_features) for lin in (a.o_proj, m.down_proj)]
+            ops += [(_partial_linear(lin.weight), lin.in_features) for lin in (a.o_proj, m.down_proj)]
         head = self.model.lm_head
         ops.append((head.shard_logits, head.weight.shape[1]))
         return ops
 
     # -- one step --------------------------------------------------------------------------------------
-    def _attention(self, layer: int, attn: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def _attention(self, layer: int, attn: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    seg: Segment) -> torch.Tensor:
         """One request's n rows: q [heads, n, hd], k/v [kv_heads, n, hd] (rotated) -> [n, heads * hd]."""
         c, s = self.cfg, self.shards

@@ -14,10 +14,9 @@ with the world sizes that would work.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
-from torch import nn
-
 import detcomm
 
 from .layers import (
@@ -55,7 +54,7 @@ def _divisors_of_all(*values: int) -> list[int]:
     return [w for w in range(1, min(values) + 1) if all(v % w == 0 for v in values)]
 
 
-def check_divisible(config: object, world: int) -> None:
+def check_divisible(config: Any, world: int) -> None:
     """Raise ValueError when W does not divide the attention heads, the KV heads or the FFN width, or the
     family is not supported. Local (no communication)."""
     family = getattr(config, "model_type", None)
@@ -75,7 +74,7 @@ def check_divisible(config: object, world: int) -> None:
         )
 
 
-def shard_model(model: nn.Module, *, rank: int, world: int, step: StepRows) -> Shards:
+def shard_model(model: Any, *, rank: int, world: int, step: StepRows) -> Shards:
     """Cut ``model`` (a transformers *ForCausalLM of a supported family, still whole) to this rank's shard,
     in place. Local; the sites it names must then be declared with ``declare_sites`` (collective)."""
     config = model.config
@@ -87,7 +86,7 @@ def shard_model(model: nn.Module, *, rank: int, world: int, step: StepRows) -> S
     hl, kvl, fl = heads // world, kv // world, ffn // world
     head_dim = decoder.layers[0].self_attn.head_dim
     names = {id(m): n for n, m in model.named_modules()}
-    row_sites = []
+    row_sites: list[str] = []
     for layer in decoder.layers:
         attn, mlp = layer.self_attn, layer.mlp
         q0, k0 = rank * hl * head_dim, rank * kvl * head_dim

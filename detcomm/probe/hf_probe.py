@@ -31,7 +31,15 @@ import torch.distributed as dist
 import detcomm
 
 from .bits import bits
-from .model_probe import TABLE_HEADERS, Result, compare_runs, generate, make_requests, position_invariant, ranks_agree
+from .model_probe import (
+    TABLE_HEADERS,
+    Result,
+    compare_runs,
+    generate,
+    make_requests,
+    position_invariant,
+    ranks_agree,
+)
 from .table import emit, format_table
 
 __all__ = ["build_parser", "main"]
@@ -49,7 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--numerics", default=None,
                    help="numerics envelope (default: $DETCOMM_NUMERICS, else rl-bitwise; auto with --route native)")
     p.add_argument("--route", default=None, help="force the route of the sum sites (native: the negative control)")
-    p.add_argument("--device", default=None, help="tensor device (default: the communicator's; cuda:N on a gloo group shares one GPU)")
+    p.add_argument("--backend", choices=("nccl", "gloo"), default=None,
+                   help="create the process group with this backend (default: detcomm.init's, NCCL with CUDA, else gloo)")
+    p.add_argument("--device", default=None,
+                   help="tensor device (default: the communicator's); --backend gloo --device cuda:0 lets W ranks share one GPU")
     p.add_argument("--requests", type=int, default=8)
     p.add_argument("--new-tokens", type=int, default=8)
     p.add_argument("--max-prompt", type=int, default=20)
@@ -97,6 +108,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         with tempfile.TemporaryDirectory(prefix="detcomm-hf-") as d:
             hf_model = load_causal_lm(write_tiny_checkpoint(name, d, seed=1234 + ns.seed), dtype=dtype)
+    own_group = ns.backend is not None and not dist.is_initialized()
+    if own_group:
+        if ns.backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        dist.init_process_group(backend=ns.backend, init_method="env://")
     comm = detcomm.init(numerics=numerics, **({} if ns.device is None else {"device": ns.device}))
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
@@ -112,11 +128,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         agree = all(ranks_agree(r, comm.device) for r in runs.values())
     finally:
         detcomm.shutdown()
+        if own_group:
+            dist.destroy_process_group()
     elapsed = time.monotonic() - t0
 
     rows, records, diverged_any = compare_runs(reqs, runs["alone"], runs["packed #1"], runs["packed #2"], runs["rerun"])
     routes = {e["site"]: e["route"] for e in table.as_dicts()}
-    row_routes = sorted({routes[s] for s in model.shards.row_sites})
+    row_routes = sorted({str(routes[s]) for s in model.shards.row_sites})
     passed = not diverged_any and agree
     if rank == 0:
         cfg = model.config

@@ -29,7 +29,7 @@ import random
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -54,16 +54,15 @@ class StepModel(Protocol):
     ``forward`` returns an opaque logits object that ``logprobs`` ([S, vocab] fp32, full vocabulary) and
     ``greedy`` ([S] token ids) consume, and the indices of the sampling segments."""
 
-    @property
-    def cfg(self) -> object: ...  # has .t_pad
+    cfg: Any  # has .t_pad
 
     def new_cache(self) -> torch.Tensor: ...
 
-    def forward(self, segments: Sequence[Segment]) -> tuple[object, list[int]]: ...
+    def forward(self, segments: Sequence[Segment]) -> tuple[Any, list[int]]: ...
 
-    def logprobs(self, logits: object) -> torch.Tensor: ...
+    def logprobs(self, logits: Any) -> torch.Tensor: ...
 
-    def greedy(self, logits: object) -> torch.Tensor: ...
+    def greedy(self, logits: Any) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -162,7 +161,7 @@ def _segment(live: _Live, n: int) -> Segment:
 def generate(model: StepModel, requests: Sequence[Request], *, schedule: int | None) -> dict[int, Result]:
     """Generate every request. ``schedule=None``: each alone at batch 1 (prompt in one step). Otherwise a
     random packed schedule from that seed. Same calls on every rank. Collective."""
-    t_pad = model.cfg.t_pad  # type: ignore[attr-defined]
+    t_pad = model.cfg.t_pad
     if schedule is None:
         out = {}
         for req in requests:
