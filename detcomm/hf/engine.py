@@ -53,7 +53,7 @@ from torch import nn
 
 import detcomm
 
-from ..probe.model import Segment
+from ..probe.model import Segment, pack_segments
 from .layers import StepRows
 from .shard import Shards, declare_sites, shard_model
 
@@ -204,21 +204,7 @@ class TPCausalLM:
         Returns the step's logits (``StepLogits``: this rank's vocabulary shard of every row, and the rows
         of the segments with ``sample``) and the index of each sampling segment."""
         c, s = self.cfg, self.shards
-        rows = sum(len(seg.tokens) for seg in segments)
-        if not 1 <= rows <= c.t_pad:
-            raise ValueError(f"a step carries 1..t_pad={c.t_pad} rows, got {rows}")
-        ids = torch.zeros(c.t_pad, dtype=torch.long)
-        pos = torch.zeros(c.t_pad, dtype=torch.long)
-        offsets, at = [], 0
-        for seg in segments:
-            n = len(seg.tokens)
-            if seg.start + n > c.max_context:
-                raise ValueError(f"a request outgrew max_context={c.max_context}")
-            ids[at : at + n] = torch.tensor(list(seg.tokens), dtype=torch.long)
-            pos[at : at + n] = torch.arange(seg.start, seg.start + n)
-            offsets.append(at)
-            at += n
-        ids, pos = ids.to(self.device), pos.to(self.device)
+        ids, pos, offsets, rows = pack_segments(segments, t_pad=c.t_pad, max_context=c.max_context, device=self.device)
         cos, sin = self.cos[pos][None], self.sin[pos][None]  # [1, T_pad, hd]
         hd = s.head_dim
         self.step_rows.rows = rows

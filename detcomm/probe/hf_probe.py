@@ -39,6 +39,7 @@ from .model_probe import (
     make_requests,
     position_invariant,
     ranks_agree,
+    summary,
 )
 from .table import emit, format_table
 
@@ -146,14 +147,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"kv {getattr(cfg, 'num_key_value_heads', None) or cfg.num_attention_heads} vocab={model.shards.vocab} "
             f"({model.shards.vocab_width}/rank) requests={len(reqs)} new_tokens={ns.new_tokens}"
         )
-        verdict = "PASS: bitwise identical alone, packed and rerun" if passed else "DIVERGED"
-        if not passed and table.numerics not in detcomm.BITWISE_ENVELOPES:
-            verdict += (f" (numerics={table.numerics} makes no bitwise claim; the contract is checked with "
-                        "--numerics rl-bitwise)")
-        summary = (f"local GEMMs row-position invariant at the padded width: {'yes' if local_ok else 'NO'}; "
-                   f"all ranks hold identical tokens and logprobs: {'yes' if agree else 'NO'}; {elapsed:.1f} s\n"
-                   + verdict + (" (negative control: divergence expected)" if ns.expect_divergence else ""))
-        emit(str(table), format_table(TABLE_HEADERS, rows, title=title) + "\n" + summary)
+        emit(str(table), format_table(TABLE_HEADERS, rows, title=title) + "\n"
+             + summary(passed=passed, numerics=table.numerics, local_ok=local_ok, agree=agree, seconds=elapsed,
+                       expect_divergence=ns.expect_divergence))
         if ns.json:
             per_request = [{"rid": r.rid, "prompt": list(r.prompt), "temperature": r.temperature, "seed": r.seed,
                             "runs": {label: {"tokens": res[r.rid].tokens, "logprob_bits": _hex_bits(res[r.rid])}

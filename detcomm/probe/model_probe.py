@@ -41,7 +41,7 @@ from .model import SITE_NAMES, ModelConfig, Segment, TPTransformer
 from .table import emit, format_table
 
 __all__ = ["Request", "Result", "StepModel", "make_requests", "generate", "first_divergence", "compare_runs",
-           "position_invariant", "ranks_agree", "TABLE_HEADERS", "main"]
+           "position_invariant", "ranks_agree", "summary", "TABLE_HEADERS", "main"]
 
 _MASK64 = (1 << 64) - 1
 
@@ -267,6 +267,17 @@ def compare_runs(reqs: Sequence[Request], alone: dict[int, Result], packed1: dic
     return rows, records, diverged_any
 
 
+def summary(*, passed: bool, numerics: str, local_ok: bool, agree: bool, seconds: float,
+            expect_divergence: bool) -> str:
+    """The two lines under a generation probe's table: its premises, then the verdict."""
+    verdict = "PASS: bitwise identical alone, packed and rerun" if passed else "DIVERGED"
+    if not passed and numerics not in detcomm.BITWISE_ENVELOPES:
+        verdict += f" (numerics={numerics} makes no bitwise claim; the contract is checked with --numerics rl-bitwise)"
+    return (f"local GEMMs row-position invariant at the padded width: {'yes' if local_ok else 'NO'}; "
+            f"all ranks hold identical tokens and logprobs: {'yes' if agree else 'NO'}; {seconds:.1f} s\n"
+            + verdict + (" (negative control: divergence expected)" if expect_divergence else ""))
+
+
 def ranks_agree(results: dict[int, Result], device: torch.device) -> bool:
     flat = torch.cat([torch.cat([r.token_tensor(), bits(r.logprob_tensor()).to(torch.long)]) for r in results.values()])
     flat = flat.to(device)
@@ -338,15 +349,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"hidden={cfg.hidden} vocab={cfg.vocab} ({cfg.vocab // world}/rank) requests={len(reqs)} "
             f"new_tokens={ns.new_tokens}"
         )
-        verdict = "PASS: bitwise identical alone, packed and rerun" if passed else "DIVERGED"
-        if not passed and table.numerics not in detcomm.BITWISE_ENVELOPES:
-            verdict += (f" (numerics={table.numerics} makes no bitwise claim; the contract is checked with "
-                        "--numerics rl-bitwise)")
-        table_text = format_table(TABLE_HEADERS, rows, title=title)
-        summary = (f"local GEMMs row-position invariant at the padded width: {'yes' if local_ok else 'NO'}; "
-                   f"all ranks hold identical tokens and logprobs: {'yes' if agree else 'NO'}; {elapsed:.1f} s\n"
-                   + verdict + (" (negative control: divergence expected)" if ns.expect_divergence else ""))
-        emit(str(table), table_text + "\n" + summary)
+        emit(str(table), format_table(TABLE_HEADERS, rows, title=title) + "\n"
+             + summary(passed=passed, numerics=table.numerics, local_ok=local_ok, agree=agree, seconds=elapsed,
+                       expect_divergence=ns.expect_divergence))
         if ns.json:
             with open(ns.json, "w") as f:
                 json.dump({"world_size": world, "backend": table.backend, "numerics": table.numerics,
