@@ -132,7 +132,7 @@ class DetcommProcessGroup(dist.ProcessGroup):
     every method is collective as torch's are."""
 
     def __init__(self, store: Any, rank: int, size: int, timeout: timedelta) -> None:
-        super().__init__(rank, size)
+        super().__init__(rank, size)  # type: ignore[call-arg]
         self._rank, self._size = rank, size
         self._gloo = ProcessGroupGloo(PrefixStore("gloo/", store), rank, size, timeout)
         self._nccl = None
@@ -169,7 +169,7 @@ class DetcommProcessGroup(dist.ProcessGroup):
         flat = src.contiguous().view(-1)
         src.copy_(_fold(self._gather_rows(flat), op, self._size).view_as(src))
 
-    def allreduce(self, tensors: Any, opts: Any = None) -> Work:
+    def allreduce(self, tensors: Any, opts: Any = None) -> Work:  # type: ignore[override]
         tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
         if opts is None:
             opts = AllreduceOptions()
@@ -185,7 +185,7 @@ class DetcommProcessGroup(dist.ProcessGroup):
     def allreduce_coalesced(self, tensors: Sequence[torch.Tensor], opts: Any = None) -> Work:
         return self.allreduce(list(tensors), None if opts is None else opts.reduceOp)
 
-    def reduce(self, tensors: Any, opts: Any) -> Work:
+    def reduce(self, tensors: Any, opts: Any) -> Work:  # type: ignore[override]
         tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
         if not all(folds(opts.reduceOp, t.dtype) for t in tensors):
             return self._backend(tensors[0]).reduce(tensors, opts)
@@ -211,9 +211,9 @@ class DetcommProcessGroup(dist.ProcessGroup):
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> Work:
         return self._reduce_scatter_flat(output, input.contiguous().view(-1), opts)
 
-    reduce_scatter_single = _reduce_scatter_base  # torch >= 2.12's name for the same call
+    reduce_scatter_single = _reduce_scatter_base  # type: ignore[assignment]  # torch >= 2.12 names it so
 
-    def reduce_scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any) -> Work:
+    def reduce_scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any) -> Work:  # type: ignore[override]
         if len(outputs) != 1:
             raise ValueError("the detcomm process group takes one output tensor per reduce_scatter call")
         if not folds(opts.reduceOp, outputs[0].dtype):
@@ -225,7 +225,7 @@ class DetcommProcessGroup(dist.ProcessGroup):
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Work:
         return self._backend(input)._allgather_base(output, input, opts or AllgatherOptions())
 
-    all_gather_single = _allgather_base  # torch >= 2.12's name
+    all_gather_single = _allgather_base  # torch >= 2.12 names it so
 
     def allgather(self, outputs: Any, inputs: Any, opts: Any = None) -> Work:
         return self._backend(inputs[0]).allgather(outputs, inputs, opts or AllgatherOptions())
@@ -233,7 +233,7 @@ class DetcommProcessGroup(dist.ProcessGroup):
     def allgather_coalesced(self, outputs: Any, inputs: Any, opts: Any = None) -> Work:
         return self._backend(inputs[0]).allgather_coalesced(outputs, inputs, opts or AllgatherOptions())
 
-    def broadcast(self, tensors: Any, opts: Any) -> Work:
+    def broadcast(self, tensors: Any, opts: Any) -> Work:  # type: ignore[override]
         tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
         return self._backend(tensors[0]).broadcast(tensors, opts)
 
@@ -242,15 +242,15 @@ class DetcommProcessGroup(dist.ProcessGroup):
         return self._backend(input).alltoall_base(output, input, output_split_sizes, input_split_sizes,
                                                   opts or AllToAllOptions())
 
-    all_to_all_single = alltoall_base
+    all_to_all_single = alltoall_base  # type: ignore[assignment]
 
     def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> Work:
         return self._backend(inputs[0]).alltoall(outputs, inputs, opts or AllToAllOptions())
 
-    def gather(self, outputs: Any, inputs: Any, opts: Any) -> Work:
+    def gather(self, outputs: Any, inputs: Any, opts: Any) -> Work:  # type: ignore[override]
         return self._backend(inputs[0]).gather(outputs, inputs, opts)
 
-    def scatter(self, outputs: Any, inputs: Any, opts: Any) -> Work:
+    def scatter(self, outputs: Any, inputs: Any, opts: Any) -> Work:  # type: ignore[override]
         return self._backend(outputs[0]).scatter(outputs, inputs, opts)
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> Work:
@@ -263,10 +263,10 @@ class DetcommProcessGroup(dist.ProcessGroup):
         return self._backend(tensors[0]).recv_anysource(tensors, tag)
 
     def barrier(self, opts: Any = None) -> Work:
-        return self._gloo.barrier(opts) if opts is not None else self._gloo.barrier()
+        return self._gloo.barrier(opts) if opts is not None else self._gloo.barrier()  # type: ignore[attr-defined]
 
     def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> None:
-        self._gloo.monitored_barrier(timeout, wait_all_ranks)
+        self._gloo.monitored_barrier(timeout, wait_all_ranks)  # type: ignore[attr-defined]
 
 
 def _create(store: Any, rank: int, size: int, timeout: timedelta) -> DetcommProcessGroup:
