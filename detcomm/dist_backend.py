@@ -89,7 +89,10 @@ class _DoneWork(Work):
     def __init__(self, outputs: list[torch.Tensor]) -> None:
         super().__init__()
         self._outputs = outputs
-        self._future: torch.futures.Future = torch.futures.Future()
+        # CUDA outputs need a CUDA-aware future: it records the current stream, and whoever waits on it (DDP's
+        # reducer) is ordered after the fold queued there.
+        devices = sorted({t.device for t in outputs if t.is_cuda}, key=str)
+        self._future: torch.futures.Future = torch.futures.Future(devices=devices or None)
         self._future.set_result(outputs)
 
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
