@@ -1,6 +1,6 @@
-"""``python -m detcomm.probe {collectives,model,rows} [options]``: the invariance probes (docs/spec.md section 7).
+"""``python -m detcomm.probe {collectives,model,hf,rows} [options]``: the invariance probes (docs/spec.md section 7).
 
-collectives and model are collective programs: start them on every rank (detcomm-launch, torchrun or
+collectives, model and hf are collective programs: start them on every rank (detcomm-launch, torchrun or
 mpiexec); rows runs in one process.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-_COMMANDS = ("collectives", "model", "rows")
+_COMMANDS = ("collectives", "model", "hf", "rows")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -24,6 +24,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .collectives import main as run
     elif command == "model":
         from .model_probe import main as run
+    elif command == "hf":
+        from .hf_probe import main as run
     else:
         from .rows import main as run
     return run(rest)

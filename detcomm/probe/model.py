@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 import detcomm
 
-__all__ = ["ModelConfig", "Segment", "TPTransformer", "SITE_NAMES"]
+__all__ = ["ModelConfig", "Segment", "TPTransformer", "SITE_NAMES", "pack_segments"]
 
 SITE_NAMES = {"o_proj": "o_proj", "down_proj": "down_proj", "argmax": "lm_head.argmax", "gather": "lm_head.gather"}
 
@@ -72,6 +72,27 @@ class Segment:
     tokens: Sequence[int]
     start: int
     sample: bool = field(default=True)
+
+
+def pack_segments(segments: Sequence[Segment], *, t_pad: int, max_context: int,
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor, list[int], int]:
+    """Lay one step's segments out in a fixed ``t_pad``-row buffer, in order: the token ids and positions of
+    every row (filler rows: token 0 at position 0), each segment's first row, and the real row count."""
+    rows = sum(len(s.tokens) for s in segments)
+    if not 1 <= rows <= t_pad:
+        raise ValueError(f"a step carries 1..T_pad={t_pad} rows, got {rows}")
+    ids = torch.zeros(t_pad, dtype=torch.long)
+    pos = torch.zeros(t_pad, dtype=torch.long)  # built on the CPU, moved once below
+    offsets, at = [], 0
+    for s in segments:
+        n = len(s.tokens)
+        if s.start + n > max_context:
+            raise ValueError(f"a request outgrew max_context={max_context}")
+        ids[at : at + n] = torch.tensor(list(s.tokens), dtype=torch.long)
+        pos[at : at + n] = torch.arange(s.start, s.start + n)
+        offsets.append(at)
+        at += n
+    return ids.to(device), pos.to(device), offsets, rows
 
 
 def _rand(g: torch.Generator, *shape: int, fan_in: int) -> torch.Tensor:
@@ -198,21 +219,7 @@ class TPTransformer:
         with ``sample``) and the index of each such segment.
         """
         c = self.cfg
-        rows = sum(len(s.tokens) for s in segments)
-        if not 1 <= rows <= c.t_pad:
-            raise ValueError(f"a step carries 1..T_pad={c.t_pad} rows, got {rows}")
-        ids = torch.zeros(c.t_pad, dtype=torch.long)
-        pos = torch.zeros(c.t_pad, dtype=torch.long)  # built on the CPU, moved once below
-        offsets, at = [], 0
-        for s in segments:
-            n = len(s.tokens)
-            if s.start + n > c.max_context:
-                raise ValueError(f"a request outgrew max_context={c.max_context}")
-            ids[at : at + n] = torch.tensor(list(s.tokens), dtype=torch.long)
-            pos[at : at + n] = torch.arange(s.start, s.start + n)
-            offsets.append(at)
-            at += n
-        ids, pos = ids.to(self.device), pos.to(self.device)
+        ids, pos, offsets, rows = pack_segments(segments, t_pad=c.t_pad, max_context=c.max_context, device=self.device)
         h = self.embed[ids]  # [T_pad, H]; rows >= `rows` are filler
         hd, hl = c.head_dim, self.heads_local
         for li, L in enumerate(self.layers):

@@ -28,8 +28,9 @@ import os
 import random
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -41,9 +42,29 @@ from detcomm.invariance import bits
 from .model import SITE_NAMES, ModelConfig, Segment, TPTransformer
 from .table import emit, format_table
 
-__all__ = ["Request", "Result", "make_requests", "generate", "first_divergence", "main"]
+__all__ = ["Request", "Result", "StepModel", "make_requests", "generate", "first_divergence", "compare_runs",
+           "position_invariant", "ranks_agree", "summary", "TABLE_HEADERS", "main"]
 
 _MASK64 = (1 << 64) - 1
+
+TABLE_HEADERS = ["comparison", "sampling", "diverged", "tokens equal", "logprobs equal", "first divergence",
+                 "first token change"]
+
+
+class StepModel(Protocol):
+    """What ``generate`` drives: the probe's decoder (``TPTransformer``) or ``detcomm.hf.TPCausalLM``.
+    ``forward`` returns an opaque logits object that ``logprobs`` ([S, vocab] fp32, full vocabulary) and
+    ``greedy`` ([S] token ids) consume, and the indices of the sampling segments."""
+
+    cfg: Any  # has .t_pad
+
+    def new_cache(self) -> torch.Tensor: ...
+
+    def forward(self, segments: Sequence[Segment]) -> tuple[Any, list[int]]: ...
+
+    def logprobs(self, logits: Any) -> torch.Tensor: ...
+
+    def greedy(self, logits: Any) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -112,7 +133,7 @@ class _Live:
         return self.fed < len(self.req.prompt)
 
 
-def _step(model: TPTransformer, work: list[tuple[_Live, Segment]]) -> None:
+def _step(model: StepModel, work: list[tuple[_Live, Segment]]) -> None:
     shard, picks = model.forward([seg for _, seg in work])
     if not picks:
         return
@@ -139,7 +160,7 @@ def _segment(live: _Live, n: int) -> Segment:
     return Segment(live.cache, [live.result.tokens[-1]], start, sample=True)
 
 
-def generate(model: TPTransformer, requests: Sequence[Request], *, schedule: int | None) -> dict[int, Result]:
+def generate(model: StepModel, requests: Sequence[Request], *, schedule: int | None) -> dict[int, Result]:
     """Generate every request. ``schedule=None``: each alone at batch 1 (prompt in one step). Otherwise a
     random packed schedule from that seed. Same calls on every rank. Collective."""
     t_pad = model.cfg.t_pad
@@ -192,24 +213,74 @@ def _first_token_change(a: Result, b: Result) -> int | None:
     return None
 
 
-def local_rows_invariant(model: TPTransformer) -> bool:
-    """Does each local GEMM give a row the same bits at every offset of the fixed T_pad-row buffer?
-    (The model's premise; checked so that a divergence is never blamed on the wrong part.)"""
-    c = model.cfg
+def position_invariant(ops: Sequence[tuple[Callable[[torch.Tensor], torch.Tensor], int]], *, t_pad: int,
+                       dtype: torch.dtype, device: torch.device) -> bool:
+    """Does each op (a row-wise local GEMM, with its input width) give a row the same bits at every offset of
+    a fixed ``t_pad``-row buffer? (The fixed-width models' premise; checked so that a divergence is never
+    blamed on the wrong part.)"""
     g = torch.Generator().manual_seed(7)
-    weights = [w for L in model.layers for w in (L["wqkv"], L["wo"], L["wgu"], L["wd"])] + [model.lm_head]
-    for w in weights:
-        x = torch.randn(c.t_pad, w.shape[0], generator=g).to(c.dtype).to(model.device)
-        want = torch.matmul(x, w)[0]
-        for off in range(1, c.t_pad):
+    for op, width in ops:
+        x = torch.randn(t_pad, width, generator=g).to(dtype).to(device)
+        want = op(x)[0]
+        for off in range(1, t_pad):
             y = x.clone()
             y[[0, off]] = y[[off, 0]]
-            if not torch.equal(bits(torch.matmul(y, w)[off]), bits(want)):
+            if not torch.equal(bits(op(y)[off]), bits(want)):
                 return False
     return True
 
 
-def _ranks_agree(results: dict[int, Result], device: torch.device) -> bool:
+def local_rows_invariant(model: TPTransformer) -> bool:
+    """``position_invariant`` over every local GEMM of the model probe's decoder."""
+    weights = [w for L in model.layers for w in (L["wqkv"], L["wo"], L["wgu"], L["wd"])] + [model.lm_head]
+    ops = [(lambda x, w=w: torch.matmul(x, w), w.shape[0]) for w in weights]
+    return position_invariant(ops, t_pad=model.cfg.t_pad, dtype=model.cfg.dtype, device=model.device)
+
+
+def compare_runs(reqs: Sequence[Request], alone: dict[int, Result], packed1: dict[int, Result],
+                 packed2: dict[int, Result], rerun: dict[int, Result]) -> tuple[list[list[str]], list[dict], bool]:
+    """The probe table's rows (per comparison and sampling mode), their JSON records, and whether anything
+    diverged."""
+    comparisons = (("packed #1 vs alone", packed1, alone), ("packed #2 vs alone", packed2, alone),
+                   ("rerun vs packed #1", rerun, packed1))
+    rows, records, diverged_any = [], [], False
+    for label, got, ref in comparisons:
+        for mode, temp in (("greedy", 0.0), ("temperature 1", 1.0)):
+            sel = [r for r in reqs if r.temperature == temp]
+            divs = {r.rid: first_divergence(got[r.rid], ref[r.rid]) for r in sel}
+            bad = {rid: d for rid, d in divs.items() if d is not None}
+            diverged_any |= bool(bad)
+            tok_eq = all(torch.equal(got[r.rid].token_tensor(), ref[r.rid].token_tensor()) for r in sel)
+            lp_eq = all(torch.equal(bits(got[r.rid].logprob_tensor()), bits(ref[r.rid].logprob_tensor()))
+                        for r in sel if got[r.rid].tokens == ref[r.rid].tokens)
+            first = flip = "-"
+            if bad:
+                rid, (idx, what) = min(bad.items(), key=lambda kv: (kv[1][0], kv[0]))
+                first = f"req {rid} token {idx} (position {len(reqs[rid].prompt) + idx}): {what}"
+            flips = {r.rid: _first_token_change(got[r.rid], ref[r.rid]) for r in sel}
+            changed = {k: v for k, v in flips.items() if v is not None}
+            if changed:
+                rid, idx = min(changed.items(), key=lambda kv: (kv[1], kv[0]))
+                flip = f"req {rid} token {idx}"
+            rows.append([label, mode, f"{len(bad)}/{len(sel)}", "yes" if tok_eq else "NO",
+                         "yes" if lp_eq and tok_eq else "NO", first, flip])
+            records.append({"comparison": label, "sampling": mode, "requests": len(sel),
+                            "diverged": {str(k): {"token_index": v[0], "what": v[1]} for k, v in bad.items()}})
+    return rows, records, diverged_any
+
+
+def summary(*, passed: bool, numerics: str, local_ok: bool, agree: bool, seconds: float,
+            expect_divergence: bool) -> str:
+    """The two lines under a generation probe's table: its premises, then the verdict."""
+    verdict = "PASS: bitwise identical alone, packed and rerun" if passed else "DIVERGED"
+    if not passed and numerics not in detcomm.BITWISE_ENVELOPES:
+        verdict += f" (numerics={numerics} makes no bitwise claim; the contract is checked with --numerics rl-bitwise)"
+    return (f"local GEMMs row-position invariant at the padded width: {'yes' if local_ok else 'NO'}; "
+            f"all ranks hold identical tokens and logprobs: {'yes' if agree else 'NO'}; {seconds:.1f} s\n"
+            + verdict + (" (negative control: divergence expected)" if expect_divergence else ""))
+
+
+def ranks_agree(results: dict[int, Result], device: torch.device) -> bool:
     flat = torch.cat([torch.cat([r.token_tensor(), bits(r.logprob_tensor()).to(torch.long)]) for r in results.values()])
     flat = flat.to(device)
     hi, lo = flat.clone(), flat.clone()
@@ -264,36 +335,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         packed1 = generate(model, reqs, schedule=1000 + ns.seed)
         packed2 = generate(model, reqs, schedule=2000 + ns.seed)
         rerun = generate(model, reqs, schedule=1000 + ns.seed)
-        agree = all(_ranks_agree(r, comm.device) for r in (alone, packed1, packed2, rerun))
+        agree = all(ranks_agree(r, comm.device) for r in (alone, packed1, packed2, rerun))
     finally:
         detcomm.shutdown()
     elapsed = time.monotonic() - t0
 
-    comparisons = (("packed #1 vs alone", packed1, alone), ("packed #2 vs alone", packed2, alone),
-                   ("rerun vs packed #1", rerun, packed1))
-    rows, records, diverged_any = [], [], False
-    for label, got, ref in comparisons:
-        for mode, temp in (("greedy", 0.0), ("temperature 1", 1.0)):
-            sel = [r for r in reqs if r.temperature == temp]
-            divs = {r.rid: first_divergence(got[r.rid], ref[r.rid]) for r in sel}
-            bad = {rid: d for rid, d in divs.items() if d is not None}
-            diverged_any |= bool(bad)
-            tok_eq = all(torch.equal(got[r.rid].token_tensor(), ref[r.rid].token_tensor()) for r in sel)
-            lp_eq = all(torch.equal(bits(got[r.rid].logprob_tensor()), bits(ref[r.rid].logprob_tensor()))
-                        for r in sel if got[r.rid].tokens == ref[r.rid].tokens)
-            first = flip = "-"
-            if bad:
-                rid, (idx, what) = min(bad.items(), key=lambda kv: (kv[1][0], kv[0]))
-                first = f"req {rid} token {idx} (position {len(reqs[rid].prompt) + idx}): {what}"
-            flips = {r.rid: _first_token_change(got[r.rid], ref[r.rid]) for r in sel}
-            changed = {k: v for k, v in flips.items() if v is not None}
-            if changed:
-                rid, idx = min(changed.items(), key=lambda kv: (kv[1], kv[0]))
-                flip = f"req {rid} token {idx}"
-            rows.append([label, mode, f"{len(bad)}/{len(sel)}", "yes" if tok_eq else "NO",
-                         "yes" if lp_eq and tok_eq else "NO", first, flip])
-            records.append({"comparison": label, "sampling": mode, "requests": len(sel),
-                            "diverged": {str(k): {"token_index": v[0], "what": v[1]} for k, v in bad.items()}})
+    rows, records, diverged_any = compare_runs(reqs, alone, packed1, packed2, rerun)
     routes = {e["site"]: e["route"] for e in table.as_dicts()}
     passed = not diverged_any and agree
     if rank == 0:
@@ -304,16 +351,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"hidden={cfg.hidden} vocab={cfg.vocab} ({cfg.vocab // world}/rank) requests={len(reqs)} "
             f"new_tokens={ns.new_tokens}"
         )
-        verdict = "PASS: bitwise identical alone, packed and rerun" if passed else "DIVERGED"
-        if not passed and table.numerics not in detcomm.BITWISE_ENVELOPES:
-            verdict += (f" (numerics={table.numerics} makes no bitwise claim; the contract is checked with "
-                        "--numerics rl-bitwise)")
-        table_text = format_table(["comparison", "sampling", "diverged", "tokens equal", "logprobs equal",
-                                   "first divergence", "first token change"], rows, title=title)
-        summary = (f"local GEMMs row-position invariant at the padded width: {'yes' if local_ok else 'NO'}; "
-                   f"all ranks hold identical tokens and logprobs: {'yes' if agree else 'NO'}; {elapsed:.1f} s\n"
-                   + verdict + (" (negative control: divergence expected)" if ns.expect_divergence else ""))
-        emit(str(table), table_text + "\n" + summary)
+        emit(str(table), format_table(TABLE_HEADERS, rows, title=title) + "\n"
+             + summary(passed=passed, numerics=table.numerics, local_ok=local_ok, agree=agree, seconds=elapsed,
+                       expect_divergence=ns.expect_divergence))
         if ns.json:
             with open(ns.json, "w") as f:
                 json.dump({"world_size": world, "backend": table.backend, "numerics": table.numerics,

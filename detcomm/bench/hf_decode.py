@@ -1,0 +1,221 @@
+"""Decode throughput of a transformers model served through ``detcomm.hf``: fold routes vs native, same run.
+
+    detcomm-launch --nproc 8 --numerics rl-bitwise -m detcomm.bench.hf_decode                 # 8 GPUs, NCCL
+    detcomm-launch --nproc 2 --numerics rl-bitwise -m detcomm.bench.hf_decode --backend gloo --device cuda:0
+    python -m detcomm.bench.hf_decode --help
+
+A collective program (every rank runs it). It builds the probe's model family at a realistic width (Llama
+architecture, default hidden 4096, 8 layers, 32 heads / 8 KV heads, FFN 14336, vocabulary 32000, bf16; seeded
+random weights, built on the device, no checkpoint written; ``--model DIR`` loads a real one instead), shards it
+with ``detcomm.hf`` and times greedy decode steps at each concurrency (default 1..64 requests, one row each,
+every step at the fixed width T_pad = 64): phase "fold" under rl-bitwise (o_proj / down_proj / embedding on the
+canonical-fold routes), then phase "native" under auto with those sites forced native, in the same process
+and the same process group. Rank 0 prints tokens/s per concurrency and the ratio native / fold (the goal is
+fold within 5%: ratio <= 1.05), and writes ``--json``.
+
+Which numbers mean what:
+* one rank per GPU over NCCL (``--backend nccl``, the default with CUDA): the fold-vs-native cost on that
+  machine. This needs W GPUs; it is the number docs/performance.md asks for.
+* W ranks sharing one GPU over gloo (``--backend gloo --device cuda:0``): the collectives stage through host
+  memory and the ranks time-share the GPU, so tokens/s and the ratio say nothing about NCCL deployments;
+  use it to check that the run works, and W = 1 for the local compute alone.
+* the NCCL environment is the launch's: under ``--numerics rl-bitwise`` NCCL runs Ring/Simple for both
+  phases (NCCL reads it when the communicator is created). ``--phases native`` under a launch with
+  ``--numerics auto`` measures native with NCCL's own algorithm choice.
+Decode steps include the per-request attention loop of the fixed-width engine (one small kernel chain per
+request per layer; see detcomm/hf/engine.py for what the fixed width costs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["build_parser", "main"]
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        vals = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not vals or min(vals) < 1:
+        raise argparse.ArgumentTypeError("expected positive integers")
+    return vals
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m detcomm.bench.hf_decode", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="\n\n".join(__doc__.split("\n\n")[1:]))
+    p.add_argument("--model", metavar="DIR", help="a local checkpoint instead of the seeded Llama-shaped model")
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--ffn", type=int, default=14336)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    p.add_argument("--concurrency", type=_ints, default=[1, 2, 4, 8, 16, 32, 64],
+                   help="comma-separated numbers of concurrent decoding requests (each <= --t-pad)")
+    p.add_argument("--t-pad", type=int, default=64)
+    p.add_argument("--prompt", type=int, default=16, help="prompt tokens per request (prefilled, not timed)")
+    p.add_argument("--steps", type=int, default=16, help="timed decode steps per concurrency")
+    p.add_argument("--warmup", type=int, default=3, help="untimed decode steps first")
+    p.add_argument("--logprobs", action="store_true", help="also compute the fp32 logprobs every step")
+    p.add_argument("--phases", default="fold,native", help="which phases, in order: fold, native or both")
+    p.add_argument("--backend", choices=("nccl", "gloo"), default=None,
+                   help="process group backend when none exists (default: nccl with CUDA, else gloo)")
+    p.add_argument("--device", default=None, help="tensor device (default: cuda:LOCAL_RANK for nccl, cpu for gloo)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", metavar="PATH", help="rank 0 writes the results as JSON")
+    return p
+
+
+def _build(ns: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    import transformers
+
+    from ..hf.checkpoints import load_causal_lm
+
+    if ns.model:
+        return load_causal_lm(ns.model, dtype=dtype)
+    cfg = transformers.LlamaConfig(vocab_size=ns.vocab, hidden_size=ns.hidden, intermediate_size=ns.ffn,
+                                   num_hidden_layers=ns.layers, num_attention_heads=ns.heads,
+                                   num_key_value_heads=ns.kv_heads, max_position_embeddings=4096,
+                                   tie_word_embeddings=False)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(ns.seed)  # the same weights on every rank (same device type, same seed)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    return model.to(dtype).eval()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _decode_step(lm: Any, caches: list[torch.Tensor], toks: list[int], pos: int, *, logprobs: bool) -> int:
+    """One greedy decode step of every request (one row each, at position ``pos``); updates ``toks`` in place
+    and returns the next position. Collective."""
+    from ..probe.model import Segment
+
+    logits, _ = lm.forward([Segment(cache, [tok], pos) for cache, tok in zip(caches, toks)])
+    if logprobs:
+        lm.logprobs(logits)
+    toks[:] = [int(t) for t in lm.greedy(logits).tolist()]
+    return pos + 1
+
+
+def _time_phase(lm: Any, concurrency: Sequence[int], ns: argparse.Namespace) -> dict[int, float]:
+    from ..probe.model import Segment
+
+    out = {}
+    for c in concurrency:
+        caches = [lm.new_cache() for _ in range(c)]
+        gen = torch.Generator().manual_seed(ns.seed + c)
+        prompts = [torch.randint(0, lm.shards.vocab, (ns.prompt,), generator=gen).tolist() for _ in range(c)]
+        toks = [0] * c
+        # Prefill in T_pad-row steps (not timed).
+        i = 0
+        while i < c:
+            group = list(range(i, min(c, i + max(1, ns.t_pad // ns.prompt))))
+            logits, _ = lm.forward([Segment(caches[j], prompts[j], 0) for j in group])
+            for j, t in zip(group, lm.greedy(logits).tolist()):
+                toks[j] = int(t)
+            i = group[-1] + 1
+        pos = ns.prompt
+        for _ in range(ns.warmup):
+            pos = _decode_step(lm, caches, toks, pos, logprobs=ns.logprobs)
+        _sync(lm.device)
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(ns.steps):
+            pos = _decode_step(lm, caches, toks, pos, logprobs=ns.logprobs)
+        _sync(lm.device)
+        elapsed = time.perf_counter() - t0
+        # The slowest rank's time is the step time.
+        worst = torch.tensor([elapsed], dtype=torch.float64,
+                             device=lm.device if dist.get_backend() == "nccl" else "cpu")
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        out[c] = c * ns.steps / float(worst)
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run on every rank; rank 0 prints and writes --json."""
+    ns = build_parser().parse_args(argv)
+    import transformers
+
+    import detcomm
+
+    from ..hf import ServingConfig, TPCausalLM
+    from ..hf.checkpoints import DTYPES
+    from ..probe.table import emit, format_table
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    phases = [p.strip() for p in ns.phases.split(",") if p.strip()]
+    if not phases or any(p not in ("fold", "native") for p in phases):
+        raise ValueError(f"--phases takes fold and/or native, got {ns.phases!r}")
+    if not 1 <= ns.prompt <= ns.t_pad or ns.steps < 1 or ns.warmup < 0:
+        raise ValueError(f"--prompt must be 1..--t-pad ({ns.t_pad}), --steps >= 1, --warmup >= 0")
+    if max(ns.concurrency) > ns.t_pad:
+        raise ValueError(f"--concurrency {max(ns.concurrency)} exceeds --t-pad {ns.t_pad} rows per step")
+    max_context = -(-(ns.prompt + ns.warmup + ns.steps + 1) // 64) * 64
+    serving = ServingConfig(t_pad=ns.t_pad, q_block=16, max_context=max_context)
+    serving.check()
+    dtype = DTYPES[ns.dtype]
+    backend = ns.backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if backend == "nccl":
+        torch.cuda.set_device(local % torch.cuda.device_count())
+    device = torch.device(ns.device or (f"cuda:{torch.cuda.current_device()}" if backend == "nccl" else "cpu"))
+    if not dist.is_initialized():  # created here so that both phases share it (detcomm.shutdown keeps it)
+        dist.init_process_group(backend=backend, init_method="env://")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    results: dict[str, dict[int, float]] = {}
+    routes: dict[str, Any] = {}
+    for phase in phases:
+        detcomm.init(numerics="rl-bitwise" if phase == "fold" else "auto", device=device)
+        try:
+            lm = TPCausalLM(_build(ns, device, dtype), serving, route=None if phase == "fold" else "native")
+            routes[phase] = next(e["route"] for e in detcomm.routes().as_dicts() if e["site"] == lm.shards.row_sites[0])
+            results[phase] = _time_phase(lm, ns.concurrency, ns)
+            del lm
+        finally:
+            detcomm.shutdown()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    if rank == 0:
+        rows: list[list[object]] = []
+        for c in ns.concurrency:
+            fo, na = results.get("fold", {}).get(c), results.get("native", {}).get(c)
+            rows.append([c, "-" if fo is None else round(fo, 1), "-" if na is None else round(na, 1),
+                         "-" if fo is None or na is None else round(na / fo, 3)])
+        title = (f"HF decode: W={world} backend={backend} device={device} dtype={ns.dtype} "
+                 f"{'model=' + ns.model if ns.model else f'hidden={ns.hidden} layers={ns.layers} heads={ns.heads}/kv {ns.kv_heads} ffn={ns.ffn} vocab={ns.vocab}'} "
+                 f"T_pad={ns.t_pad} steps={ns.steps} logprobs={'yes' if ns.logprobs else 'no'} "
+                 f"routes: {', '.join(f'{k}={v}' for k, v in routes.items())}")
+        emit(format_table(["concurrency", "tokens/s fold", "tokens/s native", "native/fold"], rows, title=title))
+        if ns.json:
+            with open(ns.json, "w") as f:
+                json.dump({"world_size": world, "backend": backend, "device": str(device), "dtype": ns.dtype,
+                           "args": {k: v for k, v in vars(ns).items() if k != "json"}, "routes": routes,
+                           "tokens_per_s": {p: {str(c): v for c, v in r.items()} for p, r in results.items()}},
+                          f, indent=2)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

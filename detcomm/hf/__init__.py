@@ -1,0 +1,32 @@
+"""transformers causal LMs (Llama, Mistral, Qwen2, Qwen3) served tensor-parallel over detcomm.
+
+    import detcomm, detcomm.hf                  # every rank, e.g. under detcomm-launch --nproc 4 --numerics rl-bitwise
+    detcomm.init()
+    lm = detcomm.hf.load("/path/to/checkpoint", dtype=torch.bfloat16)
+    [(tokens, logprobs)] = lm.generate([prompt_ids], max_new_tokens=32)
+
+``load`` reads the checkpoint with transformers' ``from_pretrained``, shards it in place (``detcomm.hf.shard``:
+column-parallel q/k/v/gate/up, row-parallel o_proj/down_proj through detcomm sites named after the modules,
+vocabulary-parallel embedding and LM head) and wraps it in the fixed-width engine (``detcomm.hf.engine``,
+whose docstring says how local compute is made batch-invariant and what that costs). Needs the ``hf`` extra
+(``pip install 'detcomm[hf]'``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .checkpoints import TINY_CONFIGS, load_causal_lm, write_tiny_checkpoint
+from .engine import ServingConfig, StepLogits, TPCausalLM
+from .shard import SUPPORTED_FAMILIES, check_divisible
+
+__all__ = ["load", "TPCausalLM", "ServingConfig", "StepLogits", "SUPPORTED_FAMILIES", "TINY_CONFIGS",
+           "check_divisible", "load_causal_lm", "write_tiny_checkpoint"]
+
+
+def load(directory: str, *, dtype: torch.dtype = torch.bfloat16, serving: ServingConfig | None = None,
+         route: str | None = None) -> TPCausalLM:
+    """Load a local checkpoint directory and shard it over the detcomm group. Collective: call on every rank
+    after ``detcomm.init``. ``serving``: the step geometry (default ``ServingConfig()``: 64 rows a step, 128 tokens
+    of KV cache a request). ``route`` forces the route of the sum sites ("native": no bitwise claim)."""
+    return TPCausalLM(load_causal_lm(directory, dtype=dtype), serving or ServingConfig(), route=route)

@@ -1,0 +1,93 @@
+"""Loading a local transformers checkpoint, and the tiny seeded checkpoints the probe and CI use.
+
+``load_causal_lm`` goes through transformers' own ``AutoModelForCausalLM.from_pretrained`` (eager attention,
+the requested dtype) and refuses families ``detcomm.hf`` does not shard. ``write_tiny_checkpoint`` builds a
+real config class of a supported family (``TINY_CONFIGS``), draws its weights from a seed, and writes them
+with ``save_pretrained``, so the probe loads them back through the same path as a downloaded checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from .shard import SUPPORTED_FAMILIES
+
+__all__ = ["TINY_CONFIGS", "tiny_config", "write_tiny_checkpoint", "load_causal_lm", "DTYPES"]
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+# Small enough for W=4 ranks on two CPU cores; grouped-query attention (24 heads, 12 KV heads) so every W
+# in {1, 2, 3, 4, 6, 12} divides both; Mistral's sliding window (48) binds inside the probe's contexts; Qwen2 keeps its
+# q/k/v biases; the Qwen models tie the LM head to the embedding, as the small released ones do.
+_COMMON: dict[str, Any] = dict(vocab_size=1024, hidden_size=192, intermediate_size=384, num_hidden_layers=2,
+                               num_attention_heads=24, num_key_value_heads=12, head_dim=8,
+                               max_position_embeddings=512, rms_norm_eps=1e-6, initializer_range=0.05)
+TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama-tiny": ("LlamaConfig", dict(tie_word_embeddings=False)),
+    "mistral-tiny": ("MistralConfig", dict(tie_word_embeddings=False, sliding_window=48)),
+    "qwen2-tiny": ("Qwen2Config", dict(tie_word_embeddings=True)),
+    "qwen3-tiny": ("Qwen3Config", dict(tie_word_embeddings=True)),
+}
+
+
+def tiny_config(name: str) -> Any:
+    """The transformers config object of a tiny configuration (``TINY_CONFIGS``)."""
+    import transformers
+
+    if name not in TINY_CONFIGS:
+        raise ValueError(f"unknown tiny config {name!r}; known: {', '.join(TINY_CONFIGS)}")
+    cls, extra = TINY_CONFIGS[name]
+    return getattr(transformers, cls)(**{**_COMMON, **extra})
+
+
+def write_tiny_checkpoint(name: str, directory: str, *, seed: int) -> str:
+    """Draw the weights of tiny config ``name`` from ``seed`` (CPU, fp32) and ``save_pretrained`` them into
+    ``directory``; returns the directory. Local. transformers (5.x) writes only on rank 0 of an initialized
+    torch.distributed group, so call it before the group exists (each rank its own copy) or on one rank of
+    one node."""
+    import torch.distributed as dist
+    import transformers
+
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        raise RuntimeError("write_tiny_checkpoint on rank != 0 of an initialized process group: transformers would "
+                           "write nothing; call it before init_process_group / detcomm.init, or on rank 0 only")
+
+    config = tiny_config(name)
+    config._attn_implementation = "eager"
+    state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(seed)
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    finally:
+        torch.random.set_rng_state(state)
+    model.save_pretrained(directory)
+    return directory
+
+
+def _dtype_kwarg() -> str:
+    import transformers
+
+    major, minor = (int(p) for p in transformers.__version__.split(".")[:2])
+    return "dtype" if (major, minor) >= (4, 56) else "torch_dtype"  # renamed in 4.56
+
+
+def load_causal_lm(directory: str, *, dtype: torch.dtype) -> nn.Module:
+    """``AutoModelForCausalLM.from_pretrained(directory)`` in ``dtype`` with eager attention, on the CPU,
+    after checking the family. Local."""
+    import transformers
+
+    if not os.path.isdir(directory):
+        raise ValueError(f"{directory!r} is not a directory: pass a local checkpoint directory (config.json and weights)")
+    if dtype not in DTYPES.values():
+        raise ValueError(f"dtype must be torch.float32 or torch.bfloat16, got {dtype}")
+    config = transformers.AutoConfig.from_pretrained(directory)
+    if config.model_type not in SUPPORTED_FAMILIES:
+        raise ValueError(f"{directory}: model_type {config.model_type!r} is not supported by detcomm.hf; "
+                         f"supported: {', '.join(SUPPORTED_FAMILIES)}")
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, attn_implementation="eager",
+                                                              **{_dtype_kwarg(): dtype})
+    return model.eval()

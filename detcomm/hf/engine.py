@@ -1,0 +1,305 @@
+"""A transformers causal LM served tensor-parallel over detcomm at one fixed step shape.
+
+Why the modules are sharded here and not through transformers' ``tp_plan``: the plan's reductions are
+DTensor redistributions issued on the process group directly, so they can't be given detcomm sites (a name, a
+static ``max_rows``, a route decided once), and the plan's API and its ``from_pretrained(tp_plan=...)`` entry
+have changed between transformers releases. Sharding the loaded ``nn.Module`` tree (``detcomm.hf.shard``)
+touches only the Linear and Embedding modules, keeps the rest of transformers' modules (norms, rotary
+embedding, activation, Qwen3's per-head q/k norms, the attention kernel ``eager_attention_forward``), and
+works with any transformers version that loads the four families. transformers' own ``model(input_ids)`` also
+runs on the sharded model (its o_proj / down_proj / embedding / head call detcomm), but not batch-invariantly.
+
+Why a step loop of our own (``TPCausalLM.forward``) instead of ``model.generate``: transformers' attention
+takes one cache-position vector for the whole batch, so it can't run requests at different positions in one
+step, and its kernels are handed the batch's real row count. Here, as in the fixed-width scheme of
+docs/spec.md §7 (row-count mapper), local compute is made batch-invariant by construction:
+
+* every step runs at one padded token width ``T_pad`` (``ServingConfig.t_pad``): the step's real rows (prefill
+  chunks and decode rows of any number of requests, packed) come first, filler rows (token 0 at position 0)
+  after. Every GEMM, norm, rotary and elementwise op sees the same [T_pad, ...] shape, so one kernel
+  configuration serves every batch; rows never mix, and a row's bits do not depend on its offset (checked at
+  startup by the probe). T_pad and max_context are multiples of 64 so that no [T_pad, N] buffer has a scalar
+  remainder in torch's vectorized CPU loops (a remainder element would take a scalar exp/silu path);
+* attention runs per request, its rows in blocks of ``q_block`` query rows padded to exactly q_block, against a
+  static KV cache of fixed length ``max_context`` per request with an additive causal (and sliding-window)
+  mask, through transformers' own ``eager_attention_forward``;
+* the only place the real row count reaches the arithmetic is the row-parallel all-reduce (o_proj,
+  down_proj, the vocabulary-parallel embedding): that is detcomm's job, at sites declared with
+  ``max_rows = T_pad``;
+* the LM head is vocabulary-parallel: fp32 logits, greedy through ``detcomm.argmax`` (lowest index on exact
+  ties), and an exact vocabulary-parallel log-softmax: each rank's row max and sum of exp over its shard
+  (computed on the fixed [T_pad, shard] buffer) are all-gathered (data movement) and combined in rank order
+  in fp32, ``lse = M + log(sum_r s_r * exp(m_r - M))``, on a fixed [T_pad] buffer.
+
+What it costs: every step pays T_pad rows of GEMM whatever its real row count (a decode step of c requests
+does T_pad / c times the useful GEMM work: 64x at c = 1 with T_pad = 64, nothing extra at c = T_pad); each
+request's attention costs ceil(n / q_block) blocks of q_block x max_context scores per layer whatever its
+length (a decode row pays q_block rows; a short context pays for max_context keys); each request holds a
+[layers, 2, kv_heads / W, max_context, head_dim] cache from its first step; and the attention loop is one
+small kernel chain per request per layer (launch-bound on GPUs at high concurrency). The collectives carry
+only the real rows.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import detcomm
+
+from ..probe.model import Segment, pack_segments
+from .layers import StepRows
+from .shard import Shards, declare_sites, shard_model
+
+__all__ = ["ServingConfig", "StepLogits", "TPCausalLM", "ROW_ALIGN"]
+
+# T_pad, q_block and max_context are multiples of these (see the module docstring).
+ROW_ALIGN = 64
+
+
+@dataclass(frozen=True)
+class ServingConfig:
+    """The fixed step geometry: ``t_pad`` rows per step (the ``max_rows`` of every site), ``q_block`` query
+    rows per attention block, ``max_context`` tokens of KV cache per request."""
+
+    t_pad: int = 64
+    q_block: int = 16
+    max_context: int = 128
+
+    def check(self) -> None:
+        if self.t_pad < 1 or self.t_pad % ROW_ALIGN:
+            raise ValueError(f"t_pad must be a positive multiple of {ROW_ALIGN}, got {self.t_pad}")
+        if self.max_context < 1 or self.max_context % ROW_ALIGN:
+            raise ValueError(f"max_context must be a positive multiple of {ROW_ALIGN}, got {self.max_context}")
+        if self.q_block < 1 or self.t_pad % self.q_block:
+            raise ValueError(f"q_block must divide t_pad={self.t_pad}, got {self.q_block}")
+
+
+def _partial_linear(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A row-parallel module's local product, without its all-reduce."""
+    return lambda x: F.linear(x, weight)
+
+
+@dataclass
+class StepLogits:
+    """One step's vocabulary shard: ``buf`` the fp32 [T_pad, shard] logits of every row, ``rows`` the buffer
+    rows that sample (one per sampling segment, in segment order)."""
+
+    buf: torch.Tensor
+    rows: torch.Tensor
+
+    def __len__(self) -> int:
+        return int(self.rows.shape[0])
+
+
+class TPCausalLM:
+    """This rank's shard of a transformers causal LM and the fixed-width step loop around it.
+
+    Construct on every rank after ``detcomm.init`` with the same whole model (collective: declares the
+    sites); then call ``forward``/``greedy``/``logprobs`` on every rank with the same arguments. The model is
+    sharded in place and moved to the communicator's device.
+    """
+
+    def __init__(self, model: Any, serving: ServingConfig | None = None, *, route: str | None = None) -> None:
+        serving = serving or ServingConfig()
+        serving.check()
+        comm = detcomm.get_communicator()
+        self.cfg = serving
+        self.device = comm.device
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.step_rows = StepRows()
+        self.shards: Shards = shard_model(model, rank=self.rank, world=self.world, step=self.step_rows)
+        self.model: Any = model.to(self.device).eval()
+        self.config: Any = model.config
+        self.dtype = next(model.parameters()).dtype
+        if self.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype}")
+        self.layers: list[Any] = list(model.model.layers)
+        declare_sites(self.shards, hidden=self.config.hidden_size, dtype=self.dtype, max_rows=serving.t_pad,
+                      route=route)
+        modeling = sys.modules[type(self.layers[0].self_attn).__module__]
+        self._apply_rope = modeling.apply_rotary_pos_emb
+        self._attend = modeling.eager_attention_forward
+        # Rotary cos/sin for every position, computed once by the model's own rotary module and then indexed:
+        # a per-step call would put a position's cos/sin in a different vector lane with every batch.
+        L = serving.max_context
+        with torch.no_grad():
+            probe = torch.zeros(1, dtype=self.dtype, device=self.device)
+            cos, sin = model.model.rotary_emb(probe, torch.arange(L, device=self.device)[None])
+        self.cos, self.sin = cos[0], sin[0]  # [L, head_dim]
+        self._masks: dict[int | None, torch.Tensor] = {}
+        self._layer_window = [self._window(layer.self_attn) for layer in self.layers]
+        for w in set(self._layer_window):
+            self._masks[w] = self._mask_table(w)
+
+    # -- geometry --------------------------------------------------------------------------------------
+    def _window(self, attn: Any) -> int | None:
+        if hasattr(attn, "sliding_window"):  # Qwen2/Qwen3: per layer, None for full attention
+            return attn.sliding_window
+        return getattr(self.config, "sliding_window", None)  # Mistral: model-wide; Llama: none
+
+    def _mask_table(self, window: int | None) -> torch.Tensor:
+        """Additive [L, L] mask (query position, key position) in the model dtype, as transformers builds it:
+        0 where the key is visible, the dtype's minimum elsewhere."""
+        L = self.cfg.max_context
+        q = torch.arange(L)[:, None]
+        k = torch.arange(L)[None, :]
+        visible = k <= q
+        if window is not None:
+            visible &= k > q - window
+        zero = torch.zeros((), dtype=self.dtype)
+        return torch.where(visible, zero, torch.finfo(self.dtype).min).to(self.device)
+
+    def new_cache(self) -> torch.Tensor:
+        """One request's static KV cache on this rank: [layers, 2, kv_heads / W, max_context, head_dim]."""
+        s = self.shards
+        return torch.zeros(len(self.layers), 2, s.kv_heads, self.cfg.max_context, s.head_dim, dtype=self.dtype,
+                           device=self.device)
+
+    def local_ops(self) -> list[tuple[Callable[[torch.Tensor], torch.Tensor], int]]:
+        """Every local GEMM of a step as (op on a [rows, K] input, K), without communication: what the probe
+        checks for row-offset invariance at T_pad rows."""
+        ops: list[tuple[Callable[[torch.Tensor], torch.Tensor], int]] = []
+        for layer in self.layers:
+            a, m = layer.self_attn, layer.mlp
+            ops += [(lin, lin.in_features) for lin in (a.q_proj, a.k_proj, a.v_proj, m.gate_proj, m.up_proj)]
+            ops += [(_partial_linear(lin.weight), lin.in_features) for lin in (a.o_proj, m.down_proj)]
+        head = self.model.lm_head
+        ops.append((head.shard_logits, head.weight.shape[1]))
+        return ops
+
+    # -- one step --------------------------------------------------------------------------------------
+    def _attention(self, layer: int, attn: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   seg: Segment) -> torch.Tensor:
+        """One request's n rows: q [heads, n, hd], k/v [kv_heads, n, hd] (rotated) -> [n, heads * hd]."""
+        c, s = self.cfg, self.shards
+        n, start = len(seg.tokens), seg.start
+        kc, vc = seg.cache[layer, 0], seg.cache[layer, 1]
+        kc[:, start : start + n] = k
+        vc[:, start : start + n] = v
+        table = self._masks[self._layer_window[layer]]
+        out = torch.empty(n, s.heads * s.head_dim, dtype=self.dtype, device=self.device)
+        qb = c.q_block
+        for b0 in range(0, n, qb):
+            m = min(qb, n - b0)
+            qp = torch.zeros(1, s.heads, qb, s.head_dim, dtype=self.dtype, device=self.device)
+            qp[0, :, :m] = q[:, b0 : b0 + m]
+            qpos = torch.zeros(qb, dtype=torch.long, device=self.device)  # filler query rows see key 0
+            qpos[:m] = torch.arange(start + b0, start + b0 + m, device=self.device)
+            mask = table[qpos][None, None]  # [1, 1, q_block, L]
+            o, _ = self._attend(attn, qp, kc[None], vc[None], mask, scaling=attn.scaling, dropout=0.0)
+            out[b0 : b0 + m] = o[0, :m].reshape(m, s.heads * s.head_dim)  # o: [1, q_block, heads, hd]
+        return out
+
+    @torch.no_grad()
+    def forward(self, segments: Sequence[Segment]) -> tuple[StepLogits, list[int]]:
+        """Run one step over the segments' rows, packed in order. Collective.
+
+        Returns the step's logits (``StepLogits``: this rank's vocabulary shard of every row, and the rows
+        of the segments with ``sample``) and the index of each sampling segment."""
+        c, s = self.cfg, self.shards
+        ids, pos, offsets, rows = pack_segments(segments, t_pad=c.t_pad, max_context=c.max_context, device=self.device)
+        cos, sin = self.cos[pos][None], self.sin[pos][None]  # [1, T_pad, hd]
+        hd = s.head_dim
+        self.step_rows.rows = rows
+        try:
+            h = self.model.model.embed_tokens(ids)  # [T_pad, hidden]
+            for li, layer in enumerate(self.layers):
+                attn = layer.self_attn
+                x = layer.input_layernorm(h)
+                q = attn.q_proj(x).view(c.t_pad, s.heads, hd)
+                k = attn.k_proj(x).view(c.t_pad, s.kv_heads, hd)
+                v = attn.v_proj(x).view(c.t_pad, s.kv_heads, hd)
+                if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each head before the rotation
+                    q, k = attn.q_norm(q), attn.k_norm(k)
+                q, k = self._apply_rope(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+                q, k, v = q[0], k[0], v.transpose(0, 1)  # [heads, T_pad, hd]
+                mixed = torch.zeros(c.t_pad, s.heads * hd, dtype=self.dtype, device=self.device)
+                for seg, o in zip(segments, offsets):
+                    n = len(seg.tokens)
+                    mixed[o : o + n] = self._attention(li, attn, q[:, o : o + n], k[:, o : o + n], v[:, o : o + n], seg)
+                h = h + attn.o_proj(mixed)
+                h = h + layer.mlp(layer.post_attention_layernorm(h))
+            logits = self.model.lm_head.shard_logits(self.model.model.norm(h))  # [T_pad, shard] fp32
+        finally:
+            self.step_rows.rows = None
+        picks = [i for i, seg in enumerate(segments) if seg.sample]
+        last = torch.tensor([offsets[i] + len(segments[i].tokens) - 1 for i in picks], dtype=torch.long,
+                            device=self.device)
+        return StepLogits(logits, last), picks
+
+    # -- vocabulary-parallel head ------------------------------------------------------------------------
+    def greedy(self, logits: StepLogits) -> torch.Tensor:
+        """Global argmax of each sampling row's logits (lowest index on exact ties). Collective."""
+        shard = logits.buf[logits.rows].contiguous()
+        return detcomm.argmax(shard, site=self.shards.head_sites["argmax"], vocab_start=self.rank * self.shards.vocab_width)
+
+    def logprobs(self, logits: StepLogits) -> torch.Tensor:
+        """fp32 log-softmax over the whole vocabulary of each sampling row, [S, vocab], identical bits on
+        every rank and whatever the batch. Collective (two all-gathers: the per-rank (max, sum of exp)
+        pairs, then the log-probability shards)."""
+        buf, rows, s = logits.buf, logits.rows, self.shards
+        t_pad, n = buf.shape[0], len(logits)
+        m = buf.amax(dim=-1)
+        e = torch.exp(buf - m[:, None]).sum(dim=-1)  # each rank's sum of exp over its shard, row-local
+        pairs = torch.stack([m, e], dim=-1)[rows].contiguous()  # [S, 2]
+        got = detcomm.all_gather(pairs, site=s.head_sites["stats"]).view(self.world, n, 2)
+        # Combine on fixed [W, T_pad] buffers (rows 0..S-1 real): no element's exp depends on S.
+        part = torch.zeros(self.world, t_pad, 2, dtype=torch.float32, device=self.device)
+        part[:, :n] = got
+        big = part[..., 0].amax(dim=0)  # [T_pad], exact
+        total = torch.zeros(t_pad, dtype=torch.float32, device=self.device)
+        for r in range(self.world):  # canonical order: ranks 0..W-1, fp32, from +0.0
+            total = total + part[r, :, 1] * torch.exp(part[r, :, 0] - big)
+        lse_rows = (big + torch.log(total))[:n]
+        lse = torch.zeros(t_pad, dtype=torch.float32, device=self.device)
+        lse[rows] = lse_rows
+        shard = (buf - lse[:, None])[rows].contiguous()  # [S, shard]
+        full = detcomm.all_gather(shard, site=s.head_sites["logprobs"])
+        full = full.view(self.world, n, s.vocab_width).transpose(0, 1).reshape(n, self.world * s.vocab_width)
+        return full[:, : s.vocab]
+
+    # -- a plain greedy scheduler ------------------------------------------------------------------------
+    def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int) -> list[tuple[list[int], torch.Tensor]]:
+        """Greedy continuation of every prompt by ``max_new_tokens`` tokens, all requests packed into shared
+        steps (decode rows first, then prefill chunks, up to T_pad rows a step). Returns per prompt the new
+        token ids and their fp32 logprobs; the bits do not depend on which prompts share the call. Collective
+        (same arguments on every rank)."""
+        c = self.cfg
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        for p in prompts:
+            if not 1 <= len(p) or len(p) + max_new_tokens > c.max_context:
+                raise ValueError(f"a prompt of {len(p)} tokens plus {max_new_tokens} new ones must fit "
+                                 f"max_context={c.max_context} (ServingConfig)")
+        caches = [self.new_cache() for _ in prompts]
+        fed = [0] * len(prompts)
+        out: list[tuple[list[int], list[torch.Tensor]]] = [([], []) for _ in prompts]
+        while any(len(o[0]) < max_new_tokens for o in out):
+            work: list[tuple[int, Segment]] = []
+            budget = c.t_pad
+            for i, p in enumerate(prompts):  # decode rows
+                if fed[i] == len(p) and 0 < len(out[i][0]) < max_new_tokens and budget:
+                    work.append((i, Segment(caches[i], [out[i][0][-1]], len(p) + len(out[i][0]) - 1)))
+                    budget -= 1
+            for i, p in enumerate(prompts):  # prefill chunks
+                if fed[i] < len(p) and budget:
+                    n = min(budget, len(p) - fed[i])
+                    work.append((i, Segment(caches[i], list(p[fed[i] : fed[i] + n]), fed[i], sample=fed[i] + n == len(p))))
+                    fed[i] += n
+                    budget -= n
+            logits, picks = self.forward([seg for _, seg in work])
+            if not picks:
+                continue
+            toks, lps = self.greedy(logits), self.logprobs(logits)
+            for j, k in enumerate(picks):
+                i, tok = work[k][0], int(toks[j])
+                out[i][0].append(tok)
+                out[i][1].append(lps[j, tok].cpu())
+        return [(t, torch.stack(l)) for t, l in out]

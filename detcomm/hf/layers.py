@@ -1,0 +1,158 @@
+"""Tensor-parallel replacements for the Linear and Embedding modules of a Hugging Face decoder.
+
+Each module holds this rank's shard and is a drop-in ``nn.Module``: the transformers modeling code keeps
+calling ``self.o_proj(x)``, ``self.mlp.down_proj(x)``, ``self.embed_tokens(ids)``, ``self.lm_head(h)``.
+Every cross-rank sum goes through ``detcomm.all_reduce`` at a site named after the module's qualified name;
+the vocabulary-parallel head's gather and argmax go through ``detcomm.all_gather`` / ``detcomm.argmax``.
+Every ``forward`` is collective over the group.
+
+``StepRows`` is the one piece of state the fixed-width engine shares with these modules: when its ``rows`` is
+set, activations are padded buffers whose first ``rows`` rows are real, and only those are reduced (the
+filler rows keep this rank's partial sums: they are never read). When it is None (transformers' own forward)
+every row is reduced.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import detcomm
+
+__all__ = ["StepRows", "column_shard", "RowParallelLinear", "VocabParallelEmbedding", "VocabParallelHead",
+           "vocab_shard_width", "VOCAB_ALIGN"]
+
+# The vocabulary shard width is padded to a multiple of this, so that a [T_pad, shard] fp32 or bf16 buffer
+# never has a scalar remainder in torch's vectorized CPU loops (2 x 32 lanes covers AVX-512 bf16): every
+# element then goes through the same exp/max code path whatever row it sits in.
+VOCAB_ALIGN = 64
+
+
+@dataclass
+class StepRows:
+    """How many leading rows of the current step's buffers are real (None: all of them)."""
+
+    rows: int | None = None
+
+
+def column_shard(linear: nn.Linear, start: int, stop: int) -> None:
+    """Keep output features [start, stop) of ``linear`` (weight rows and bias entries), in place."""
+    linear.weight = nn.Parameter(linear.weight.data[start:stop].clone(), requires_grad=False)
+    if linear.bias is not None:
+        linear.bias = nn.Parameter(linear.bias.data[start:stop].clone(), requires_grad=False)
+    linear.out_features = stop - start
+
+
+class RowParallelLinear(nn.Module):
+    """``y = all_reduce(x_shard @ W_shard^T) + b``: input features [start, stop) of a Linear, the partial
+    products summed over the ranks at detcomm site ``site``. The bias (unsharded) is added once, after the
+    sum. Collective."""
+
+    def __init__(self, linear: nn.Linear, start: int, stop: int, *, site: str, step: StepRows) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(linear.weight.data[:, start:stop].clone(), requires_grad=False)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.data.clone(), requires_grad=False)
+        self.in_features, self.out_features = stop - start, linear.out_features
+        self.site = site
+        self._step = step
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        part = F.linear(x, self.weight)
+        flat = part.reshape(-1, self.out_features)
+        rows = flat.shape[0] if self._step.rows is None else self._step.rows
+        summed = detcomm.all_reduce(flat[:rows].contiguous(), site=self.site)
+        if rows == flat.shape[0]:
+            out = summed
+        else:
+            out = flat.clone()
+            out[:rows] = summed
+        if self.bias is not None:
+            out = out + self.bias
+        return out.view(part.shape)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features} (shard), out_features={self.out_features}, site={self.site!r}"
+
+
+def vocab_shard_width(vocab: int, world: int) -> int:
+    """Rows of the embedding / LM head each rank holds: ceil(vocab / W) rounded up to ``VOCAB_ALIGN``.
+    Raises ValueError when the last rank would hold no real entry."""
+    width = -(-vocab // world)
+    width = -(-width // VOCAB_ALIGN) * VOCAB_ALIGN
+    if (world - 1) * width >= vocab:
+        raise ValueError(
+            f"vocabulary of {vocab} entries is too small for {world} ranks at shard width {width} (shards are "
+            f"padded to multiples of {VOCAB_ALIGN}): the last rank would hold no real entry; use fewer ranks "
+            f"(at most {max(1, -(-vocab // VOCAB_ALIGN))})"
+        )
+    return width
+
+
+def _vocab_rows(weight: torch.Tensor, start: int, width: int) -> torch.Tensor:
+    """Rows [start, start + width) of a [vocab, hidden] table, zero rows past the vocabulary."""
+    out = torch.zeros(width, weight.shape[1], dtype=weight.dtype, device=weight.device)
+    real = max(0, min(width, weight.shape[0] - start))
+    out[:real] = weight[start : start + real]
+    return out
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding rows [start, start + width) of the vocabulary: ids outside the shard look up +0.0, and the
+    W partial rows are summed at site ``site`` (one nonzero addend per element: exact on every route).
+    Collective."""
+
+    def __init__(self, emb: nn.Embedding, start: int, width: int, *, site: str, step: StepRows) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(_vocab_rows(emb.weight.data, start, width), requires_grad=False)
+        self.start, self.width, self.embedding_dim = start, width, emb.embedding_dim
+        self.site = site
+        self._step = step
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.start
+        inside = (local >= 0) & (local < self.width)
+        part = F.embedding(local.clamp(0, self.width - 1), self.weight).masked_fill(~inside[..., None], 0.0)
+        flat = part.reshape(-1, self.embedding_dim)
+        rows = flat.shape[0] if self._step.rows is None else self._step.rows
+        out = flat.clone()
+        out[:rows] = detcomm.all_reduce(flat[:rows].contiguous(), site=self.site)
+        return out.view(part.shape)
+
+    def extra_repr(self) -> str:
+        return f"vocab [{self.start}, {self.start + self.width}) of this rank, dim={self.embedding_dim}, site={self.site!r}"
+
+
+class VocabParallelHead(nn.Module):
+    """LM head rows [start, start + width) of the vocabulary (``vocab`` real entries in all).
+
+    ``shard_logits`` gives this rank's fp32 logits, entries past the vocabulary at -inf (local, no
+    communication). ``forward`` (what transformers' own forward calls) gathers the shards at site
+    ``gather_site`` and returns the full [..., vocab] logits in the model dtype. Collective."""
+
+    def __init__(self, head: nn.Linear, start: int, width: int, vocab: int, *, gather_site: str) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(_vocab_rows(head.weight.data, start, width), requires_grad=False)
+        self.start, self.width, self.vocab = start, width, vocab
+        self.real = max(0, min(width, vocab - start))
+        self.gather_site = gather_site
+
+    def shard_logits(self, h: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(h, self.weight).to(torch.float32)
+        if self.real < self.width:
+            logits[..., self.real :] = float("-inf")
+        return logits
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        part = F.linear(h, self.weight)
+        flat = part.reshape(-1, self.width).contiguous()
+        n = flat.shape[0]
+        full = detcomm.all_gather(flat, site=self.gather_site)  # [W * n, width], rank order
+        world = full.shape[0] // n
+        full = full.view(world, n, self.width).transpose(0, 1).reshape(n, world * self.width)[:, : self.vocab]
+        return full.reshape(*part.shape[:-1], self.vocab)
+
+    def extra_repr(self) -> str:
+        return f"vocab [{self.start}, {self.start + self.width}) of {self.vocab}, gather site={self.gather_site!r}"

@@ -1,0 +1,128 @@
+"""Shard a transformers causal LM in place over the W ranks of the detcomm group (Megatron layout).
+
+Per decoder layer: q/k/v_proj and gate/up_proj keep this rank's output columns (column-parallel, whole
+attention and KV heads, whole FFN slices); o_proj and down_proj become ``RowParallelLinear`` over the matching
+input columns, their partial sums reduced by ``detcomm.all_reduce`` at the site named after the module's
+qualified name (``model.layers.3.self_attn.o_proj``). The embedding and the LM head become vocabulary-parallel
+(``model.embed_tokens``, ``lm_head.*`` sites). Everything else (norms, rotary tables, activations, Qwen3's
+per-head q/k norms) stays transformers' own module, replicated.
+
+The shapes are checked before anything is cut: a head count or FFN width that W does not divide is refused
+with the world sizes that would work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+import detcomm
+
+from .layers import (
+    RowParallelLinear,
+    StepRows,
+    VocabParallelEmbedding,
+    VocabParallelHead,
+    column_shard,
+    vocab_shard_width,
+)
+
+__all__ = ["SUPPORTED_FAMILIES", "Shards", "check_divisible", "shard_model", "declare_sites"]
+
+SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass(frozen=True)
+class Shards:
+    """What this rank holds after ``shard_model``."""
+
+    rank: int
+    world: int
+    heads: int  # attention heads on this rank
+    kv_heads: int  # KV heads on this rank
+    head_dim: int
+    ffn: int  # FFN columns on this rank
+    vocab: int  # real vocabulary size
+    vocab_width: int  # embedding / LM-head rows per rank (padded)
+    row_sites: tuple[str, ...]  # o_proj / down_proj sites in layer order
+    embed_site: str
+    head_sites: dict[str, str]  # gather, argmax, stats, logprobs
+
+
+def _divisors_of_all(*values: int) -> list[int]:
+    return [w for w in range(1, min(values) + 1) if all(v % w == 0 for v in values)]
+
+
+def check_divisible(config: Any, world: int) -> None:
+    """Raise ValueError when W does not divide the attention heads, the KV heads or the FFN width, or the
+    family is not supported. Local (no communication)."""
+    family = getattr(config, "model_type", None)
+    if family not in SUPPORTED_FAMILIES:
+        raise ValueError(f"model_type {family!r} is not supported by detcomm.hf; supported: {', '.join(SUPPORTED_FAMILIES)}")
+    heads = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    ffn = config.intermediate_size
+    bad = [f"{name}={v}" for name, v in (("num_attention_heads", heads), ("num_key_value_heads", kv),
+                                           ("intermediate_size", ffn)) if v % world]
+    if bad:
+        ok = _divisors_of_all(heads, kv, ffn)
+        raise ValueError(
+            f"tensor parallelism over {world} ranks needs whole heads and FFN slices per rank, but "
+            f"{', '.join(bad)} does not divide by {world}: run with a world size in {ok} "
+            f"(--nproc), which divides {heads} attention heads, {kv} KV heads and intermediate_size {ffn}"
+        )
+
+
+def shard_model(model: Any, *, rank: int, world: int, step: StepRows) -> Shards:
+    """Cut ``model`` (a transformers *ForCausalLM of a supported family, still whole) to this rank's shard,
+    in place. Local; the sites it names must then be declared with ``declare_sites`` (collective)."""
+    config = model.config
+    check_divisible(config, world)
+    decoder = model.model
+    heads = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    ffn = config.intermediate_size
+    hl, kvl, fl = heads // world, kv // world, ffn // world
+    head_dim = decoder.layers[0].self_attn.head_dim
+    names = {id(m): n for n, m in model.named_modules()}
+    row_sites: list[str] = []
+    for layer in decoder.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        q0, k0 = rank * hl * head_dim, rank * kvl * head_dim
+        column_shard(attn.q_proj, q0, q0 + hl * head_dim)
+        column_shard(attn.k_proj, k0, k0 + kvl * head_dim)
+        column_shard(attn.v_proj, k0, k0 + kvl * head_dim)
+        column_shard(mlp.gate_proj, rank * fl, (rank + 1) * fl)
+        column_shard(mlp.up_proj, rank * fl, (rank + 1) * fl)
+        o_site, d_site = names[id(attn.o_proj)], names[id(mlp.down_proj)]
+        attn.o_proj = RowParallelLinear(attn.o_proj, q0, q0 + hl * head_dim, site=o_site, step=step)
+        mlp.down_proj = RowParallelLinear(mlp.down_proj, rank * fl, (rank + 1) * fl, site=d_site, step=step)
+        row_sites += [o_site, d_site]
+    vocab = config.vocab_size
+    width = vocab_shard_width(vocab, world)
+    embed_site = names[id(decoder.embed_tokens)]
+    head_name = names[id(model.lm_head)]
+    head_sites = {k: f"{head_name}.{k}" for k in ("gather", "argmax", "stats", "logprobs")}
+    # The head first: with tied embeddings both modules share one weight, which the embedding swap drops.
+    model.lm_head = VocabParallelHead(model.lm_head, rank * width, width, vocab, gather_site=head_sites["gather"])
+    decoder.embed_tokens = VocabParallelEmbedding(decoder.embed_tokens, rank * width, width, site=embed_site,
+                                                  step=step)
+    return Shards(rank=rank, world=world, heads=hl, kv_heads=kvl, head_dim=head_dim, ffn=fl, vocab=vocab,
+                  vocab_width=width, row_sites=tuple(row_sites), embed_site=embed_site, head_sites=head_sites)
+
+
+def declare_sites(shards: Shards, *, hidden: int, dtype: torch.dtype, max_rows: int, route: str | None = None) -> None:
+    """Declare every site of the sharded model, in one order on every rank. Collective.
+
+    ``max_rows``: the most rows one call carries (the serving config's padded step width). ``route`` forces
+    the route of the sum sites (o_proj, down_proj, the embedding): "native" is the negative control."""
+    for name in (shards.embed_site, *shards.row_sites):
+        detcomm.site(name, collective="all_reduce", dtype=dtype, shape=(hidden,), max_rows=max_rows, route=route)
+    w = shards.vocab_width
+    s = shards.head_sites
+    detcomm.site(s["gather"], collective="all_gather", dtype=dtype, shape=(w,), max_rows=max_rows)
+    detcomm.site(s["argmax"], collective="argmax", dtype=torch.float32, shape=(w,), max_rows=max_rows)
+    detcomm.site(s["stats"], collective="all_gather", dtype=torch.float32, shape=(2,), max_rows=max_rows)
+    detcomm.site(s["logprobs"], collective="all_gather", dtype=torch.float32, shape=(w,), max_rows=max_rows)

@@ -1,0 +1,170 @@
+"""HF probe: a transformers causal LM, sharded over detcomm, generating the same requests alone, packed and
+rerun (docs/spec.md §7).
+
+The model is a local checkpoint (``--model DIR``, Llama / Mistral / Qwen2 / Qwen3) or a tiny real config
+(``--config llama-tiny|mistral-tiny|qwen2-tiny|qwen3-tiny``) whose seeded random weights are written with
+``save_pretrained`` into a temporary directory and loaded back with ``from_pretrained``. It runs through
+``detcomm.hf`` (fixed-width steps, static KV caches, row-parallel o_proj/down_proj sites, vocabulary-parallel
+head). The requests, schedules and table are the model probe's: alone at batch 1, packed twice with random
+co-batches and prefill chunking, and packed #1 rerun; half greedy, half temperature 1 with per-request
+seeds. Under a bitwise envelope every row must read 0 (exit 1 otherwise); ``--route native
+--expect-divergence`` is the negative control (the native all-reduce at W >= 3 must be caught).
+
+    detcomm-launch --nproc 4 --numerics rl-bitwise -m detcomm.probe hf --config llama-tiny
+    detcomm-launch --nproc 4 -m detcomm.probe hf --config llama-tiny --route native --expect-divergence
+    detcomm-launch --nproc 4 --numerics rl-bitwise -m detcomm.probe hf --model /models/Qwen3-0.6B --dtype bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+import detcomm
+
+from .bits import bits
+from .model_probe import (
+    TABLE_HEADERS,
+    Result,
+    compare_runs,
+    generate,
+    make_requests,
+    position_invariant,
+    ranks_agree,
+    summary,
+)
+from .table import emit, format_table
+
+__all__ = ["build_parser", "main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from ..hf.checkpoints import TINY_CONFIGS
+
+    p = argparse.ArgumentParser(prog="python -m detcomm.probe hf", description=__doc__.split("\n\n")[0])
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", metavar="DIR", help="local checkpoint directory (config.json + weights)")
+    src.add_argument("--config", choices=sorted(TINY_CONFIGS), default=None,
+                     help="tiny real config with seeded random weights (default llama-tiny when --model is not given)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--numerics", default=None,
+                   help="numerics envelope (default: $DETCOMM_NUMERICS, else rl-bitwise; auto with --route native)")
+    p.add_argument("--route", default=None, help="force the route of the sum sites (native: the negative control)")
+    p.add_argument("--backend", choices=("nccl", "gloo"), default=None,
+                   help="create the process group with this backend (default: detcomm.init's, NCCL with CUDA, else gloo)")
+    p.add_argument("--device", default=None,
+                   help="tensor device (default: the communicator's); --backend gloo --device cuda:0 lets W ranks share one GPU")
+    p.add_argument("--requests", type=int, default=8)
+    p.add_argument("--new-tokens", type=int, default=8)
+    p.add_argument("--max-prompt", type=int, default=20)
+    p.add_argument("--t-pad", type=int, default=64, help="fixed padded rows per step (a multiple of 64)")
+    p.add_argument("--q-block", type=int, default=16, help="query rows per padded attention block")
+    p.add_argument("--max-context", type=int, default=128, help="static KV cache length per request (a multiple of 64)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", metavar="PATH", help="rank 0 writes per request the token ids and logprob bits (hex)")
+    p.add_argument("--expect-divergence", action="store_true",
+                   help="negative control: exit 0 only if the probe caught a divergence")
+    return p
+
+
+def _hex_bits(r: Result) -> list[str]:
+    return [f"0x{int(b) & 0xFFFFFFFF:08x}" for b in bits(r.logprob_tensor()).tolist()]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run on every rank; rank 0 prints. Exit 1 on any divergence (inverted by --expect-divergence)."""
+    ns = build_parser().parse_args(argv)
+    import transformers
+
+    from ..hf import ServingConfig, TPCausalLM, load_causal_lm, write_tiny_checkpoint
+    from ..hf.checkpoints import DTYPES
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    if ns.requests < 1 or ns.new_tokens < 1 or ns.max_prompt < 2:
+        raise ValueError("--requests and --new-tokens must be >= 1, --max-prompt >= 2")
+    if ns.max_prompt > ns.t_pad:
+        raise ValueError(f"--max-prompt {ns.max_prompt} must fit one step at batch 1 (--t-pad {ns.t_pad})")
+    if ns.max_prompt + ns.new_tokens > ns.max_context:
+        raise ValueError(f"--max-prompt + --new-tokens must fit --max-context {ns.max_context}")
+    serving = ServingConfig(t_pad=ns.t_pad, q_block=ns.q_block, max_context=ns.max_context)
+    serving.check()
+    dtype = DTYPES[ns.dtype]
+    numerics = ns.numerics or os.environ.get("DETCOMM_NUMERICS") or ("auto" if ns.route == "native" else "rl-bitwise")
+    torch.set_num_threads(1)  # W ranks share the cores; one thread each also keeps kernels single-path
+    name = ns.model or (ns.config or "llama-tiny")
+    t0 = time.monotonic()
+    # Loaded before the process group exists: transformers saves on rank 0 only once a group is up, and each
+    # rank (each node) writes and reads its own temporary copy.
+    if ns.model:
+        hf_model = load_causal_lm(ns.model, dtype=dtype)
+    else:
+        with tempfile.TemporaryDirectory(prefix="detcomm-hf-") as d:
+            hf_model = load_causal_lm(write_tiny_checkpoint(name, d, seed=1234 + ns.seed), dtype=dtype)
+    own_group = ns.backend is not None and not dist.is_initialized()
+    if own_group:
+        if ns.backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        dist.init_process_group(backend=ns.backend, init_method="env://")
+    comm = detcomm.init(numerics=numerics, **({} if ns.device is None else {"device": ns.device}))
+    try:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        model = TPCausalLM(hf_model, serving, route=ns.route)
+        table = detcomm.routes()
+        local_ok = position_invariant(model.local_ops(), t_pad=serving.t_pad, dtype=model.dtype, device=model.device)
+        reqs = make_requests(ns.requests, vocab=model.shards.vocab, new_tokens=ns.new_tokens,
+                             max_prompt=ns.max_prompt, seed=ns.seed)
+        runs = {"alone": generate(model, reqs, schedule=None),
+                "packed #1": generate(model, reqs, schedule=1000 + ns.seed),
+                "packed #2": generate(model, reqs, schedule=2000 + ns.seed),
+                "rerun": generate(model, reqs, schedule=1000 + ns.seed)}
+        agree = all(ranks_agree(r, comm.device) for r in runs.values())
+    finally:
+        detcomm.shutdown()
+        if own_group:
+            dist.destroy_process_group()
+    elapsed = time.monotonic() - t0
+
+    rows, records, diverged_any = compare_runs(reqs, runs["alone"], runs["packed #1"], runs["packed #2"], runs["rerun"])
+    routes = {e["site"]: e["route"] for e in table.as_dicts()}
+    row_routes = sorted({str(routes[s]) for s in model.shards.row_sites})
+    passed = not diverged_any and agree
+    if rank == 0:
+        cfg = model.config
+        title = (
+            f"HF probe: {cfg.model_type} ({name}) W={world} backend={table.backend} numerics={table.numerics} "
+            f"o_proj/down_proj route={'/'.join(row_routes)} dtype={ns.dtype} device={model.device} "
+            f"T_pad={serving.t_pad} q_block={serving.q_block} max_context={serving.max_context} "
+            f"layers={cfg.num_hidden_layers} hidden={cfg.hidden_size} heads={cfg.num_attention_heads}/"
+            f"kv {getattr(cfg, 'num_key_value_heads', None) or cfg.num_attention_heads} vocab={model.shards.vocab} "
+            f"({model.shards.vocab_width}/rank) requests={len(reqs)} new_tokens={ns.new_tokens}"
+        )
+        emit(str(table), format_table(TABLE_HEADERS, rows, title=title) + "\n"
+             + summary(passed=passed, numerics=table.numerics, local_ok=local_ok, agree=agree, seconds=elapsed,
+                       expect_divergence=ns.expect_divergence))
+        if ns.json:
+            per_request = [{"rid": r.rid, "prompt": list(r.prompt), "temperature": r.temperature, "seed": r.seed,
+                            "runs": {label: {"tokens": res[r.rid].tokens, "logprob_bits": _hex_bits(res[r.rid])}
+                                     for label, res in runs.items()}} for r in reqs]
+            with open(ns.json, "w") as f:
+                json.dump({"model": name, "model_type": model.config.model_type, "world_size": world,
+                           "backend": table.backend, "numerics": table.numerics, "routes": routes,
+                           "dtype": ns.dtype, "t_pad": serving.t_pad, "q_block": serving.q_block,
+                           "max_context": serving.max_context, "local_rows_invariant": local_ok,
+                           "ranks_agree": agree, "passed": passed, "comparisons": records,
+                           "requests": per_request, "seconds": elapsed}, f, indent=2)
+    if ns.expect_divergence:
+        return 0 if diverged_any else 1
+    return 0 if passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

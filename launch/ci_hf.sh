@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# CI: the HF probe (a transformers model sharded over detcomm) at W=4 on CPU (gloo) through detcomm-launch:
+# a tiny real config in fp32 and in bf16 under rl-bitwise (every row 0, PASS), and the native negative
+# control (must diverge). Needs the hf extra (transformers, safetensors); installs it when missing.
+#
+#   PYTHON=/path/to/venv/bin/python launch/ci_hf.sh        # from the repository root
+set -euo pipefail
+
+PYTHON="${PYTHON:-python3}"
+NPROC="${NPROC:-4}"
+cd "$(dirname "$0")/.."
+
+# docs/spec.md §8: multicast stays off in every environment, also this script's own children.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+
+if ! "$PYTHON" -c "import transformers, safetensors" 2>/dev/null; then
+  "$PYTHON" -m pip install -q -e '.[hf]'
+fi
+if command -v detcomm-launch >/dev/null; then LAUNCH=(detcomm-launch); else LAUNCH=("$PYTHON" -m detcomm.launch); fi
+L=("${LAUNCH[@]}" --nproc "$NPROC")
+
+run() {  # run <description> <command...>: show it, time it, stop on failure
+  local what="$1"; shift
+  echo "=== $what: $*"
+  local t0=$SECONDS
+  if ! "$@"; then echo "=== FAILED: $what" >&2; exit 1; fi
+  echo "=== ok: $what ($((SECONDS - t0)) s)"
+}
+
+run "HF probe, llama-tiny fp32, rl-bitwise" "${L[@]}" --numerics rl-bitwise -m detcomm.probe hf --config llama-tiny --dtype float32 --requests 6 --new-tokens 6
+run "HF probe, qwen3-tiny bf16, rl-bitwise" "${L[@]}" --numerics rl-bitwise -m detcomm.probe hf --config qwen3-tiny --dtype bfloat16 --requests 6 --new-tokens 6
+run "HF probe, native negative control" "${L[@]}" --numerics auto -m detcomm.probe hf --config llama-tiny --route native --expect-divergence --requests 6 --new-tokens 6
+echo "=== HF probes passed (W=$NPROC)"

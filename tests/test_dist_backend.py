@@ -1,0 +1,292 @@
+"""The "detcomm" torch.distributed backend on real spawned gloo ranks (W = 2, 3, 4).
+
+Unmodified torch code (dist.all_reduce inside a tensor-parallel MLP's autograd functions, DistributedDataParallel
+with different bucket sizes, reduce_scatter_tensor / all_gather_into_tensor) runs on a group made with
+backend="detcomm"; every float SUM is compared with the numpy fold oracle (tests/oracle.py) over per-rank
+partials that every rank recomputes locally, so no expected value went through a collective. The same code on
+a plain gloo group is the negative control: at W >= 3 its results move with the batch composition / bucket
+layout.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import oracle
+from datagen import random_bits, to_bits, to_torch
+
+H, F, T_PAD, K = 32, 96, 64, 6  # hidden, FFN (divides by 2, 3, 4), fixed row width, request rows
+
+_GROUPS: dict[str, object] = {}
+
+
+def _group(kind: str):  # type: ignore[no-untyped-def]
+    """One process group of `kind` ("detcomm" or "gloo") per worker, made once (collective)."""
+    import torch.distributed as dist
+
+    import detcomm.dist_backend  # noqa: F401 - registers the backend
+
+    if kind not in _GROUPS:
+        _GROUPS[kind] = dist.new_group(backend=kind)
+    return _GROUPS[kind]
+
+
+def _mlp_weights(w: int, q: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    w1 = (torch.randn(H, F, generator=g) / H**0.5).to(torch.bfloat16)
+    w2 = (torch.randn(F, H, generator=g) / F**0.5).to(torch.bfloat16)
+    s = F // w
+    return w1[:, q * s : (q + 1) * s].contiguous(), w2[q * s : (q + 1) * s].contiguous()
+
+
+def _local_part(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.gelu(x @ w1) @ w2
+
+
+def _batch(comp: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Composition `comp`: the request's K rows (and their loss gradients) at an offset among T_PAD rows of
+    random co-batch rows; composition 0 is the request alone at offset 0 (zero filler)."""
+    req = torch.randn(K, H, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    req_g = torch.randn(K, H, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    if comp == 0:
+        x, g, off = torch.zeros(T_PAD, H, dtype=torch.bfloat16), torch.zeros(T_PAD, H, dtype=torch.bfloat16), 0
+    else:
+        gen = torch.Generator().manual_seed(100 + comp)
+        x = torch.randn(T_PAD, H, generator=gen).to(torch.bfloat16)
+        g = torch.randn(T_PAD, H, generator=gen).to(torch.bfloat16)
+        off = int(torch.randint(1, T_PAD - K, (1,), generator=gen))
+    x[off : off + K], g[off : off + K] = req, req_g
+    return x, g, off
+
+
+def job_tp_mlp(rank: int, w: int, kind: str, comps: int) -> tuple[list[bytes], list[bytes], bool]:
+    """Forward and backward of a tensor-parallel MLP (column-parallel W1, row-parallel W2, Megatron's f/g
+    autograd functions calling dist.all_reduce). Returns per composition the request rows' output and input
+    gradient bits, and whether every composition matched the fold oracle."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    pg = _group(kind)
+
+    class ToTP(torch.autograd.Function):  # identity forward, all-reduce of the input gradient
+        @staticmethod
+        def forward(ctx, x):  # type: ignore[no-untyped-def]
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):  # type: ignore[no-untyped-def]
+            grad = grad.contiguous().clone()
+            dist.all_reduce(grad, group=pg)
+            return grad
+
+    class FromTP(torch.autograd.Function):  # all-reduce of the row-parallel partial sums
+        @staticmethod
+        def forward(ctx, part):  # type: ignore[no-untyped-def]
+            out = part.contiguous().clone()
+            dist.all_reduce(out, group=pg)
+            return out
+
+        @staticmethod
+        def backward(ctx, grad):  # type: ignore[no-untyped-def]
+            return grad
+
+    w1, w2 = _mlp_weights(w, rank)
+    ys, dxs, oracle_ok = [], [], True
+    for comp in range(comps):
+        xb, gb, off = _batch(comp)
+        x = xb.clone().requires_grad_(True)
+        y = FromTP.apply(_local_part(ToTP.apply(x), w1.requires_grad_(True), w2.requires_grad_(True)))
+        (y * gb).sum().backward()
+        ys.append(to_bits(y[off : off + K]).tobytes())
+        dxs.append(to_bits(x.grad[off : off + K]).tobytes())
+        # Oracle: every rank's partial output and partial input gradient, recomputed here without communication.
+        parts, dparts = [], []
+        for q in range(w):
+            a, b = _mlp_weights(w, q)
+            xq = xb.clone().requires_grad_(True)
+            pq = _local_part(xq, a, b)
+            (dq,) = torch.autograd.grad(pq, xq, grad_outputs=gb)
+            parts.append(to_bits(pq.detach()))
+            dparts.append(to_bits(dq))
+        oracle_ok &= bool(np.array_equal(to_bits(y.detach()), oracle.fold_oracle(parts, "bfloat16")))
+        oracle_ok &= bool(np.array_equal(to_bits(x.grad), oracle.fold_oracle(dparts, "bfloat16")))
+    return ys, dxs, oracle_ok
+
+
+@pytest.mark.slow
+def test_tp_mlp_step_batch_invariant(cluster) -> None:
+    """Outputs and input gradients of the request rows: same bits alone and inside 5 other batches, and the
+    fold oracle's bits, on every rank."""
+    res = cluster.run(job_tp_mlp, "detcomm", 6)
+    for ys, dxs, ok in res:
+        assert ok, "a folded all_reduce differs from the oracle"
+        assert len(set(ys)) == 1 and len(set(dxs)) == 1, "the request's rows moved with the batch composition"
+    assert len({(tuple(ys), tuple(dxs)) for ys, dxs, _ in res}) == 1, "ranks disagree"
+
+
+@pytest.mark.slow
+def test_tp_mlp_native_gloo_moves(cluster3plus) -> None:
+    """Negative control: the same step on a plain gloo group changes the request's bits with the batch."""
+    ys, dxs, _ = cluster3plus.run(job_tp_mlp, "gloo", 6)[0]
+    assert len(set(ys)) > 1 or len(set(dxs)) > 1
+
+
+def _replicated_mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(H, F), torch.nn.GELU(), torch.nn.Linear(F, H)).to(torch.bfloat16)
+
+
+def _local_grads(model: torch.nn.Module, rank: int) -> None:
+    gen = torch.Generator().manual_seed(50 + rank)
+    x = torch.randn(8, H, generator=gen).to(torch.bfloat16)
+    t = torch.randn(8, H, generator=gen).to(torch.bfloat16)
+    (model(x) * t).sum().backward()
+
+
+def job_ddp_buckets(rank: int, w: int, kind: str) -> tuple[list[bytes], bool]:
+    """Data-parallel gradient synchronization of a replicated MLP in four bucket layouts: DistributedDataParallel
+    (its C++ reducer calling the group), one flat bucket in parameter order, one in reverse order behind 7
+    padding elements, and one async all_reduce per parameter (async_op=True, then wait()). Returns each
+    layout's gradient bits and whether all equal the fold oracle of every rank's local gradient scaled by 1/W
+    (DDP scales before it sums; the manual layouts do the same)."""
+    import copy
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.set_num_threads(1)
+    pg = _group(kind)
+    base = _replicated_mlp()
+    scaled = []
+    for q in range(w):
+        m = copy.deepcopy(base)
+        _local_grads(m, q)
+        scaled.append([p.grad * (1.0 / w) for p in m.parameters()])
+    want = [oracle.fold_oracle([to_bits(sc[i]) for sc in scaled], "bfloat16") for i in range(len(scaled[0]))]
+    mine = scaled[rank]
+    layouts: list[list[torch.Tensor]] = []
+
+    m = copy.deepcopy(base)
+    _local_grads(DDP(m, process_group=pg), rank)
+    layouts.append([p.grad for p in m.parameters()])
+
+    flat = torch.cat([g.flatten() for g in mine])
+    dist.all_reduce(flat, group=pg)
+    layouts.append(list(torch.split(flat, [g.numel() for g in mine])))
+
+    rev = torch.cat([torch.zeros(7, dtype=torch.bfloat16)] + [g.flatten() for g in reversed(mine)])
+    dist.all_reduce(rev, group=pg)
+    layouts.append(list(reversed(torch.split(rev[7:], [g.numel() for g in reversed(mine)]))))
+
+    each = [g.clone() for g in mine]
+    works = [dist.all_reduce(g, group=pg, async_op=True) for g in each]
+    assert all(wk.wait() for wk in works)
+    layouts.append(each)
+
+    ok = all(np.array_equal(to_bits(g.reshape(e.shape)), e) for lay in layouts for g, e in zip(lay, want))
+    return [b"".join(to_bits(g).tobytes() for g in lay) for lay in layouts], ok
+
+
+@pytest.mark.slow
+def test_gradient_bucket_layouts(cluster) -> None:
+    """DDP, one bucket, a shifted reversed bucket, a bucket per parameter: the same gradient bits, the oracle's."""
+    res = cluster.run(job_ddp_buckets, "detcomm")
+    for layouts, ok in res:
+        assert ok, "synchronized gradients differ from the fold oracle"
+        assert len(set(layouts)) == 1
+    assert len({tuple(layouts) for layouts, _ in res}) == 1
+
+
+@pytest.mark.slow
+def test_gradient_bucket_layouts_native_gloo_moves(cluster3plus) -> None:
+    layouts, _ = cluster3plus.run(job_ddp_buckets, "gloo")[0]
+    assert len(set(layouts)) > 1
+
+
+def job_zero(rank: int, w: int, n: int) -> dict[str, object]:
+    """ZeRO-style: reduce_scatter_tensor of a flat gradient (sync and async_op + wait), all_gather_into_tensor
+    of the shards, compared with all_reduce of the same flat tensor and with the oracle."""
+    import torch.distributed as dist
+
+    pg = _group("detcomm")
+    inputs = [random_bits(w, n, "float32", seed=9, rank=q).reshape(-1) for q in range(w)]
+    flat = to_torch(inputs[rank], "float32")
+    shard = torch.empty(n)
+    dist.reduce_scatter_tensor(shard, flat, group=pg)
+    shard_async = torch.empty(n)
+    work = dist.reduce_scatter_tensor(shard_async, flat, group=pg, async_op=True)
+    waited = work.wait()
+    full = torch.empty(w * n)
+    work = dist.all_gather_into_tensor(full, shard, group=pg, async_op=True)
+    work.wait()
+    summed = flat.clone()
+    dist.all_reduce(summed, group=pg)
+    want = oracle.fold_oracle(inputs, "float32")
+    return {"waited": waited, "completed": work.is_completed(),
+            "shard": np.array_equal(to_bits(shard), want[rank * n : (rank + 1) * n]),
+            "async": np.array_equal(to_bits(shard_async), to_bits(shard)),
+            "gathered": np.array_equal(to_bits(full), want), "all_reduce": np.array_equal(to_bits(summed), want)}
+
+
+def test_reduce_scatter_and_all_gather_tensor(cluster) -> None:
+    for r in cluster.run(job_zero, 37):
+        assert r == {"waited": True, "completed": True, "shard": True, "async": True, "gathered": True,
+                     "all_reduce": True}
+
+
+def job_delegated(rank: int, w: int) -> dict[str, object]:
+    import torch.distributed as dist
+
+    pg = _group("detcomm")
+    i = torch.tensor([rank + 1, -rank], dtype=torch.int64)
+    dist.all_reduce(i, group=pg)
+    m = torch.tensor([float(rank), -float(rank)])
+    dist.all_reduce(m, op=dist.ReduceOp.MAX, group=pg)
+    avg_in = [random_bits(1, 16, "bfloat16", seed=3, rank=q) for q in range(w)]
+    a = to_torch(avg_in[rank], "bfloat16")
+    dist.all_reduce(a, op=dist.ReduceOp.AVG, group=pg)
+    # AVG: the fp32 fold divided by W in fp32, then one rounding to bf16.
+    acc = oracle.fold_oracle([oracle.widen(b, "bfloat16").view(np.uint32) for b in avg_in], "float32")
+    want_avg = oracle.round_fp32_bits((acc.view(np.float32) / np.float32(w)).astype(np.float32).view(np.uint32),
+                                      "bfloat16")
+    refused = ""
+    try:
+        dist.all_reduce(torch.ones(3), op=dist.ReduceOp.PRODUCT, group=pg)
+    except ValueError as e:
+        refused = str(e)
+    return {"int": i.tolist(), "max": m.tolist(), "avg": np.array_equal(to_bits(a), want_avg), "refused": refused,
+            "backend": dist.get_backend(pg)}
+
+
+def test_delegated_and_refused(cluster) -> None:
+    for r in cluster.run(job_delegated):
+        w = cluster.world_size
+        assert r["int"] == [w * (w + 1) // 2, -(w * (w - 1) // 2)]
+        assert r["max"] == [float(w - 1), 0.0]
+        assert r["avg"] and r["backend"] == "detcomm"
+        assert "refuses" in r["refused"] and "SUM" in r["refused"]
+
+
+def job_init_default(rank: int, w: int, store_path: str) -> bool:
+    """dist.init_process_group("detcomm") as the default group; then a plain dist.all_reduce folds."""
+    import torch.distributed as dist
+
+    import detcomm.dist_backend  # noqa: F401 - registers the backend
+
+    dist.destroy_process_group()
+    dist.init_process_group("detcomm", store=dist.FileStore(store_path, w), rank=rank, world_size=w)
+    inputs = [random_bits(5, 8, "bfloat16", seed=4, rank=q) for q in range(w)]
+    x = to_torch(inputs[rank], "bfloat16")
+    dist.all_reduce(x)
+    return dist.get_backend() == "detcomm" and bool(np.array_equal(to_bits(x), oracle.fold_oracle(inputs, "bfloat16")))
+
+
+def test_init_process_group_detcomm(tmp_path) -> None:
+    from detcomm._spawn import LocalCluster
+
+    with LocalCluster(3, pg_timeout_s=30.0) as c:
+        assert c.run(job_init_default, os.path.join(tmp_path, "store")) == [True, True, True]

@@ -1,0 +1,53 @@
+"""The HF probe through detcomm-launch (torchrun, gloo on CPU): bitwise at W=4 under rl-bitwise, with the JSON
+record per request (token ids and logprob bits in hex); the native negative control must diverge at W=3.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
+
+SMALL = ["--requests", "6", "--new-tokens", "6", "--max-prompt", "14"]
+
+
+def _launch(args: list[str]) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+    return subprocess.run([sys.executable, "-m", "detcomm.launch", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_hf_probe_bitwise_w4(tmp_path: Path) -> None:
+    out = tmp_path / "hf.json"
+    proc = _launch(["--nproc", "4", "--numerics", "rl-bitwise", "-m", "detcomm.probe", "hf", "--config", "qwen3-tiny",
+                    "--dtype", "bfloat16", *SMALL, "--json", str(out)])
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "PASS" in proc.stdout
+    res = json.loads(out.read_text())
+    assert res["passed"] and res["local_rows_invariant"] and res["world_size"] == 4
+    assert res["routes"]["model.layers.1.self_attn.o_proj"] in ("gather_fold", "ipc_fold")
+    for req in res["requests"]:
+        runs = req["runs"]
+        assert len(runs["alone"]["tokens"]) == 6
+        assert all(len(b) == 10 and b.startswith("0x") for b in runs["alone"]["logprob_bits"])
+        assert all(runs[k] == runs["alone"] for k in ("packed #1", "packed #2", "rerun"))
+
+
+def test_hf_probe_native_diverges_w3(tmp_path: Path) -> None:
+    out = tmp_path / "hf.json"
+    proc = _launch(["--nproc", "3", "-m", "detcomm.probe", "hf", "--config", "llama-tiny", "--route", "native",
+                    *SMALL, "--json", str(out), "--expect-divergence"])
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    res = json.loads(out.read_text())
+    assert not res["passed"] and res["numerics"] == "auto"
+    assert any(c["diverged"] for c in res["comparisons"] if "vs alone" in c["comparison"])
