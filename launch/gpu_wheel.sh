@@ -36,10 +36,18 @@ detcomm.shutdown()
 PY
 timeout 240 python3 -m detcomm.launch --nproc "$(( NGPU >= 1 ? NGPU : 1 ))" /tmp/init_job.py 2>&1 | tee "$OUT/init.log"
 # 2. the GPU tests, importing the installed package
-timeout ${GPU_TEST_TIMEOUT:-420} python3 -m pytest -q -rs -p no:cacheprovider --timeout=400 -m gpu /tmp/detcomm-tests/gpu \
+timeout ${GPU_TEST_TIMEOUT:-420} python3 -m pytest -q -rs -p no:cacheprovider --timeout=300 -m gpu -k "${GPU_TEST_FILTER:-not soak}" /tmp/detcomm-tests/gpu \
   --junitxml="$OUT/junit_gpu.xml" 2>&1 | tee "$OUT/pytest_gpu.log"
-# 3. the model probe (NCCL, one rank per GPU) where there are >= 2 GPUs
+# 3. the probes: NCCL, one rank per GPU, where there are >= 2 GPUs; else 2 ranks sharing the GPU over gloo
 if [ "$NGPU" -ge 2 ]; then
-  timeout 240 python3 -m detcomm.launch --nproc "$NGPU" --numerics rl-bitwise -m detcomm.probe model 2>&1 | tee "$OUT/probe_model.log"
+  timeout 240 python3 -m detcomm.launch --nproc "$NGPU" -m detcomm.probe model 2>&1 | tee "$OUT/probe_model.log"
+  timeout 240 python3 -m detcomm.launch --nproc "$NGPU" -m detcomm.probe hf --config qwen3-tiny --dtype bfloat16 \
+    2>&1 | tee "$OUT/probe_hf.log"
+  # 4. cost on a real architecture: decode tokens/s, fold vs native phases in one run (hidden 4096, 8 layers, bf16)
+  timeout ${HF_BENCH_TIMEOUT:-200} python3 -m detcomm.launch --nproc "$NGPU" -m detcomm.bench.hf_decode \
+    --concurrency ${HF_CONC:-1,8,64} --steps ${HF_STEPS:-8} --warmup 2 --json "$OUT/hf_decode.json" 2>&1 | tee "$OUT/hf_decode.log"
+else
+  timeout 240 python3 -m detcomm.launch --nproc 2 -m detcomm.probe hf --config qwen3-tiny --dtype bfloat16 \
+    --backend gloo --device cuda:0 2>&1 | tee "$OUT/probe_hf.log"
 fi
 echo "gpu_wheel.sh done"
