@@ -90,7 +90,8 @@ def test_one_rank_nccl_communicator() -> None:
         assert os.environ["NCCL_ALGO"] == "Ring" and os.environ["NCCL_NVLS_ENABLE"] == "0"
         # AR and RS for three dtypes, on the workspace (one-row probe sites) and on the gather/all-to-all fold
         assert comm.caps.workspace, comm.caps.workspace_reason
-        assert all(c.passed for c in comm.checks()) and len(comm.checks()) == 12
+        # 12 startup checks, plus one per extra kernel variant the workspace serves (two-shot, chunked, ...)
+        assert all(c.passed for c in comm.checks()) and len(comm.checks()) >= 12
         bits = ill_bits(100, 256, "bfloat16", seed=3, rank=0)
         x = to_torch(bits, "bfloat16").cuda()
         y = detcomm.all_reduce(x, site="gpu.o_proj")

@@ -66,7 +66,7 @@ def test_workspace_route_processes_sharing_one_gpu(world: int) -> None:
         assert r["routes"]["ws.big"][0] == "gather_fold"  # max_rows above the armed rows: static
         assert r["variants_missing"] == [] and len(r["variants_listed"]) >= 2, r
         assert all(r["ok"]), r
-        assert any(label.startswith("workspace:") and passed for label, passed in r["checks"])
+        assert any(label.startswith("ipc_fold") and passed for label, passed in r["checks"])
 
 
 def test_selfcheck_refuses_rotated_workspace_kernels() -> None:

@@ -111,7 +111,7 @@ def test_peer_death_on_the_workspace_route_hits_the_deadline(tmp_path) -> None: 
     survives, and the workspace refuses further calls."""
     script = tmp_path / "death.py"
     script.write_text(_DEATH_SCRIPT)
-    env = dict(os.environ, PYTHONPATH=REPO)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p))
     subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=240,
                    env=env, cwd=REPO)
     text = (tmp_path / "rank0.txt").read_text()
