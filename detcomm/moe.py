@@ -50,9 +50,10 @@ the expert received. ``run_experts_blocked`` runs each expert on fixed blocks of
 zero-padded), so every expert GEMM has the same shape whatever the batch; a kernel that is row-invariant at a
 fixed shape then gives every row the same bits.
 
-Cost: dispatch is two uneven all-to-alls (rows and 32 bytes of metadata per slot, each with its count
-exchange), combine one (the rows back, with its count exchange) plus k + 1 elementwise fp32 passes over
-[T, H] (k products and k adds), the same traffic as a plain expert-parallel all-to-all pair.
+Cost: dispatch is one uneven all-to-all of the rows, each carrying 16 bytes of metadata as raw bits in extra
+columns (expert id, source rank, token index, slot as int32), after its count exchange; combine is one uneven
+all-to-all of the rows back (after its count exchange) plus 2k elementwise fp32 passes over [T, k, H]-sized
+data (k products, k adds): the traffic of a plain expert-parallel all-to-all pair plus 16 bytes per slot.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .dtypes import FLOAT_DTYPES
+from .dtypes import FLOAT_DTYPES, bits_view
 from .fold import canonicalize_nan
 
 __all__ = [
@@ -88,7 +89,7 @@ log = logging.getLogger("detcomm.moe")
 ZERO_EXPERT = -1
 IDENTITY_EXPERT = -2
 COMBINE_ORDERS = ("slot", "rank")
-_META_COLUMNS = 4  # expert id, source rank, token index, slot
+_META_BYTES = 16  # int32 expert id, source rank, token index, slot, carried as raw bits beside each row
 
 
 @dataclass(frozen=True)
@@ -155,16 +156,15 @@ class MoESite:
 
     name: str
     dispatch: str
-    meta: str
     combine: str
     group: dist.ProcessGroup | None = None
 
 
 def moe_site(name: str, *, dtype: torch.dtype, hidden: int, top_k: int, max_tokens: int,
              group: dist.ProcessGroup | None = None) -> MoESite:
-    """Declare an MoE layer's sites: ``name.dispatch`` (token rows, at most ``max_tokens * top_k`` sent by a
-    rank), ``name.dispatch.meta`` (int64 metadata, 4 per row) and ``name.combine`` (expert output rows back: at
-    most every slot of every rank, ``world_size * max_tokens * top_k``). Collective when a declaration runs a
+    """Declare an MoE layer's sites: ``name.dispatch`` (token rows with their 16 metadata bytes as extra
+    columns of ``dtype``, at most ``max_tokens * top_k`` rows sent by a rank) and ``name.combine`` (expert output
+    rows back, ``hidden`` wide: at most every slot of every rank, ``world_size * max_tokens * top_k``). Collective when a declaration runs a
     self-check: declare in the same order on every rank. A plain str site instead declares the same names
     implicitly at their first call (with ``init(default_max_rows=)``)."""
     from . import get_communicator
@@ -179,14 +179,17 @@ def moe_site(name: str, *, dtype: torch.dtype, hidden: int, top_k: int, max_toke
     comm = get_communicator(group)
     s = _site_names(name, group)
     sent = max_tokens * top_k
-    comm.site(s.dispatch, collective="all_to_all", dtype=dtype, shape=(hidden,), max_rows=sent)
-    comm.site(s.meta, collective="all_to_all", dtype=torch.int64, shape=(_META_COLUMNS,), max_rows=sent)
+    comm.site(s.dispatch, collective="all_to_all", dtype=dtype, shape=(hidden + _meta_columns(dtype),), max_rows=sent)
     comm.site(s.combine, collective="all_to_all", dtype=dtype, shape=(hidden,), max_rows=comm.world_size * sent)
     return s
 
 
 def _site_names(name: str, group: dist.ProcessGroup | None = None) -> MoESite:
-    return MoESite(name, f"{name}.dispatch", f"{name}.dispatch.meta", f"{name}.combine", group)
+    return MoESite(name, f"{name}.dispatch", f"{name}.combine", group)
+
+
+def _meta_columns(dtype: torch.dtype) -> int:
+    return _META_BYTES // dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -277,10 +280,16 @@ def moe_dispatch(tokens: torch.Tensor, expert_ids: torch.Tensor, *, placement: P
     order = torch.sort(dest * placement.num_experts + e, stable=True).indices
     send_pos = pos[sent][order]
     send_splits = torch.bincount(dest, minlength=w).tolist()
-    rows = tokens[t[order]].contiguous()
-    meta = torch.stack([e, torch.full_like(e, rank), t, j], dim=1)[order].contiguous()
-    recv_rows = comm.all_to_all(rows, s.dispatch, splits=send_splits)
-    recv_meta = comm.all_to_all(meta, s.meta, splits=send_splits)
+    H = tokens.shape[1]
+    # One message per slot: the row and its metadata bytes side by side (exact: all-to-all moves raw bits).
+    packed = torch.empty(e.numel(), H + _meta_columns(tokens.dtype), dtype=tokens.dtype, device=dev)
+    packed[:, :H] = tokens[t[order]]
+    meta = torch.stack([e, torch.full_like(e, rank), t, j], dim=1)[order].to(torch.int32)
+    bits = bits_view(tokens.dtype)  # metadata is written and read through an integer view: never as floats
+    packed.view(bits)[:, H:] = meta.view(bits)
+    recv = comm.all_to_all(packed, s.dispatch, splits=send_splits)
+    recv_meta = recv.view(bits)[:, H:].contiguous().view(torch.int32).to(torch.int64)
+    recv_rows = recv[:, :H]
     recv_splits = torch.bincount(recv_meta[:, 1], minlength=w).tolist()
     recv_order = torch.sort(recv_meta[:, 0], stable=True).indices
     got = recv_meta[recv_order]
