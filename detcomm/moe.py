@@ -352,16 +352,16 @@ def moe_combine(expert_out: torch.Tensor, weights: torch.Tensor, handle: MoEHand
         y[ident] = handle.tokens[ident // k].to(y.dtype)
     y = y.view(T, k, hid)
     if combine_order == "slot":
-        return slot_fold(weights.to(dev), y, handle.expert_ids, shared=None if shared is None else shared.to(dev))
+        # y's zero-expert rows are +0.0 already: the fold without slot_fold's masking pass.
+        return _slot_fold(_weights32(weights.to(dev), handle.expert_ids), y, None if shared is None else shared.to(dev))
     return _rank_order_fold(weights.to(dev), y, handle.expert_ids, handle.slot_rank, handle.world_size,
                             shared=None if shared is None else shared.to(dev))
 
 
-def _products(weights: torch.Tensor, y: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
-    # Zero-expert slots: weight +0.0 times a +0.0 row is +0.0, which the fold adds as a no-op (module docstring).
-    w32 = torch.where(expert_ids != ZERO_EXPERT, weights.to(torch.float32), 0.0)
-    # One multiply, materialized: every product is rounded to fp32 before any add reads it (no FMA).
-    return torch.mul(w32.unsqueeze(2), y.to(torch.float32))
+def _weights32(weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+    # Zero-expert slots: weight +0.0 (a NaN there is never read) times a +0.0 row is +0.0, which the fold adds
+    # as a no-op (module docstring).
+    return torch.where(expert_ids != ZERO_EXPERT, weights.to(torch.float32), 0.0)
 
 
 def slot_fold(weights: torch.Tensor, y: torch.Tensor, expert_ids: torch.Tensor, *,
@@ -369,13 +369,23 @@ def slot_fold(weights: torch.Tensor, y: torch.Tensor, expert_ids: torch.Tensor, 
     """The combine's arithmetic on one rank (module docstring): ``y`` [T, k, H] holds slot j's expert output
     for token t (any row for a zero-expert slot: it is ignored), ``weights`` and ``expert_ids`` [T, k];
     returns [T, H] in ``y``'s dtype. Local (not collective)."""
-    prod = _products(weights, torch.where((expert_ids == ZERO_EXPERT).unsqueeze(2), 0.0, y.to(torch.float32)),
-                     expert_ids)
-    acc = torch.zeros(y.shape[0], y.shape[2], dtype=torch.float32, device=y.device)
-    for j in range(y.shape[1]):
-        acc = torch.add(acc, prod[:, j])
+    zero = expert_ids == ZERO_EXPERT
+    if bool(zero.any()):
+        y = y.masked_fill(zero.unsqueeze(2), 0.0)
+    return _slot_fold(_weights32(weights, expert_ids), y, shared)
+
+
+def _slot_fold(w32: torch.Tensor, y: torch.Tensor, shared: torch.Tensor | None) -> torch.Tensor:
+    T, k, H = y.shape
+    acc = torch.zeros(T, H, dtype=torch.float32, device=y.device)
+    prod = torch.empty_like(acc)
+    for j in range(k):
+        # A multiply and an add as two torch operations: the product is rounded to fp32 (written to memory)
+        # before the add reads it, so nothing can contract them into an FMA. The operand widens exactly.
+        torch.mul(y[:, j], w32[:, j : j + 1], out=prod)
+        acc.add_(prod)
     if shared is not None:
-        acc = torch.add(acc, shared.to(torch.float32))
+        acc.add_(shared)  # a bf16/fp16 operand widens exactly before its one fp32 addition
     return canonicalize_nan(acc.to(y.dtype))
 
 
@@ -383,7 +393,7 @@ def _rank_order_fold(weights: torch.Tensor, y: torch.Tensor, expert_ids: torch.T
                      world_size: int, *, shared: torch.Tensor | None) -> torch.Tensor:
     """The negative control: each serving rank's partial (its slots, in slot order, fp32), then the partials in
     rank order (engines compute the partials on the serving ranks; the fp32 arithmetic is the same)."""
-    prod = _products(weights, y, expert_ids)
+    prod = torch.mul(_weights32(weights, expert_ids).unsqueeze(2), y.to(torch.float32))
     acc = torch.zeros(y.shape[0], y.shape[2], dtype=torch.float32, device=y.device)
     for r in range(world_size):
         partial = torch.zeros_like(acc)
