@@ -336,19 +336,20 @@ def moe_combine(expert_out: torch.Tensor, weights: torch.Tensor, handle: MoEHand
     if shared is not None and (not isinstance(shared, torch.Tensor) or shared.dtype not in FLOAT_DTYPES
                                or tuple(shared.shape) != (T, hid)):
         raise ValueError(f"shared must be a float [T={T}, H={hid}] tensor or None")
+    ids = handle.expert_ids.reshape(-1)
+    ident = (ids == IDENTITY_EXPERT).nonzero().squeeze(1)
+    if ident.numel() and handle.tokens.shape[1] != hid:
+        raise ValueError(f"the identity expert's output is its token row: expert outputs must be the tokens' width "
+                         f"{handle.tokens.shape[1]}, got {hid}")
     back = torch.empty_like(expert_out)
     back[handle.recv_order] = expert_out
     returned = comm.all_to_all(back, s.combine, splits=list(handle.recv_splits))
     dev = returned.device
     # y[t, j]: slot j's expert output for token t (+0.0 rows for the zero expert, the token for the identity).
-    y = torch.zeros(T * k, hid, dtype=expert_out.dtype, device=dev)
+    alloc = torch.zeros if bool((ids == ZERO_EXPERT).any()) else torch.empty  # every other row is written below
+    y = alloc(T * k, hid, dtype=expert_out.dtype, device=dev)
     y[handle.send_pos] = returned
-    ids = handle.expert_ids.reshape(-1)
-    ident = (ids == IDENTITY_EXPERT).nonzero().squeeze(1)
     if ident.numel():
-        if handle.tokens.shape[1] != hid:
-            raise ValueError(f"the identity expert needs expert outputs of the tokens' width {handle.tokens.shape[1]}, "
-                             f"got {hid}")
         y[ident] = handle.tokens[ident // k].to(y.dtype)
     y = y.view(T, k, hid)
     if combine_order == "slot":

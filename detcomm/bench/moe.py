@@ -11,7 +11,7 @@ and both exchange the per-rank counts; the experts are the identity (expert outp
 the numbers are communication plus combine arithmetic only. ``detcomm`` = ``moe_dispatch`` (rows + 32 bytes
 of metadata per slot, two uneven all-to-alls) + ``moe_combine`` (the rows back + the fp32 slot-order fold);
 ``plain`` = counts + rows out + rows back (``torch.distributed.all_to_all_single``) + ``(w * y).sum(1)`` in the
-dtype. Each sample is one call from an aligned start (a barrier; on GPUs the device is synchronized after the
+dtype. On CPU each rank runs one torch thread. Each sample is one call from an aligned start (a barrier; on GPUs the device is synchronized after the
 call: both paths need the counts on the host). Rank 0's median, p10 and p90 are printed.
 """
 
@@ -60,6 +60,8 @@ def job(rank: int, w: int, cfg: dict[str, Any]) -> list[dict[str, Any]]:
     from detcomm.bench.timing import summarize, time_cpu
     from detcomm.moe import Placement, moe_combine, moe_dispatch, moe_site
 
+    if cfg["device"] == "cpu":
+        torch.set_num_threads(1)  # W ranks share the machine's cores: no oversubscription for either path
     detcomm.shutdown()
     comm = detcomm.init(numerics="rl-bitwise")
     dev, cuda = comm.device, comm.device.type == "cuda"
@@ -117,6 +119,7 @@ def main() -> None:
     for key in ("hidden", "experts", "top_k", "iters"):
         if getattr(a, key) is not None:
             cfg[key] = getattr(a, key)
+    cfg["device"] = a.device
     if a.tokens:
         cfg["tokens"] = [int(t) for t in a.tokens.split(",")]
     if a.device == "cuda":
