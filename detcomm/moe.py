@@ -58,8 +58,7 @@ data (k products, k adds): the traffic of a plain expert-parallel all-to-all pai
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -83,8 +82,6 @@ __all__ = [
     "run_experts_blocked",
     "TinyExperts",
 ]
-
-log = logging.getLogger("detcomm.moe")
 
 ZERO_EXPERT = -1
 IDENTITY_EXPERT = -2
