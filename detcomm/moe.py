@@ -149,7 +149,7 @@ class Placement:
 
 @dataclass(frozen=True)
 class MoESite:
-    """The three all-to-all sites of one MoE layer (declared by ``moe_site``)."""
+    """The two all-to-all sites of one MoE layer (declared by ``moe_site``)."""
 
     name: str
     dispatch: str
