@@ -81,6 +81,7 @@ def job_moe(rank: int, w: int, numerics: str, orders: tuple[str, ...]) -> dict[t
     comm = detcomm.init(numerics=numerics)
     results: dict[tuple, dict[int, bytes]] = {}
     refused = False
+    _caller_errors(w)
     for dtype in ("bfloat16", "float32"):
         pool = _pool(dtype)
         site = moe_site(f"moe.{dtype}", dtype=DTYPES[dtype], hidden=H, top_k=K, max_tokens=64)
@@ -109,6 +110,24 @@ def job_moe(rank: int, w: int, numerics: str, orders: tuple[str, ...]) -> dict[t
                     assert refused, "the rank-order combine was not refused under a bitwise envelope"
     detcomm.shutdown()
     return results
+
+
+def _caller_errors(w: int) -> None:
+    """Wrong calls raise on every rank before any communication (a hang here would be a failure)."""
+    from detcomm.moe import Placement, moe_dispatch
+
+    tokens, ids = torch.zeros(3, H), torch.zeros(3, K, dtype=torch.int64)
+    cases = [
+        (ValueError, "placement is for", dict(placement=Placement.round_robin(E, w + 1))),
+        (ValueError, "expert ids must be", dict(ids=ids + E)),
+        (ValueError, "expert_ids must be int64", dict(ids=ids.int())),
+        (ValueError, "token_ids must be", dict(token_ids=torch.arange(2))),
+        (TypeError, "placement must be", dict(placement={0: [0]})),
+    ]
+    for exc, text, kw in cases:
+        with pytest.raises(exc, match=text):
+            moe_dispatch(tokens, kw.get("ids", ids), placement=kw.get("placement", Placement.round_robin(E, w)),
+                         site="moe.errors", token_ids=kw.get("token_ids"))
 
 
 # ---------------------------------------------------------------------------------------------------------
