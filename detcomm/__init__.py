@@ -43,6 +43,7 @@ from .envelope import (
 )
 from .errors import CollectiveMismatch, DetcommError, PeerTimeout, RouteRefused, WorkspaceFailed, WorkspaceUnavailable
 from .fold import BATCH_INVARIANT, Leaf, Priority, reference_fold, register_leaf, select_leaf
+from .moe import moe_combine, moe_dispatch, moe_site
 from .mpi_env import rank_facts_from_environment
 from .norm import rms_norm
 from .route import DEFAULT_MAX_ROWS, AutoBackend, Capabilities, Collective, ReduceOp, Route, Site
@@ -63,6 +64,9 @@ __all__ = [
     "argmax",
     "all_reduce_residual_rmsnorm",
     "rms_norm",
+    "moe_site",
+    "moe_dispatch",
+    "moe_combine",
     "routes",
     "shutdown",
     "get_communicator",
