@@ -134,7 +134,10 @@ def main() -> None:
     print(f"MoE dispatch+combine vs plain all_to_all+sum: {backend} W={nproc}, hidden {cfg['hidden']}, "
           f"{cfg['experts']} experts (random placement with replicas), top-{cfg['top_k']}, bf16, identity experts, "
           f"median of {cfg['iters']} calls (p10..p90) per token count")
-    with LocalCluster(nproc, backend=backend, pg_timeout_s=300) as cluster:
+    # NCCL reads NCCL_ALGO/NCCL_PROTO when the ranks' communicator is created: give them rl-bitwise's environment.
+    from detcomm.envelope import envelope_environment
+
+    with LocalCluster(nproc, backend=backend, pg_timeout_s=300, env=envelope_environment("rl-bitwise")) as cluster:
         rows = cluster.run(job, cfg, timeout_s=1800)[0]
     print(f"{'tokens':>7} {'detcomm us':>12} {'(p10..p90)':>18} {'plain us':>10} {'(p10..p90)':>18} {'ratio':>6}")
     for r in rows:
