@@ -181,7 +181,13 @@ def _parser() -> argparse.ArgumentParser:
     from .comm import DEFAULT_WORKSPACE_MAX_ROWS
     from .launch.environment import DEFAULT_NUMERICS
 
-    p = argparse.ArgumentParser(prog="detcomm", description="bitwise batch-invariant collectives")
+    p = argparse.ArgumentParser(
+        prog="detcomm", description="bitwise batch-invariant collectives",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="the main job (README, \"Two commands\"): a tensor-parallel model at W=4 generating alone, packed\n"
+               "and rerun, which must read PASS:\n"
+               "  detcomm-launch --nproc 4 --numerics rl-bitwise -m detcomm.probe model\n"
+               "`detcomm demo` shows the collectives alone; `detcomm routes` the route table.")
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("demo", add_help=False,
                    help="W local ranks: route table, self-checks, native vs fold under batch changes "

@@ -110,3 +110,19 @@ def test_demo_deadline_names_the_setting() -> None:
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "--timeout 0.5" in proc.stderr and "raise it" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_help_and_readme_agree_on_the_main_job(capsys) -> None:  # noqa: ANN001
+    """`detcomm --help` names the same main job as the README's first set-up command."""
+    from pathlib import Path
+
+    from detcomm.cli import main
+
+    main_job = "detcomm-launch --nproc 4 --numerics rl-bitwise -m detcomm.probe model"
+    try:
+        main(["--help"])
+    except SystemExit:
+        pass
+    assert main_job in capsys.readouterr().out
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert f".venv/bin/{main_job}" in readme
