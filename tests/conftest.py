@@ -43,6 +43,12 @@ def cluster(request) -> LocalCluster:  # noqa: ANN001
 
 
 @pytest.fixture
+def cluster2() -> LocalCluster:
+    """W = 2 only."""
+    return get_cluster(2)
+
+
+@pytest.fixture
 def cluster4() -> LocalCluster:
     """W = 4 only (the collective probe's width)."""
     return get_cluster(4)

@@ -11,7 +11,6 @@ import torch
 
 pytest.importorskip("transformers")
 
-from conftest import get_cluster
 from detcomm.hf import TINY_CONFIGS, write_tiny_checkpoint
 from detcomm.hf.checkpoints import tiny_config
 from detcomm.hf.layers import vocab_shard_width
@@ -53,9 +52,9 @@ def job_against_unsharded(rank: int, w: int, directory: str) -> tuple[float, flo
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(TINY_CONFIGS))
-def test_sharded_matches_unsharded(name: str, tmp_path) -> None:
+def test_sharded_matches_unsharded(name: str, tmp_path, cluster2) -> None:  # noqa: ANN001
     directory = write_tiny_checkpoint(name, str(tmp_path), seed=3)
-    for engine_err, own_err, lp_err, tokens, ref_tokens in get_cluster(2).run(job_against_unsharded, directory):
+    for engine_err, own_err, lp_err, tokens, ref_tokens in cluster2.run(job_against_unsharded, directory):
         assert engine_err < 1e-4 and own_err < 1e-4 and lp_err < 1e-4, (engine_err, own_err, lp_err)
         assert tokens == ref_tokens
 
