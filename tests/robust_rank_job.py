@@ -56,8 +56,11 @@ def main(scenario: str, out: str) -> None:
     except Exception as e:  # noqa: BLE001 - reported to the test
         result.update(raised=type(e).__name__, message=str(e))
     result.update(started=t0, ended=time.time())
-    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+    # Written whole or not at all: the launcher's tear-down may kill this rank at any moment.
+    tmp = os.path.join(out, f".rank{rank}.json.tmp")
+    with open(tmp, "w") as f:
         json.dump(result, f)
+    os.replace(tmp, os.path.join(out, f"rank{rank}.json"))
     if os.environ.get("ROBUST_LINGER"):
         time.sleep(600)  # under detcomm-launch: only the launcher's tear-down ends this rank
     # A serving process does not vanish the instant a collective fails: stay a moment, so the rank hosting

@@ -45,7 +45,7 @@ def test_hf_probe_bitwise_w4(tmp_path: Path) -> None:
 
 def test_hf_probe_native_diverges_w3(tmp_path: Path) -> None:
     out = tmp_path / "hf.json"
-    proc = _launch(["--nproc", "3", "-m", "detcomm.probe", "hf", "--config", "llama-tiny", "--route", "native",
+    proc = _launch(["--nproc", "3", "--numerics", "auto", "-m", "detcomm.probe", "hf", "--config", "llama-tiny", "--route", "native",
                     *SMALL, "--json", str(out), "--expect-divergence"])
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     res = json.loads(out.read_text())
