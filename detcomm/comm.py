@@ -568,7 +568,7 @@ def warn_missing_environment(resolved: _env.Resolved, backend: str) -> None:
         f"detcomm.apply_environment({resolved.numerics!r}) before torch.distributed.init_process_group"
     )
     if resolved.bitwise and "NCCL_ALGO" in missing:
-        raise RuntimeError(
+        raise DetcommError(
             f"numerics={resolved.numerics!r} needs {text} before the NCCL communicator is created, and the "
             f"process group already exists without it: {fix}"
         )

@@ -418,15 +418,14 @@ class AutoBackend:
                 why += f"; {launches} launches per call at max_rows (workspace_bytes={self.caps.workspace_bytes})"
             out.append(RouteDecision(Route.IPC_FOLD, why))
             no_ws = "ipc_fold refused"
+        if site.collective is Collective.REDUCE_SCATTER:
+            out.append(RouteDecision(Route.A2A_FOLD, f"canonical fold after an all-to-all ({no_ws})"))
+        else:
+            out.append(RouteDecision(Route.GATHER_FOLD, f"canonical fold after an all-gather ({no_ws})"))
         if site.collective is Collective.ALL_REDUCE_RMSNORM:
             # No fused kernel yet: the site's all-reduce takes the route, then the canonical add + RMSNorm.
             out = [RouteDecision(d.route, d.why + "; then the canonical residual add + RMSNorm (composition)")
                    for d in out]
-        if site.collective in (Collective.ALL_REDUCE, Collective.ALL_REDUCE_RMSNORM):
-            suffix = "; then the canonical residual add + RMSNorm (composition)" if site.collective is Collective.ALL_REDUCE_RMSNORM else ""
-            out.append(RouteDecision(Route.GATHER_FOLD, f"canonical fold after an all-gather ({no_ws}){suffix}"))
-        else:
-            out.append(RouteDecision(Route.A2A_FOLD, f"canonical fold after an all-to-all ({no_ws})"))
         return out
 
     def _launches(self, site: Site) -> int:
