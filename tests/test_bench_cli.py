@@ -51,6 +51,11 @@ def test_quick_json_parses_and_covers_the_routes(quick_run: tuple[Path, str]) ->
         assert p["eager"]["n"] >= 50
         assert p["eager"]["p10_us"] <= p["eager"]["median_us"] <= p["eager"]["p90_us"]
         assert p["algbw_GBps"] > 0 and p["busbw_GBps"] > 0
+        # In place (out=x, the public API) exactly where the collective keeps the row count.
+        if p["collective"] == "all_reduce":
+            assert p["inplace"]["n"] >= 50 and p["inplace"]["median_us"] > 0, p
+        else:
+            assert p["inplace"] is None, p
     # Same sizes for every route: each route's (dtype, hidden, rows) set equals native's for its collective.
     for coll in ("all_reduce", "reduce_scatter"):
         sizes = {r: {(p["dtype"], p["hidden"], p["rows"]) for p in pts if p["collective"] == coll and p["route"] == r}

@@ -111,6 +111,19 @@ def _rank_pools(rank: int, world_size: int, dtype: torch.dtype, hidden: int, see
     return _STATE["pools"][key]
 
 
+def _rank_inplace(collective: str, route: str, dtype: torch.dtype, hidden: int
+                  ) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The in-place form of a site route's all-reduce through the public API (``out=x``), or None where the
+    collective has no in-place form (reduce-scatter and all-gather change the row count) or the label is a raw
+    workspace call."""
+    import detcomm
+
+    if collective != "all_reduce" or route not in _DETCOMM_ROUTE:
+        return None
+    name = f"bench.{collective}.{_DETCOMM_ROUTE[route]}.{str(dtype).replace('torch.', '')}.{hidden}"
+    return lambda x: detcomm.all_reduce(x, name, out=x)  # type: ignore[return-value]
+
+
 def _rank_call(rank: int, world_size: int, collective: str, route: str, dtype: torch.dtype, hidden: int
                ) -> Callable[[torch.Tensor], torch.Tensor]:
     import detcomm
@@ -157,6 +170,13 @@ def rank_point(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, An
         return g.replay
 
     res = _measure(lambda: call(x), capture, cuda=cuda, spec=spec, barrier=barrier)
+    inplace = _rank_inplace(coll, spec["route"], dtype, hidden)
+    if inplace is not None:
+        # The caller's buffer receives the result, as serving code calls it to avoid an allocation per call.
+        # Its values change call after call; the time of a fold does not depend on them.
+        buf = x.clone()
+        res["inplace"] = _measure(lambda: inplace(buf), None, cuda=cuda, spec=dict(spec, graph=False),
+                                  barrier=barrier)["eager"]
     res["numerics"] = None
     if spec["numerics"]:
         if coll == "all_gather":

@@ -22,7 +22,8 @@ _FOLD = {"all_reduce": ("gather_fold", "ipc_one_shot", "ipc_two_shot"),
          "reduce_scatter": ("a2a_fold", "ipc_fold")}
 _CSV_FIELDS = ("harness", "world", "collective", "route", "dtype", "hidden", "rows", "bytes", "status",
                "eager_median_us", "eager_p10_us", "eager_p90_us", "eager_n", "graph_median_us", "graph_p10_us",
-               "graph_p90_us", "graph_n", "graph_note", "algbw_GBps", "busbw_GBps", "graph_algbw_GBps",
+               "graph_p90_us", "graph_n", "graph_note", "inplace_median_us", "inplace_p10_us", "inplace_p90_us",
+               "inplace_n", "algbw_GBps", "busbw_GBps", "graph_algbw_GBps",
                "graph_busbw_GBps", "changed_frac", "max_ulps")
 
 
@@ -119,7 +120,9 @@ def to_markdown(result: dict[str, Any], *, ratios: list[dict[str, Any]] | None =
     lines = [f"## detcomm-bench: {m['hardware']}, torch {m['torch']}" + (f", CUDA {m['cuda']}" if m["cuda"] else ""),
              "", f"date {m['date']}; command `{m['command']}`; {m['elapsed_s']} s", "",
              "Latency in µs per call: median [p10, p90] over the timed calls (eager; graph = CUDA-graph replay), "
-             "out-of-place (every call writes a new output tensor). "
+             "eager is out-of-place (every call writes a new output tensor); in-place = the public API's "
+             "all_reduce(x, site, out=x) on the site routes (all-reduce only: the other collectives change the "
+             "row count). "
              "algbw/busbw (GB/s, nccl-tests definitions) from the eager median. changed = fraction of the probe's "
              "elements whose bits change when the same rows sit at another offset or in another batch size; "
              "max ulps = largest distance from the canonical fold of the gathered inputs.", ""]
@@ -132,11 +135,12 @@ def to_markdown(result: dict[str, Any], *, ratios: list[dict[str, Any]] | None =
         # The full reason stays in the JSON/CSV; the table keeps its first words.
         graph = _lat(p["graph"]) if p["graph"] else (p["graph_note"].split(":")[0] or "—")
         points.append([p["harness"], p["world"], p["collective"], p["route"], p["dtype"], f"{p['rows']}×{p['hidden']}",
-                       size_label(p["bytes"]), _lat(p["eager"]), graph, _f(p["algbw_GBps"], "{:.2f}"),
+                       size_label(p["bytes"]), _lat(p["eager"]), _lat(p.get("inplace")),
+                       graph, _f(p["algbw_GBps"], "{:.2f}"),
                        _f(p["busbw_GBps"], "{:.2f}"), _frac(p["changed_frac"]), _ulps(p["max_ulps"]), p["status"]])
     lines.append(format_table(["harness", "W", "collective", "route", "dtype", "rows×hidden", "size", "eager µs",
-                               "graph µs", "algbw", "busbw", "changed", "max ulps", "status"], points,
-                              markdown=True, align="lrllllrllrrrrl"))
+                               "in-place µs", "graph µs", "algbw", "busbw", "changed", "max ulps", "status"], points,
+                              markdown=True, align="lrllllrlllrrrrl"))
     lines += ["", "### Routes not measured", "",
               format_table(["harness", "W", "collective", "route", "status"],
                            [[u["harness"], u["world"], u["collective"], u["route"], u["status"]]
@@ -177,7 +181,7 @@ FOLD_ORDER = ("gather_fold", "ipc_one_shot", "ipc_two_shot", "a2a_fold", "ipc_fo
 
 def _csv_row(p: dict[str, Any]) -> dict[str, Any]:
     row = {k: p.get(k) for k in _CSV_FIELDS if k in p}
-    for mode in ("eager", "graph"):
+    for mode in ("eager", "graph", "inplace"):
         s = p.get(mode) or {}
         for stat in ("median_us", "p10_us", "p90_us", "n"):
             row[f"{mode}_{stat}"] = s.get(stat)

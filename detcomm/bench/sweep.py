@@ -230,9 +230,11 @@ def _row(h: _Harness, spec: dict[str, Any], res: dict[str, Any] | None, status: 
                            "route": spec["route"], "dtype": spec["dtype"], "hidden": spec["hidden"],
                            "rows": spec["rows"], "bytes": nbytes, "status": status, "eager": None, "graph": None,
                            "graph_note": "", "algbw_GBps": None, "busbw_GBps": None, "graph_algbw_GBps": None,
-                           "graph_busbw_GBps": None, "changed_frac": None, "max_ulps": None}
+                           "graph_busbw_GBps": None, "inplace": None, "changed_frac": None, "max_ulps": None}
     if res is None:
         return row
+    if res.get("inplace"):
+        row["inplace"] = timing.summarize(res["inplace"])
     for mode in ("eager", "graph"):
         if res.get(mode):
             s = timing.summarize(res[mode])
@@ -252,7 +254,7 @@ def _combine(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     """One result from W ranks: per call the slowest rank's time (the collective is done when all are), rank
     0's numbers (it alone judges them)."""
     out = dict(per_rank[0])
-    for mode in ("eager", "graph"):
+    for mode in ("eager", "graph", "inplace"):
         series = [r.get(mode) for r in per_rank]
         out[mode] = [max(v) for v in zip(*series)] if all(series) else None
     return out
