@@ -33,7 +33,7 @@ class A2AFoldBackend:
         w = self.native.world_size
         n = x.shape[0] // w
         block = x.view(w, n, *x.shape[1:])
-        if guard is None:
+        if guard is None or not guard.applies(x, staged=self.native.stage):
             stacked = self.native.all_to_all(x, [n] * w, [n] * w).view(w, n, *x.shape[1:])
         else:
             # Every destination block carries the same header, so each rank receives all W ranks' headers.

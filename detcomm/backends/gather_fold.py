@@ -32,7 +32,7 @@ class GatherFoldBackend:
 
     def _gathered(self, x: torch.Tensor, guard: CallGuard | None) -> torch.Tensor:
         w = self.native.world_size
-        if guard is None:
+        if guard is None or not guard.applies(x, staged=self.native.stage):
             return self.native.all_gather(x).view(w, *x.shape)
         msgs = self.native.all_gather(append_header(x, guard.next_header()).view(1, -1))
         # The torch leaf folds strided views; the CUDA leaf reads one contiguous [W, ...] block.

@@ -8,7 +8,9 @@ so a mismatch raises CollectiveMismatch on every rank. It costs 16 bytes per mes
 input into the message buffer, and no extra collective (measured in docs/performance.md). The full
 per-call comparison (rows, shapes, every field; one extra collective per call) stays behind init(check=True).
 The native route carries no header (its message is the library's own); ipc_fold compares its own per-call
-header in the workspace.
+header in the workspace. Nor do messages that live on a GPU with an NCCL group: reading the headers back would
+synchronize the device on every call and forbid CUDA-graph capture, on the routes a GPU group uses only as its
+fallback; there the workspace's device-side header, or init(check=True), is the guard.
 """
 
 from __future__ import annotations
@@ -39,6 +41,12 @@ class CallGuard:
         self.site_id = _site_id(site)
         self.calls = 0
         _NAMES[self.site_id] = site.name
+
+    @staticmethod
+    def applies(x: torch.Tensor, *, staged: bool) -> bool:
+        """Whether a call's message lives in host memory (a CPU tensor, or a CUDA tensor a gloo group stages
+        through the host), where reading the headers back costs no device synchronization."""
+        return not x.is_cuda or staged
 
     def next_header(self) -> torch.Tensor:
         self.calls += 1
