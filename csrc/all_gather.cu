@@ -7,13 +7,14 @@
 extern "C" __global__ void __launch_bounds__(DETCOMM_BLOCK_THREADS)
     detcomm_all_gather(const u8* x, u8* out, i64 nbytes, i64 out_stride, u32 call, char* const* data,
                        u32* const* sigs, int rank, u64 timeout_ns, u32* ctrl) {
-  const Group g{data, sigs, rank, timeout_ns, ctrl, (DETCOMM_KIND_ALL_GATHER << 8) | DT_U8, call, (u64)nbytes};
+  const Group g{data, sigs, rank, timeout_ns, ctrl, (DETCOMM_KIND_ALL_GATHER << 8) | DT_U8, call, (u64)nbytes, true};
   constexpr int kPer = Traits<DT_U8>::kPer;
   constexpr int U = DETCOMM_UNROLL;
   const i64 tid = thread_id();
   const i64 stride = grid_stride();
   const i64 npacks = (nbytes + kPer - 1) / kPer;
   if (!block_owns_packs(npacks)) return;
+  announce_call(g);
   uint4* own = reinterpret_cast<uint4*>(g.data[g.rank]);
 
   copy_in<DT_U8>(x, nbytes, own, tid, stride);

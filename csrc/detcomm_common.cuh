@@ -82,7 +82,7 @@ __device__ __forceinline__ u32 epoch_index(int kind, int block) {
 }
 #define DETCOMM_DESC_BASE (DETCOMM_BARRIER_KINDS * DETCOMM_MAX_BLOCKS * (DETCOMM_MAX_W + 1))
 // desc[block][source rank][4]: the call the source rank's block is making (what, call, count lo, count hi),
-// stored by the source before its start-barrier flag, read by the owner after it.
+// stored by the source before its start-barrier flag (at kernel entry: announce_call), read by the owner after it.
 __device__ __forceinline__ u32 desc_index(int block, int src) {
   return (u32)(DETCOMM_DESC_BASE + (block * DETCOMM_MAX_W + src) * DETCOMM_DESC_WORDS);
 }
@@ -293,12 +293,13 @@ __device__ __forceinline__ uint4 fold_pack(const uint4 (&in)[DETCOMM_W], int ran
 // cumulative over what bar.sync ordered before it); the acquire load plus __syncthreads_or() makes the
 // peers' data visible to all threads of the block before they read it.
 //
-// The call descriptor (docs/spec.md §9, failure semantics): with the START flag every rank also stores its
-// (kernel kind | dtype, call number, element count) into desc[b][r] of every peer, before the release; after
-// the acquire each rank compares every peer's descriptor with its own. A mismatch (one rank in another call,
-// another dtype or count) fails the workspace on every rank, whatever the host-side checking says. The slot
-// desc[b][p] is rewritten only at peer p's next START of block b, which needs this rank's block b to have
-// passed this call's END: the comparison never reads a later call's descriptor.
+// The call descriptor (docs/spec.md §9, failure semantics): before its START flag every rank also stores its
+// (kernel kind | dtype, call number, element count) into desc[b][r] of every peer (at kernel entry, see
+// announce_call, or inside START for a kernel that does not announce); after the acquire each rank compares
+// every peer's descriptor with its own. A mismatch (one rank in another call, another dtype or count) fails the
+// workspace on every rank, whatever the host-side checking says. The slot desc[b][p] is rewritten only when
+// peer p starts a later kernel whose block b runs, which needs this rank's block b to have passed this call's
+// END: the comparison never reads a later call's descriptor.
 //
 // Failure instead of a hang: every spin polls the abort word in its own header (peers and the host store
 // there) and, every 256 iterations, the host's abort word in mapped pinned memory, and gives up after
@@ -338,6 +339,9 @@ struct Group {
   u32 what;   // this call's descriptor: kernel kind << 8 | dtype code
   u32 call;   //   the host's launch number
   u64 count;  //   the element (or byte) count every rank must agree on
+  // true: the kernel stored its call descriptor at entry (announce_call), so the START barrier does not store it
+  // again. A kernel that leaves it out (aggregate initialization: false) gets the descriptor stored by START.
+  bool announced;
 };
 
 // The failure path, out of line so the spin loop stays small. `peer_desc` is the peer's descriptor on a mismatch.
@@ -376,6 +380,32 @@ __device__ __noinline__ void fail_workspace(const Group& g, u32 tag, int kind, i
 #ifdef DETCOMM_TRAP_ON_FAILURE
   __trap();  // debug only: keeps the failing kernel on the stack for a debugger, at the price of the context
 #endif
+}
+
+// The call descriptor of this rank's block into peer t's header: strong (relaxed, system-scope) stores, ordered
+// before the peer reads them by the START flag's release/acquire, never a data race.
+__device__ __forceinline__ void store_call_descriptor(const Group& g, int t) {
+  u32* d = g.sigs[t] + desc_index(blockIdx.x, g.rank);
+  st_relaxed_sys(d + 0, g.what);
+  st_relaxed_sys(d + 1, g.call);
+  st_relaxed_sys(d + 2, (u32)g.count);
+  st_relaxed_sys(d + 3, (u32)(g.count >> 32));
+}
+
+// At kernel entry (after the block's ownership test, before its copy-in): store the call descriptor into every
+// peer's header now, so the remote stores are acknowledged while the block copies its input in, and the START
+// flag's release (which must wait for every prior store of the thread) does not pay an NVLink round trip for
+// them. Kernels that call this build their Group with announced = true.
+//
+// Why storing this early is safe: peer p reads desc[b][r] only between its acquire of r's START flag for block
+// b and its own arrival at that call's END barrier (the comparison happens right after the acquire). Rank r
+// starts this kernel only after its previous kernel finished, in which block b either passed END (so p had
+// arrived at END, its read long done) or owned no pack (then no rank's block b ran that kernel's barriers, and
+// the argument applies to the last kernel in which it did). So the store never overtakes a read of the
+// previous call's descriptor. If the workspace already failed, the stores land in headers nobody trusts any
+// more (every call is refused until the workspace is re-created).
+__device__ __forceinline__ void announce_call(const Group& g) {
+  if (threadIdx.x < DETCOMM_W) store_call_descriptor(g, threadIdx.x);
 }
 
 // The arrival test. The negative control (tests only, DETCOMM_TEST_STALE_FLAGS) accepts any earlier use's flag,
@@ -431,14 +461,7 @@ __device__ __forceinline__ bool block_barrier(const Group& g, int kind) {
       failed = 1;  // the workspace already failed: arrive nowhere, touch nothing
       fail_workspace(g, DETCOMM_ERR_PEER_FAILED, kind, (int)(ab & 0xFFu), epoch, ab, 0, nullptr);
     } else {
-      if (kind == BARRIER_START) {
-        // Strong (relaxed, system-scope) accesses: ordered by the flag's release/acquire, never a data race.
-        u32* d = g.sigs[t] + desc_index(blockIdx.x, g.rank);
-        st_relaxed_sys(d + 0, g.what);
-        st_relaxed_sys(d + 1, g.call);
-        st_relaxed_sys(d + 2, (u32)g.count);
-        st_relaxed_sys(d + 3, (u32)(g.count >> 32));
-      }
+      if (kind == BARRIER_START && !g.announced) store_call_descriptor(g, t);
       st_release_sys(g.sigs[t] + flag_index(kind, blockIdx.x, g.rank), epoch);
       failed = wait_flag(g, own + flag_index(kind, blockIdx.x, t), epoch, kind, t) != 0u;
       if (!failed && kind == BARRIER_START) {

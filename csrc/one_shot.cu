@@ -14,6 +14,7 @@ __device__ __forceinline__ void one_shot(const typename Traits<DT>::T* __restric
   const i64 stride = grid_stride();
   const i64 npacks = (n + kPer - 1) / kPer;
   if (!block_owns_packs(npacks)) return;
+  announce_call(g);
   uint4* own = reinterpret_cast<uint4*>(g.data[g.rank]);
   const uint4* src[DETCOMM_W];
 #pragma unroll
@@ -46,7 +47,7 @@ __device__ __forceinline__ void one_shot(const typename Traits<DT>::T* __restric
   extern "C" __global__ void __launch_bounds__(DETCOMM_BLOCK_THREADS)                                     \
       NAME(const Traits<DT>::T* x, Traits<DT>::T* out, i64 n, u32 call, char* const* data, u32* const* sigs, \
            int rank, u64 timeout_ns, u32* ctrl) {                                                          \
-    const Group g{data, sigs, rank, timeout_ns, ctrl, (DETCOMM_KIND_ONE_SHOT << 8) | DT, call, (u64)n};    \
+    const Group g{data, sigs, rank, timeout_ns, ctrl, (DETCOMM_KIND_ONE_SHOT << 8) | DT, call, (u64)n, true};    \
     one_shot<DT>(x, out, n, g);                                                                           \
   }
 

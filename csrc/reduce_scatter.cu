@@ -7,7 +7,7 @@
   extern "C" __global__ void __launch_bounds__(DETCOMM_BLOCK_THREADS)                                       \
       NAME(const Traits<DT>::T* x, i64 x_stride, Traits<DT>::T* out_self, i64 L, i64 Lp, u32 call,           \
            char* const* data, u32* const* sigs, int rank, u64 timeout_ns, u32* ctrl) {                      \
-    const Group g{data, sigs, rank, timeout_ns, ctrl, (DETCOMM_KIND_REDUCE_SCATTER << 8) | DT, call, (u64)L}; \
+    const Group g{data, sigs, rank, timeout_ns, ctrl, (DETCOMM_KIND_REDUCE_SCATTER << 8) | DT, call, (u64)L, true}; \
     slice_fold<DT, false>(x, x_stride, (i64)DETCOMM_W * L, L, Lp, out_self, out_self, g);                   \
   }
 

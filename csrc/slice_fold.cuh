@@ -24,6 +24,7 @@ __device__ __forceinline__ void slice_fold(const typename Traits<DT>::T* __restr
   const i64 stride = grid_stride();
   const int r = g.rank;
   if (!block_owns_packs((L + kPer - 1) / kPer)) return;  // slice 0 is the longest: L elements
+  announce_call(g);
   uint4* own = reinterpret_cast<uint4*>(g.data[r]);
   const uint4* src[DETCOMM_W];
 #pragma unroll

@@ -10,7 +10,7 @@
   extern "C" __global__ void __launch_bounds__(DETCOMM_BLOCK_THREADS)                                       \
       NAME(const Traits<DT>::T* x, Traits<DT>::T* out, i64 n, i64 L, i64 Lp, u32 call, char* const* data,   \
            u32* const* sigs, int rank, u64 timeout_ns, u32* ctrl) {                                         \
-    const Group g{data, sigs, rank, timeout_ns, ctrl, (DETCOMM_KIND_TWO_SHOT << 8) | DT, call, (u64)n};     \
+    const Group g{data, sigs, rank, timeout_ns, ctrl, (DETCOMM_KIND_TWO_SHOT << 8) | DT, call, (u64)n, true};     \
     slice_fold<DT, true>(x, L, n, L, Lp, out + (i64)rank * L, out, g);                                      \
   }
 
