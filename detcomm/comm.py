@@ -270,7 +270,8 @@ class Communicator:
     def _site_for_call(self, site: str | Site, collective: Collective, x: torch.Tensor, op: ReduceOp, *,
                        rows_per_rank: Sequence[int] | None = None, uneven: bool = False) -> Site:
         if isinstance(site, Site):
-            if site.group != self.group_label or self._sites.get(site.name) != site:
+            declared = self._sites.get(site.name)
+            if site.group != self.group_label or (declared is not site and declared != site):
                 raise ValueError(
                     f"site {site.name!r} was not declared on this communicator's group ({self.group_label!r}); "
                     "declare it with detcomm.site(..., group=...) on the group that runs the call"

@@ -24,14 +24,21 @@ class IpcFoldBackend:
     def bind(self, site: Site) -> BoundRoute:
         label = site.name
         coll = Collective.ALL_REDUCE if site.collective is Collective.ALL_REDUCE_RMSNORM else site.collective
+        ws = self.workspace
+        reachable = ws.variants(coll.value, site.dtype, site.row_numel, site.max_rows)
+        all_reduce: Call = lambda x, a: self.all_reduce(x, site.op, out=a.out, label=label)  # noqa: E731
+        if coll is Collective.ALL_REDUCE and reachable:
+            # The hot path of decode: everything that depends only on the site is prepared here, once.
+            assert site.op is ReduceOp.SUM, "routing sends only floating-point SUM here"
+            fast = ws.bind_all_reduce(site.dtype, site.row_numel, label=label)
+            all_reduce = lambda x, a: fast(x, a.out)  # noqa: E731
         bound = bind_from(self.route, site, {
-            Collective.ALL_REDUCE: lambda x, a: self.all_reduce(x, site.op, out=a.out, label=label),
+            Collective.ALL_REDUCE: all_reduce,
             Collective.REDUCE_SCATTER: lambda x, a: self.reduce_scatter(x, site.op, out=a.out, label=label),
             Collective.ALL_GATHER: lambda x, a: self.all_gather(x, out=a.out, label=label),
         })
-        ws = self.workspace
         forced: dict[str, Call] = {}
-        for v in ws.variants(coll.value, site.dtype, site.row_numel, site.max_rows):
+        for v in reachable:
             if coll is Collective.ALL_REDUCE:
                 kw: dict[str, object] = {"chunk_rows": 1} if v == "chunked" else {"algo": v}
                 forced[v] = lambda x, a, kw=kw: ws.all_reduce(x, label=label, **kw)  # type: ignore[misc]

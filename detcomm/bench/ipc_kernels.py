@@ -13,7 +13,10 @@ Modes:
   the GPU's SMs and HBM, so large-message times are a lower bound on what W GPUs over NVLink would give, not a
   prediction of it.
 - nccl: only where torch sees >= 2 GPUs: one process per GPU, the workspace over CUDA IPC against NCCL
-  all_reduce (NCCL's default, and NCCL_ALGO=Ring NCCL_PROTO=Simple), eager and graph, same sizes.
+  all_reduce (NCCL's default, and NCCL_ALGO=Ring NCCL_PROTO=Simple), eager and graph, same sizes; beside them
+  what a caller pays through the public API (`detcomm.all_reduce` on a site routed to the workspace: "detcomm"
+  with an output buffer, "detcomm_inplace" with out=x), and, at the smallest size, the host time of one eager
+  call of each (mode "host").
 
 Medians over repeats, timed with CUDA events. The multicast-off variables of docs/spec.md §8 are set here and inherited
 by every child process.
@@ -27,6 +30,7 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 os.environ.update(MULTICAST_OFF)
@@ -141,6 +145,7 @@ def _nccl_rank(rank: int, world: int, init_file: str, sizes: list[int], nccl_env
     os.environ.update(nccl_env)  # before the communicator exists: NCCL reads its environment at init
     import torch.distributed as dist
 
+    import detcomm
     from detcomm.workspace import Workspace
 
     torch.cuda.set_device(rank)
@@ -148,14 +153,25 @@ def _nccl_rank(rank: int, world: int, init_file: str, sizes: list[int], nccl_env
     dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world, device_id=dev)
     gloo = dist.new_group(backend="gloo")
     ws = Workspace.create(gloo, device=dev, capacity_bytes=max(sizes), max_rows_armed=1 << 20, timeout_s=60.0)
+    # What a caller pays: the public API on the same GPUs, its own workspace armed with the same capacity, the
+    # site forced onto the workspace route (numerics="auto" keeps the NCCL environment under test untouched).
+    max_rows = max(sizes) // 2048
+    detcomm.init(numerics="auto", device=dev, workspace=True, workspace_bytes=max(sizes), workspace_max_rows=max_rows)
+    site = detcomm.site("bench.all_reduce", collective="all_reduce", dtype=torch.bfloat16, shape=(1024,),
+                        max_rows=max_rows, route="ipc_fold")
     rows = []
     for size in sizes:
         x = torch.randn(size // 2048, 1024, device=dev).to(torch.bfloat16)
         out = torch.empty_like(x)
+        buf = x.clone()
         iters = 20 if size <= (1 << 20) else 5
         cands = {"nccl": lambda: dist.all_reduce(x),
                  "one_shot": lambda: ws.all_reduce(x, out=out, algo="one_shot"),
-                 "two_shot": lambda: ws.all_reduce(x, out=out, algo="two_shot")}
+                 "two_shot": lambda: ws.all_reduce(x, out=out, algo="two_shot"),
+                 "detcomm": lambda: detcomm.all_reduce(x, site, out=out),
+                 "detcomm_inplace": lambda: detcomm.all_reduce(buf, site, out=buf)}
+        if size == min(sizes):
+            rows += [dict(r, nccl_env=nccl_env) for r in _host_times(world, size, cands, gloo)]
         for name, fn in cands.items():
             fn()
             torch.cuda.synchronize()
@@ -173,9 +189,35 @@ def _nccl_rank(rank: int, world: int, init_file: str, sizes: list[int], nccl_env
             rows.append({"mode": "nccl", "world": world, "bytes": size, "impl": name, "nccl_env": nccl_env,
                          "eager_us": eager * 1e3, "graph_us": graph * 1e3})
     ws.close()
-    dist.destroy_process_group()
+    detcomm.shutdown()
+    if dist.is_initialized():
+        dist.destroy_process_group()
     if rank == 0:
         Path(result_file).write_text(json.dumps(rows))
+
+
+def _host_times(world: int, size: int, cands: dict, gloo: Any, *, calls: int = 200, repeats: int = 15) -> list[dict]:
+    """Host time per eager call: `calls` back-to-back calls timed by the host clock with the device idle when
+    they start (synchronized before), median over repeats. 200 small launches stay far below the launch queue's
+    depth, so the host never waits for the device: this is the Python + driver cost of one call."""
+    import torch.distributed as dist
+
+    rows = []
+    for name, fn in cands.items():
+        fn()
+        torch.cuda.synchronize()
+        samples = []
+        for _ in range(repeats):
+            dist.barrier(group=gloo)
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            samples.append((time.perf_counter() - t) / calls)
+            torch.cuda.synchronize()
+        samples.sort()
+        rows.append({"mode": "host", "world": world, "bytes": size, "impl": name, "host_us": samples[len(samples) // 2] * 1e6})
+    return rows
 
 
 def bench_nccl(quick: bool, tmp: Path, sizes: list[int] | None = None) -> list[dict]:
@@ -217,6 +259,14 @@ def to_markdown(rows: list[dict], header: str) -> str:
             o, t = cell["one_shot"], cell["two_shot"]
             out.append(f"| {w} | {_size(b)} | {o['eager_us']:.1f} | {o['graph_us']:.1f} | {t['eager_us']:.1f} | "
                        f"{t['graph_us']:.1f} |")
+        out.append("")
+    host = [r for r in rows if r["mode"] == "host"]
+    if host:
+        out += ["### Host time per eager call (device idle at the start; median of 15 x 200 back-to-back calls)", "",
+                "| W | NCCL env | size | impl | host us per call |", "| ---: | --- | ---: | --- | ---: |"]
+        for r in host:
+            env = " ".join(f"{k}={v}" for k, v in r.get("nccl_env", {}).items()) or "default"
+            out.append(f"| {r['world']} | {env} | {_size(r['bytes'])} | {r['impl']} | {r['host_us']:.1f} |")
         out.append("")
     nc = [r for r in rows if r["mode"] == "nccl"]
     if nc:

@@ -228,6 +228,11 @@ class KernelSet:
     def names() -> list[str]:
         return [name for module in MODULE_DTYPE_CODES for name in module_functions(module)]
 
+    def prepare(self, name: str, grid: int, args: Sequence[Any]) -> PreparedLaunch:
+        """`name`'s launch with its parameter block built once from `args` (ctypes values in the kernel's
+        parameter order): set the changing values in place (``args[i].value = ...``), then call it with the stream."""
+        return PreparedLaunch(self._functions[name].ptr, grid, args)
+
     def launch(self, name: str, grid: int, args: Sequence[Any], *, stream_ptr: int) -> None:
         """Launch `name` with `grid` blocks of plan.BLOCK_THREADS on the raw CUDA stream `stream_ptr`.
 
@@ -239,6 +244,28 @@ class KernelSet:
         params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
         driver.launchKernel(self._functions[name].ptr, grid, 1, 1, plan.BLOCK_THREADS, 1, 1, 0, stream_ptr,
                             ctypes.addressof(params), 0)
+
+
+class PreparedLaunch:
+    """One kernel launch whose parameter block is allocated once (the per-call host cost of building ctypes values
+    and a pointer array is most of a small launch's Python time). The caller owns the ctypes values and sets them
+    before each call. Reusing the block is safe: cuLaunchKernel copies the parameters before it returns, also
+    while a CUDA graph is being captured."""
+
+    __slots__ = ("args", "_function", "_grid", "_params", "_params_ptr", "_launch")
+
+    def __init__(self, function_ptr: int, grid: int, args: Sequence[Any]) -> None:
+        from cupy.cuda import driver  # noqa: PLC0415
+
+        self.args = list(args)  # kept alive: the block holds their addresses
+        self._function = function_ptr
+        self._grid = grid
+        self._params = (ctypes.c_void_p * len(self.args))(*[ctypes.addressof(a) for a in self.args])
+        self._params_ptr = ctypes.addressof(self._params)
+        self._launch = driver.launchKernel
+
+    def __call__(self, stream_ptr: int) -> None:
+        self._launch(self._function, self._grid, 1, 1, plan.BLOCK_THREADS, 1, 1, 0, stream_ptr, self._params_ptr, 0)
 
 
 _SETS: dict[ModuleKey, KernelSet] = {}

@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -119,8 +120,16 @@ class Workspace:
                       ctypes.c_int32(self.rank), _u64(self.timeout_ns), _u64(self._ctrl.ptr)]
         self._sig_ptrs = sig_ptrs
         self._lock = threading.Lock()
-        self._last_stream: torch.cuda.Stream | None = None
-        self._done = torch.cuda.Event()
+        self._device_index = device.index
+        # The in-flight guard's state: the raw stream of the last eager call and an event recorded after it (a
+        # timing-free CUDA event through cupy's runtime binding: recording and querying it by handle costs well
+        # under a microsecond, where torch's Event wants a Stream object built per call).
+        self._last_stream: int | None = None
+        from cupy.cuda import runtime  # noqa: PLC0415
+
+        with torch.cuda.device(device):
+            self._done = runtime.eventCreateWithFlags(2)  # cudaEventDisableTiming
+        self._all_reduce_cache: dict[tuple[str, int], _AllReduceLauncher] = {}
         self._dead: str | None = None
         self._failure: str | None = None
         # Launch numbers: every launch carries one, peers compare them at the start barrier; labels name them.
@@ -250,6 +259,9 @@ class Workspace:
             return
         self._transport.close()
         self._ctrl.free()
+        from cupy.cuda import runtime  # noqa: PLC0415
+
+        runtime.eventDestroy(self._done)
         self._dead = "closed"
 
     def abort(self) -> None:
@@ -340,25 +352,41 @@ class Workspace:
         rows, row_elems, row_bytes = self._rows(x)
         if rows == 0 or row_elems == 0:
             return out
-        sfx = plan.DTYPE_SUFFIX[dtype]
         per = self._per_chunk(row_bytes, chunk_rows, 1)
-        with self._collective() as stream_ptr:
-            for a, b in plan.chunks(rows, per):
-                n = (b - a) * row_elems
-                xp, op = x.data_ptr() + a * row_bytes, out.data_ptr() + a * row_bytes
-                one = algo == "one_shot" or (algo is None and n * x.element_size() <= self.one_shot_max_bytes)
-                if one:
-                    self._launch(f"detcomm_one_shot_{sfx}", [_u64(xp), _u64(op), _i64(n)], stream_ptr, label)
-                else:
-                    geo = plan.two_shot_slices(n, self.world_size, dtype, self.grid)
-                    assert geo.slot_bytes_used(self.world_size) <= self._slot_bytes, (geo, self._slot_bytes)
-                    self._launch(f"detcomm_two_shot_{sfx}",
-                                 [_u64(xp), _u64(op), _i64(n), _i64(geo.length), _i64(geo.stride_packs)], stream_ptr,
-                                 label)
-                self.variants_run.add(("all_reduce", dtype, "one_shot" if one else "two_shot"))
-            if rows > per:
-                self.variants_run.add(("all_reduce", dtype, "chunked"))
-        return out
+        return self._all_reduce_launcher(dtype, row_elems).run(x, out, algo=algo, per=per, label=label)
+
+    def bind_all_reduce(self, dtype: torch.dtype, row_numel: int, *, label: str | None = None
+                        ) -> Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]:
+        """LOCAL, once per site: the site's all-reduce as ``call(x, out) -> out`` (COLLECTIVE when called), with
+        everything that depends only on the site (dtype, row width, kernels, chunking, the launch parameter
+        blocks) prepared here, so a call does O(1) work: a liveness check, the output, the launches. ``x`` and
+        ``out`` (None: allocated; never overlapping x) must already be validated as the communicator does before
+        any route sees them: contiguous, on this device, the site's dtype and row width."""
+        if dtype not in FLOAT_DTYPES:
+            raise ValueError(f"the workspace folds {list(FLOAT_NAMES)}, got {dtype}")
+        name = name_of(dtype)
+        if name in self.refused:
+            raise WorkspaceUnavailable(f"the workspace's {name} kernels were refused: {self.refused[name]}")
+        if row_numel < 1:
+            raise ValueError(f"row_numel must be >= 1, got {row_numel}")
+        launcher = self._all_reduce_launcher(name, row_numel)
+        per = plan.rows_per_chunk(self.capacity_bytes, row_numel * plan.elem_size(name))
+        ctrl = self._ctrl.words
+
+        def call(x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+            if self._dead is not None or ctrl[0]:
+                self.check()
+            assert x.dtype is dtype, (x.dtype, dtype)  # the communicator checked the site's dtype
+            return launcher.run(x, torch.empty_like(x) if out is None else out, algo=None, per=per, label=label)
+
+        return call
+
+    def _all_reduce_launcher(self, dtype: str, row_elems: int) -> _AllReduceLauncher:
+        key = (dtype, row_elems)
+        launcher = self._all_reduce_cache.get(key)
+        if launcher is None:
+            launcher = self._all_reduce_cache[key] = _AllReduceLauncher(self, dtype, row_elems)
+        return launcher
 
     def reduce_scatter(self, x: torch.Tensor, *, out: torch.Tensor | None = None, chunk_rows: int | None = None,
                        label: str | None = None) -> torch.Tensor:
@@ -463,11 +491,16 @@ class Workspace:
         row_elems = x[0].numel() if rows else 0
         return rows, row_elems, row_elems * x.element_size()
 
-    def _launch(self, name: str, args: list[Any], stream_ptr: int, label: str | None) -> None:
+    def _next_call(self, label: str | None) -> int:
+        """The next launch number (peers compare it at the start barrier); remembers the label for failure messages."""
         call = self._calls = (self._calls + 1) & 0xFFFFFFFF
         if label is not None:
             self._labels[call] = label
             self._labels.pop((call - _LABELS_KEPT) & 0xFFFFFFFF, None)
+        return call
+
+    def _launch(self, name: str, args: list[Any], stream_ptr: int, label: str | None) -> None:
+        call = self._next_call(label)
         self._kernels.launch(name, self.grid, args + [ctypes.c_uint32(call)] + self._tail, stream_ptr=stream_ptr)
 
     def _collective(self) -> _InFlight:
@@ -475,7 +508,10 @@ class Workspace:
 
 
 class _InFlight:
-    """Enforces one in-flight collective per workspace and runs the launches on the caller's current stream."""
+    """Enforces one in-flight collective per workspace and runs the launches on the caller's current stream (its
+    raw handle: no torch Stream object is built per call)."""
+
+    __slots__ = ("ws", "capturing", "guard", "stream")
 
     def __init__(self, ws: Workspace) -> None:
         self.ws = ws
@@ -484,26 +520,28 @@ class _InFlight:
         ws = self.ws
         if not ws._lock.acquire(blocking=False):
             raise RuntimeError(f"detcomm workspace (rank {ws.rank}): another thread is issuing a collective on it")
+        self.guard = None
         try:
             self.capturing = torch.cuda.is_current_stream_capturing()
             # Launches go to the current context: switch devices only when the caller is on another one.
-            self.guard = torch.cuda.device(ws.device) if torch.cuda.current_device() != ws.device.index else None
-            if self.guard is not None:
+            if torch.cuda.current_device() != ws._device_index:
+                self.guard = torch.cuda.device(ws.device)
                 self.guard.__enter__()
-            stream = torch.cuda.current_stream()
+            # The raw handle of the current stream (what torch.cuda.current_stream().cuda_stream returns, without
+            # the Stream object; torch's generated code reads it the same way).
+            stream = torch._C._cuda_getCurrentRawStream(ws._device_index)
             last = ws._last_stream
             # Event queries are not allowed during capture; a captured launch does not run now anyway.
-            if (last is not None and last != stream and not self.capturing and not ws._done.query()):
+            if last is not None and last != stream and not self.capturing and _event_pending(ws._done):
                 raise RuntimeError(
-                    f"detcomm workspace (rank {ws.rank}): a collective issued on stream {last.cuda_stream:#x} is still "
+                    f"detcomm workspace (rank {ws.rank}): a collective issued on stream {last:#x} is still "
                     f"in flight; one collective per workspace at a time (this call came from stream "
-                    f"{stream.cuda_stream:#x}). Synchronize the streams or use one workspace per stream.")
+                    f"{stream:#x}). Synchronize the streams or use one workspace per stream.")
             self.stream = stream
-            return stream.cuda_stream
+            return stream
         except BaseException:
-            guard = getattr(self, "guard", None)
-            if guard is not None:
-                guard.__exit__(None, None, None)
+            if self.guard is not None:
+                self.guard.__exit__(None, None, None)
             ws._lock.release()
             raise
 
@@ -511,9 +549,77 @@ class _InFlight:
         ws = self.ws
         try:
             if not self.capturing:
-                ws._done.record(self.stream)
+                from cupy.cuda import runtime  # noqa: PLC0415
+
+                runtime.eventRecord(ws._done, self.stream)
                 ws._last_stream = self.stream
         finally:
             if self.guard is not None:
                 self.guard.__exit__(None, None, None)
             ws._lock.release()
+
+
+def _event_pending(event: int) -> bool:
+    """Whether the work before `event`'s last record is still running (cudaEventQuery: 0 done, 600 not ready)."""
+    from cupy.cuda import runtime  # noqa: PLC0415
+
+    status = runtime.eventQuery(event)
+    if status not in (0, 600):
+        raise RuntimeError(f"detcomm workspace: cudaEventQuery failed with CUDA error {status}")
+    return status == 600
+
+
+class _AllReduceLauncher:
+    """The all-reduce launches of one (dtype, row width) on one workspace: kernel choice per chunk, with both
+    kernels' parameter blocks prepared once (kernels.PreparedLaunch). Every choice and chunking gives the same
+    bits (the canonical fold is element-wise); the row count only moves latency."""
+
+    def __init__(self, ws: Workspace, dtype: str, row_elems: int) -> None:
+        sfx = plan.DTYPE_SUFFIX[dtype]
+        self.ws = ws
+        self.dtype = dtype
+        self.row_elems = row_elems
+        self.row_bytes = row_elems * plan.elem_size(dtype)
+        self.one_shot_max_elems = ws.one_shot_max_bytes // plan.elem_size(dtype)
+        self.x, self.out, self.n = ctypes.c_uint64(), ctypes.c_uint64(), ctypes.c_int64()
+        self.length, self.stride, self.call = ctypes.c_int64(), ctypes.c_int64(), ctypes.c_uint32()
+        ks = ws._kernels
+        self.one_shot = ks.prepare(f"detcomm_one_shot_{sfx}", ws.grid, [self.x, self.out, self.n, self.call, *ws._tail])
+        self.two_shot = ks.prepare(f"detcomm_two_shot_{sfx}", ws.grid,
+                                   [self.x, self.out, self.n, self.length, self.stride, self.call, *ws._tail])
+        self.ran = {v: ("all_reduce", dtype, v) for v in ("one_shot", "two_shot", "chunked")}
+        self._geometry: dict[int, plan.SliceGeometry] = {}
+
+    def run(self, x: torch.Tensor, out: torch.Tensor, *, algo: str | None, per: int, label: str | None
+            ) -> torch.Tensor:
+        rows = x.shape[0]
+        if rows == 0:
+            return out
+        ws = self.ws
+        row_elems, row_bytes = self.row_elems, self.row_bytes
+        with _InFlight(ws) as stream:
+            xp, op = x.data_ptr(), out.data_ptr()
+            for a in range(0, rows, per):
+                n = (min(rows, a + per) - a) * row_elems
+                self.x.value, self.out.value, self.n.value = xp + a * row_bytes, op + a * row_bytes, n
+                self.call.value = ws._next_call(label)
+                if algo == "one_shot" or (algo is None and n <= self.one_shot_max_elems):
+                    self.one_shot(stream)
+                    ws.variants_run.add(self.ran["one_shot"])
+                else:
+                    geo = self._slices(n)
+                    self.length.value, self.stride.value = geo.length, geo.stride_packs
+                    self.two_shot(stream)
+                    ws.variants_run.add(self.ran["two_shot"])
+            if rows > per:
+                ws.variants_run.add(self.ran["chunked"])
+        return out
+
+    def _slices(self, n: int) -> plan.SliceGeometry:
+        geo = self._geometry.get(n)
+        if geo is None:
+            geo = plan.two_shot_slices(n, self.ws.world_size, self.dtype, self.ws.grid)
+            assert geo.slot_bytes_used(self.ws.world_size) <= self.ws._slot_bytes, (geo, self.ws._slot_bytes)
+            if len(self._geometry) < 4096:  # the distinct sizes of a site: bounded by its max_rows
+                self._geometry[n] = geo
+        return geo
