@@ -159,6 +159,9 @@ def _nccl_rank(rank: int, world: int, init_file: str, sizes: list[int], nccl_env
     detcomm.init(numerics="auto", device=dev, workspace=True, workspace_bytes=max(sizes), workspace_max_rows=max_rows)
     site = detcomm.site("bench.all_reduce", collective="all_reduce", dtype=torch.bfloat16, shape=(1024,),
                         max_rows=max_rows, route="ipc_fold")
+    # The route large sites took before they could stay on the workspace chunked: the same public call.
+    gather = detcomm.site("bench.all_reduce.gather_fold", collective="all_reduce", dtype=torch.bfloat16,
+                          shape=(1024,), max_rows=max_rows, route="gather_fold")
     rows = []
     for size in sizes:
         x = torch.randn(size // 2048, 1024, device=dev).to(torch.bfloat16)
@@ -169,7 +172,8 @@ def _nccl_rank(rank: int, world: int, init_file: str, sizes: list[int], nccl_env
                  "one_shot": lambda: ws.all_reduce(x, out=out, algo="one_shot"),
                  "two_shot": lambda: ws.all_reduce(x, out=out, algo="two_shot"),
                  "detcomm": lambda: detcomm.all_reduce(x, site, out=out),
-                 "detcomm_inplace": lambda: detcomm.all_reduce(buf, site, out=buf)}
+                 "detcomm_inplace": lambda: detcomm.all_reduce(buf, site, out=buf),
+                 "gather_fold": lambda: detcomm.all_reduce(x, gather, out=out)}
         if size == min(sizes):
             rows += [dict(r, nccl_env=nccl_env) for r in _host_times(world, size, cands, gloo)]
         for name, fn in cands.items():
@@ -180,9 +184,16 @@ def _nccl_rank(rank: int, world: int, init_file: str, sizes: list[int], nccl_env
             s = torch.cuda.Stream()
             s.wait_stream(torch.cuda.current_stream())
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, stream=s):
-                for _ in range(iters):
-                    fn()
+            try:
+                with torch.cuda.graph(g, stream=s):
+                    for _ in range(iters):
+                        fn()
+            except Exception as e:  # noqa: BLE001 - a route that cannot be captured is a result (every rank fails alike)
+                torch.cuda.synchronize()
+                rows.append({"mode": "nccl", "world": world, "bytes": size, "impl": name, "nccl_env": nccl_env,
+                             "eager_us": eager * 1e3, "graph_us": float("nan"),
+                             "graph_note": f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"})
+                continue
             torch.cuda.synchronize()
             dist.barrier(group=gloo)
             graph = _median_ms(g.replay, repeats=5, iters=1) / iters
