@@ -344,6 +344,12 @@ class RouteTable:
 _log = logging.getLogger("detcomm")
 
 
+# Why large all-reduce sites stay on the workspace (the route table's reason): the measurement behind the rule.
+LARGE_SITE_WHY = ("max_rows above the armed rows, the workspace measured faster than gather_fold at every size "
+                  "(2x H200, W=2, bf16, eager, time / NCCL's: 16 KiB 0.58 vs 2.39, 64 MiB 1.03 vs 1.61; "
+                  "docs/performance.md)")
+
+
 class AutoBackend:
     """Maps sites to routes from static facts only (the site, the envelope, the group's capabilities).
 
@@ -407,12 +413,14 @@ class AutoBackend:
             no_ws = "force_deterministic_rsag: no symmetric-memory path"
         elif not self.caps.workspace:
             no_ws = self.caps.workspace_reason
-        elif site.max_rows > self.caps.workspace_max_rows:
+        elif site.max_rows > self.caps.workspace_max_rows and not self._workspace_chunks_large(site):
             no_ws = f"max_rows {site.max_rows} > workspace's armed {self.caps.workspace_max_rows} rows"
         elif site.op is ReduceOp.AVG:
             no_ws = "the workspace kernels round to the dtype; avg needs the fp32 fold"
         else:
             why = f"canonical fold in the CUDA-IPC workspace (max_rows <= {self.caps.workspace_max_rows})"
+            if site.max_rows > self.caps.workspace_max_rows:
+                why = f"canonical fold in the CUDA-IPC workspace, chunked: {LARGE_SITE_WHY}"
             launches = self._launches(site)
             if launches > 1:
                 why += f"; {launches} launches per call at max_rows (workspace_bytes={self.caps.workspace_bytes})"
@@ -427,6 +435,15 @@ class AutoBackend:
             out = [RouteDecision(d.route, d.why + "; then the canonical residual add + RMSNorm (composition)")
                    for d in out]
         return out
+
+    # -- large all-reduce sites stay on the workspace, chunked (a self-contained rule) ------------------------
+    def _workspace_chunks_large(self, site: Site) -> bool:
+        """An all-reduce site whose max_rows exceeds the armed rows still takes the workspace when one row fits a
+        launch: the workspace chunks it (same bits), and it was measured faster than gather_fold at every size
+        (LARGE_SITE_WHY). Reduce-scatter keeps a2a_fold above the armed rows (not measured against it)."""
+        if site.collective not in (Collective.ALL_REDUCE, Collective.ALL_REDUCE_RMSNORM) or self.caps.workspace_bytes <= 0:
+            return False
+        return site.row_numel * torch.empty((), dtype=site.dtype).element_size() <= self.caps.workspace_bytes
 
     def _launches(self, site: Site) -> int:
         """How many workspace launches a call at ``max_rows`` takes (rows beyond workspace_bytes are chunked)."""

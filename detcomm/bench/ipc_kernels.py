@@ -175,12 +175,19 @@ def _nccl_rank(rank: int, world: int, init_file: str, sizes: list[int], nccl_env
                  "detcomm_inplace": lambda: detcomm.all_reduce(buf, site, out=buf),
                  "gather_fold": lambda: detcomm.all_reduce(x, gather, out=out)}
         if size == min(sizes):
-            rows += [dict(r, nccl_env=nccl_env) for r in _host_times(world, size, cands, gloo)]
+            for r in _host_times(world, size, cands, gloo):
+                rows.append(dict(r, nccl_env=nccl_env))
+                _progress(rank, rows[-1])
         for name, fn in cands.items():
             fn()
             torch.cuda.synchronize()
             dist.barrier(group=gloo)
             eager = _median_ms(fn, repeats=5, iters=iters)
+            if name in EAGER_ONLY:
+                rows.append({"mode": "nccl", "world": world, "bytes": size, "impl": name, "nccl_env": nccl_env,
+                             "eager_us": eager * 1e3, "graph_us": float("nan"), "graph_note": EAGER_ONLY[name]})
+                _progress(rank, rows[-1])
+                continue
             s = torch.cuda.Stream()
             s.wait_stream(torch.cuda.current_stream())
             g = torch.cuda.CUDAGraph()
@@ -199,12 +206,24 @@ def _nccl_rank(rank: int, world: int, init_file: str, sizes: list[int], nccl_env
             graph = _median_ms(g.replay, repeats=5, iters=1) / iters
             rows.append({"mode": "nccl", "world": world, "bytes": size, "impl": name, "nccl_env": nccl_env,
                          "eager_us": eager * 1e3, "graph_us": graph * 1e3})
+            _progress(rank, rows[-1])
     ws.close()
     detcomm.shutdown()
     if dist.is_initialized():
         dist.destroy_process_group()
     if rank == 0:
         Path(result_file).write_text(json.dumps(rows))
+
+
+# Measured eager only: a graph capture that fails inside an NCCL collective can leave the communicator unusable
+# for the rest of the run.
+EAGER_ONLY = {"gather_fold": "eager only in this bench"}
+
+
+def _progress(rank: int, row: dict) -> None:
+    """Rank 0 prints every row as it is measured (a run cut short by its time limit keeps what it measured)."""
+    if rank == 0:
+        print("ROW " + json.dumps(row), flush=True)
 
 
 def _host_times(world: int, size: int, cands: dict, gloo: Any, *, calls: int = 200, repeats: int = 15) -> list[dict]:
@@ -231,7 +250,10 @@ def _host_times(world: int, size: int, cands: dict, gloo: Any, *, calls: int = 2
     return rows
 
 
-def bench_nccl(quick: bool, tmp: Path, sizes: list[int] | None = None) -> list[dict]:
+NCCL_ENVS = {"default": {}, "ring_simple": {"NCCL_ALGO": "Ring", "NCCL_PROTO": "Simple"}}
+
+
+def bench_nccl(quick: bool, tmp: Path, sizes: list[int] | None = None, envs: list[str] | None = None) -> list[dict]:
     import torch.multiprocessing as mp
 
     world = min(torch.cuda.device_count(), 8)
@@ -240,7 +262,8 @@ def bench_nccl(quick: bool, tmp: Path, sizes: list[int] | None = None) -> list[d
         return []
     sizes = sizes or (SIZES[:4] if quick else SIZES)
     rows = []
-    for tag, env in (("default", {}), ("ring_simple", {"NCCL_ALGO": "Ring", "NCCL_PROTO": "Simple"})):
+    for tag in envs or list(NCCL_ENVS):
+        env = NCCL_ENVS[tag]
         result = tmp / f"nccl_{tag}.json"
         init = tmp / f"init_{tag}_{time.time_ns()}"
         mp.spawn(_nccl_rank, args=(world, str(init), sizes, env, str(result)), nprocs=world, join=True)
@@ -301,6 +324,7 @@ def main() -> None:
     ap.add_argument("--modes", default="fold,latency,nccl", help="comma-separated subset of fold,latency,nccl")
     ap.add_argument("--quick", action="store_true", help="smaller sizes (smoke run)")
     ap.add_argument("--worlds", default=",".join(map(str, WORLDS)), help="latency mode: comma-separated W values")
+    ap.add_argument("--nccl-envs", default=",".join(NCCL_ENVS), help=f"nccl mode: comma-separated subset of {','.join(NCCL_ENVS)}")
     ap.add_argument("--sizes", default="", help="latency and nccl modes: comma-separated sizes in KiB (default: all)")
     args = ap.parse_args()
     modes = set(args.modes.split(","))
@@ -320,7 +344,7 @@ def main() -> None:
     if "latency" in modes:
         rows += bench_latency(args.quick, [int(w) for w in args.worlds.split(",")], sizes)
     if "nccl" in modes:
-        rows += bench_nccl(args.quick, out.parent, sizes)
+        rows += bench_nccl(args.quick, out.parent, sizes, args.nccl_envs.split(","))
     md = to_markdown(rows, header)
     out.with_suffix(".md").write_text(md + "\n")
     out.with_suffix(".json").write_text(json.dumps({"header": header, "rows": rows}, indent=1))

@@ -63,7 +63,8 @@ def test_workspace_route_processes_sharing_one_gpu(world: int) -> None:
     for r in res:
         assert r["routes"]["ws.ar"][0] == "ipc_fold", r
         assert r["routes"]["ws.rs"][0] == "ipc_fold", r
-        assert r["routes"]["ws.big"][0] == "gather_fold"  # max_rows above the armed rows: static
+        # max_rows above the armed rows: still the workspace (chunked when needed), the static rule says why
+        assert r["routes"]["ws.big"][0] == "ipc_fold" and "chunked" in r["routes"]["ws.big"][1], r
         assert r["variants_missing"] == [] and len(r["variants_listed"]) >= 2, r
         assert all(r["ok"]), r
         assert any(label.startswith("ipc_fold") and passed for label, passed in r["checks"])
