@@ -140,3 +140,19 @@ def test_failure_records_decode_to_one_line():
     assert "rank 2's host aborted first" in plan.decode_record(rec)
     rec[5] = plan.ABORT_BY_KERNEL | 0
     assert "rank 0's kernel failed first" in plan.decode_record(rec)
+
+
+def test_one_shot_threshold_from_topology() -> None:
+    """Two ranks on their own GPUs never take two-shot (same link bytes, one barrier less: measured faster at every
+    size); ranks sharing a GPU and W > 2 keep the 512 KiB threshold, and then two-shot is reachable again."""
+    from detcomm.workspace import plan as p
+
+    assert p.one_shot_max_bytes(2, shared_gpu=False) == p.ONE_SHOT_ALWAYS
+    for w, shared in ((2, True), (3, False), (8, False), (4, True)):
+        assert p.one_shot_max_bytes(w, shared_gpu=shared) == p.DEFAULT_ONE_SHOT_MAX_BYTES
+    row = 16384  # 8192 bf16
+    big = dict(row_bytes=row, max_rows=4096, world_size=2, capacity_bytes=32 << 20)
+    assert p.variants("all_reduce", **big, one_shot_max_bytes=p.one_shot_max_bytes(2, shared_gpu=False)) == \
+        ["one_shot", "chunked"]
+    # Negative control: the old threshold at W = 2 reaches two-shot on the same site.
+    assert "two_shot" in p.variants("all_reduce", **big, one_shot_max_bytes=p.DEFAULT_ONE_SHOT_MAX_BYTES)

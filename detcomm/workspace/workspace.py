@@ -142,13 +142,14 @@ class Workspace:
     # ---- construction ----------------------------------------------------------------------------------
     @classmethod
     def create(cls, group: Any = None, *, device: torch.device | str | int, capacity_bytes: int, max_rows_armed: int,
-               one_shot_max_bytes: int = plan.DEFAULT_ONE_SHOT_MAX_BYTES, timeout_s: float = DEFAULT_TIMEOUT_S,
+               one_shot_max_bytes: int | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
                max_grid: int = plan.DEFAULT_MAX_GRID, _variant: str = "canonical") -> Workspace:
         """Arm a workspace over `group` (torch.distributed group; None = default). COLLECTIVE.
 
         capacity_bytes: bytes of one rank's rows one launch carries (init's workspace_bytes; more rows are chunked);
         max_rows_armed: the most rows of the sites this workspace was armed for (reported to the router; calls
-        with more rows still work, chunked). timeout_s: the device-side deadline of every barrier (see
+        with more rows still work, chunked). one_shot_max_bytes: messages above it take two-shot (None: from the
+        topology, plan.one_shot_max_bytes). timeout_s: the device-side deadline of every barrier (see
         DEFAULT_TIMEOUT_S for why 60 s). Raises ValueError for bad arguments and WorkspaceUnavailable (on every
         rank, with every rank's reason) when no kernel module, the symmetric memory or the peer-access proof
         fails. A dtype whose module cannot be built on some rank is refused alone on every rank (`refused`,
@@ -188,6 +189,8 @@ class Workspace:
         # Geometry from topology: the device identities every rank reported decide whether ranks share a GPU.
         shared = len({i[4] for i in infos}) < world
         grid = plan.grid_blocks(world, min(i[1] for i in infos), max_grid=max_grid, shared_gpu=shared)
+        if one_shot_max_bytes is None:
+            one_shot_max_bytes = plan.one_shot_max_bytes(world, shared_gpu=shared)
         try:
             transport = IpcSymmetricBuffer.create(plan.buffer_bytes(capacity_bytes, world, grid), group=group,
                                                   device_index=dev.index, probe_offset=plan.probe_offset())
@@ -228,7 +231,7 @@ class Workspace:
                 for v in views]
 
     @staticmethod
-    def _check_args(device: Any, capacity_bytes: int, max_rows_armed: int, one_shot_max_bytes: int,
+    def _check_args(device: Any, capacity_bytes: int, max_rows_armed: int, one_shot_max_bytes: int | None,
                     timeout_s: float, variant: str) -> torch.device:
         dev = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
         if dev.type != "cuda":
@@ -239,7 +242,7 @@ class Workspace:
             raise ValueError(f"capacity_bytes must be >= {plan.PACK_BYTES}, got {capacity_bytes}")
         if max_rows_armed < 1:
             raise ValueError(f"max_rows_armed must be >= 1, got {max_rows_armed}")
-        if one_shot_max_bytes < 0:
+        if one_shot_max_bytes is not None and one_shot_max_bytes < 0:
             raise ValueError(f"one_shot_max_bytes must be >= 0, got {one_shot_max_bytes}")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
