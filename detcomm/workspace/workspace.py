@@ -78,7 +78,7 @@ class Workspace:
 
     Collective calls (every rank of the group must make them, in the same order, with the same shapes):
     `create`, `all_reduce`, `reduce_scatter`, `all_gather`, `close`. Local calls: `abort`, `check`, `synchronize`,
-    `error_record`, `variants`.
+    `error_record`, `variants`, `bind_all_reduce` (once per site; the call it returns is collective).
     `in_process` is not collective (one process plays every rank); its rank views' collectives must still be
     called once per rank, each from its own stream.
 
