@@ -102,6 +102,13 @@ def _stream_ordered(opts: Any) -> Any:
     return opts
 
 
+def _settle(work: Work | None) -> None:
+    """Finish a delegated call made with ``_stream_ordered`` options: NCCL returns no work for a call it queued
+    on the current stream (nothing to wait for); gloo and older torch return one to wait on."""
+    if work is not None:
+        work.wait()
+
+
 class _FoldWork(Work):
     """A folded collective's work. CPU outputs: finished when returned. CUDA outputs: queued on ``stream``
     (current at the call); ``wait()`` makes the caller's current stream wait for an event recorded after the
@@ -215,7 +222,7 @@ class DetcommProcessGroup(dist.ProcessGroup):
     # -- the folds -------------------------------------------------------------------------------------------
     def _gather_rows(self, flat: torch.Tensor) -> torch.Tensor:
         out = torch.empty(self._size * flat.numel(), dtype=flat.dtype, device=flat.device)
-        self._backend(flat)._allgather_base(out, flat, _stream_ordered(AllgatherOptions())).wait()
+        _settle(self._backend(flat)._allgather_base(out, flat, _stream_ordered(AllgatherOptions())))
         return out.view(self._size, flat.numel())
 
     def _fold_into(self, t: torch.Tensor, op: Any) -> None:
@@ -258,7 +265,7 @@ class DetcommProcessGroup(dist.ProcessGroup):
             raise ValueError(f"reduce_scatter: the input holds {flat_in.numel()} elements, expected "
                              f"{self._size} x {n} (world size x output)")
         recv = torch.empty_like(flat_in)
-        self._backend(output).alltoall_base(recv, flat_in, [], [], _stream_ordered(AllToAllOptions())).wait()
+        _settle(self._backend(output).alltoall_base(recv, flat_in, [], [], _stream_ordered(AllToAllOptions())))
         output.copy_(_fold(recv.view(self._size, n), opts.reduceOp, self._size).view_as(output))
         return _FoldWork([output])
 

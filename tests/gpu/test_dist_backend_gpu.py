@@ -75,6 +75,7 @@ _SCRIPT = textwrap.dedent("""
                 work = dist.all_reduce(x, async_op=True)
             work.wait()
             check("async", dtype, x.clone(), oracle.fold_oracle(bits, dtype))  # the clone runs on this stream
+            check("async future", dtype, work.get_future().wait()[0], oracle.fold_oracle(bits, dtype))
             torch.cuda.synchronize()
 
             step(f"{dtype}: warm-up on a side stream")
@@ -115,6 +116,7 @@ _SCRIPT = textwrap.dedent("""
                 n = s_rs.numel()
                 check(f"replay {seed} reduce_scatter", dtype, s_rs, want.reshape(-1)[rank * n:(rank + 1) * n])
             del g
+        torch.cuda.synchronize()
         step("done")
         with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
             f.write(repr(results))
@@ -144,4 +146,4 @@ def test_folded_collectives_eager_async_and_in_a_cuda_graph(tmp_path, world: int
         results = eval(path.read_text())  # noqa: S307 - our own repr of (str, str, bool | str) tuples
         assert all(ok is True for _, _, ok in results), results
         kinds = {what for what, _, _ in results}
-        assert kinds >= {"refused", "eager", "async", "replay 2", "replay 2 async", "replay 3 reduce_scatter"}, results
+        assert kinds >= {"refused", "eager", "async", "async future", "replay 2", "replay 2 async", "replay 3 reduce_scatter"}, results
