@@ -30,16 +30,20 @@ returns at once (the host never blocks), ``is_completed()`` asks the GPU, ``get_
 future (DDP's comm hooks use it). ``async_op=True`` therefore returns before the GPU has run the fold, as NCCL's
 does; on CPU there is no overlap.
 
-CUDA graphs: folded and delegated CUDA calls can be captured and replayed (the gather and fold are stream work
-only; the fold's temporaries come from the graph's pool). As with torch's own NCCL backend, the group's NCCL
+CUDA graphs: folded CUDA calls can be captured and replayed (the gather and fold are stream work only; the
+fold's temporaries come from the graph's pool); delegated calls capture as NCCL's own do. As with torch's own NCCL backend, the group's NCCL
 communicator for a device is made by the first collective on that device, which must run outside a capture:
 one eager call per device before capturing (the usual warm-up). A capture that would be the first call on its
-device raises RuntimeError at once with that fix.
+device raises RuntimeError at once with that fix. Free captured graphs (and synchronize) before
+``destroy_process_group``: with a graph holding NCCL work still alive, torch 2.11's own NCCL backend hung in
+``destroy_process_group`` on two H200s.
+
 The fold moves W x the data of a ring all-reduce (the cost of the gather_fold route, docs/performance.md).
 
 Why not ``"cpu:gloo,cuda:detcomm"``: torch replaces the whole group by a Python process group as soon as one
 device's backend is one, so the gloo half of that string would be dropped; ``"detcomm"`` serves both devices.
-Tested on torch 2.13 (CPU, gloo); written against the API torch has had since 2.4 (``ProcessGroup(rank,
+Tested on torch 2.13 (CPU, gloo) and torch 2.11 with NCCL 2.28 on two H200s (eager, async, captured and
+replayed, W = 1 and 2); written against the API torch has had since 2.4 (``ProcessGroup(rank,
 size)`` subclasses, ``Backend.register_backend(name, fn, devices=...)``, ``_allgather_base`` /
 ``_reduce_scatter_base``, renamed ``all_gather_single`` / ``reduce_scatter_single`` in recent releases: both
 names are served).
@@ -95,8 +99,8 @@ def _kind(op: Any) -> Any:
 def _stream_ordered(opts: Any) -> Any:
     """``opts`` asking the delegated backend for its ``async_op=False`` behaviour: NCCL then queues the
     collective on the caller's current stream (no side stream, no events, no host wait), which is what the
-    fold that follows needs and what a CUDA graph captures most simply. Options without the field (torch
-    before 2.7) keep their default; the ``wait()`` that follows then orders the streams."""
+    fold that follows needs and what a CUDA graph captures most simply. Options without the field (older
+    torch) keep their default; the ``wait()`` that follows then orders the streams."""
     if hasattr(opts, "asyncOp"):
         opts.asyncOp = False
     return opts
