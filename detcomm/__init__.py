@@ -12,23 +12,15 @@ written). Row = dim 0. See README.md for the route table, the envelopes and the 
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import Sequence
 from datetime import timedelta
-from typing import Literal, overload
+from typing import TYPE_CHECKING, Any, Literal, overload
 
-import torch
-import torch.distributed as dist
-
-from .comm import (
-    DEFAULT_WORKSPACE_BYTES,
-    DEFAULT_WORKSPACE_MAX_ROWS,
-    Communicator,
-    RouteEntry,
-    RouteTable,
-    warn_missing_environment,
-)
-from .deadline import DEFAULT_TIMEOUT_S
+# Eager imports are torch-free (``detcomm routes`` and ``python -m detcomm routes`` must not load torch); the
+# torch-side names are imported on first access (PEP 562 ``__getattr__`` below, and inside the functions that
+# need them), so ``import detcomm; detcomm.init(...)`` works exactly as before.
 from .envelope import (
     BITWISE_ENVELOPES,
     MULTICAST_OFF_ENV,
@@ -42,14 +34,57 @@ from .envelope import (
     resolve_numerics,
 )
 from .errors import CollectiveMismatch, DetcommError, PeerTimeout, RouteRefused, WorkspaceFailed, WorkspaceUnavailable
-from .fold import BATCH_INVARIANT, Leaf, Priority, reference_fold, register_leaf, select_leaf
-from .moe import moe_combine, moe_dispatch, moe_site
 from .mpi_env import rank_facts_from_environment
-from .norm import rms_norm
-from .route import DEFAULT_MAX_ROWS, AutoBackend, Capabilities, Collective, ReduceOp, Route, Site
-from .verify import check_from_env
-from .work import Work
-from .workspace import leaf as _cuda_leaf  # noqa: F401 - registers the CUDA fold leaf where cupy is installed
+from .route import (
+    DEFAULT_MAX_ROWS,
+    DEFAULT_WORKSPACE_BYTES,
+    DEFAULT_WORKSPACE_MAX_ROWS,
+    AutoBackend,
+    Capabilities,
+    Collective,
+    ReduceOp,
+    Route,
+    Site,
+)
+
+if TYPE_CHECKING:
+    import torch
+    import torch.distributed as dist
+
+    from .comm import Communicator, RouteEntry, RouteTable
+    from .deadline import DEFAULT_TIMEOUT_S
+    from .fold import BATCH_INVARIANT, Leaf, Priority, reference_fold, register_leaf, select_leaf
+    from .moe import moe_combine, moe_dispatch, moe_site
+    from .norm import rms_norm
+    from .work import Work
+
+# name -> the submodule that defines it (each imports torch); importing detcomm.fold also registers the CUDA
+# fold leaf where cupy is installed.
+_LAZY = {
+    "Communicator": "comm", "RouteEntry": "comm", "RouteTable": "comm",
+    "DEFAULT_TIMEOUT_S": "deadline",
+    "BATCH_INVARIANT": "fold", "Leaf": "fold", "Priority": "fold", "reference_fold": "fold", "register_leaf": "fold",
+    "select_leaf": "fold",
+    "moe_combine": "moe", "moe_dispatch": "moe", "moe_site": "moe",
+    "rms_norm": "norm",
+    "Work": "work",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """PEP 562: the torch-side names (``_LAZY``) and submodules, imported on first access."""
+    module = _LAZY.get(name)
+    if module is None:
+        try:
+            return importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.{name}":
+                raise
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
 
 __version__ = "0.1.0"
 
@@ -112,11 +147,15 @@ _COMMS: dict[object, Communicator] = {}
 _DEFAULT: Communicator | None = None
 
 def _group_key(group: dist.ProcessGroup | None) -> object:
+    import torch.distributed as dist
+
     return dist.group.WORLD if group is None else group
 
 
 def _env_rendezvous() -> str:
     """Fill RANK/WORLD_SIZE/LOCAL_RANK from torchrun's or an MPI launcher's variables; return the backend."""
+    import torch
+
     env = os.environ
     if "RANK" not in env or "WORLD_SIZE" not in env:
         facts = rank_facts_from_environment(env)
@@ -179,6 +218,13 @@ def init(
     NCCL environment a bitwise envelope needs, and ``RouteRefused`` (on every rank) when a route needed for
     a bitwise claim fails its self-check.
     """
+    import torch
+    import torch.distributed as dist
+
+    from .comm import Communicator, warn_missing_environment
+    from .deadline import DEFAULT_TIMEOUT_S
+    from .verify import check_from_env
+
     global _DEFAULT
     resolved = resolve_numerics(default_numerics() if numerics is None else numerics, **switches)
     checking = check_from_env(check)

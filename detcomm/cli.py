@@ -3,7 +3,8 @@ route table a live group would give a set of sites, without starting one).
 
 ``detcomm routes`` decides with the runtime's own router (detcomm.route.AutoBackend) on the capabilities a
 live group of that kind would find, so the static view cannot drift from what ``init`` does. It starts no
-ranks and imports no backend: its cost is the package import (torch).
+ranks and imports neither a backend nor torch: the router decides from dtype names (detcomm.dtypes answers
+sizes and float-ness by name), so the command costs the interpreter start and a few pure-Python modules.
 """
 
 from __future__ import annotations
@@ -15,6 +16,10 @@ import re
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["SiteSpec", "parse_site", "main"]
 
@@ -113,8 +118,6 @@ def _routes(args: argparse.Namespace) -> int:
     if args.world_size < 1 or args.nodes < 1 or args.workspace_max_rows < 1:
         raise ValueError("--world-size, --nodes and --workspace-max-rows must be positive")
 
-    import torch  # the router's types need it
-
     from .envelope import resolve_numerics
     from .route import AutoBackend, Capabilities, Collective, ReduceOp, Site
 
@@ -144,8 +147,10 @@ def _routes(args: argparse.Namespace) -> int:
     unarmed = AutoBackend(resolved, caps(False, "the workspace did not arm at init"))
     rows = []
     for spec in specs:
-        s = Site(spec.name, Collective(spec.collective), getattr(torch, spec.dtype), spec.shape, spec.max_rows,
-                 ReduceOp(spec.op))
+        # The dtype by name: Site's checks and the router read only its name and size (detcomm.dtypes), so the
+        # static view decides exactly as init would without importing torch.
+        s = Site(spec.name, Collective(spec.collective), cast("torch.dtype", spec.dtype), spec.shape,
+                 spec.max_rows, ReduceOp(spec.op))
         d = live.decide(s)
         condition = ""
         if arms:
@@ -178,8 +183,8 @@ def _routes(args: argparse.Namespace) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from .comm import DEFAULT_WORKSPACE_MAX_ROWS
     from .launch.environment import DEFAULT_NUMERICS
+    from .route import DEFAULT_WORKSPACE_MAX_ROWS
 
     p = argparse.ArgumentParser(
         prog="detcomm", description="bitwise batch-invariant collectives",

@@ -26,6 +26,8 @@ from .backends import A2AFoldBackend, GatherFoldBackend, NativeBackend
 from .fold import BATCH_INVARIANT, FLOAT_DTYPES, Leaf, select_leaf
 from .route import (
     DEFAULT_MAX_ROWS,
+    DEFAULT_WORKSPACE_BYTES,  # defined beside the routing policy, torch-free (the static route view reads it)
+    DEFAULT_WORKSPACE_MAX_ROWS,
     NO_ARGS,
     SUPPORTED_DTYPES,
     AutoBackend,
@@ -52,12 +54,6 @@ from .verify import CallChecker
 from .work import Work
 
 __all__ = ["Communicator", "RouteTable", "RouteEntry"]
-
-# Workspace defaults: armed for sites up to a prefill chunk of rows; one launch carries this many bytes of a
-# rank's rows: 32 MiB holds 2048 rows of a bf16 8192-wide row in one launch. Wider sites are chunked (same
-# bits), and the route table says how many launches a site's max_rows takes.
-DEFAULT_WORKSPACE_MAX_ROWS = 2048
-DEFAULT_WORKSPACE_BYTES = 32 * 1024 * 1024
 
 _log = logging.getLogger("detcomm")
 

@@ -22,16 +22,28 @@ device. What each collective does:
 * ``PRODUCT`` and ``PREMUL_SUM`` on floats are refused (ValueError): their result depends on the order and
   the fold defines none; multiply before a SUM instead.
 
-Work objects: a delegated call returns gloo's / NCCL's own ``Work``. A folded call runs its gather and the fold
-inside the call and returns a completed ``Work`` whose ``wait()`` returns True and whose ``get_future()``
-holds the output tensors (DDP's comm hooks use it). With ``async_op=True`` there is therefore no overlap of a
-folded reduction on the CPU; on CUDA the gather and the fold are queued on the current stream, as NCCL's
-own work is after ``wait()``. CUDA-graph capture of a folded call is not supported (the fold allocates).
+Work objects: a delegated call returns gloo's / NCCL's own ``Work``. A folded call on CPU tensors runs its gather
+and fold inside the call and returns a finished ``Work``. On CUDA tensors the gather (NCCL, on the current
+stream) and the fold are queued on the stream current at the call, with no host synchronization, and the
+returned ``Work`` behaves as NCCL's: ``wait()`` orders the caller's then-current stream after the fold and
+returns at once (the host never blocks), ``is_completed()`` asks the GPU, ``get_future()`` is a CUDA-aware
+future (DDP's comm hooks use it). ``async_op=True`` therefore returns before the GPU has run the fold, as NCCL's
+does; on CPU there is no overlap.
+
+CUDA graphs: folded CUDA calls can be captured and replayed (the gather and fold are stream work only; the
+fold's temporaries come from the graph's pool); delegated calls capture as NCCL's own do. As with torch's own NCCL backend, the group's NCCL
+communicator for a device is made by the first collective on that device, which must run outside a capture:
+one eager call per device before capturing (the usual warm-up). A capture that would be the first call on its
+device raises RuntimeError at once with that fix. Free captured graphs (and synchronize) before
+``destroy_process_group``: with a graph holding NCCL work still alive, torch 2.11's own NCCL backend hung in
+``destroy_process_group`` on two H200s.
+
 The fold moves W x the data of a ring all-reduce (the cost of the gather_fold route, docs/performance.md).
 
 Why not ``"cpu:gloo,cuda:detcomm"``: torch replaces the whole group by a Python process group as soon as one
 device's backend is one, so the gloo half of that string would be dropped; ``"detcomm"`` serves both devices.
-Tested on torch 2.13 (CPU, gloo); written against the API torch has had since 2.4 (``ProcessGroup(rank,
+Tested on torch 2.13 (CPU, gloo) and torch 2.11 with NCCL 2.28 on two H200s (eager, async, captured and
+replayed, W = 1 and 2); written against the API torch has had since 2.4 (``ProcessGroup(rank,
 size)`` subclasses, ``Backend.register_backend(name, fn, devices=...)``, ``_allgather_base`` /
 ``_reduce_scatter_base``, renamed ``all_gather_single`` / ``reduce_scatter_single`` in recent releases: both
 names are served).
@@ -55,7 +67,7 @@ from torch._C._distributed_c10d import (
     Work,
 )
 
-from .fold import FLOAT_DTYPES, reference_fold
+from .fold import FLOAT_DTYPES, canonical_nan, reference_fold
 
 __all__ = ["BACKEND_NAME", "DetcommProcessGroup", "register", "folds"]
 
@@ -84,23 +96,49 @@ def _kind(op: Any) -> Any:
     return getattr(op, "op", op)
 
 
-class _DoneWork(Work):
-    """A finished collective: wait() returns at once, the future holds the outputs."""
+def _stream_ordered(opts: Any) -> Any:
+    """``opts`` asking the delegated backend for its ``async_op=False`` behaviour: NCCL then queues the
+    collective on the caller's current stream (no side stream, no events, no host wait), which is what the
+    fold that follows needs and what a CUDA graph captures most simply. Options without the field (older
+    torch) keep their default; the ``wait()`` that follows then orders the streams."""
+    if hasattr(opts, "asyncOp"):
+        opts.asyncOp = False
+    return opts
+
+
+def _settle(work: Work | None) -> None:
+    """Finish a delegated call made with ``_stream_ordered`` options: NCCL returns no work for a call it queued
+    on the current stream (nothing to wait for); gloo and older torch return one to wait on."""
+    if work is not None:
+        work.wait()
+
+
+class _FoldWork(Work):
+    """A folded collective's work. CPU outputs: finished when returned. CUDA outputs: queued on ``stream``
+    (current at the call); ``wait()`` makes the caller's current stream wait for an event recorded after the
+    fold, without blocking the host (NCCL's semantics; capturable)."""
 
     def __init__(self, outputs: list[torch.Tensor]) -> None:
         super().__init__()
         self._outputs = outputs
-        # CUDA outputs need a CUDA-aware future: it records the current stream, and whoever waits on it (DDP's
-        # reducer) is ordered after the fold queued there.
-        devices: list[int | str | torch.device] = sorted({t.device for t in outputs if t.is_cuda}, key=str)
-        self._future: torch.futures.Future = torch.futures.Future(devices=devices or None)
-        self._future.set_result(outputs)
+        self._future: torch.futures.Future | None = None
+        self._stream: torch.cuda.Stream | None = None
+        self._done: torch.cuda.Event | None = None
+        if outputs and outputs[0].is_cuda:
+            self._stream = torch.cuda.current_stream(outputs[0].device)
+            self._done = torch.cuda.Event()
+            self._done.record(self._stream)
 
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+        if self._done is not None:
+            assert self._stream is not None
+            current = torch.cuda.current_stream(self._stream.device)
+            if current != self._stream:
+                current.wait_event(self._done)
         return True
 
     def is_completed(self) -> bool:
-        return True
+        return self._done is None or self._done.query()
 
     def is_success(self) -> bool:
         return True
@@ -112,10 +150,20 @@ class _DoneWork(Work):
         return self._outputs
 
     def get_future(self) -> torch.futures.Future:
+        if self._future is None:
+            if self._stream is None:
+                self._future = torch.futures.Future()
+                self._future.set_result(self._outputs)
+            else:
+                # A CUDA-aware future records the fold's stream when it is completed: whoever waits on it (DDP's
+                # reducer) is ordered after the fold.
+                self._future = torch.futures.Future(devices=[self._stream.device])
+                with torch.cuda.stream(self._stream):
+                    self._future.set_result(self._outputs)
         return self._future
 
     def synchronize(self) -> None:
-        return None
+        self.wait()
 
 
 def _fold(stacked: torch.Tensor, op: Any, world: int) -> torch.Tensor:
@@ -146,6 +194,8 @@ class DetcommProcessGroup(dist.ProcessGroup):
             opts = ProcessGroupNCCL.Options()
             opts._timeout = timeout
             self._nccl = ProcessGroupNCCL(PrefixStore("nccl/", store), rank, size, opts)
+        # CUDA devices this group has run a collective on outside a capture: NCCL made their communicator then.
+        self._connected: set[torch.device] = set()
 
     # -- identity ------------------------------------------------------------------------------------------
     def getBackendName(self) -> str:
@@ -155,17 +205,28 @@ class DetcommProcessGroup(dist.ProcessGroup):
         return BACKEND_NAME
 
     def _backend(self, t: torch.Tensor) -> Any:
-        if t.is_cuda:
-            if self._nccl is None:
-                raise ValueError("a CUDA tensor reached the detcomm process group, but no NCCL backend was created "
-                                 "(CUDA was not available when the group was made)")
-            return self._nccl
-        return self._gloo
+        if not t.is_cuda:
+            return self._gloo
+        if self._nccl is None:
+            raise ValueError("a CUDA tensor reached the detcomm process group, but no NCCL backend was created "
+                             "(CUDA was not available when the group was made)")
+        if t.device not in self._connected:
+            if torch.cuda.is_current_stream_capturing():
+                # NCCL makes a device's communicator on its first collective; inside a capture that would hang
+                # or fail deep in NCCL, so refuse here, before anything is queued.
+                raise RuntimeError(f"the detcomm process group's first collective on {t.device} is being captured "
+                                   "in a CUDA graph; NCCL creates the communicator on first use, which a capture "
+                                   "forbids. Run one collective on this device eagerly (the usual warm-up) before "
+                                   "capturing")
+            for dtype in FLOAT_DTYPES:  # built from host bits once, so the fold never uploads during a capture
+                canonical_nan(dtype, t.device)
+            self._connected.add(t.device)
+        return self._nccl
 
     # -- the folds -------------------------------------------------------------------------------------------
     def _gather_rows(self, flat: torch.Tensor) -> torch.Tensor:
         out = torch.empty(self._size * flat.numel(), dtype=flat.dtype, device=flat.device)
-        self._backend(flat)._allgather_base(out, flat, AllgatherOptions()).wait()
+        _settle(self._backend(flat)._allgather_base(out, flat, _stream_ordered(AllgatherOptions())))
         return out.view(self._size, flat.numel())
 
     def _fold_into(self, t: torch.Tensor, op: Any) -> None:
@@ -184,7 +245,7 @@ class DetcommProcessGroup(dist.ProcessGroup):
             return self._backend(tensors[0]).allreduce(tensors, opts)
         for t in tensors:
             self._fold_into(t, opts.reduceOp)
-        return _DoneWork(tensors)
+        return _FoldWork(tensors)
 
     def allreduce_coalesced(self, tensors: Sequence[torch.Tensor], opts: Any = None) -> Work:
         return self.allreduce(list(tensors), None if opts is None else opts.reduceOp)
@@ -198,7 +259,7 @@ class DetcommProcessGroup(dist.ProcessGroup):
             self._fold_into(keep, opts.reduceOp)
             if self._rank == opts.rootRank:
                 t.copy_(keep)
-        return _DoneWork(tensors)
+        return _FoldWork(tensors)
 
     def _reduce_scatter_flat(self, output: torch.Tensor, flat_in: torch.Tensor, opts: Any) -> Work:
         if not folds(opts.reduceOp, flat_in.dtype):
@@ -208,9 +269,9 @@ class DetcommProcessGroup(dist.ProcessGroup):
             raise ValueError(f"reduce_scatter: the input holds {flat_in.numel()} elements, expected "
                              f"{self._size} x {n} (world size x output)")
         recv = torch.empty_like(flat_in)
-        self._backend(output).alltoall_base(recv, flat_in, [], [], AllToAllOptions()).wait()
+        _settle(self._backend(output).alltoall_base(recv, flat_in, [], [], _stream_ordered(AllToAllOptions())))
         output.copy_(_fold(recv.view(self._size, n), opts.reduceOp, self._size).view_as(output))
-        return _DoneWork([output])
+        return _FoldWork([output])
 
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> Work:
         return self._reduce_scatter_flat(output, input.contiguous().view(-1), opts)

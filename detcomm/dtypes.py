@@ -2,17 +2,30 @@
 
 Every other module asks here: the CLIs parse ``--dtype`` names with ``from_name``, the fold and the
 invariance measurements view floats as same-width integers with ``bits_view``, the workspace sizes buffers
-with ``info(...).size`` and picks kernels by ``info(...).suffix``.
+with ``info(...).size`` and picks kernels by ``info(...).suffix``. Names, sizes and float-ness are answered
+without importing torch (``is_supported``, ``name_of``, ``is_float``, ``size_of`` take a torch dtype or its
+name), so the static route view (``detcomm routes``) never loads torch; the torch-valued constants
+(``TABLE``, ``FLOAT_DTYPES``, ...) are built on first access.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-__all__ = ["DtypeInfo", "TABLE", "FLOAT_DTYPES", "INT_DTYPES", "SUPPORTED_DTYPES", "FLOAT_NAMES", "info",
-           "from_name", "name_of", "bits_view"]
+    # Built on first use (module ``__getattr__`` below): they hold torch dtypes, and the static route view
+    # (``detcomm routes``) must not import torch.
+    TABLE: tuple[DtypeInfo, ...]
+    FLOAT_DTYPES: tuple[torch.dtype, ...]
+    INT_DTYPES: tuple[torch.dtype, ...]
+    SUPPORTED_DTYPES: tuple[torch.dtype, ...]
+
+__all__ = ["DtypeInfo", "TABLE", "FLOAT_DTYPES", "INT_DTYPES", "SUPPORTED_DTYPES", "NAMES", "FLOAT_NAMES", "info",
+           "from_name", "name_of", "bits_view", "is_supported", "is_float", "size_of"]
 
 
 @dataclass(frozen=True)
@@ -31,44 +44,87 @@ class DtypeInfo:
         return self.dtype.is_floating_point
 
 
-TABLE: tuple[DtypeInfo, ...] = (
-    DtypeInfo("float32", torch.float32, 4, torch.int32, "f32"),
-    DtypeInfo("bfloat16", torch.bfloat16, 2, torch.int16, "bf16"),
-    DtypeInfo("float16", torch.float16, 2, torch.int16, "f16"),
-    DtypeInfo("int8", torch.int8, 1, torch.int8),
-    DtypeInfo("uint8", torch.uint8, 1, torch.uint8),
-    DtypeInfo("int32", torch.int32, 4, torch.int32),
-    DtypeInfo("int64", torch.int64, 8, torch.int64),
+# The table by name, torch-free: name (torch's attribute name), size in bytes, the bit view's name, the CUDA
+# kernels' suffix (floats only, so a suffix marks a float).
+_ROWS: tuple[tuple[str, int, str, str | None], ...] = (
+    ("float32", 4, "int32", "f32"),
+    ("bfloat16", 2, "int16", "bf16"),
+    ("float16", 2, "int16", "f16"),
+    ("int8", 1, "int8", None),
+    ("uint8", 1, "uint8", None),
+    ("int32", 4, "int32", None),
+    ("int64", 8, "int64", None),
 )
+_SIZE = {name: size for name, size, _, _ in _ROWS}
+NAMES: tuple[str, ...] = tuple(_SIZE)
+FLOAT_NAMES: tuple[str, ...] = tuple(name for name, _, _, suffix in _ROWS if suffix is not None)
 
-_BY_DTYPE = {d.dtype: d for d in TABLE}
-_BY_NAME = {d.name: d for d in TABLE}
 
-FLOAT_DTYPES: tuple[torch.dtype, ...] = tuple(d.dtype for d in TABLE if d.is_float)
-INT_DTYPES: tuple[torch.dtype, ...] = tuple(d.dtype for d in TABLE if not d.is_float)
-SUPPORTED_DTYPES: tuple[torch.dtype, ...] = FLOAT_DTYPES + INT_DTYPES
-FLOAT_NAMES: tuple[str, ...] = tuple(d.name for d in TABLE if d.is_float)
+@functools.cache
+def _table() -> tuple[DtypeInfo, ...]:
+    import torch
+
+    return tuple(DtypeInfo(name, getattr(torch, name), size, getattr(torch, bits), suffix)
+                 for name, size, bits, suffix in _ROWS)
+
+
+@functools.cache
+def _by_dtype() -> dict[torch.dtype, DtypeInfo]:
+    return {d.dtype: d for d in _table()}
+
+
+def __getattr__(name: str) -> Any:
+    """PEP 562: the torch-valued constants, built (importing torch) on first access."""
+    if name == "TABLE":
+        return _table()
+    if name in ("FLOAT_DTYPES", "INT_DTYPES", "SUPPORTED_DTYPES"):
+        floats = tuple(d.dtype for d in _table() if d.name in FLOAT_NAMES)
+        ints = tuple(d.dtype for d in _table() if d.name not in FLOAT_NAMES)
+        return {"FLOAT_DTYPES": floats, "INT_DTYPES": ints, "SUPPORTED_DTYPES": floats + ints}[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def info(dtype: torch.dtype) -> DtypeInfo:
     """The table's row for ``dtype``; ValueError naming the supported dtypes otherwise."""
     try:
-        return _BY_DTYPE[dtype]
+        return _by_dtype()[dtype]
     except KeyError:
-        raise ValueError(f"dtype {dtype} is not supported; use one of {[d.name for d in TABLE]}") from None
+        raise ValueError(f"dtype {dtype} is not supported; use one of {list(NAMES)}") from None
 
 
 def from_name(name: str) -> torch.dtype:
     """``"bfloat16"`` -> ``torch.bfloat16`` (the names ``name_of`` writes); ValueError for an unknown name."""
-    try:
-        return _BY_NAME[name].dtype
-    except KeyError:
-        raise ValueError(f"unknown dtype {name!r}; use one of {[d.name for d in TABLE]}") from None
+    if name not in _SIZE:
+        raise ValueError(f"unknown dtype {name!r}; use one of {list(NAMES)}")
+    return next(d.dtype for d in _table() if d.name == name)
 
 
-def name_of(dtype: torch.dtype) -> str:
-    """``torch.bfloat16`` -> ``"bfloat16"``."""
-    return info(dtype).name
+def _name(dtype: torch.dtype | str) -> str:
+    # torch prints its dtypes as "torch.<name>"; the static view passes the bare name. Neither needs torch.
+    return str(dtype).removeprefix("torch.")
+
+
+def is_supported(dtype: torch.dtype | str) -> bool:
+    """Whether detcomm handles ``dtype`` (a torch dtype, or its name as ``name_of`` writes it). Torch-free."""
+    return _name(dtype) in _SIZE
+
+
+def name_of(dtype: torch.dtype | str) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"`` (a name passes through); ValueError for an unsupported dtype."""
+    name = _name(dtype)
+    if name not in _SIZE:
+        raise ValueError(f"dtype {dtype} is not supported; use one of {list(NAMES)}")
+    return name
+
+
+def is_float(dtype: torch.dtype | str) -> bool:
+    """Whether ``dtype`` (supported; a torch dtype or its name) is a floating-point dtype. Torch-free."""
+    return name_of(dtype) in FLOAT_NAMES
+
+
+def size_of(dtype: torch.dtype | str) -> int:
+    """Bytes per element of ``dtype`` (supported; a torch dtype or its name). Torch-free."""
+    return _SIZE[name_of(dtype)]
 
 
 def bits_view(dtype: torch.dtype) -> torch.dtype:

@@ -180,3 +180,7 @@ register_leaf(
         device_types=frozenset({"cpu", "cuda"}),
     )
 )
+
+# The CUDA leaf registers itself where cupy is installed. Imported here, at the registry, so that every import
+# of the fold (not only of the package, whose __init__ no longer loads torch eagerly) finds it registered.
+from .workspace import leaf as _cuda_leaf  # noqa: E402, F401

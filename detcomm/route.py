@@ -23,14 +23,18 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-import torch
-
-from .dtypes import FLOAT_DTYPES, SUPPORTED_DTYPES, name_of
+from . import dtypes
+from .dtypes import name_of
 from .envelope import Resolved
 from .errors import RouteRefused
 from .tables import format_table
+
+if TYPE_CHECKING:
+    import torch
+
+    from .dtypes import SUPPORTED_DTYPES as SUPPORTED_DTYPES
 
 __all__ = [
     "Collective",
@@ -51,9 +55,25 @@ __all__ = [
     "AutoBackend",
     "SUPPORTED_DTYPES",
     "DEFAULT_MAX_ROWS",
+    "DEFAULT_WORKSPACE_MAX_ROWS",
+    "DEFAULT_WORKSPACE_BYTES",
 ]
 
 DEFAULT_MAX_ROWS = 8192
+
+# Workspace defaults (detcomm.init's workspace_max_rows / workspace_bytes; here, torch-free, so the static route
+# view can read them): armed for sites up to a prefill chunk of rows; one launch carries this many bytes of a
+# rank's rows: 32 MiB holds 2048 rows of a bf16 8192-wide row in one launch. Wider sites are chunked (same
+# bits), and the route table says how many launches a site's max_rows takes.
+DEFAULT_WORKSPACE_MAX_ROWS = 2048
+DEFAULT_WORKSPACE_BYTES = 32 * 1024 * 1024
+
+
+def __getattr__(name: str) -> Any:
+    """PEP 562: ``SUPPORTED_DTYPES`` holds torch dtypes, built on first access so that routing imports no torch."""
+    if name == "SUPPORTED_DTYPES":
+        return dtypes.SUPPORTED_DTYPES
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class Collective(str, Enum):
@@ -152,10 +172,10 @@ class Site:
             raise TypeError(f"a site's name is a str, got {type(self.name).__name__}")
         if not self.name:
             raise ValueError("a site needs a non-empty name")
-        if self.dtype not in SUPPORTED_DTYPES:
+        if not dtypes.is_supported(self.dtype):
             raise ValueError(
                 f"site {self.name!r}: dtype {self.dtype} is not supported; use one of "
-                f"{[str(d) for d in SUPPORTED_DTYPES]}"
+                f"{['torch.' + n for n in dtypes.NAMES]}"
             )
         if not all(isinstance(d, int) and not isinstance(d, bool) for d in self.shape):
             raise TypeError(f"site {self.name!r}: shape must be a tuple of ints (one row's trailing shape), got {self.shape!r}")
@@ -166,7 +186,7 @@ class Site:
         if self.max_rows < 1:
             raise ValueError(f"site {self.name!r}: max_rows must be >= 1, got {self.max_rows}")
         if self.collective is Collective.ARGMAX:
-            if self.dtype not in FLOAT_DTYPES:
+            if not dtypes.is_float(self.dtype):
                 raise ValueError(f"site {self.name!r}: argmax takes floating-point logits, got {self.dtype}")
             if len(self.shape) != 1:
                 raise ValueError(f"site {self.name!r}: argmax rows are vocabulary shards, shape (V_shard,), got {self.shape}")
@@ -174,7 +194,7 @@ class Site:
                 raise ValueError(f"site {self.name!r}: argmax is a MAX reduction; op={self.op.value!r} makes no sense")
         elif not self.collective.reduces and self.op is not ReduceOp.SUM:
             raise ValueError(f"site {self.name!r}: {self.collective.value} moves data and takes no reduce op")
-        if self.op is ReduceOp.AVG and self.dtype not in FLOAT_DTYPES:
+        if self.op is ReduceOp.AVG and not dtypes.is_float(self.dtype):
             raise ValueError(f"site {self.name!r}: op='avg' takes floating-point inputs (an integer average "
                              f"rounds); use op='sum' and divide, got {self.dtype}")
         if self.route is not None and self.collective not in _CARRIES[self.route]:
@@ -185,7 +205,7 @@ class Site:
 
     @property
     def is_float(self) -> bool:
-        return self.dtype in FLOAT_DTYPES
+        return dtypes.is_float(self.dtype)
 
     @property
     def float_sum(self) -> bool:
@@ -449,7 +469,7 @@ class AutoBackend:
         """How many workspace launches a call at ``max_rows`` takes (rows beyond workspace_bytes are chunked)."""
         if self.caps.workspace_bytes <= 0:
             return 1
-        nbytes = site.max_rows * site.row_numel * torch.empty((), dtype=site.dtype).element_size()
+        nbytes = site.max_rows * site.row_numel * dtypes.size_of(site.dtype)
         return max(1, -(-nbytes // self.caps.workspace_bytes))
 
     def _forced(self, site: Site) -> RouteDecision:
