@@ -463,7 +463,7 @@ class AutoBackend:
         (LARGE_SITE_WHY). Reduce-scatter keeps a2a_fold above the armed rows (not measured against it)."""
         if site.collective not in (Collective.ALL_REDUCE, Collective.ALL_REDUCE_RMSNORM) or self.caps.workspace_bytes <= 0:
             return False
-        return site.row_numel * torch.empty((), dtype=site.dtype).element_size() <= self.caps.workspace_bytes
+        return site.row_numel * dtypes.size_of(site.dtype) <= self.caps.workspace_bytes
 
     def _launches(self, site: Site) -> int:
         """How many workspace launches a call at ``max_rows`` takes (rows beyond workspace_bytes are chunked)."""
