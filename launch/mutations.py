@@ -11,11 +11,11 @@ mutant. A mutant whose tests still pass "survived": its test does not check the 
     PYTHONPATH=. python launch/mutations.py --cpu-only         # CPU machine (nvcc on PATH for the csrc entries)
     PYTHONPATH=. python launch/mutations.py --gpu-only --jobs 6  # the accelerator (one GPU is enough)
     python launch/mutations.py --only 8 --only 1b              # some items (or entry keys)
-    python launch/mutations.py --check                         # only check that every snippet is found once
+    python launch/mutations.py --check                         # only check the snippets and that each mutant builds
 
 Exit status: 0 when every selected mutant was caught; 1 when one survived, a baseline test did not pass, or a
 test was skipped or not found; 2 when a snippet is not found exactly once (the code moved: re-anchor the entry
-below, nothing is run).
+below; nothing is run) or, with --check, a mutant does not build.
 
 Editing the table: `snippet` is matched literally (whitespace included) and must occur exactly once in `file`;
 `mutant` replaces it. Keep snippets to the line(s) that carry the guard, so unrelated edits around them do not
@@ -134,7 +134,7 @@ MUTATIONS: tuple[Mutation, ...] = (
        f"{CSRC_TESTS}::test_dtype_module_holds_only_its_kernels"), gpu=False, limit_s=180),
     M("5-modules", "5", "each dtype is compiled as its own module, refused alone", "detcomm/workspace/kernels.py",
       "nvrtc_options(world_size, arch, module=module, variant=variant, trap=trap)",
-      "nvrtc_options(world_size, arch, module=None, variant=variant, trap=trap)  # mutant: one unit for all",
+      "nvrtc_options(world_size, arch, module=None, variant=variant, trap=trap)",  # mutant: one unit for all
       (f"{CSRC_TESTS}::test_each_dtype_is_its_own_module_and_is_refused_alone",), gpu=False, limit_s=180),
     M("5-leaf", "5", "a refused dtype folds with the portable leaf", "detcomm/workspace/leaf.py",
       "    if ks is None or not ks.available(module):",
@@ -243,7 +243,8 @@ def make_base(root: Path, dest: Path) -> None:
 
 
 def _env(tree: Path) -> dict[str, str]:
-    env = dict(os.environ, **MULTICAST_OFF, PYTHONDONTWRITEBYTECODE="1")
+    # COLUMNS: pytest cuts its summary lines ("FAILED node - why") to the terminal's width.
+    env = dict(os.environ, **MULTICAST_OFF, PYTHONDONTWRITEBYTECODE="1", COLUMNS="2000")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH", "")) if p)
     return env
 
@@ -271,8 +272,14 @@ def apply(tree: Path, m: Mutation) -> None:
 
 
 def mutant_builds(tree: Path, m: Mutation) -> str | None:
-    """For a csrc/ mutant, where nvcc is on PATH: None if it compiles, else nvcc's first error. A mutant that does
-    not build would make its tests fail for the wrong reason."""
+    """None when the mutant compiles (Python: always checked; csrc/: where nvcc is on PATH), else the first error. A
+    mutant that does not build would make its tests fail for the wrong reason."""
+    if m.file.endswith(".py"):
+        try:
+            compile((tree / m.file).read_text(), m.file, "exec")
+        except SyntaxError as e:
+            return f"{m.file}:{e.lineno}: SyntaxError: {e.msg}"
+        return None
     nvcc = shutil.which("nvcc")
     if nvcc is None or not m.file.startswith("csrc/"):
         return None
@@ -283,6 +290,22 @@ def mutant_builds(tree: Path, m: Mutation) -> str | None:
     if p.returncode == 0:
         return None
     return next((line for line in p.stderr.splitlines() if "error" in line), p.stderr.strip()[:200])
+
+
+def build_problems(root: Path, entries: list[Mutation]) -> list[str]:
+    """Each mutant applied alone to a scratch copy of its file (and of csrc/): the ones that do not build."""
+    out = []
+    for m in entries:
+        with tempfile.TemporaryDirectory() as tmp:
+            tree = Path(tmp)
+            shutil.copytree(root / "csrc", tree / "csrc")
+            (tree / m.file).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(root / m.file, tree / m.file)
+            apply(tree, m)
+            broken = mutant_builds(tree, m)
+        if broken is not None:
+            out.append(f"[{m.key}] the mutant does not build: {broken}")
+    return out
 
 
 # --- running -----------------------------------------------------------------------------------------------
@@ -374,16 +397,18 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("no entry selected")
 
     problems = anchor_problems(root, entries)
+    if args.check and not problems:
+        problems = build_problems(root, entries)
     if args.check or problems:
         for m in entries:
             print(f"{m.key:14} item {m.item:3} {'gpu' if m.gpu else 'cpu'}  {m.file}: {m.mechanism}")
         for p in problems:
-            print(f"SNIPPET PROBLEM {p}", file=sys.stderr)
+            print(f"PROBLEM {p}", file=sys.stderr)
         if problems:
-            print(f"{len(problems)} snippet problem(s): nothing was run. Re-anchor the entries in {__file__}.",
+            print(f"{len(problems)} problem(s): nothing was run. Re-anchor or fix the entries in {__file__}.",
                   file=sys.stderr)
             return 2
-        print(f"all {len(entries)} snippets found exactly once in {root}")
+        print(f"all {len(entries)} snippets found exactly once in {root}, and every mutant builds")
         return 0
 
     work = Path(tempfile.mkdtemp(prefix="detcomm-mutations-"))
@@ -423,7 +448,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  [baseline] {sum(o == 'PASSED' for o in base_run.outcomes.values())}/{len(baseline_nodes)} passed "
               f"({base_run.seconds:.0f} s); total {time.monotonic() - t0:.0f} s\n", flush=True)
 
-        rows, bad = [], 0
+        rows: list[tuple[str, ...]] = []
+        bad = 0
         for m in entries:
             run, broken = futs[m.key].result()
             for node in m.tests:
@@ -434,8 +460,8 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append((m.item, m.key, m.mechanism, _short(node), base_run.outcomes[node], mutated, text,
                              f"{run.seconds:.0f}" if run else "-", why))
         head = ("item", "entry", "mechanism", "test", "unmutated", "mutated", "verdict", "s")
-        table = [head] + [r[:8] for r in rows]
-        widths = [min(60, max(len(str(r[i])) for r in table)) for i in range(len(head))]
+        table: list[tuple[str, ...]] = [head] + [r[:8] for r in rows]
+        widths = [min(90, max(len(str(r[i])) for r in table)) for i in range(len(head))]
         for i, r in enumerate(table):
             print("| " + " | ".join(str(c)[:w].ljust(w) for c, w in zip(r, widths)) + " |")
             if i == 0:
@@ -443,8 +469,8 @@ def main(argv: list[str] | None = None) -> int:
         print("\nwhy each mutant's test failed (first line of the failure):")
         for r in rows:
             print(f"  [{r[1]}] {r[3]}: {r[8][:160] or '-'}")
-        for name in (n for n in ("baseline",) if any(o != "PASSED" for o in base_run.outcomes.values())):
-            print(f"\n--- {name} log (tail) ---\n{base_run.log[-4000:]}")
+        if any(o != "PASSED" for o in base_run.outcomes.values()):
+            print(f"\n--- baseline log (tail) ---\n{base_run.log[-4000:]}")
         print(f"\n{len(rows) - bad} of {len(rows)} mutant/test pairs caught"
               + ("" if not bad else f"; {bad} NOT (see verdicts above)"))
         return 1 if bad else 0
