@@ -244,7 +244,7 @@ def make_base(root: Path, dest: Path) -> None:
 
 def _env(tree: Path) -> dict[str, str]:
     # COLUMNS: pytest cuts its summary lines ("FAILED node - why") to the terminal's width.
-    env = dict(os.environ, **MULTICAST_OFF, PYTHONDONTWRITEBYTECODE="1", COLUMNS="2000")
+    env = dict(os.environ, **MULTICAST_OFF, PYTHONDONTWRITEBYTECODE="1", COLUMNS="400")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH", "")) if p)
     return env
 
