@@ -66,15 +66,19 @@ class Mutation:
 
 
 M = Mutation
+# (snippet, mutant) pairs that more than one entry applies (one entry per CPU or GPU test set).
+_TRAP = ("#ifdef DETCOMM_TRAP_ON_FAILURE\n  __trap();", "#if 1  // mutant: every failure traps\n  __trap();")
+_TIMEOUT = ('kw: dict[str, Any] = {} if timeout_s is None else {"timeout_s": timeout_s}',
+            "kw: dict[str, Any] = {}  # mutant: timeout_s stops at the process group")
+_LOOP = ('        calls.update(getattr(bound, "variants", {}))',
+         "        pass  # mutant: only the route's default call is checked")
 MUTATIONS: tuple[Mutation, ...] = (
     # 1: a failure writes its record and returns; the host raises and refuses; __trap only in the debug build.
     M("1-trap-ptx", "1", "a failing barrier returns; __trap() only in the debug build", "csrc/detcomm_common.cuh",
-      "#ifdef DETCOMM_TRAP_ON_FAILURE\n  __trap();",
-      "#if 1  // mutant: every failure traps\n  __trap();",
+      *_TRAP,
       (f"{CSRC_TESTS}::test_ptx_has_no_fma_and_no_ftz[one_shot.cu]",), gpu=False, limit_s=120),
     M("1-trap", "1", "a failing barrier returns; __trap() only in the debug build", "csrc/detcomm_common.cuh",
-      "#ifdef DETCOMM_TRAP_ON_FAILURE\n  __trap();",
-      "#if 1  // mutant: every failure traps\n  __trap();",
+      *_TRAP,
       (DEADLINE_TEST,), gpu=True, limit_s=150),
     M("1-raise", "1", "the host reads the record and raises WorkspaceFailed", "detcomm/workspace/workspace.py",
       "        if self._ctrl.ptr and self._ctrl.tagged():",
@@ -95,12 +99,10 @@ MUTATIONS: tuple[Mutation, ...] = (
       (ABORT_TEST,), gpu=True, limit_s=150, hang_ok=True),
     # 2: init(timeout_s=) reaches the workspace.
     M("2-timeout", "2", "init(timeout_s=) is passed to Workspace.create", "detcomm/comm.py",
-      'kw: dict[str, Any] = {} if timeout_s is None else {"timeout_s": timeout_s}',
-      "kw: dict[str, Any] = {}  # mutant: timeout_s stops at the process group",
+      *_TIMEOUT,
       (f"{GUARDS}::test_init_timeout_reaches_the_workspace",), gpu=False, limit_s=120),
     M("2-timeout-gpu", "2", "init(timeout_s=) is passed to Workspace.create", "detcomm/comm.py",
-      'kw: dict[str, Any] = {} if timeout_s is None else {"timeout_s": timeout_s}',
-      "kw: dict[str, Any] = {}  # mutant: timeout_s stops at the process group",
+      *_TIMEOUT,
       (INIT_TEST,), gpu=True, limit_s=180),
     # 3: one kernel per rank at a time, graph replays included.
     M("3-busy", "3", "device busy word: a second kernel on a rank fails the workspace", "csrc/detcomm_common.cuh",
@@ -115,16 +117,14 @@ MUTATIONS: tuple[Mutation, ...] = (
       hang_ok=True),
     # 4: the self-checks run every kernel variant a site can reach.
     M("4-loop", "4", "the self-checks run every variant the bound route exposes", "detcomm/selfcheck.py",
-      '        calls.update(getattr(bound, "variants", {}))',
-      "        pass  # mutant: only the route's default call is checked",
+      *_LOOP,
       (VARIANTS_TEST,), gpu=False, limit_s=180),
     M("4-bind", "4", "ipc_fold exposes every variant the workspace lists", "detcomm/backends/ipc_fold.py",
       "        return Bound(bound.route, bound.site, bound.call, forced)",
       "        return Bound(bound.route, bound.site, bound.call)  # mutant: no forced variants",
       (VARIANTS_TEST,), gpu=False, limit_s=180),
     M("4-loop-gpu", "4", "the self-checks run every variant the bound route exposes", "detcomm/selfcheck.py",
-      '        calls.update(getattr(bound, "variants", {}))',
-      "        pass  # mutant: only the route's default call is checked",
+      *_LOOP,
       (INIT_TEST,), gpu=True, limit_s=180),
     # 5: one module per dtype, refused alone; the CUDA fold leaf falls back to the portable leaf.
     M("5-want", "5", "each dtype's module holds only its own kernels", "csrc/detcomm_common.cuh",
