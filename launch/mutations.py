@@ -111,8 +111,8 @@ MUTATIONS: tuple[Mutation, ...] = (
       (f"{FAILURES}::test_graph_replay_beside_an_eager_call_fails_the_workspace",), gpu=True, limit_s=150,
       hang_ok=True),
     M("3-host", "3", "host in-flight guard: a call from another stream raises", "detcomm/workspace/workspace.py",
-      "if (last is not None and last != stream and not self.capturing and not ws._done.query()):",
-      "if False:  # mutant: no host-side in-flight guard",
+      "last != stream and not self.capturing and",
+      "False and",  # mutant: the guard's condition never holds (no host-side in-flight guard)
       ("tests/gpu/test_workspace_inprocess.py::test_second_stream_while_in_flight_raises",), gpu=True, limit_s=150,
       hang_ok=True),
     # 4: the self-checks run every kernel variant a site can reach.
