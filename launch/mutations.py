@@ -440,7 +440,9 @@ def main(argv: list[str] | None = None) -> int:
         with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
             fut_base = pool.submit(baseline)
             futs = {m.key: pool.submit(mutant, m) for m in entries}
-            for key, fut in futs.items():
+            keys = {fut: key for key, fut in futs.items()}
+            for fut in concurrent.futures.as_completed(keys):  # progress as runs end: a killed run keeps these lines
+                key = keys[fut]
                 run, broken = fut.result()
                 state = broken or (", ".join(f"{_short(n)} {o}" for n, o in run.outcomes.items()) if run else "")
                 print(f"  [{key}] {state} ({run.seconds:.0f} s)" if run else f"  [{key}] {state}", flush=True)
