@@ -107,18 +107,22 @@ def test_debug_switch_traps():
 
 
 def test_abort_releases_a_spinning_kernel_and_tells_the_peer():
-    """Rank 0 spins on rank 1 with a 60 s deadline; abort() on rank 0 ends the spin (the record says aborted, not
-    timed out) and rank 1's next kernel stops at once, naming rank 0's abort."""
+    """Rank 0 spins on rank 1 with an 8 s deadline and its abort() cannot copy into any header (as in a context a
+    debug trap destroyed): the host's abort word alone must end the spin (the record says aborted, not timed out),
+    and the failing kernel tells rank 1, whose next kernel stops at once. Then, on a fresh workspace, abort() while
+    no kernel of rank 0 runs: only the host's copy into the peers' headers can tell rank 1, whose next kernel must
+    stop at once, naming the abort, instead of timing out."""
     out = _child("""
         import time, torch
         from detcomm.workspace import Workspace
         from detcomm.errors import WorkspaceFailed
-        views = Workspace.in_process(2, device="cuda:0", capacity_bytes=4096, timeout_s=60.0)
+        views = Workspace.in_process(2, device="cuda:0", capacity_bytes=4096, timeout_s=8.0)
         s0, s1 = torch.cuda.Stream(), torch.cuda.Stream()
         x = torch.ones(4, 8, device="cuda:0")
         with torch.cuda.stream(s0):
             views[0].all_reduce(x)
         time.sleep(0.3)
+        views[0]._sig_ptrs = []  # no header copies: only the host abort word can reach the spin
         views[0].abort()
         s0.synchronize()
         print("RECORD0", views[0].error_record())
@@ -129,10 +133,49 @@ def test_abort_releases_a_spinning_kernel_and_tells_the_peer():
             print("NO-RAISE")
         except WorkspaceFailed as e:
             print("RAISED1", e)
+        idle = Workspace.in_process(2, device="cuda:0", capacity_bytes=4096, timeout_s=8.0)
+        idle[0].abort()  # no kernel of rank 0 in flight
+        torch.cuda.synchronize()
+        with torch.cuda.stream(s1):
+            idle[1].all_reduce(x)
+        try:
+            idle[1].synchronize()
+            print("IDLE-NO-RAISE")
+        except WorkspaceFailed as e:
+            print("IDLE-RAISED1", e)
     """)
     rec = next(l for l in out.splitlines() if l.startswith("RECORD0"))
-    assert "aborted" in rec and "timed out" not in rec, out
-    assert "RAISED1" in out and "rank 0's host aborted first" in out, out
+    assert "host aborted the workspace while it waited for rank 1" in rec and "timed out" not in rec, out
+    raised = next((l for l in out.splitlines() if l.startswith(("RAISED1", "NO-RAISE"))), out)
+    assert raised.startswith("RAISED1") and "rank 1 stopped" in raised and "rank 0's" in raised, out
+    idle = next((l for l in out.splitlines() if l.startswith("IDLE-")), out)
+    assert idle.startswith("IDLE-RAISED1") and "rank 0's host aborted first" in idle, out
+
+
+def test_init_sets_the_deadline_and_checks_every_variant_before_first_use():
+    """detcomm.init(timeout_s=) is the workspace's deadline, and declaring a site runs a self-check of every kernel
+    variant the site can reach (here one-shot, two-shot and chunked: 16 KiB rows, up to 128 of them, 1 MiB per
+    launch) before any call of it. One rank (W = 1) keeps it cheap: the paths are the same at any W."""
+    from detcomm.launch.mpi_bootstrap import free_port
+
+    out = _child(f"""
+        import os, torch
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="{free_port()}")
+        import detcomm
+        comm = detcomm.init(numerics="rl-bitwise", workspace_bytes=1 << 20, timeout_s=9.0)
+        ws = comm._workspace
+        print("TIMEOUT_NS", ws.timeout_ns)
+        comm.site("big.ar", collective="all_reduce", dtype=torch.bfloat16, shape=(8192,), max_rows=128)
+        print("ROUTE", next(e["route"] for e in comm.routes().as_dicts() if e["site"] == "big.ar"))
+        print("LISTED", " ".join(ws.variants("all_reduce", torch.bfloat16, 8192, 128)))
+        print("RAN", " ".join(sorted(v for c, d, v in ws.variants_run if (c, d) == ("all_reduce", "bfloat16"))))
+        detcomm.shutdown()
+    """)
+    lines = dict(l.split(" ", 1) for l in out.splitlines() if l.split(" ", 1)[0] in ("TIMEOUT_NS", "ROUTE", "LISTED", "RAN"))
+    assert lines.get("TIMEOUT_NS") == str(9 * 10**9), out
+    assert lines.get("ROUTE") == "ipc_fold", out
+    assert lines.get("LISTED") == "one_shot two_shot chunked", out
+    assert lines.get("RAN") == "chunked one_shot two_shot", out
 
 
 def _ranks(world: int, **kw) -> Ranks:
@@ -174,7 +217,8 @@ def test_graph_replay_beside_an_eager_call_fails_the_workspace():
     rank 0 on another run two kernels at once. The busy words catch it on the device and the rank raises."""
     from detcomm.errors import WorkspaceFailed
 
-    R = _ranks(2, capacity_bytes=1 << 16, timeout_s=30.0)
+    # A short deadline: without the busy words the two kernels would spin on rank 1 until it passes.
+    R = _ranks(2, capacity_bytes=1 << 16, timeout_s=5.0)
     x = [torch.ones(8, 16, device="cuda:0") for _ in range(2)]
     R.run("all_reduce", x)  # warm-up
     graphs = []
@@ -335,10 +379,13 @@ def test_cuda_fold_leaf_is_capturable_and_falls_back():
         torch.cuda.synchronize()
         got, want = from_tensor(out), fold_oracle(bits, dtype)
         assert np.array_equal(got, want), f"replay {it}: {first_mismatch(got, want)}"
+    # A refused module has no kernels loaded: the fold must take the portable leaf, never launch.
     ks = kernels.kernel_set(0, world)
     ks.refused["bfloat16"] = "simulated: no bf16 conversions on this architecture"
+    loaded = ks._functions.pop("detcomm_fold_local_bf16")
     try:
         got = from_tensor(leaf.cuda_fold(static, static.dtype))
         assert np.array_equal(got, want)
     finally:
         del ks.refused["bfloat16"]
+        ks._functions["detcomm_fold_local_bf16"] = loaded
