@@ -136,7 +136,7 @@ def job_errors(rank: int, w: int) -> list[tuple[str, str, str]]:
     """Every refusal, raised before any communication on every rank; then a valid call still works."""
     import detcomm
 
-    detcomm.init(numerics="rl-bitwise", selfcheck=False)
+    detcomm.init(numerics="rl-bitwise", selfcheck=False, check=True)  # the valid call also passes the call check
     got: list[tuple[str, str, str]] = []
     bf16 = torch.bfloat16
 
@@ -316,3 +316,21 @@ def test_refusals(cluster2: LocalCluster) -> None:
             assert got[case][0] == kind, (case, got[case])
             for f in fragments:
                 assert f in got[case][1], (case, f, got[case][1])
+
+
+def test_bench_tp_layouts_runs(cluster2: LocalCluster) -> None:
+    """The bench's job at a tiny size: every layout timed at every row count, and its byte counts are the
+    formulas of docs/spec.md §9.1 (no timing is asserted)."""
+    from detcomm.bench import tp_layouts
+
+    cfg = {"hidden": 64, "k": 128, "iters": 2, "rounds": 1, "rows": (1, 4), "virtual_shards": 8, "device": "cpu"}
+    rows = cluster2.run(tp_layouts.job, cfg, timeout_s=300)[0]
+    assert sorted((r["rows"], r["layout"]) for r in rows) == sorted((n, name) for n in (1, 4) for name in tp_layouts.LAYOUTS)
+    r, h, k, w, v = 4, 64, 128, 2, 8
+    want = {"native": 2 * (w - 1) / w * r * h * 2, "fold": (w - 1) * r * h * 2, "vs_gather": (w - 1) * v / w * r * h * 4,
+            "vs_a2a": (w - 1) / w * r * h * (4 * v / w + 2), "full_k": (w - 1) / w * r * (k + h) * 2}
+    for row in rows:
+        if row["rows"] == r:
+            assert row["received_bytes"] == want[row["layout"]], row
+            assert row["median_us"] > 0 and row["route"]
+    assert "| 2 | 4 |" in tp_layouts.format_rows(rows)

@@ -70,12 +70,13 @@ def job(rank: int, w: int, cfg: dict[str, Any]) -> list[dict[str, Any]]:
     import detcomm
     from detcomm.bench.timing import summarize, time_cpu
 
-    cuda = cfg["device"] == "cuda"
+    detcomm.shutdown()
+    # workspace=True arms the CUDA-IPC workspace on a CUDA group (a CPU group says why not and goes on).
+    comm = detcomm.init(numerics="auto", workspace=True)
+    dev = comm.device
+    cuda = dev.type == "cuda"
     if not cuda:
         torch.set_num_threads(1)  # W ranks share the machine's cores
-    detcomm.shutdown()
-    comm = detcomm.init(numerics="auto", workspace=True if cuda else None)
-    dev = comm.device
     bf16, h, k, v = torch.bfloat16, cfg["hidden"], cfg["k"], cfg["virtual_shards"]
     if v % w or k % w or h % w:
         raise ValueError(f"W={w} must divide --virtual-shards {v}, --k {k} and --hidden {h}")
@@ -229,10 +230,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             with LocalCluster(w, backend=backend, pg_timeout_s=600) as cluster:
                 rows += cluster.run(job, cfg, timeout_s=3600)[0]
     command = "detcomm-bench tp-layouts " + " ".join(sys.argv[1:] if argv is None else argv)
-    print(f"TP layouts, collective cost per call: W={','.join(map(str, worlds))} {args.device}, hidden {cfg['hidden']}, "
+    device = rows[0]["device"] if rows else args.device
+    print(f"TP layouts, collective cost per call: W={','.join(map(str, worlds))} {device}, hidden {cfg['hidden']}, "
           f"K {cfg['k']}, V={cfg['virtual_shards']}, bf16; median of {cfg['iters']} calls per point (ratio to native)")
     print(format_rows(rows))
-    if args.device == "cpu":
+    if device == "cpu":
         print("(CPU timings on a shared machine are noise beyond a factor of about 2)")
     if args.json:
         with open(args.json, "w") as f:
