@@ -334,3 +334,21 @@ def test_bench_tp_layouts_runs(cluster2: LocalCluster) -> None:
             assert row["received_bytes"] == want[row["layout"]], row
             assert row["median_us"] > 0 and row["route"]
     assert "| 2 | 4 |" in tp_layouts.format_rows(rows)
+
+
+def test_detcomm_routes_shows_virtual_shards(capsys: pytest.CaptureFixture[str]) -> None:
+    """``detcomm routes`` takes ``:vs=V``, shows the column and refuses a W that does not divide V."""
+    import json
+
+    from detcomm.cli import main, parse_site
+
+    assert parse_site("o:all_reduce:bf16:4096:64:sum:vs=8").virtual_shards == 8
+    assert parse_site("o:reduce_scatter:bf16:4096:64:vs=8").virtual_shards == 8
+    assert parse_site("o:all_reduce:bf16:4096:64").virtual_shards is None
+    assert main(["routes", "--world-size", "4", "--json", "--site", "o:all_reduce:bf16:4096:64:vs=8",
+                 "--site", "r:reduce_scatter:bf16:4096:64:vs=8"]) == 0
+    rows = {r["site"]: r for r in json.loads(capsys.readouterr().out)}
+    assert (rows["o"]["route"], rows["o"]["virtual_shards"]) == ("gather_fold", "8")
+    assert (rows["r"]["route"], rows["r"]["virtual_shards"]) == ("a2a_fold", "8")
+    assert main(["routes", "--world-size", "3", "--site", "o:all_reduce:bf16:4096:64:vs=8"]) == 2
+    assert "V=8 is not divisible by the group's world size W=3" in capsys.readouterr().err
