@@ -68,7 +68,7 @@ def job(rank: int, w: int, cfg: dict[str, Any]) -> list[dict[str, Any]]:
     import torch.distributed as dist
 
     import detcomm
-    from detcomm.bench.timing import summarize, time_cpu
+    from detcomm.bench.timing import summarize, synced, time_cpu
 
     detcomm.shutdown()
     # workspace=True arms the CUDA-IPC workspace on a CUDA group (a CPU group says why not and goes on).
@@ -114,18 +114,11 @@ def job(rank: int, w: int, cfg: dict[str, Any]) -> list[dict[str, Any]]:
             "full_k": full_k,
         }
 
-        def synced(fn):  # type: ignore[no-untyped-def]
-            def call() -> None:
-                fn()
-                if cuda:
-                    torch.cuda.synchronize()
-            return call
-
         samples: dict[str, list[float]] = {name: [] for name in calls}
         rounds = cfg["rounds"]
         for _ in range(rounds):
             for name, fn in calls.items():
-                samples[name] += time_cpu(synced(fn), iters=max(1, cfg["iters"] // rounds), warmup=1,
+                samples[name] += time_cpu(synced(fn, cuda=cuda), iters=max(1, cfg["iters"] // rounds), warmup=1,
                                           barrier=dist.barrier)
         stats = {name: summarize(s) for name, s in samples.items()}
         base = stats["native"]["median_us"]
