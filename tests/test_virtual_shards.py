@@ -121,6 +121,7 @@ def job_selfcheck(rank: int, w: int) -> dict[str, object]:
     comm = detcomm.init(numerics="rl-bitwise")
     site = detcomm.site("sc.o_proj", collective="all_reduce", dtype=torch.bfloat16, shape=(7,), max_rows=64,
                         virtual_shards=V)
+    detcomm.site("sc.rs", collective="reduce_scatter", dtype=torch.float16, shape=(5,), max_rows=64, virtual_shards=V)
     checks = [(c.label, c.passed, c.key.virtual_shards) for c in comm.checks() if c.key.virtual_shards == V]
     row = next(d for d in comm.routes().as_dicts() if d["site"] == "sc.o_proj")
     bound = comm._bound["sc.o_proj"]
@@ -277,7 +278,8 @@ def test_same_bits_across_w_and_negative_controls(cluster1: LocalCluster, cluste
 def test_selfcheck_proves_the_site(w: int, cluster1: LocalCluster, cluster4: LocalCluster) -> None:
     res = (cluster1 if w == 1 else cluster4).run(job_selfcheck, timeout_s=300)
     for r in res:
-        assert r["checks"] == [(f"gather_fold: all_reduce sum bfloat16[7] virtual_shards={V}", True, V)], r["checks"]
+        assert r["checks"] == [(f"gather_fold: all_reduce sum bfloat16[7] virtual_shards={V}", True, V),
+                               (f"a2a_fold: reduce_scatter sum float16[5] virtual_shards={V}", True, V)], r["checks"]
         assert r["row"]["selfcheck"] == "passed" and r["row"]["route"] == "gather_fold"
         assert r["row"]["virtual_shards"] == V and "virtual_shards" in r["table"]
         assert r["site"].endswith(f"virtual_shards={V}")
@@ -352,3 +354,16 @@ def test_detcomm_routes_shows_virtual_shards(capsys: pytest.CaptureFixture[str])
     assert (rows["r"]["route"], rows["r"]["virtual_shards"]) == ("a2a_fold", "8")
     assert main(["routes", "--world-size", "3", "--site", "o:all_reduce:bf16:4096:64:vs=8"]) == 2
     assert "V=8 is not divisible by the group's world size W=3" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_cuda_fold_leaf_folds_the_shards() -> None:
+    """On a GPU the gather/all-to-all folds run the CUDA fold leaf: V = 12 shards take two leaf calls (8, then
+    the accumulator and 4 more); the bits must be the oracle's."""
+    pytest.importorskip("cupy")
+    from detcomm.fold import fold_shards
+    from detcomm.workspace.leaf import LEAF
+
+    for dt in DTYPES:
+        got = fold_shards(to_torch(PARTIALS[dt], "float32").cuda(), getattr(torch, dt), LEAF.fold)
+        assert np.array_equal(to_bits(got), EXPECTED[dt]), dt
