@@ -182,6 +182,21 @@ def job_errors(rank: int, w: int) -> list[tuple[str, str, str]]:
     want = torch.arange(2 * 4 * 8, dtype=torch.float32).view(2, 4, 8).sum(0) * sum(range(1, w + 1))
     got.append(("valid call after the refusals", "ok" if torch.equal(y, want.to(bf16)) else "WRONG", ""))
     detcomm.shutdown()
+    # The fold routes' always-on call guard (call checking off): ranks calling different virtual-shard sites of
+    # the same shape all raise instead of folding each other's partials.
+    detcomm.init(numerics="rl-bitwise", selfcheck=False)
+    for coll, route in (("all_reduce", "gather_fold"), ("all_reduce", "a2a_fold"), ("reduce_scatter", "a2a_fold")):
+        for name in ("m0", "m1"):
+            detcomm.site(f"{name}.{coll}.{route}", collective=coll, dtype=bf16, shape=(8,), max_rows=4,
+                         virtual_shards=4, route=route)
+        fn = detcomm.all_reduce if coll == "all_reduce" else detcomm.reduce_scatter
+        try:
+            fn(good, f"m{rank % 2}.{coll}.{route}")
+        except detcomm.CollectiveMismatch as e:
+            got.append((f"mismatch {coll} {route}", "CollectiveMismatch", str(e)))
+        else:
+            got.append((f"mismatch {coll} {route}", "no error", ""))
+    detcomm.shutdown()
     return got
 
 
@@ -312,6 +327,9 @@ def test_refusals(cluster2: LocalCluster) -> None:
             "out dtype": ("ValueError", ["out must be a bfloat16 tensor of shape [4, 8]"]),
             "not a tensor": ("TypeError", ["expected a torch.Tensor"]),
             "valid call after the refusals": ("ok", []),
+            "mismatch all_reduce gather_fold": ("CollectiveMismatch", ["m0.all_reduce.gather_fold", "m1."]),
+            "mismatch all_reduce a2a_fold": ("CollectiveMismatch", ["m0.all_reduce.a2a_fold", "m1."]),
+            "mismatch reduce_scatter a2a_fold": ("CollectiveMismatch", ["m0.reduce_scatter.a2a_fold", "m1."]),
         }
         assert set(got) == set(want)
         for case, (kind, fragments) in want.items():
