@@ -102,9 +102,74 @@ template <int DT> struct FnChunk {
   static constexpr int kBatch = DETCOMM_UNROLL / kPacks > 0 ? DETCOMM_UNROLL / kPacks : 1;
 };
 
-// Steps 1-7 for local row m (global row `row`) on one half-block. TWO: s was folded by the rank that owns each
-// pack range (two-shot); otherwise the lane folds the W slots itself (one-shot). Inactive halves (no row left)
-// only take part in the block barriers of the tree.
+// One 8-element chunk of a caller's tensor as packs (missing elements read as +0.0), and back to fp32.
+template <int DT>
+__device__ __forceinline__ void load_packs(const typename Traits<DT>::T* p, i64 valid,
+                                           uint4 (&v)[FnChunk<DT>::kPacks]) {
+#pragma unroll
+  for (int h = 0; h < FnChunk<DT>::kPacks; ++h) v[h] = load_user<DT>(p + h * Traits<DT>::kPer, valid - h * Traits<DT>::kPer);
+}
+template <int DT>
+__device__ __forceinline__ void widen_packs(const uint4 (&v)[FnChunk<DT>::kPacks], float (&a)[NORM_CHUNK]) {
+  constexpr int kPer = Traits<DT>::kPer;
+#pragma unroll
+  for (int h = 0; h < FnChunk<DT>::kPacks; ++h) {
+    PackU<DT> u;
+    u.v = v[h];
+#pragma unroll
+    for (int e = 0; e < kPer; ++e) a[h * kPer + e] = Traits<DT>::widen(u.e[e]);
+  }
+}
+
+// The slot loads of one batch: NB chunks c0, c0+256, ... of local row m, every load in flight before any fold.
+// One-shot: the pack from every rank's slot; two-shot: the folded pack from the rank that folded its range.
+template <int DT, bool TWO> struct FnIn {
+  uint4 v[FnChunk<DT>::kBatch][FnChunk<DT>::kPacks][TWO ? 1 : DETCOMM_W];
+};
+
+template <int DT, bool TWO>
+__device__ __forceinline__ void fn_load_batch(i64 c0, i64 m, i64 H, i64 P, i64 R, i64 stride, i64 Lq,
+                                              const uint4* const* src, FnIn<DT, TWO>& in) {
+  constexpr int NP = FnChunk<DT>::kPacks;
+#pragma unroll
+  for (int u = 0; u < FnChunk<DT>::kBatch; ++u) {
+    const i64 c = c0 + u * NORM_THREADS;
+#pragma unroll
+    for (int h = 0; h < NP; ++h) {
+      const i64 j = c * NP + h;  // the chunk's h-th pack; j >= P only in fp32's last chunk (all padding)
+      if (c * NORM_CHUNK < H && j < P) {
+        const i64 pos = fn_pos(m, j, R, stride);
+        if constexpr (TWO) {
+          in.v[u][h][0] = ld_ws(src[j / Lq] + pos);
+        } else {
+#pragma unroll
+          for (int k = 0; k < DETCOMM_W; ++k) in.v[u][h][k] = ld_ws(src[k] + pos);
+        }
+      } else {
+#pragma unroll
+        for (int k = 0; k < (TWO ? 1 : DETCOMM_W); ++k) in.v[u][h][k] = make_uint4(0u, 0u, 0u, 0u);
+      }
+    }
+  }
+}
+
+// s of chunk u of a batch, widened (step 1: the canonical fold rounded to the dtype, or the folding rank's s).
+template <int DT, bool TWO>
+__device__ __forceinline__ void fn_s_chunk(const FnIn<DT, TWO>& in, int u, int rank, float (&sv)[NORM_CHUNK]) {
+  uint4 packs[FnChunk<DT>::kPacks];
+#pragma unroll
+  for (int h = 0; h < FnChunk<DT>::kPacks; ++h) {
+    if constexpr (TWO) {
+      packs[h] = in.v[u][h][0];
+    } else {
+      packs[h] = fold_pack<DT>(in.v[u][h], rank);
+    }
+  }
+  widen_packs<DT>(packs, sv);
+}
+
+// Steps 1-7 for local row m (global row `row`) on one half-block, any H: r is stored, then read back for step 7.
+// Inactive halves (no row left) only take part in the block barriers of the tree.
 template <int DT, int WDT, bool TWO>
 __device__ __forceinline__ void fn_norm_row(i64 row, i64 m, i64 H, i64 P, i64 R, i64 stride, i64 Lq,
                                             const uint4* const* src, int rank,
@@ -112,54 +177,21 @@ __device__ __forceinline__ void fn_norm_row(i64 row, i64 m, i64 H, i64 P, i64 R,
                                             const typename Traits<WDT>::T* __restrict__ weight,
                                             typename Traits<DT>::T* __restrict__ y, typename Traits<DT>::T* r_out,
                                             float eps, float* warp_sum, float* inv_shared, bool active) {
-  constexpr int kPer = Traits<DT>::kPer;
-  constexpr int NP = FnChunk<DT>::kPacks;
   constexpr int NB = FnChunk<DT>::kBatch;
-  constexpr int NL = TWO ? 1 : DETCOMM_W;  // loads per pack: the folding rank's s, or every rank's x
   const int t = threadIdx.x % NORM_THREADS;  // lane t of the definition
   const i64 base = row * H;
   float p = 0.0f;  // +0.0 start of this lane's partial
   if (active) {
     for (i64 c0 = t; c0 * NORM_CHUNK < H; c0 += NB * NORM_THREADS) {
-      // Every load of NB chunks in flight before the first fold.
-      uint4 in[NB][NP][NL];
-#pragma unroll
-      for (int u = 0; u < NB; ++u) {
-        const i64 c = c0 + u * NORM_THREADS;
-#pragma unroll
-        for (int h = 0; h < NP; ++h) {
-          const i64 j = c * NP + h;  // the chunk's h-th pack; j >= P only in fp32's last chunk (all padding)
-          if (c * NORM_CHUNK < H && j < P) {
-            const i64 pos = fn_pos(m, j, R, stride);
-            if constexpr (TWO) {
-              in[u][h][0] = ld_ws(src[j / Lq] + pos);
-            } else {
-#pragma unroll
-              for (int k = 0; k < DETCOMM_W; ++k) in[u][h][k] = ld_ws(src[k] + pos);
-            }
-          } else {
-#pragma unroll
-            for (int k = 0; k < NL; ++k) in[u][h][k] = make_uint4(0u, 0u, 0u, 0u);
-          }
-        }
-      }
+      FnIn<DT, TWO> in;
+      fn_load_batch<DT, TWO>(c0, m, H, P, R, stride, Lq, src, in);
 #pragma unroll
       for (int u = 0; u < NB; ++u) {  // chunk after chunk: the lane's summation order
         const i64 c = c0 + u * NORM_THREADS;
         if (c * NORM_CHUNK < H) {
           const i64 off = c * NORM_CHUNK, valid = H - off;
           float sv[NORM_CHUNK], res[NORM_CHUNK], a[NORM_CHUNK];
-#pragma unroll
-          for (int h = 0; h < NP; ++h) {
-            PackU<DT> sp;
-            if constexpr (TWO) {
-              sp.v = in[u][h][0];
-            } else {
-              sp.v = fold_pack<DT>(in[u][h], rank);  // step 1: the canonical fold, rounded to the dtype
-            }
-#pragma unroll
-            for (int e = 0; e < kPer; ++e) sv[h * kPer + e] = Traits<DT>::widen(sp.e[e]);
-          }
+          fn_s_chunk<DT, TWO>(in, u, rank, sv);
           load_chunk<DT>(residual + base + off, valid, res);
           residual_add<DT>(res, sv, a);                   // step 2
           store_chunk<DT>(r_out + base + off, valid, a);  // a holds rounded values: narrow() is exact here
@@ -179,6 +211,85 @@ __device__ __forceinline__ void fn_norm_row(i64 row, i64 m, i64 H, i64 P, i64 R,
 #pragma unroll
       for (int e = 0; e < NORM_CHUNK; ++e) a[e] = __fmul_rn(__fmul_rn(a[e], inv), w[e]);
       store_chunk<DT>(y + base + off, valid, a);
+    }
+  }
+}
+
+// The latency path, for rows a lane covers in one batch (H <= NB * 256 * 8: the decode shapes): the lane's
+// residual and weight chunks are loaded before the slot loads (for a block's first row, before the start barrier,
+// so their latency hides behind the peers' arrival), and r stays in registers for step 7 (packed: 4 registers
+// per 16 bytes).
+template <int DT, int WDT> struct FnPre {
+  uint4 res[FnChunk<DT>::kBatch][FnChunk<DT>::kPacks];
+  uint4 w[FnChunk<DT>::kBatch][FnChunk<WDT>::kPacks];
+};
+
+template <int DT, int WDT>
+__device__ __forceinline__ void fn_prefetch(i64 row, i64 H, const typename Traits<DT>::T* __restrict__ residual,
+                                            const typename Traits<WDT>::T* __restrict__ weight, FnPre<DT, WDT>& pre,
+                                            bool active) {
+  const int t = threadIdx.x % NORM_THREADS;
+  if (!active) return;
+#pragma unroll
+  for (int u = 0; u < FnChunk<DT>::kBatch; ++u) {
+    const i64 off = (t + (i64)u * NORM_THREADS) * NORM_CHUNK;
+    if (off < H) {
+      load_packs<DT>(residual + row * H + off, H - off, pre.res[u]);
+      load_packs<WDT>(weight + off, H - off, pre.w[u]);
+    }
+  }
+}
+
+template <int DT, int WDT, bool TWO>
+__device__ __forceinline__ void fn_norm_row_regs(i64 row, i64 m, i64 H, i64 P, i64 R, i64 stride, i64 Lq,
+                                                 const uint4* const* src, int rank, const FnPre<DT, WDT>& pre,
+                                                 typename Traits<DT>::T* __restrict__ y,
+                                                 typename Traits<DT>::T* __restrict__ r_out, float eps,
+                                                 float* warp_sum, float* inv_shared, bool active) {
+  constexpr int NB = FnChunk<DT>::kBatch;
+  constexpr int NP = FnChunk<DT>::kPacks;
+  constexpr int kPer = Traits<DT>::kPer;
+  const int t = threadIdx.x % NORM_THREADS;
+  const i64 base = row * H;
+  float p = 0.0f;
+  uint4 rp[NB][NP];
+  if (active) {
+    FnIn<DT, TWO> in;
+    fn_load_batch<DT, TWO>(t, m, H, P, R, stride, Lq, src, in);
+#pragma unroll
+    for (int u = 0; u < NB; ++u) {  // chunk after chunk: the lane's summation order
+      const i64 off = (t + (i64)u * NORM_THREADS) * NORM_CHUNK;
+      if (off < H) {
+        float sv[NORM_CHUNK], res[NORM_CHUNK], a[NORM_CHUNK];
+        fn_s_chunk<DT, TWO>(in, u, rank, sv);
+        widen_packs<DT>(pre.res[u], res);
+        residual_add<DT>(res, sv, a);  // step 2
+#pragma unroll
+        for (int h = 0; h < NP; ++h) {
+          PackU<DT> r;
+#pragma unroll
+          for (int e = 0; e < kPer; ++e) r.e[e] = Traits<DT>::narrow(a[h * kPer + e]);  // exact: a is rounded
+          rp[u][h] = r.v;
+          store_user<DT>(r_out + base + off + h * kPer, H - off - h * kPer, r.v);
+        }
+#pragma unroll
+        for (int e = 0; e < NORM_CHUNK; ++e) p = __fadd_rn(p, __fmul_rn(a[e], a[e]));  // steps 3-4
+      }
+    }
+  }
+  const float inv = norm_inv_rms(p, warp_sum, inv_shared, H, eps);  // steps 5-6
+  if (active) {
+#pragma unroll
+    for (int u = 0; u < NB; ++u) {  // step 7
+      const i64 off = (t + (i64)u * NORM_THREADS) * NORM_CHUNK;
+      if (off < H) {
+        float a[NORM_CHUNK], w[NORM_CHUNK];
+        widen_packs<DT>(rp[u], a);
+        widen_packs<WDT>(pre.w[u], w);
+#pragma unroll
+        for (int e = 0; e < NORM_CHUNK; ++e) a[e] = __fmul_rn(__fmul_rn(a[e], inv), w[e]);
+        store_chunk<DT>(y + base + off, H - off, a);
+      }
     }
   }
 }
@@ -205,17 +316,27 @@ __device__ __forceinline__ void fused_rmsnorm(const typename Traits<DT>::T* __re
 #pragma unroll
   for (int k = 0; k < DETCOMM_W; ++k) src[k] = reinterpret_cast<const uint4*>(g.data[k]);
 
+  const int half = threadIdx.x / NORM_THREADS;
+  // Uniform over the block (H is the same for every thread), so both paths keep the barriers uniform.
+  const bool regs = H <= (i64)FnChunk<DT>::kBatch * NORM_THREADS * NORM_CHUNK;
+  FnPre<DT, WDT> pre;
+  if (regs) fn_prefetch<DT, WDT>((i64)half * gridDim.x + blockIdx.x, H, residual, weight, pre, half < rows_b);
   fn_copy_in<DT>(x, rows_b, H, P, R, stride, own);
   if (!block_barrier(g, BARRIER_START)) return;
   if constexpr (TWO) {
     fn_fold_range<DT>(rows_b, P, R, stride, Lq, src, own, g.rank);
     if (!block_barrier(g, BARRIER_MID)) return;
   }
-  const int half = threadIdx.x / NORM_THREADS;
   for (i64 m0 = 0; m0 < rows_b; m0 += FN_HALVES) {  // the same trip count for both halves
-    const i64 m = m0 + half;
-    fn_norm_row<DT, WDT, TWO>(m * gridDim.x + blockIdx.x, m, H, P, R, stride, Lq, src, g.rank, residual, weight,
-                              y, r_out, eps, warp_sum[half], &inv_shared[half], m < rows_b);
+    const i64 m = m0 + half, row = m * gridDim.x + blockIdx.x;
+    if (regs) {
+      if (m0 > 0) fn_prefetch<DT, WDT>(row, H, residual, weight, pre, m < rows_b);
+      fn_norm_row_regs<DT, WDT, TWO>(row, m, H, P, R, stride, Lq, src, g.rank, pre, y, r_out, eps, warp_sum[half],
+                                     &inv_shared[half], m < rows_b);
+    } else {
+      fn_norm_row<DT, WDT, TWO>(row, m, H, P, R, stride, Lq, src, g.rank, residual, weight, y, r_out, eps,
+                                warp_sum[half], &inv_shared[half], m < rows_b);
+    }
   }
   // END keeps peers from overwriting their slots (next collective) while this rank still reads them.
   block_barrier(g, BARRIER_END);
