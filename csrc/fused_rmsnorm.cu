@@ -342,23 +342,18 @@ __device__ __forceinline__ void fused_rmsnorm(const typename Traits<DT>::T* __re
   block_barrier(g, BARRIER_END);
 }
 
-#define DETCOMM_FUSED_NORM(SFX, DT, WSFX, WDT)                                                                    \
-  extern "C" __global__ void __launch_bounds__(DETCOMM_BLOCK_THREADS) detcomm_fused_rmsnorm_1shot_##SFX##_w##WSFX( \
-      const Traits<DT>::T* x, const Traits<DT>::T* residual, const Traits<WDT>::T* weight, Traits<DT>::T* y,       \
-      Traits<DT>::T* r_out, i64 rows, i64 H, float eps, u32 call, char* const* data, u32* const* sigs, int rank,   \
-      u64 timeout_ns, u32* ctrl) {                                                                                 \
-    const Group g{data, sigs, rank, timeout_ns, ctrl, (DETCOMM_KIND_FUSED_NORM_1SHOT << 8) | DT, call,             \
-                  (u64)(rows * H)};                                                                                \
-    fused_rmsnorm<DT, WDT, false>(x, residual, weight, y, r_out, rows, H, eps, g);                                 \
-  }                                                                                                                \
-  extern "C" __global__ void __launch_bounds__(DETCOMM_BLOCK_THREADS) detcomm_fused_rmsnorm_2shot_##SFX##_w##WSFX( \
-      const Traits<DT>::T* x, const Traits<DT>::T* residual, const Traits<WDT>::T* weight, Traits<DT>::T* y,       \
-      Traits<DT>::T* r_out, i64 rows, i64 H, float eps, u32 call, char* const* data, u32* const* sigs, int rank,   \
-      u64 timeout_ns, u32* ctrl) {                                                                                 \
-    const Group g{data, sigs, rank, timeout_ns, ctrl, (DETCOMM_KIND_FUSED_NORM_2SHOT << 8) | DT, call,             \
-                  (u64)(rows * H)};                                                                                \
-    fused_rmsnorm<DT, WDT, true>(x, residual, weight, y, r_out, rows, H, eps, g);                                  \
+#define DETCOMM_FUSED_NORM_KERNEL(ALGO, KIND, TWO, SFX, DT, WSFX, WDT)                                             \
+  extern "C" __global__ void __launch_bounds__(DETCOMM_BLOCK_THREADS) detcomm_fused_rmsnorm_##ALGO##_##SFX##_w##WSFX( \
+      const Traits<DT>::T* x, const Traits<DT>::T* residual, const Traits<WDT>::T* weight, Traits<DT>::T* y,          \
+      Traits<DT>::T* r_out, i64 rows, i64 H, float eps, u32 call, char* const* data, u32* const* sigs, int rank,      \
+      u64 timeout_ns, u32* ctrl) {                                                                                    \
+    const Group g{data, sigs, rank, timeout_ns, ctrl, (KIND << 8) | DT, call, (u64)(rows * H)};                       \
+    fused_rmsnorm<DT, WDT, TWO>(x, residual, weight, y, r_out, rows, H, eps, g);                                      \
   }
+
+#define DETCOMM_FUSED_NORM(SFX, DT, WSFX, WDT)                                                         \
+  DETCOMM_FUSED_NORM_KERNEL(1shot, DETCOMM_KIND_FUSED_NORM_1SHOT, false, SFX, DT, WSFX, WDT)         \
+  DETCOMM_FUSED_NORM_KERNEL(2shot, DETCOMM_KIND_FUSED_NORM_2SHOT, true, SFX, DT, WSFX, WDT)
 
 #define DETCOMM_FUSED_NORM_ALL_W(SFX, DT)   \
   DETCOMM_FUSED_NORM(SFX, DT, f32, DT_F32)  \

@@ -166,10 +166,10 @@ def _fused_job(rank: int, world: int, rows: Sequence[int], hidden: Sequence[int]
             res = torch.randn(n, h, device=dev, generator=gen).to(dtype)
             x_nccl = x.clone()
 
-            def fused(x: torch.Tensor = x, res: torch.Tensor = res) -> object:
+            def fused(x: torch.Tensor = x, res: torch.Tensor = res) -> tuple[torch.Tensor, torch.Tensor]:
                 return detcomm.all_reduce_residual_rmsnorm(x, res, w, eps=EPS, site=fused_site)
 
-            def unfused(x: torch.Tensor = x, res: torch.Tensor = res) -> object:
+            def unfused(x: torch.Tensor = x, res: torch.Tensor = res) -> tuple[torch.Tensor, torch.Tensor]:
                 return norm.add_rms_norm(detcomm.all_reduce(x, ar_site), res, w, eps=EPS)
 
             def nccl_torch(x_nccl: torch.Tensor = x_nccl, res: torch.Tensor = res) -> object:
