@@ -250,7 +250,9 @@ def all_reduce_residual_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight:
                                 site: str | Site) -> tuple[torch.Tensor, torch.Tensor]:
     """All-reduce ``x`` over the site's group, add ``residual``, RMSNorm: returns ``(y, r)``. Collective.
 
-    s = detcomm.all_reduce(x, site=site) (the canonical fold on every bitwise route), then ``add_rms_norm``.
+    s = detcomm.all_reduce(x, site=site) (the canonical fold on every bitwise route), then ``add_rms_norm``; where
+    the route table shows the site fused (the CUDA-IPC workspace, ``fusion_refusal`` None), one workspace kernel
+    computes the same bits (docs/spec.md §9.2).
     ``x`` and ``residual`` are [rows, ..., H] of one float dtype, ``weight`` [H]. Arguments are checked before any
     communication. ``r`` is the new residual stream, ``y`` the normalized input of the next layer; both are
     batch-invariant wherever the site's route is.
