@@ -67,6 +67,8 @@ typedef long long i64;
 #define DETCOMM_KIND_TWO_SHOT 2
 #define DETCOMM_KIND_REDUCE_SCATTER 3
 #define DETCOMM_KIND_ALL_GATHER 4
+#define DETCOMM_KIND_FUSED_NORM_1SHOT 5  // csrc/fused_rmsnorm.cu
+#define DETCOMM_KIND_FUSED_NORM_2SHOT 6
 
 #define BARRIER_START 0
 #define BARRIER_MID 1

@@ -16,44 +16,7 @@
 // shuffle tree. Every add and multiply is an explicit _rn intrinsic, so no FMA contraction can happen even
 // without --fmad=false. A missing element (past H) is loaded as +0.0: q = +0.0 and p + (+0.0) == p for every
 // p >= +0.0 or NaN, which are the only values a sum of squares takes, so the tail needs no branch.
-#include "detcomm_common.cuh"
-
-#define NORM_THREADS 256
-#define NORM_CHUNK 8
-#define NORM_WARPS (NORM_THREADS / 32)
-
-// 8 consecutive elements of a row widened to fp32 (missing ones read as +0.0).
-template <int DT>
-__device__ __forceinline__ void load_chunk(const typename Traits<DT>::T* p, i64 valid, float (&a)[NORM_CHUNK]) {
-  constexpr int kPer = Traits<DT>::kPer;
-#pragma unroll
-  for (int h = 0; h < NORM_CHUNK / kPer; ++h) {
-    PackU<DT> u;
-    u.v = load_user<DT>(p + h * kPer, valid - h * kPer);
-#pragma unroll
-    for (int e = 0; e < kPer; ++e) a[h * kPer + e] = Traits<DT>::widen(u.e[e]);
-  }
-}
-
-template <int DT>
-__device__ __forceinline__ void store_chunk(typename Traits<DT>::T* p, i64 valid, const float (&a)[NORM_CHUNK]) {
-  constexpr int kPer = Traits<DT>::kPer;
-#pragma unroll
-  for (int h = 0; h < NORM_CHUNK / kPer; ++h) {
-    PackU<DT> u;
-#pragma unroll
-    for (int e = 0; e < kPer; ++e) u.e[e] = Traits<DT>::narrow(a[h * kPer + e]);  // the one rounding, NaN canonical
-    store_user<DT>(p + h * kPer, valid - h * kPer, u.v);
-  }
-}
-
-// r = round(fp32(residual) + fp32(s)), returned widened (the value the norm reads is the rounded r).
-template <int DT>
-__device__ __forceinline__ void residual_add(const float (&res)[NORM_CHUNK], const float (&s)[NORM_CHUNK],
-                                             float (&a)[NORM_CHUNK]) {
-#pragma unroll
-  for (int e = 0; e < NORM_CHUNK; ++e) a[e] = Traits<DT>::widen(Traits<DT>::narrow(__fadd_rn(res[e], s[e])));
-}
+#include "rms_norm_common.cuh"
 
 // ADD: r = round(residual + s) is written to r_out and normalized; otherwise r is read from `r` (s, residual unused).
 template <int DT, int WDT, bool ADD>
@@ -66,7 +29,6 @@ __device__ __forceinline__ void add_rms_norm(const typename Traits<DT>::T* __res
   __shared__ float warp_sum[NORM_WARPS];
   __shared__ float inv_shared;
   const int t = threadIdx.x;
-  const int lane = t & 31, warp = t >> 5;
   for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {
     const i64 base = row * H;
     float p = 0.0f;  // +0.0 start
@@ -85,22 +47,7 @@ __device__ __forceinline__ void add_rms_norm(const typename Traits<DT>::T* __res
 #pragma unroll
       for (int e = 0; e < NORM_CHUNK; ++e) p = __fadd_rn(p, __fmul_rn(a[e], a[e]));
     }
-    // Halving tree inside the warp: after step h, lane l < h holds v_l + v_{l+h}.
-#pragma unroll
-    for (int h = 16; h >= 1; h >>= 1) p = __fadd_rn(p, __shfl_down_sync(0xffffffffu, p, h));
-    if (lane == 0) warp_sum[warp] = p;
-    __syncthreads();
-    if (warp == 0) {
-      float u = lane < NORM_WARPS ? warp_sum[lane] : 0.0f;
-#pragma unroll
-      for (int h = NORM_WARPS / 2; h >= 1; h >>= 1) u = __fadd_rn(u, __shfl_down_sync(0xffffffffu, u, h));
-      if (lane == 0) {
-        const float mean = __fdiv_rn(u, (float)H);  // H <= 2^24: exact in fp32 (checked by the host)
-        inv_shared = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(mean, eps)));
-      }
-    }
-    __syncthreads();
-    const float inv = inv_shared;  // read before any thread can reach the next row's barrier
+    const float inv = norm_inv_rms(p, warp_sum, &inv_shared, H, eps);  // steps 5-6
     for (i64 c = t; c * NORM_CHUNK < H; c += NORM_THREADS) {
       const i64 off = c * NORM_CHUNK, valid = H - off;
       float a[NORM_CHUNK], w[NORM_CHUNK];

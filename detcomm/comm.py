@@ -205,7 +205,7 @@ class Communicator:
                          "instead of ipc_fold (same bits, slower): %s", e)
             return False, f"workspace unavailable: {e}"
         self._workspace = ws
-        self._backends[Route.IPC_FOLD] = IpcFoldBackend(ws)
+        self._backends[Route.IPC_FOLD] = IpcFoldBackend(ws, resolved=self.resolved)
         return True, f"armed: {capacity // 1024} KiB per launch, sites up to {max_rows} rows"
 
     def _startup_checks(self) -> None:
@@ -451,6 +451,10 @@ class Communicator:
         _norm._check_add(f"site {name!r}: all_reduce_residual_rmsnorm", x, residual, weight)
         _norm.eps_fp32(eps)
         s = self._site_for_call(site, Collective.ALL_REDUCE_RMSNORM, x, ReduceOp.SUM)
+        fused = getattr(self._bound[s.name], "fused", None)  # the workspace's fused kernel, where routing chose it
+        if fused is not None:
+            self._calls += 1
+            return fused(x, residual, weight, eps)  # type: ignore[no-any-return]
         return _norm.add_rms_norm(self._call(s, x, NO_ARGS), residual, weight, eps=eps)
 
     def _call(self, s: Site, x: torch.Tensor, args: CallArgs) -> torch.Tensor:

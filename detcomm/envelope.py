@@ -61,12 +61,16 @@ class Switches:
         batch_invariant_collectives: every floating-point SUM reduction takes a canonical-fold route.
         enable_allreduce_fusion: the engine may fuse all-reduce with the following norm (no bitwise claim).
         comm_fusion_max_num_tokens: largest token count the fused kernels serve; -1 disables them.
-        layer_boundary_norm: "fused" or "unfused"; unfused vetoes all-reduce fusion.
+        layer_boundary_norm: "fused" or "unfused"; unfused vetoes all-reduce fusion (detcomm's own included).
 
-    The three fusion switches above are ADVISORY: detcomm itself runs no fused all-reduce kernel whose bits
-    depend on the token count, so nothing in detcomm reads them. They exist so that an engine reading
-    ``Resolved.switches`` gets one coherent answer (under a bitwise envelope: fusion off), resolved and
-    validated once here together with the switches detcomm does consume.
+    The three switches above are ADVISORY for the engine's own fused all-reduce + norm kernels, whose reduction
+    geometry follows the token count: nothing in detcomm reads the first two. They exist so that an engine
+    reading ``Resolved.switches`` gets one coherent answer (under a bitwise envelope: its fusion off).
+        batch_invariant_fusion: ``all_reduce_residual_rmsnorm`` may run detcomm's fused workspace kernel instead
+            of the all-reduce followed by the canonical norm. Allowed in every envelope because the only fused
+            kernel detcomm routes to has the ``batch_invariant`` feature and serves a site only after the
+            self-checks proved it bit-equal to the composition (docs/spec.md §9.2); layer_boundary_norm="unfused"
+            vetoes it.
         nccl_ring_simple: require NCCL_ALGO=Ring and NCCL_PROTO=Simple before any NCCL communicator exists.
         disable_tf32: NVIDIA_TF32_OVERRIDE=0 and TF32 off in torch.
         force_deterministic_rsag: reductions only on the native collective + fold (no symmetric-memory
@@ -79,6 +83,7 @@ class Switches:
     enable_allreduce_fusion: bool | None = None
     comm_fusion_max_num_tokens: int | None = None
     layer_boundary_norm: str | None = None
+    batch_invariant_fusion: bool | None = None
     nccl_ring_simple: bool | None = None
     disable_tf32: bool | None = None
     force_deterministic_rsag: bool | None = None
@@ -119,6 +124,7 @@ _DEFAULTS = Switches(
     enable_allreduce_fusion=True,
     comm_fusion_max_num_tokens=2048,
     layer_boundary_norm="fused",
+    batch_invariant_fusion=True,
     nccl_ring_simple=False,
     disable_tf32=False,
     force_deterministic_rsag=False,
@@ -137,8 +143,10 @@ _BITWISE_TIGHT: Mapping[str, object] = {
 
 _WHY_TIGHT: Mapping[str, str] = {
     "batch_invariant_collectives": "a bitwise envelope needs every SUM reduction on a canonical-fold route",
-    "enable_allreduce_fusion": "the fused all-reduce+norm kernels make no bitwise claim",
-    "comm_fusion_max_num_tokens": "the fused all-reduce+norm kernels make no bitwise claim (-1 disables them)",
+    "enable_allreduce_fusion": "the engine's fused all-reduce+norm kernels make no bitwise claim (detcomm's "
+                               "batch-invariant fused kernel is batch_invariant_fusion)",
+    "comm_fusion_max_num_tokens": "the engine's fused all-reduce+norm kernels make no bitwise claim (-1 disables "
+                                  "them)",
     "nccl_ring_simple": "NCCL's algorithm/protocol switch by message size changes the association order",
     "disable_tf32": "TF32 matrix products round differently from fp32 and vary with the kernel chosen",
 }
@@ -291,6 +299,11 @@ def resolve_numerics(numerics: str = "auto", **switches: object) -> Resolved:
                     "or drop one of them"
                 )
             values[key] = off
+    if values["layer_boundary_norm"] == "unfused":
+        if values["batch_invariant_fusion"]:
+            raise ValueError("conflicting switches: batch_invariant_fusion=True with layer_boundary_norm='unfused' "
+                             "(unfused vetoes every all-reduce + norm fusion); drop one of them")
+        values["batch_invariant_fusion"] = False
 
     for key in Switches.names():
         if values[key] is None:

@@ -31,7 +31,8 @@ from numbers import Real
 import torch
 
 from . import norm_cuda
-from .fold import FLOAT_DTYPES, canonicalize_nan
+from .envelope import Resolved
+from .fold import BATCH_INVARIANT, FLOAT_DTYPES, canonicalize_nan
 from .route import Site
 
 __all__ = [
@@ -48,6 +49,8 @@ __all__ = [
     "add_rms_norm",
     "add_rms_norm_torch",
     "all_reduce_residual_rmsnorm",
+    "FUSED_KERNEL_FEATURES",
+    "fusion_refusal",
 ]
 
 log = logging.getLogger("detcomm.norm")
@@ -221,11 +224,35 @@ def add_rms_norm(s: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     return y.view(s.shape), r.view(s.shape)
 
 
+# What the fused workspace kernel (csrc/fused_rmsnorm.cu) guarantees: the composition's bits for every row,
+# whatever the batch (docs/spec.md §9.2); the self-checks prove it on the group before a site uses it.
+FUSED_KERNEL_FEATURES: frozenset[str] = frozenset({BATCH_INVARIANT})
+
+
+def fusion_refusal(resolved: Resolved, site: Site, *, features: frozenset[str] = FUSED_KERNEL_FEATURES) -> str | None:
+    """Why ``all_reduce_residual_rmsnorm`` at ``site`` may not take a fused kernel with ``features``; None when it
+    may (it still serves only after passing the self-checks). Routing and the workspace route both ask this, so
+    the route table and the call agree."""
+    if not resolved.switches.batch_invariant_fusion:
+        why = ("layer_boundary_norm='unfused'" if resolved.switches.layer_boundary_norm == "unfused"
+               else "batch_invariant_fusion=False")
+        return f"fusion off ({why})"
+    if resolved.bitwise and BATCH_INVARIANT not in features:
+        return f"numerics={resolved.numerics!r} fuses only kernels with the {BATCH_INVARIANT!r} feature"
+    if len(site.shape) != 1:
+        return f"the fused kernel takes rows of one dimension, the site's are {list(site.shape)}"
+    if not 1 <= site.shape[0] <= MAX_HIDDEN:
+        return f"hidden size {site.shape[0]} outside 1..{MAX_HIDDEN}"
+    return None
+
+
 def all_reduce_residual_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, *, eps: float,
                                 site: str | Site) -> tuple[torch.Tensor, torch.Tensor]:
     """All-reduce ``x`` over the site's group, add ``residual``, RMSNorm: returns ``(y, r)``. Collective.
 
-    s = detcomm.all_reduce(x, site=site) (the canonical fold on every bitwise route), then ``add_rms_norm``.
+    s = detcomm.all_reduce(x, site=site) (the canonical fold on every bitwise route), then ``add_rms_norm``; where
+    the route table shows the site fused (the CUDA-IPC workspace, ``fusion_refusal`` None), one workspace kernel
+    computes the same bits (docs/spec.md §9.2).
     ``x`` and ``residual`` are [rows, ..., H] of one float dtype, ``weight`` [H]. Arguments are checked before any
     communication. ``r`` is the new residual stream, ``y`` the normalized input of the next layer; both are
     batch-invariant wherever the site's route is.

@@ -496,9 +496,16 @@ class AutoBackend:
         else:
             out.append(RouteDecision(Route.GATHER_FOLD, f"canonical fold after an all-gather ({no_ws})"))
         if site.collective is Collective.ALL_REDUCE_RMSNORM:
-            # No fused kernel yet: the site's all-reduce takes the route, then the canonical add + RMSNorm.
-            out = [RouteDecision(d.route, d.why + "; then the canonical residual add + RMSNorm (composition)")
-                   for d in out]
+            from .norm import fusion_refusal  # noqa: PLC0415 (detcomm.norm imports this module)
+
+            # The workspace fuses the all-reduce with the residual add + RMSNorm where fusion is allowed; every
+            # other route runs the site's all-reduce, then the canonical add + RMSNorm (the same bits).
+            no_fuse = fusion_refusal(self.resolved, site)
+            out = [RouteDecision(d.route, d.why + (
+                "; fused with the residual add + RMSNorm in one kernel (batch_invariant, self-checked against the "
+                "composition)" if d.route is Route.IPC_FOLD and no_fuse is None else
+                "; then the canonical residual add + RMSNorm (composition"
+                + (f": {no_fuse})" if no_fuse and d.route is Route.IPC_FOLD else ")"))) for d in out]
         return out
 
     # -- large all-reduce sites stay on the workspace, chunked (a self-contained rule) ------------------------
@@ -603,8 +610,10 @@ class AutoBackend:
                     continue
                 check = "passed"
             decision = cand
+            if getattr(bound, "note", ""):  # what binding learned that the static policy could not (ipc_fold)
+                decision = RouteDecision(cand.route, cand.why + bound.note)  # type: ignore[attr-defined]
             if refused:
-                decision = RouteDecision(cand.route, cand.why + " [refused: " + " | ".join(refused) + "]")
+                decision = RouteDecision(cand.route, decision.why + " [refused: " + " | ".join(refused) + "]")
                 _log.warning("detcomm: site %s falls back to %s after refusals (same canonical bits)", site.name,
                              cand.route.value)
             self._bound[site] = (bound, decision, check)

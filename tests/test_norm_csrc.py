@@ -38,3 +38,26 @@ def test_ptx_keeps_the_canonical_arithmetic(tmp_path: Path) -> None:
 def test_runtime_source_is_one_unit() -> None:
     src = kernels.flatten_source((norm_cuda.SOURCE_FILE,))
     assert '#include "' not in src and "detcomm_add_rms_norm" in src and "struct Traits" in src
+
+
+FUSED = CU.parent / "fused_rmsnorm.cu"
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not on PATH")
+@pytest.mark.parametrize("world", [2, 8])
+def test_fused_kernel_ptx_keeps_the_canonical_arithmetic(tmp_path: Path, world: int) -> None:
+    """The fused workspace kernel: the same arithmetic rules as the norm alone, and the workspace's barriers."""
+    out = tmp_path / "fused.ptx"
+    flags = [f for f in FLAGS if not f.startswith("-DDETCOMM_W=")] + [f"-DDETCOMM_W={world}"]
+    p = subprocess.run([NVCC, *flags, "-ptx", str(FUSED), "-o", str(out)], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    ptx = out.read_text()
+    assert not re.search(r"\bfma\.", ptx) and ".ftz" not in ptx
+    assert not re.search(r"\b(rsqrt|rcp|ex2|lg2)\.", ptx)
+    assert not re.search(r"\b(add|mul|div|sqrt)\.(approx\.)?f32", ptx)
+    for op in ("add.rn.f32", "mul.rn.f32", "div.rn.f32", "sqrt.rn.f32", "st.release.sys", "ld.acquire.sys"):
+        assert op in ptx, op
+    assert "trap;" not in ptx
+    names = set(re.findall(r"\.entry (detcomm_\w+)\(", ptx))
+    assert names == {f"detcomm_fused_rmsnorm_{k}_{a}_w{b}" for k in ("1shot", "2shot")
+                     for a in ("f32", "bf16", "f16") for b in ("f32", "bf16", "f16")}

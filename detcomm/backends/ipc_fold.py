@@ -8,18 +8,59 @@ group before a site is routed here); the row count only picks one-shot, two-shot
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 
+from .. import norm
+from ..envelope import Resolved
+from ..invariance import bits_equal
 from ..route import BoundRoute, Collective, ReduceOp, Route, Site
 from ..workspace import Workspace
 from .base import Bound, Call, bind_from
+
+# (x, residual, weight, eps) -> (y, r): the fused all-reduce + residual add + RMSNorm of one site.
+Fused = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]
+_CHECK_EPS = 1e-6
+
+
+@dataclass(frozen=True)
+class FusedBound(Bound):
+    """An all_reduce_residual_rmsnorm site bound to the workspace: ``fused`` serves its calls when set (the
+    communicator calls it instead of the all-reduce + canonical norm); ``note`` tells the route table why not."""
+
+    fused: Fused | None = None
+    note: str = ""
+
+
+def _proving(ws: Workspace, run: Fused, label: str) -> Call:
+    """A self-check call of a fused variant: it runs the fused kernel and the composition (the workspace's
+    all-reduce, then detcomm.norm.add_rms_norm) on the check's payload, with a residual and a weight made from it,
+    raises if (y, r) differ in any bit, and returns s so that the checks also hold the fold to its reference.
+    Every check call (repeats, offsets, batch sizes) thereby proves the fused bits."""
+
+    def call(x: torch.Tensor, _a: object) -> torch.Tensor:
+        hidden = x.shape[-1]
+        residual = x.flip(-1).contiguous()  # a function of the row's content: the same row gives the same residual
+        weight = (1 + torch.arange(hidden, device=x.device) % 7 / 8).to(x.dtype)
+        y, r = run(x, residual, weight, _CHECK_EPS)
+        s = ws.all_reduce(x, label=label)
+        y_ref, r_ref = norm.add_rms_norm(s, residual, weight, eps=_CHECK_EPS)
+        if not (bits_equal(y, y_ref) and bits_equal(r, r_ref)):
+            raise RuntimeError(f"fused (y, r) differ from the composition's (y: {int((y != y_ref).sum())}, "
+                               f"r: {int((r != r_ref).sum())} elements)")
+        return s
+
+    return call
 
 
 class IpcFoldBackend:
     route = Route.IPC_FOLD
 
-    def __init__(self, workspace: Workspace) -> None:
+    def __init__(self, workspace: Workspace, *, resolved: Resolved) -> None:
         self.workspace = workspace
+        self.resolved = resolved
 
     def bind(self, site: Site) -> BoundRoute:
         label = site.name
@@ -48,7 +89,35 @@ class IpcFoldBackend:
             else:
                 kw = {"chunk_rows": 1} if v == "chunked" else {}
                 forced[v] = lambda x, a, kw=kw: ws.all_gather(x, label=label, **kw)  # type: ignore[misc]
+        if site.collective is Collective.ALL_REDUCE_RMSNORM:
+            return self._bind_norm(site, bound, forced)
         return Bound(bound.route, bound.site, bound.call, forced)
+
+    def _bind_norm(self, site: Site, bound: Bound, forced: dict[str, Call]) -> FusedBound:
+        """The fused kernel serves the site when fusion is allowed (detcomm.norm.fusion_refusal) and its rows fit a
+        launch; its variants join the all-reduce's, each proven against the composition by the self-checks."""
+        ws, label = self.workspace, site.name
+        if norm.fusion_refusal(self.resolved, site) is not None:
+            return FusedBound(bound.route, bound.site, bound.call, forced)
+        variants = ws.fused_norm_variants(site.dtype, site.shape[0], site.max_rows)
+        if not variants:
+            return FusedBound(bound.route, bound.site, bound.call, forced,
+                              note=" [not fused: a row does not fit one fused launch of the workspace; composition]")
+        for v in variants:
+            kw: dict[str, object] = {"chunk_rows": 1} if v == "fused_chunked" else {"algo": v.removeprefix("fused_")}
+
+            def run(x: torch.Tensor, res: torch.Tensor, w: torch.Tensor, eps: float,
+                    kw: dict[str, object] = kw) -> tuple[torch.Tensor, torch.Tensor]:
+                return ws.all_reduce_rmsnorm(x, res, w, norm.eps_fp32(eps), label=label, **kw)  # type: ignore[arg-type]
+
+            forced[v] = _proving(ws, run, label)
+
+        def fused(x: torch.Tensor, res: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+            hidden = x.shape[-1]
+            y, r = ws.all_reduce_rmsnorm(x.view(-1, hidden), res.view(-1, hidden), w, norm.eps_fp32(eps), label=label)
+            return y.view(x.shape), r.view(x.shape)
+
+        return FusedBound(bound.route, bound.site, bound.call, forced, fused=fused)
 
     def all_reduce(self, x: torch.Tensor, op: ReduceOp, *, out: torch.Tensor | None = None,
                    label: str | None = None) -> torch.Tensor:

@@ -13,7 +13,20 @@ For each (hidden, rows) it times, as medians of graph replays (``calls_per_graph
 Beside the times: whether the kernel's bits equal detcomm's torch implementation on the same device, and how
 many of the first row's elements change bits when torch's rms_norm runs it alone instead of inside the batch
 (its batch invariance; detcomm's is 0 by construction and checked here too). Writes norm.json and norm.md.
-The all-reduce before the norm is timed by detcomm-bench per route; on one device there is no group to time.
+
+    python -m detcomm.bench.norm --fused --nproc 2 --out results/fused   # W ranks, one per GPU, rl-bitwise
+
+``--fused`` times the all-reduce + residual add + RMSNorm of docs/spec.md §9.2 on W ranks (NCCL group, one GPU
+each, the CUDA-IPC workspace armed), every method captured in a CUDA graph on every rank (rank 0's medians):
+
+- ``fused``: detcomm.all_reduce_residual_rmsnorm on its site (the fused workspace kernel);
+- ``unfused``: detcomm.all_reduce on an all-reduce site (the workspace's fold kernel), then
+  detcomm.norm.add_rms_norm (the composition: two kernels);
+- ``nccl_torch``: torch.distributed.all_reduce (NCCL, in place) then torch's rms_norm of residual + s (what an
+  engine runs without batch invariance; three kernels).
+
+Beside the times: whether fused and unfused give the same bits on every row and rank, and whether the first
+row's fused bits change when it runs alone. Writes fused.json and fused.md.
 """
 
 from __future__ import annotations
@@ -27,6 +40,7 @@ from pathlib import Path
 import torch
 
 from .. import norm
+from .._spawn import LocalCluster
 from .timing import summarize, time_cuda_graph
 
 __all__ = ["main", "run"]
@@ -42,7 +56,8 @@ def _hf_rms_norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return w * (h * torch.rsqrt(var + EPS)).to(x.dtype)
 
 
-def _graph_us(fn: Callable[[], object], *, calls_per_graph: int, iters: int) -> dict[str, float]:
+def _graph_us(fn: Callable[[], object], *, calls_per_graph: int, iters: int,
+              barrier: Callable[[], None] | None = None) -> dict[str, float]:
     def capture() -> Callable[[], None]:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -56,7 +71,7 @@ def _graph_us(fn: Callable[[], object], *, calls_per_graph: int, iters: int) -> 
                 fn()
         return graph.replay
 
-    return summarize(time_cuda_graph(capture, iters=iters, calls_per_graph=calls_per_graph))
+    return summarize(time_cuda_graph(capture, iters=iters, calls_per_graph=calls_per_graph, barrier=barrier))
 
 
 def _methods(s: torch.Tensor, res: torch.Tensor, r: torch.Tensor, w: torch.Tensor) -> dict[str, Callable[[], object]]:
@@ -124,6 +139,100 @@ def _row_md(rec: dict[str, object]) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
+_FUSED_COLS = ("fused", "unfused", "nccl_torch")
+
+
+def _fused_job(rank: int, world: int, rows: Sequence[int], hidden: Sequence[int], dtype_name: str,
+               calls_per_graph: int, iters: int) -> list[dict[str, object]]:
+    """One rank of ``--fused`` (collective: every rank runs the same calls)."""
+    import torch.distributed as dist  # noqa: PLC0415
+
+    import detcomm  # noqa: PLC0415
+
+    dtype = getattr(torch, dtype_name)
+    detcomm.shutdown()
+    comm = detcomm.init(numerics="rl-bitwise")
+    dev = comm.device
+    out: list[dict[str, object]] = []
+    for h in hidden:
+        fused_site = detcomm.site(f"bench.norm.fused.{h}", collective="all_reduce_rmsnorm", dtype=dtype, shape=(h,),
+                                  max_rows=max(rows))
+        ar_site = detcomm.site(f"bench.norm.ar.{h}", collective="all_reduce", dtype=dtype, shape=(h,),
+                               max_rows=max(rows))
+        gen = torch.Generator(device=dev).manual_seed(1000 * rank + h)
+        w = (1.0 + 0.1 * torch.randn(h, device=dev, generator=gen)).to(dtype)
+        for n in rows:
+            x = torch.randn(n, h, device=dev, generator=gen).to(dtype)
+            res = torch.randn(n, h, device=dev, generator=gen).to(dtype)
+            x_nccl = x.clone()
+
+            def fused(x: torch.Tensor = x, res: torch.Tensor = res) -> tuple[torch.Tensor, torch.Tensor]:
+                return detcomm.all_reduce_residual_rmsnorm(x, res, w, eps=EPS, site=fused_site)
+
+            def unfused(x: torch.Tensor = x, res: torch.Tensor = res) -> tuple[torch.Tensor, torch.Tensor]:
+                return norm.add_rms_norm(detcomm.all_reduce(x, ar_site), res, w, eps=EPS)
+
+            def nccl_torch(x_nccl: torch.Tensor = x_nccl, res: torch.Tensor = res) -> object:
+                dist.all_reduce(x_nccl)  # in place: the values grow, the time does not depend on them
+                return torch.nn.functional.rms_norm(res + x_nccl, (h,), w, eps=EPS)
+
+            y_f, r_f = fused()
+            y_u, r_u = unfused()
+            same = bool(torch.equal(_bits(y_f), _bits(y_u)) and torch.equal(_bits(r_f), _bits(r_u)))
+            y_1, _ = detcomm.all_reduce_residual_rmsnorm(x[:1].contiguous(), res[:1].contiguous(), w, eps=EPS,
+                                                         site=fused_site)
+            flags = torch.tensor([0 if same else 1, int((_bits(y_1) != _bits(y_f[:1])).sum())], device=dev)
+            dist.all_reduce(flags)
+            rec: dict[str, object] = {"hidden": h, "rows": n, "world_size": world, "dtype": dtype_name,
+                                      "fused_equals_unfused": int(flags[0]) == 0,
+                                      "fused_row0_changed": int(flags[1])}
+            for name, fn in (("fused", fused), ("unfused", unfused), ("nccl_torch", nccl_torch)):
+                rec[name] = _graph_us(fn, calls_per_graph=calls_per_graph, iters=iters, barrier=dist.barrier)
+            out.append(rec)
+            if rank == 0:
+                print(_fused_row_md(rec), file=sys.stderr, flush=True)
+    routes = str(detcomm.routes())
+    detcomm.shutdown()
+    return [{"routes": routes}, *out] if rank == 0 else out
+
+
+def _fused_header_md() -> str:
+    head = ["hidden", "rows", *[f"{c} us" for c in _FUSED_COLS], "fused/unfused", "fused/nccl_torch",
+            "fused == unfused", "fused row0 changed"]
+    return "| " + " | ".join(head) + " |\n|" + "---|" * len(head)
+
+
+def _fused_row_md(rec: dict[str, object]) -> str:
+    med = {c: rec[c]["median_us"] for c in _FUSED_COLS}  # type: ignore[index]
+    cells = [str(rec["hidden"]), str(rec["rows"]), *[f"{med[c]:.2f}" for c in _FUSED_COLS],
+             f"{med['fused'] / med['unfused']:.2f}", f"{med['fused'] / med['nccl_torch']:.2f}",
+             "yes" if rec["fused_equals_unfused"] else "NO", str(rec["fused_row0_changed"])]
+    return "| " + " | ".join(cells) + " |"
+
+
+def _main_fused(args: argparse.Namespace) -> int:
+    from ..envelope import envelope_environment  # noqa: PLC0415
+
+    nproc = args.nproc or torch.cuda.device_count()
+    # NCCL reads NCCL_ALGO/NCCL_PROTO when the ranks' communicator is created: rl-bitwise's environment first.
+    with LocalCluster(nproc, backend="nccl", pg_timeout_s=300, env=envelope_environment("rl-bitwise")) as cluster:
+        got = cluster.run(_fused_job, args.rows, args.hidden, args.dtype, args.calls_per_graph, args.iters,
+                          timeout_s=1800)[0]
+    routes, recs = got[0]["routes"], got[1:]
+    args.out.mkdir(parents=True, exist_ok=True)
+    device = torch.cuda.get_device_name()
+    (args.out / "fused.json").write_text(json.dumps({"device": device, "torch": torch.__version__, "world_size": nproc,
+                                                     "routes": routes, "records": recs}, indent=1))
+    md = (f"device: {nproc}x {device}, torch {torch.__version__}, W={nproc} (one rank per GPU), {args.dtype}, "
+          f"numerics=rl-bitwise, CUDA graphs, rank 0's median of {args.iters} replays of {args.calls_per_graph} "
+          f"calls\n\n" + _fused_header_md() + "\n" + "\n".join(_fused_row_md(r) for r in recs) + "\n")
+    (args.out / "fused.md").write_text(md + "\n" + routes + "\n")
+    print(md)
+    print(routes)
+    bad = [r for r in recs if not r["fused_equals_unfused"] or r["fused_row0_changed"]]
+    return 1 if bad else 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m detcomm.bench.norm", description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--out", type=Path, default=Path("bench-results-norm"))
@@ -132,9 +241,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
     p.add_argument("--calls-per-graph", type=int, default=20)
     p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--fused", action="store_true", help="time the fused all-reduce + residual + RMSNorm on W ranks")
+    p.add_argument("--nproc", type=int, help="--fused: ranks, one per GPU (default: every GPU)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("needs a CUDA device (the bench times the GPU kernel against torch's)")
+    if args.fused:
+        return _main_fused(args)
     recs = run(rows=args.rows, hidden=args.hidden, dtype=getattr(torch, args.dtype),
                calls_per_graph=args.calls_per_graph, iters=args.iters)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -32,6 +32,9 @@ import detcomm
 __all__ = ["ModelConfig", "Segment", "TPTransformer", "SITE_NAMES", "pack_segments"]
 
 SITE_NAMES = {"o_proj": "o_proj", "down_proj": "down_proj", "argmax": "lm_head.argmax", "gather": "lm_head.gather"}
+# Under a bitwise envelope each layer boundary is one fused call: the row-parallel all-reduce, the residual add and
+# the next RMSNorm (detcomm.all_reduce_residual_rmsnorm, docs/spec.md §9.2).
+FUSED_SITE_NAMES = {"o_proj": "o_proj.add_norm", "down_proj": "down_proj.add_norm"}
 
 
 @dataclass(frozen=True)
@@ -109,6 +112,7 @@ class TPTransformer:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         cfg.check(self.world)
         self.pad = pad
+        self.fuse = False  # declare_sites decides (fused layer boundaries under a bitwise envelope)
         self.heads_local = cfg.heads // self.world
         self.vocab_local = cfg.vocab // self.world
         self.vocab_start = self.rank * self.vocab_local
@@ -162,9 +166,15 @@ class TPTransformer:
         """Declare the model's call sites (collective). ``route`` forces the route of the two row-parallel
         all-reduces (the probe's negative control uses "native")."""
         cfg = self.cfg
+        # The fused boundary under a bitwise envelope (its norm is then detcomm's canonical RMSNorm everywhere);
+        # a forced route (the negative control) keeps the plain all-reduce + the model's own norm.
+        self.fuse = route is None and detcomm.get_communicator().resolved.bitwise
         for name in ("o_proj", "down_proj"):
             detcomm.site(SITE_NAMES[name], collective="all_reduce", dtype=cfg.dtype, shape=(cfg.hidden,),
                          max_rows=cfg.t_pad, route=route)
+            if self.fuse:
+                detcomm.site(FUSED_SITE_NAMES[name], collective="all_reduce_rmsnorm", dtype=cfg.dtype,
+                             shape=(cfg.hidden,), max_rows=cfg.t_pad)
         detcomm.site(SITE_NAMES["argmax"], collective="argmax", dtype=torch.float32, shape=(self.vocab_local,),
                      max_rows=cfg.t_pad)
         detcomm.site(SITE_NAMES["gather"], collective="all_gather", dtype=torch.float32, shape=(self.vocab_local,),
@@ -184,8 +194,26 @@ class TPTransformer:
         return out
 
     def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if self.fuse:  # one norm everywhere: the canonical one the fused boundaries compute
+            return detcomm.rms_norm(x, w, eps=self.cfg.eps)
         f = x.to(torch.float32)
         return (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + self.cfg.eps)).to(x.dtype) * w
+
+    def _reduce_add_norm(self, part: torch.Tensor, h: torch.Tensor, w: torch.Tensor, name: str,
+                         rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """After a row-parallel projection: the residual stream h + all_reduce(part) and its next norm (rows >=
+        ``rows`` are filler). Fused: one detcomm.all_reduce_residual_rmsnorm; else the all-reduce, the add, the
+        model's norm. Collective."""
+        h = h.clone()
+        if not self.fuse:
+            h[:rows] += detcomm.all_reduce(part[:rows], site=SITE_NAMES[name])
+            return h, self._norm(h, w)
+        y, r = detcomm.all_reduce_residual_rmsnorm(part[:rows], h[:rows], w, eps=self.cfg.eps,
+                                                   site=FUSED_SITE_NAMES[name])
+        h[:rows] = r
+        normed = torch.zeros_like(h)  # filler rows stay filler: rows never mix in the fixed-shape GEMMs
+        normed[:rows] = y
+        return h, normed
 
     def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         # x: [T_pad, heads, head_dim], rotate-half convention.
@@ -222,8 +250,9 @@ class TPTransformer:
         ids, pos, offsets, rows = pack_segments(segments, t_pad=c.t_pad, max_context=c.max_context, device=self.device)
         h = self.embed[ids]  # [T_pad, H]; rows >= `rows` are filler
         hd, hl = c.head_dim, self.heads_local
+        normed = self._norm(h, self.layers[0]["attn_norm"] if self.layers else self.final_norm)
         for li, L in enumerate(self.layers):
-            qkv = self._linear(self._norm(h, L["attn_norm"]), L["wqkv"], rows)
+            qkv = self._linear(normed, L["wqkv"], rows)
             q, k, v = qkv.split(hl * hd, dim=1)
             q = self._rope(q.reshape(c.t_pad, hl, hd), pos)
             k = self._rope(k.reshape(c.t_pad, hl, hd), pos)
@@ -233,14 +262,13 @@ class TPTransformer:
                 n = len(s.tokens)
                 attn[o : o + n] = self._attention(q[o : o + n], s, li, k[o : o + n], v[o : o + n])
             part = self._linear(attn, L["wo"], rows)
-            h = h.clone()
-            h[:rows] += detcomm.all_reduce(part[:rows], site=SITE_NAMES["o_proj"])
-            gu = self._linear(self._norm(h, L["mlp_norm"]), L["wgu"], rows)
+            h, normed = self._reduce_add_norm(part, h, L["mlp_norm"], "o_proj", rows)
+            gu = self._linear(normed, L["wgu"], rows)
             gate, up = gu.split(c.ffn // self.world, dim=1)
             part = self._linear(torch.nn.functional.silu(gate) * up, L["wd"], rows)
-            h = h.clone()
-            h[:rows] += detcomm.all_reduce(part[:rows], site=SITE_NAMES["down_proj"])
-        logits = self._linear(self._norm(h, self.final_norm), self.lm_head, rows).to(torch.float32)
+            nxt = self.layers[li + 1]["attn_norm"] if li + 1 < len(self.layers) else self.final_norm
+            h, normed = self._reduce_add_norm(part, h, nxt, "down_proj", rows)
+        logits = self._linear(normed, self.lm_head, rows).to(torch.float32)
         picks = [i for i, s in enumerate(segments) if s.sample]
         last = torch.tensor([offsets[i] + len(segments[i].tokens) - 1 for i in picks], dtype=torch.long, device=self.device)
         return logits[last], picks

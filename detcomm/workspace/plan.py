@@ -31,7 +31,8 @@ ERR_MISMATCH = 0xDE7C0004
 ERR_OVERLAP = 0xDE7C0005
 ABORT_BY_KERNEL = 0x100
 ABORT_BY_HOST = 0x200
-KIND_CODES = {1: "one_shot", 2: "two_shot", 3: "reduce_scatter", 4: "all_gather"}
+KIND_CODES = {1: "one_shot", 2: "two_shot", 3: "reduce_scatter", 4: "all_gather", 5: "fused_norm_1shot",
+              6: "fused_norm_2shot"}
 DTYPE_CODES = {0: "float32", 1: "bfloat16", 2: "float16", 3: "bytes"}
 BARRIER_NAMES = ("start", "mid", "end")
 
@@ -220,6 +221,42 @@ def variants(collective: str, *, row_bytes: int, max_rows: int, world_size: int,
             return []
         return ["all_gather"] + (["chunked"] if max_rows > per else [])
     raise ValueError(f"collective must be all_reduce, reduce_scatter or all_gather, got {collective!r}")
+
+
+# --- fused all-reduce + residual add + RMSNorm (csrc/fused_rmsnorm.cu) ---------------------------------------
+FUSED_NORM_ALGOS = ("one_shot", "two_shot")
+_FUSED_NORM_TAG = {"one_shot": "1shot", "two_shot": "2shot"}
+
+
+def fused_norm_kernel(algo: str, dtype: str, weight_dtype: str) -> str:
+    """The fused kernel's name for rows of `dtype` and a weight of `weight_dtype` (dtype names)."""
+    return f"detcomm_fused_rmsnorm_{_FUSED_NORM_TAG[algo]}_{DTYPE_SUFFIX[dtype]}_w{DTYPE_SUFFIX[weight_dtype]}"
+
+
+def fused_norm_rows_per_launch(hidden: int, dtype: str, *, grid: int, slot_bytes: int) -> int:
+    """Rows one fused launch carries. Row i belongs to block i mod grid; its P packs take R = ceil(P /
+    BLOCK_THREADS) regions of that block, one grid stride apart (so the slot ownership rule holds), so a slot
+    holds floor(slot packs / (R * stride)) rows per block. 0 when not even one row fits."""
+    if hidden < 1:
+        raise ValueError(f"hidden must be >= 1, got {hidden}")
+    regions = _ceil_div(_ceil_div(hidden, pack_elems(dtype)), BLOCK_THREADS)
+    return (slot_bytes // PACK_BYTES) // (regions * stride_packs(grid)) * grid
+
+
+def fused_norm_variants(*, hidden: int, dtype: str, max_rows: int, grid: int, slot_bytes: int,
+                        one_shot_max_bytes: int) -> list[str]:
+    """The fused kernel's code paths calls of 1..max_rows rows can take ("fused_one_shot", "fused_two_shot",
+    "fused_chunked"), chosen per launch by its bytes like all_reduce's; [] when one row does not fit a launch."""
+    per = fused_norm_rows_per_launch(hidden, dtype, grid=grid, slot_bytes=slot_bytes)
+    if per < 1:
+        return []
+    row_bytes = hidden * elem_size(dtype)
+    out = []
+    if row_bytes <= one_shot_max_bytes:
+        out.append("fused_one_shot")
+    if min(max_rows, per) * row_bytes > one_shot_max_bytes:
+        out.append("fused_two_shot")
+    return out + (["fused_chunked"] if max_rows > per else [])
 
 
 # --- failure records (written by fail_workspace in csrc/detcomm_common.cuh) ----------------------------------

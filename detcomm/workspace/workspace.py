@@ -441,6 +441,54 @@ class Workspace:
                 self.variants_run.add(("all_gather", dt, "chunked"))
         return out
 
+    # ---- fused all-reduce + residual add + RMSNorm (csrc/fused_rmsnorm.cu) ----------------------------------
+    def fused_norm_variants(self, dtype: torch.dtype, hidden: int, max_rows: int) -> list[str]:
+        """LOCAL: the fused kernel's code paths for rows of `hidden` elements (plan.fused_norm_variants); [] when
+        it cannot serve them (dtype refused, a row larger than a launch)."""
+        if dtype not in FLOAT_DTYPES or name_of(dtype) in self.refused:
+            return []
+        return plan.fused_norm_variants(hidden=hidden, dtype=name_of(dtype), max_rows=max_rows, grid=self.grid,
+                                        slot_bytes=self._slot_bytes, one_shot_max_bytes=self.one_shot_max_bytes)
+
+    def all_reduce_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps32: float, *,
+                           algo: str | None = None, chunk_rows: int | None = None,
+                           label: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """COLLECTIVE. (y, r) of docs/spec.md §9.2 in one kernel per launch: s = the canonical fold of x, r =
+        round(residual + s), y = the canonical RMSNorm of r; the same bits as all_reduce then
+        detcomm.norm.add_rms_norm. x, residual: contiguous [rows, H] of one float dtype; weight: [H] of any float
+        dtype; eps32: eps already rounded to fp32 (detcomm.norm validates all of it). algo / chunk_rows force a
+        kernel or chunking as in all_reduce (self-checks, tests, bench)."""
+        if algo not in (None, "one_shot", "two_shot"):
+            raise ValueError(f"algo must be None, 'one_shot' or 'two_shot', got {algo!r}")
+        dtype = self._fold_dtype(x)
+        assert x.dim() == 2 and residual.shape == x.shape and weight.shape == x.shape[1:], (x.shape, weight.shape)
+        rows, hidden = x.shape
+        y, r = torch.empty_like(x), torch.empty_like(x)
+        if rows == 0 or hidden == 0:
+            return y, r
+        per = plan.fused_norm_rows_per_launch(hidden, dtype, grid=self.grid, slot_bytes=self._slot_bytes)
+        if per < 1:
+            raise WorkspaceUnavailable(f"a row of {hidden} elements does not fit one fused launch of this workspace")
+        if chunk_rows is not None:
+            if not 1 <= chunk_rows <= per:
+                raise ValueError(f"chunk_rows must be in 1..{per} (rows one launch carries), got {chunk_rows}")
+            per = chunk_rows
+        row_bytes = hidden * x.element_size()
+        wname = name_of(weight.dtype)
+        with self._collective() as stream_ptr:
+            for a, b in plan.chunks(rows, per):
+                one = algo == "one_shot" or (algo is None and (b - a) * row_bytes <= self.one_shot_max_bytes)
+                kind = "one_shot" if one else "two_shot"
+                off = a * row_bytes
+                self._launch(plan.fused_norm_kernel(kind, dtype, wname),
+                             [_u64(x.data_ptr() + off), _u64(residual.data_ptr() + off), _u64(weight.data_ptr()),
+                              _u64(y.data_ptr() + off), _u64(r.data_ptr() + off), _i64(b - a), _i64(hidden),
+                              ctypes.c_float(eps32)], stream_ptr, label)
+                self.variants_run.add(("all_reduce_rmsnorm", dtype, f"fused_{kind}"))
+            if rows > per:
+                self.variants_run.add(("all_reduce_rmsnorm", dtype, "fused_chunked"))
+        return y, r
+
     # ---- helpers ---------------------------------------------------------------------------------------
     def _check_tensor(self, x: torch.Tensor) -> None:
         if self._dead is not None or self._ctrl.tagged():

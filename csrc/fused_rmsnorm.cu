@@ -1,0 +1,371 @@
+// detcomm: fused all-reduce + residual add + RMSNorm in the CUDA-IPC workspace (docs/spec.md §9.2).
+//
+// The bits are the composition's: s = canonical fold of x over the ranks (§1, fold_pack), rounded to the dtype;
+// r = round(fp32(residual) + fp32(s)); y = the canonical RMSNorm of r (§9.2 steps 3-7, exactly the arithmetic of
+// csrc/rms_norm.cu: 256 lanes of 8-element chunks, the warp shuffle tree, then the tree over the 8 warp results,
+// correctly rounded division and square root). The self-checks prove every variant against the composition
+// before a site uses it.
+//
+// Rows, blocks and slots. Row i is handled by block b = i mod gridDim.x as that block's local row m = i / grid.
+// Its P packs live in the slot in R = ceil(P / BLOCK_THREADS) regions of BLOCK_THREADS packs, region k of the
+// row at slot pack (m*R + k) * stride + b * BLOCK_THREADS: every slot pack a block touches is one the
+// workspace's ownership rule (detcomm_common.cuh, "Work assignment") gives to that same block, so the
+// per-block barriers order these kernels against every other workspace kernel too. A 512-thread block norms
+// two rows at a time, one per half (256 threads = the definition's 256 lanes); both halves run the same number
+// of iterations so the block-wide __syncthreads of the tree stay uniform.
+//
+// One-shot (latency): copy my rows into my slot; START; each half folds whole rows from the W slots into
+// registers, adds the residual, writes r and sums the squares; tree; writes y; END.
+// Two-shot (bandwidth): the norm needs the whole row's sum of squares, so the reduce-scatter cuts every row
+// into W pack ranges instead of cutting the message: rank q folds range q of each of its blocks' rows and writes
+// the rounded s in place into its own slot (that range of that slot is read by no other rank in this phase);
+// MID; then every rank reads each row's s from the rank that folded each range (the gather phase moves s, as
+// much as a plain two-shot all-reduce moves) and runs steps 2-7 itself on all rows. Every rank therefore adds
+// its OWN residual, exactly as the composition does, whatever the residuals hold.
+// The zero tail: copy-in zero-fills the last pack of a row (load_user), so the fold gives +0.0 there, r = +0.0
+// (the residual's tail is loaded as +0.0 too) and its square adds nothing: no tail branch (docs/spec.md §9.2).
+//
+// Launch: grid = the workspace's block count, block = DETCOMM_BLOCK_THREADS, identical on every rank.
+#include "rms_norm_common.cuh"
+
+#define FN_HALVES (DETCOMM_BLOCK_THREADS / NORM_THREADS)
+
+// Where pack j of local row m of this block lives in a slot (in packs).
+__device__ __forceinline__ i64 fn_pos(i64 m, i64 j, i64 R, i64 stride) {
+  return (m * R + j / DETCOMM_BLOCK_THREADS) * stride + (i64)blockIdx.x * DETCOMM_BLOCK_THREADS +
+         j % DETCOMM_BLOCK_THREADS;
+}
+
+// Rows of this launch handled by this block.
+__device__ __forceinline__ i64 fn_block_rows(i64 rows) {
+  const i64 b = blockIdx.x, G = gridDim.x;
+  return rows > b ? (rows - b + G - 1) / G : 0;
+}
+
+// Phase 0: this block's rows of x into this rank's slot (DETCOMM_UNROLL packs in flight per thread).
+template <int DT>
+__device__ __forceinline__ void fn_copy_in(const typename Traits<DT>::T* x, i64 rows_b, i64 H, i64 P, i64 R,
+                                           i64 stride, uint4* own) {
+  constexpr int kPer = Traits<DT>::kPer;
+  constexpr int U = DETCOMM_UNROLL;
+  const i64 total = rows_b * P, G = gridDim.x;
+  for (i64 k0 = threadIdx.x; k0 < total; k0 += U * DETCOMM_BLOCK_THREADS) {
+    uint4 v[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const i64 k = k0 + u * DETCOMM_BLOCK_THREADS;
+      if (k < total) {
+        const i64 m = k / P, j = k % P, row = m * G + blockIdx.x;
+        v[u] = load_user<DT>(x + row * H + j * kPer, H - j * kPer);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const i64 k = k0 + u * DETCOMM_BLOCK_THREADS;
+      if (k < total) st_ws(own + fn_pos(k / P, k % P, R, stride), v[u]);
+    }
+  }
+}
+
+// Two-shot phase 1: fold range q (packs [q*Lq, (q+1)*Lq) of each row) from every slot, in place into my slot.
+template <int DT>
+__device__ __forceinline__ void fn_fold_range(i64 rows_b, i64 P, i64 R, i64 stride, i64 Lq, const uint4* const* src,
+                                              uint4* own, int q) {
+  constexpr int U = DETCOMM_UNROLL;
+  const i64 lo = (i64)q * Lq;
+  const i64 hi = lo + Lq < P ? lo + Lq : P;
+  const i64 len = hi > lo ? hi - lo : 0;
+  const i64 total = rows_b * len;
+  for (i64 k0 = threadIdx.x; k0 < total; k0 += U * DETCOMM_BLOCK_THREADS) {
+    uint4 in[U][DETCOMM_W];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const i64 k = k0 + u * DETCOMM_BLOCK_THREADS;
+      if (k < total) {
+        const i64 pos = fn_pos(k / len, lo + k % len, R, stride);
+#pragma unroll
+        for (int p = 0; p < DETCOMM_W; ++p) in[u][p] = ld_ws(src[p] + pos);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const i64 k = k0 + u * DETCOMM_BLOCK_THREADS;
+      if (k < total) st_ws(own + fn_pos(k / len, lo + k % len, R, stride), fold_pack<DT>(in[u], q));
+    }
+  }
+}
+
+// Packs per 8-element chunk: 1 for 16-bit dtypes, 2 for fp32.
+template <int DT> struct FnChunk {
+  static constexpr int kPacks = NORM_CHUNK / Traits<DT>::kPer;
+  // Chunks whose loads one lane issues before folding any (all W peers each): the workspace's unroll budget.
+  static constexpr int kBatch = DETCOMM_UNROLL / kPacks > 0 ? DETCOMM_UNROLL / kPacks : 1;
+};
+
+// One 8-element chunk of a caller's tensor as packs (missing elements read as +0.0), and back to fp32.
+template <int DT>
+__device__ __forceinline__ void load_packs(const typename Traits<DT>::T* p, i64 valid,
+                                           uint4 (&v)[FnChunk<DT>::kPacks]) {
+#pragma unroll
+  for (int h = 0; h < FnChunk<DT>::kPacks; ++h) v[h] = load_user<DT>(p + h * Traits<DT>::kPer, valid - h * Traits<DT>::kPer);
+}
+template <int DT>
+__device__ __forceinline__ void widen_packs(const uint4 (&v)[FnChunk<DT>::kPacks], float (&a)[NORM_CHUNK]) {
+  constexpr int kPer = Traits<DT>::kPer;
+#pragma unroll
+  for (int h = 0; h < FnChunk<DT>::kPacks; ++h) {
+    PackU<DT> u;
+    u.v = v[h];
+#pragma unroll
+    for (int e = 0; e < kPer; ++e) a[h * kPer + e] = Traits<DT>::widen(u.e[e]);
+  }
+}
+
+// The slot loads of one batch: NB chunks c0, c0+256, ... of local row m, every load in flight before any fold.
+// One-shot: the pack from every rank's slot; two-shot: the folded pack from the rank that folded its range.
+template <int DT, bool TWO> struct FnIn {
+  uint4 v[FnChunk<DT>::kBatch][FnChunk<DT>::kPacks][TWO ? 1 : DETCOMM_W];
+};
+
+template <int DT, bool TWO>
+__device__ __forceinline__ void fn_load_batch(i64 c0, i64 m, i64 H, i64 P, i64 R, i64 stride, i64 Lq,
+                                              const uint4* const* src, FnIn<DT, TWO>& in) {
+  constexpr int NP = FnChunk<DT>::kPacks;
+#pragma unroll
+  for (int u = 0; u < FnChunk<DT>::kBatch; ++u) {
+    const i64 c = c0 + u * NORM_THREADS;
+#pragma unroll
+    for (int h = 0; h < NP; ++h) {
+      const i64 j = c * NP + h;  // the chunk's h-th pack; j >= P only in fp32's last chunk (all padding)
+      if (c * NORM_CHUNK < H && j < P) {
+        const i64 pos = fn_pos(m, j, R, stride);
+        if constexpr (TWO) {
+          in.v[u][h][0] = ld_ws(src[j / Lq] + pos);
+        } else {
+#pragma unroll
+          for (int k = 0; k < DETCOMM_W; ++k) in.v[u][h][k] = ld_ws(src[k] + pos);
+        }
+      } else {
+#pragma unroll
+        for (int k = 0; k < (TWO ? 1 : DETCOMM_W); ++k) in.v[u][h][k] = make_uint4(0u, 0u, 0u, 0u);
+      }
+    }
+  }
+}
+
+// s of chunk u of a batch, widened (step 1: the canonical fold rounded to the dtype, or the folding rank's s).
+template <int DT, bool TWO>
+__device__ __forceinline__ void fn_s_chunk(const FnIn<DT, TWO>& in, int u, int rank, float (&sv)[NORM_CHUNK]) {
+  uint4 packs[FnChunk<DT>::kPacks];
+#pragma unroll
+  for (int h = 0; h < FnChunk<DT>::kPacks; ++h) {
+    if constexpr (TWO) {
+      packs[h] = in.v[u][h][0];
+    } else {
+      packs[h] = fold_pack<DT>(in.v[u][h], rank);
+    }
+  }
+  widen_packs<DT>(packs, sv);
+}
+
+// Steps 1-7 for local row m (global row `row`) on one half-block, any H: r is stored, then read back for step 7.
+// Inactive halves (no row left) only take part in the block barriers of the tree.
+template <int DT, int WDT, bool TWO>
+__device__ __forceinline__ void fn_norm_row(i64 row, i64 m, i64 H, i64 P, i64 R, i64 stride, i64 Lq,
+                                            const uint4* const* src, int rank,
+                                            const typename Traits<DT>::T* __restrict__ residual,
+                                            const typename Traits<WDT>::T* __restrict__ weight,
+                                            typename Traits<DT>::T* __restrict__ y, typename Traits<DT>::T* r_out,
+                                            float eps, float* warp_sum, float* inv_shared, bool active) {
+  constexpr int NB = FnChunk<DT>::kBatch;
+  const int t = threadIdx.x % NORM_THREADS;  // lane t of the definition
+  const i64 base = row * H;
+  float p = 0.0f;  // +0.0 start of this lane's partial
+  if (active) {
+    for (i64 c0 = t; c0 * NORM_CHUNK < H; c0 += NB * NORM_THREADS) {
+      FnIn<DT, TWO> in;
+      fn_load_batch<DT, TWO>(c0, m, H, P, R, stride, Lq, src, in);
+#pragma unroll
+      for (int u = 0; u < NB; ++u) {  // chunk after chunk: the lane's summation order
+        const i64 c = c0 + u * NORM_THREADS;
+        if (c * NORM_CHUNK < H) {
+          const i64 off = c * NORM_CHUNK, valid = H - off;
+          float sv[NORM_CHUNK], res[NORM_CHUNK], a[NORM_CHUNK];
+          fn_s_chunk<DT, TWO>(in, u, rank, sv);
+          load_chunk<DT>(residual + base + off, valid, res);
+          residual_add<DT>(res, sv, a);                   // step 2
+          store_chunk<DT>(r_out + base + off, valid, a);  // a holds rounded values: narrow() is exact here
+#pragma unroll
+          for (int e = 0; e < NORM_CHUNK; ++e) p = __fadd_rn(p, __fmul_rn(a[e], a[e]));  // steps 3-4
+        }
+      }
+    }
+  }
+  const float inv = norm_inv_rms(p, warp_sum, inv_shared, H, eps);  // steps 5-6
+  if (active) {
+    for (i64 c = t; c * NORM_CHUNK < H; c += NORM_THREADS) {  // step 7
+      const i64 off = c * NORM_CHUNK, valid = H - off;
+      float a[NORM_CHUNK], w[NORM_CHUNK];
+      load_chunk<DT>(r_out + base + off, valid, a);  // this thread stored these r elements above: ordered
+      load_chunk<WDT>(weight + off, valid, w);
+#pragma unroll
+      for (int e = 0; e < NORM_CHUNK; ++e) a[e] = __fmul_rn(__fmul_rn(a[e], inv), w[e]);
+      store_chunk<DT>(y + base + off, valid, a);
+    }
+  }
+}
+
+// The latency path, for rows a lane covers in one batch (H <= NB * 256 * 8: the decode shapes): the lane's
+// residual and weight chunks are loaded before the slot loads (for a block's first row, before the start barrier,
+// so their latency hides behind the peers' arrival), and r stays in registers for step 7 (packed: 4 registers
+// per 16 bytes).
+template <int DT, int WDT> struct FnPre {
+  uint4 res[FnChunk<DT>::kBatch][FnChunk<DT>::kPacks];
+  uint4 w[FnChunk<DT>::kBatch][FnChunk<WDT>::kPacks];
+};
+
+template <int DT, int WDT>
+__device__ __forceinline__ void fn_prefetch(i64 row, i64 H, const typename Traits<DT>::T* __restrict__ residual,
+                                            const typename Traits<WDT>::T* __restrict__ weight, FnPre<DT, WDT>& pre,
+                                            bool active) {
+  const int t = threadIdx.x % NORM_THREADS;
+  if (!active) return;
+#pragma unroll
+  for (int u = 0; u < FnChunk<DT>::kBatch; ++u) {
+    const i64 off = (t + (i64)u * NORM_THREADS) * NORM_CHUNK;
+    if (off < H) {
+      load_packs<DT>(residual + row * H + off, H - off, pre.res[u]);
+      load_packs<WDT>(weight + off, H - off, pre.w[u]);
+    }
+  }
+}
+
+template <int DT, int WDT, bool TWO>
+__device__ __forceinline__ void fn_norm_row_regs(i64 row, i64 m, i64 H, i64 P, i64 R, i64 stride, i64 Lq,
+                                                 const uint4* const* src, int rank, const FnPre<DT, WDT>& pre,
+                                                 typename Traits<DT>::T* __restrict__ y,
+                                                 typename Traits<DT>::T* __restrict__ r_out, float eps,
+                                                 float* warp_sum, float* inv_shared, bool active) {
+  constexpr int NB = FnChunk<DT>::kBatch;
+  constexpr int NP = FnChunk<DT>::kPacks;
+  constexpr int kPer = Traits<DT>::kPer;
+  const int t = threadIdx.x % NORM_THREADS;
+  const i64 base = row * H;
+  float p = 0.0f;
+  uint4 rp[NB][NP];
+  if (active) {
+    FnIn<DT, TWO> in;
+    fn_load_batch<DT, TWO>(t, m, H, P, R, stride, Lq, src, in);
+#pragma unroll
+    for (int u = 0; u < NB; ++u) {  // chunk after chunk: the lane's summation order
+      const i64 off = (t + (i64)u * NORM_THREADS) * NORM_CHUNK;
+      if (off < H) {
+        float sv[NORM_CHUNK], res[NORM_CHUNK], a[NORM_CHUNK];
+        fn_s_chunk<DT, TWO>(in, u, rank, sv);
+        widen_packs<DT>(pre.res[u], res);
+        residual_add<DT>(res, sv, a);  // step 2
+#pragma unroll
+        for (int h = 0; h < NP; ++h) {
+          PackU<DT> r;
+#pragma unroll
+          for (int e = 0; e < kPer; ++e) r.e[e] = Traits<DT>::narrow(a[h * kPer + e]);  // exact: a is rounded
+          rp[u][h] = r.v;
+          store_user<DT>(r_out + base + off + h * kPer, H - off - h * kPer, r.v);
+        }
+#pragma unroll
+        for (int e = 0; e < NORM_CHUNK; ++e) p = __fadd_rn(p, __fmul_rn(a[e], a[e]));  // steps 3-4
+      }
+    }
+  }
+  const float inv = norm_inv_rms(p, warp_sum, inv_shared, H, eps);  // steps 5-6
+  if (active) {
+#pragma unroll
+    for (int u = 0; u < NB; ++u) {  // step 7
+      const i64 off = (t + (i64)u * NORM_THREADS) * NORM_CHUNK;
+      if (off < H) {
+        float a[NORM_CHUNK], w[NORM_CHUNK];
+        widen_packs<DT>(rp[u], a);
+        widen_packs<WDT>(pre.w[u], w);
+#pragma unroll
+        for (int e = 0; e < NORM_CHUNK; ++e) a[e] = __fmul_rn(__fmul_rn(a[e], inv), w[e]);
+        store_chunk<DT>(y + base + off, H - off, a);
+      }
+    }
+  }
+}
+
+template <int DT, int WDT, bool TWO>
+__device__ __forceinline__ void fused_rmsnorm(const typename Traits<DT>::T* __restrict__ x,
+                                              const typename Traits<DT>::T* __restrict__ residual,
+                                              const typename Traits<WDT>::T* __restrict__ weight,
+                                              typename Traits<DT>::T* __restrict__ y, typename Traits<DT>::T* r_out,
+                                              i64 rows, i64 H, float eps, const Group& g) {
+  __shared__ float warp_sum[FN_HALVES][NORM_WARPS];
+  __shared__ float inv_shared[FN_HALVES];
+  constexpr int kPer = Traits<DT>::kPer;
+  const i64 rows_b = fn_block_rows(rows);
+  // Returns before any barrier when this block has no row: every rank's block b decides the same (rows is
+  // compared at block 0's start barrier, and block 0 always has a row), see "Work assignment".
+  if (rows_b == 0) return;
+  const i64 P = (H + kPer - 1) / kPer;
+  const i64 R = (P + DETCOMM_BLOCK_THREADS - 1) / DETCOMM_BLOCK_THREADS;
+  const i64 stride = grid_stride();
+  const i64 Lq = (P + DETCOMM_W - 1) / DETCOMM_W;  // two-shot: packs of each row folded by one rank
+  uint4* own = reinterpret_cast<uint4*>(g.data[g.rank]);
+  const uint4* src[DETCOMM_W];
+#pragma unroll
+  for (int k = 0; k < DETCOMM_W; ++k) src[k] = reinterpret_cast<const uint4*>(g.data[k]);
+
+  const int half = threadIdx.x / NORM_THREADS;
+  // Uniform over the block (H is the same for every thread), so both paths keep the barriers uniform.
+  const bool regs = H <= (i64)FnChunk<DT>::kBatch * NORM_THREADS * NORM_CHUNK;
+  FnPre<DT, WDT> pre;
+  if (regs) fn_prefetch<DT, WDT>((i64)half * gridDim.x + blockIdx.x, H, residual, weight, pre, half < rows_b);
+  fn_copy_in<DT>(x, rows_b, H, P, R, stride, own);
+  if (!block_barrier(g, BARRIER_START)) return;
+  if constexpr (TWO) {
+    fn_fold_range<DT>(rows_b, P, R, stride, Lq, src, own, g.rank);
+    if (!block_barrier(g, BARRIER_MID)) return;
+  }
+  for (i64 m0 = 0; m0 < rows_b; m0 += FN_HALVES) {  // the same trip count for both halves
+    const i64 m = m0 + half, row = m * gridDim.x + blockIdx.x;
+    if (regs) {
+      if (m0 > 0) fn_prefetch<DT, WDT>(row, H, residual, weight, pre, m < rows_b);
+      fn_norm_row_regs<DT, WDT, TWO>(row, m, H, P, R, stride, Lq, src, g.rank, pre, y, r_out, eps, warp_sum[half],
+                                     &inv_shared[half], m < rows_b);
+    } else {
+      fn_norm_row<DT, WDT, TWO>(row, m, H, P, R, stride, Lq, src, g.rank, residual, weight, y, r_out, eps,
+                                warp_sum[half], &inv_shared[half], m < rows_b);
+    }
+  }
+  // END keeps peers from overwriting their slots (next collective) while this rank still reads them.
+  block_barrier(g, BARRIER_END);
+}
+
+#define DETCOMM_FUSED_NORM_KERNEL(ALGO, KIND, TWO, SFX, DT, WSFX, WDT)                                             \
+  extern "C" __global__ void __launch_bounds__(DETCOMM_BLOCK_THREADS) detcomm_fused_rmsnorm_##ALGO##_##SFX##_w##WSFX( \
+      const Traits<DT>::T* x, const Traits<DT>::T* residual, const Traits<WDT>::T* weight, Traits<DT>::T* y,          \
+      Traits<DT>::T* r_out, i64 rows, i64 H, float eps, u32 call, char* const* data, u32* const* sigs, int rank,      \
+      u64 timeout_ns, u32* ctrl) {                                                                                    \
+    const Group g{data, sigs, rank, timeout_ns, ctrl, (KIND << 8) | DT, call, (u64)(rows * H)};                       \
+    fused_rmsnorm<DT, WDT, TWO>(x, residual, weight, y, r_out, rows, H, eps, g);                                      \
+  }
+
+#define DETCOMM_FUSED_NORM(SFX, DT, WSFX, WDT)                                                         \
+  DETCOMM_FUSED_NORM_KERNEL(1shot, DETCOMM_KIND_FUSED_NORM_1SHOT, false, SFX, DT, WSFX, WDT)         \
+  DETCOMM_FUSED_NORM_KERNEL(2shot, DETCOMM_KIND_FUSED_NORM_2SHOT, true, SFX, DT, WSFX, WDT)
+
+#define DETCOMM_FUSED_NORM_ALL_W(SFX, DT)   \
+  DETCOMM_FUSED_NORM(SFX, DT, f32, DT_F32)  \
+  DETCOMM_FUSED_NORM(SFX, DT, bf16, DT_BF16) \
+  DETCOMM_FUSED_NORM(SFX, DT, f16, DT_F16)
+
+#if DETCOMM_WANT(DT_F32)
+DETCOMM_FUSED_NORM_ALL_W(f32, DT_F32)
+#endif
+#if DETCOMM_WANT(DT_BF16)
+DETCOMM_FUSED_NORM_ALL_W(bf16, DT_BF16)
+#endif
+#if DETCOMM_WANT(DT_F16)
+DETCOMM_FUSED_NORM_ALL_W(f16, DT_F16)
+#endif
