@@ -19,7 +19,6 @@ transformers = pytest.importorskip("transformers")
 
 import moe_oracle  # noqa: E402
 from datagen import to_bits  # noqa: E402
-
 from detcomm.hf.checkpoints import MOE_TINY_CONFIGS, write_tiny_checkpoint  # noqa: E402
 
 if int(transformers.__version__.split(".")[0]) < 5:
