@@ -144,7 +144,13 @@ class TPCausalLM:
     def _window(self, attn: Any) -> int | None:
         if hasattr(attn, "sliding_window"):  # Qwen2/Qwen3: per layer, None for full attention
             return attn.sliding_window
-        return getattr(self.config, "sliding_window", None)  # Mistral: model-wide; Llama: none
+        cfg = self.config
+        types = getattr(cfg, "layer_types", None)
+        if types is not None:  # Qwen2-MoE: the module has the attribute only on its sliding layers
+            return cfg.sliding_window if types[attn.layer_idx] == "sliding_attention" else None
+        if not getattr(cfg, "use_sliding_window", True):  # the window is off (its size may still be set)
+            return None
+        return getattr(cfg, "sliding_window", None)  # Mistral, Mixtral: model-wide; Llama: none
 
     def _mask_table(self, window: int | None) -> torch.Tensor:
         """Additive [L, L] mask (query position, key position) in the model dtype, as transformers builds it:

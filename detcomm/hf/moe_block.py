@@ -1,4 +1,4 @@
-"""Expert-parallel sparse MoE blocks for transformers' Mixtral, Qwen2-MoE and Qwen3-MoE (docs/spec.md §9, MoE).
+"""Expert-parallel sparse MoE blocks for transformers' Mixtral, Qwen2-MoE and Qwen3-MoE (docs/spec.md §9.5).
 
 ``shard_model`` replaces each sparse MoE block that transformers built (``layer.mlp``; Mixtral's
 ``block_sparse_moe`` in transformers 4.x) by an ``EPMoEBlock`` holding this rank's experts of a
