@@ -100,7 +100,7 @@ def _reference(directory: str, dtype: torch.dtype):  # type: ignore[no-untyped-d
     return model.eval()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _oracle(directory: str, dname: str) -> tuple[np.ndarray, torch.Tensor]:
     """From transformers' own modules only: the probe rows' slot-order fold (bits), and transformers' own
     block output for them."""

@@ -84,7 +84,7 @@ def dense_ffn_width(config: Any) -> int | None:
     return int(config.intermediate_size) if dense else None
 
 
-def moe_block_of(layer: nn.Module) -> tuple[str, nn.Module] | None:
+def moe_block_of(layer: Any) -> tuple[str, Any] | None:
     """(attribute, module) of a decoder layer's sparse MoE block, or None for a dense MLP."""
     for attr in ("mlp", "block_sparse_moe"):
         m = getattr(layer, attr, None)
@@ -93,7 +93,7 @@ def moe_block_of(layer: nn.Module) -> tuple[str, nn.Module] | None:
     return None
 
 
-def router_spec(block: nn.Module, family: str, dtype: torch.dtype) -> tuple[int, bool, torch.dtype]:
+def router_spec(block: Any, family: str, dtype: torch.dtype) -> tuple[int, bool, torch.dtype]:
     """(top_k, renormalize, weights dtype) of a transformers sparse MoE block, as its own router computes them:
     Mixtral always renormalizes; Qwen2/Qwen3-MoE when ``norm_topk_prob``. The weights are cast to the model
     dtype, except Mixtral's router module in transformers >= 5, which returns them in fp32 (in 4.x the block
@@ -121,7 +121,7 @@ def route(x: torch.Tensor, weight: torch.Tensor, *, top_k: int, renormalize: boo
     return ids, top.to(weights_dtype)
 
 
-def _expert_weights(experts: nn.Module, e: int) -> tuple[torch.Tensor, torch.Tensor, Any]:
+def _expert_weights(experts: Any, e: int) -> tuple[torch.Tensor, torch.Tensor, Any]:
     """Expert e's ([2I, H] gate and up rows stacked, [H, I] down, activation) in either transformers layout."""
     if hasattr(experts, "gate_up_proj"):  # transformers >= 5: [E, 2I, H] and [E, H, I] tensors
         return experts.gate_up_proj.data[e], experts.down_proj.data[e], experts.act_fn
@@ -135,7 +135,7 @@ class EPMoEBlock(nn.Module):
     """This rank's part of one sparse MoE block (module docstring). ``forward(x)`` takes [..., H] and returns
     the block's output, the same on every rank. Collective (dispatch, combine, gather)."""
 
-    def __init__(self, block: nn.Module, *, name: str, family: str, ep: EPConfig, rank: int, world: int,
+    def __init__(self, block: Any, *, name: str, family: str, ep: EPConfig, rank: int, world: int,
                  step: StepRows) -> None:
         super().__init__()
         gate_weight = block.gate.weight.data
@@ -156,13 +156,13 @@ class EPMoEBlock(nn.Module):
             up, down, act = _expert_weights(block.experts, e)
             ups.append(up)
             downs.append(down)
-        self.act = act
+        self.act: Any = act
         ffn = None if not ups else downs[0].shape[1]
         self.gate_up = nn.Parameter(torch.stack(ups) if ups else gate_weight.new_zeros(0, 0, hidden), requires_grad=False)
         self.down = nn.Parameter(torch.stack(downs) if downs else gate_weight.new_zeros(0, hidden, 0), requires_grad=False)
         self.ffn = ffn
-        self.shared_expert = getattr(block, "shared_expert", None)  # transformers' own modules, replicated
-        self.shared_expert_gate = getattr(block, "shared_expert_gate", None)
+        self.shared_expert: Any = getattr(block, "shared_expert", None)  # transformers' own modules, replicated
+        self.shared_expert_gate: Any = getattr(block, "shared_expert_gate", None)
         self.sites = MoESite(name, f"{name}.dispatch", f"{name}.combine")  # what moe_site(name) declares
         self._step = step
 

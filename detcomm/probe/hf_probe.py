@@ -167,10 +167,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         with tempfile.TemporaryDirectory(prefix="detcomm-hf-") as d:
             hf_model = load_causal_lm(write_tiny_checkpoint(name, d, seed=1234 + ns.seed), dtype=dtype)
-    moe = hf_model.config.model_type in MOE_FAMILIES
+    hf_config: Any = hf_model.config
+    moe = hf_config.model_type in MOE_FAMILIES
     if (ns.ep or ns.placement_seed is not None or ns.combine_order != "slot") and not moe:
         raise ValueError(f"--ep/--placement-seed/--combine-order are for MoE models ({', '.join(MOE_FAMILIES)}); "
-                         f"{name} is {hf_model.config.model_type!r}")
+                         f"{name} is {hf_config.model_type!r}")
     if ns.placement_seed is not None and not ns.ep:
         raise ValueError("--placement-seed places the experts of --ep: pass --ep too")
     own_group = ns.backend is not None and not dist.is_initialized()
@@ -183,7 +184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         rank, world = dist.get_rank(), dist.get_world_size()
         ep = None
         if moe:
-            ep = EPConfig(placement=_placement(ns, num_experts(hf_model.config), world), block=ns.expert_block,
+            ep = EPConfig(placement=_placement(ns, num_experts(hf_config), world), block=ns.expert_block,
                           combine_order=ns.combine_order)
         model = TPCausalLM(hf_model, serving, route=ns.route, ep=ep)
         table = detcomm.routes()
