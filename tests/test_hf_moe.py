@@ -74,6 +74,10 @@ def job_blocks(rank: int, w: int, dirs: dict[str, str], numerics: str, orders: t
             for dname, dtype in DTYPES.items():
                 model = load_causal_lm(directory, dtype=dtype)
                 block, E = _moe_block(model), num_experts(model.config)
+                if numerics == "rl-bitwise":  # the rank-order combine is refused before any step
+                    with pytest.raises(ValueError, match="combine_order='rank'.*numerics='auto'"):
+                        EPMoEBlock(block, name="refused", family=model.config.model_type,
+                                   ep=EPConfig(combine_order="rank"), rank=rank, world=w, step=StepRows())
                 probe = _probe_rows(model.config.hidden_size, dtype)
                 step = StepRows()
                 for label, pseed, layout in CONFIGS:

@@ -25,6 +25,9 @@ expert outputs in expert-index order in the model dtype (one rounding per expert
 expert's output (one more rounding); here the slots are folded in topk order in fp32 with one rounding. The
 two agree to rounding, not bitwise (bf16 especially).
 
+transformers' own ``model(input_ids)`` also runs on the sharded model with transformers >= 5 (in 4.x the sparse
+blocks return (hidden, router_logits) and the layers unpack it: there only ``TPCausalLM``'s step loop runs them).
+
 Sites per MoE block (named after the block, e.g. ``model.layers.3.mlp``): ``.dispatch`` and ``.combine``
 (all_to_all) and ``.gather`` (all_gather), ``max_rows`` from the step width ``T_pad``.
 """
@@ -144,6 +147,11 @@ class EPMoEBlock(nn.Module):
         if placement.num_experts != e_count or placement.world_size != world:
             raise ValueError(f"{name}: the placement is for {placement.num_experts} experts over "
                              f"{placement.world_size} ranks; the block has {e_count} experts and the group {world}")
+        resolved = detcomm.get_communicator().resolved
+        if ep.combine_order == "rank" and resolved.bitwise:  # refused here, before any step, on every rank
+            raise ValueError(f"{name}: combine_order='rank' sums per-rank partials, whose bits move with the placement "
+                             f"and the batch; numerics={resolved.numerics!r} refuses it. Use combine_order='slot', "
+                             "or numerics='auto' for the negative control")
         self.name, self.rank, self.world, self.hidden = name, rank, world, hidden
         self.placement, self.block, self.combine_order = placement, ep.block, ep.combine_order
         self.top_k, self.renormalize, self.weights_dtype = router_spec(block, family, gate_weight.dtype)
