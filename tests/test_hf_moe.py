@@ -74,10 +74,14 @@ def job_blocks(rank: int, w: int, dirs: dict[str, str], numerics: str, orders: t
             for dname, dtype in DTYPES.items():
                 model = load_causal_lm(directory, dtype=dtype)
                 block, E = _moe_block(model), num_experts(model.config)
-                if numerics == "rl-bitwise":  # the rank-order combine is refused before any step
+                if numerics == "rl-bitwise":  # refused before any step: the rank-order combine, a wrong placement
                     with pytest.raises(ValueError, match="combine_order='rank'.*numerics='auto'"):
                         EPMoEBlock(block, name="refused", family=model.config.model_type,
                                    ep=EPConfig(combine_order="rank"), rank=rank, world=w, step=StepRows())
+                    with pytest.raises(ValueError, match=f"the placement is for {E} experts over {w + 1} ranks"):
+                        EPMoEBlock(block, name="refused", family=model.config.model_type,
+                                   ep=EPConfig(placement=Placement.round_robin(E, w + 1)), rank=rank, world=w,
+                                   step=StepRows())
                 probe = _probe_rows(model.config.hidden_size, dtype)
                 step = StepRows()
                 for label, pseed, layout in CONFIGS:
@@ -193,3 +197,23 @@ def test_gating_is_transformers_router(name: str, dname: str, checkpoints) -> No
     assert torch.equal(ids, want_ids) and w.dtype == want_w.dtype
     assert np.array_equal(to_bits(w), to_bits(want_w))
     assert not np.array_equal(to_bits(flipped), to_bits(want_w))
+
+
+def test_wrong_expert_parallel_settings_refused() -> None:
+    from detcomm.hf import EPConfig
+    from detcomm.hf.checkpoints import tiny_config
+    from detcomm.hf.layers import StepRows
+    from detcomm.hf.shard import shard_model
+    from detcomm.moe import Placement
+
+    dense = transformers.AutoModelForCausalLM.from_config(tiny_config("llama-tiny"))
+    with pytest.raises(ValueError, match="'llama' has none: leave ep out"):
+        shard_model(dense, rank=0, world=1, step=StepRows(), ep=EPConfig())
+    moe = transformers.AutoModelForCausalLM.from_config(tiny_config("qwen3-moe-tiny"))
+    for bad, text in ((EPConfig(block=0), "block must be a positive int"),
+                      (EPConfig(combine_order="expert"), "combine_order must be one of")):
+        with pytest.raises(ValueError, match=text):
+            shard_model(moe, rank=0, world=1, step=StepRows(), ep=bad)
+    with pytest.raises(TypeError, match="placement must be a detcomm.moe.Placement"):
+        shard_model(moe, rank=0, world=1, step=StepRows(), ep=EPConfig(placement=((0,),) * 8))  # type: ignore[arg-type]
+    assert Placement.replicated(3, 2).hosts == ((0, 1), (0, 1), (0, 1))

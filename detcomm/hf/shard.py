@@ -86,6 +86,11 @@ def shard_model(model: Any, *, rank: int, world: int, step: StepRows, ep: EPConf
     ``declare_sites`` (collective)."""
     config = model.config
     check_divisible(config, world)
+    if ep is not None:
+        if config.model_type not in MOE_FAMILIES:
+            raise ValueError(f"ep= places the experts of an MoE model ({', '.join(MOE_FAMILIES)}); "
+                             f"{config.model_type!r} has none: leave ep out")
+        ep.check()
     decoder = model.model
     heads = config.num_attention_heads
     kv = getattr(config, "num_key_value_heads", None) or heads
