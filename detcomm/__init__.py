@@ -379,9 +379,11 @@ def reduce_scatter(x: torch.Tensor, site: str | Site, *, op: str = "sum", out: t
     return _comm_for(site).reduce_scatter(x, site, op=op, out=out, async_op=async_op)
 
 
-def all_to_all(x: torch.Tensor, site: str | Site, *, splits: Sequence[int] | None = None) -> torch.Tensor:
-    """All-to-all of row blocks, even (``splits=None``) or uneven (``splits[q]`` rows to rank q). Collective."""
-    return _comm_for(site).all_to_all(x, site, splits=splits)
+def all_to_all(x: torch.Tensor, site: str | Site, *, splits: Sequence[int] | None = None,
+               out_splits: Sequence[int] | None = None) -> torch.Tensor:
+    """All-to-all of row blocks, even (``splits=None``) or uneven (``splits[q]`` rows to rank q; ``out_splits[q]``
+    the rows rank q sends here, when known, skips the count exchange). Collective."""
+    return _comm_for(site).all_to_all(x, site, splits=splits, out_splits=out_splits)
 
 
 def token_all_gather(x: torch.Tensor, site: str | Site, *, rows_per_rank: Sequence[int]) -> torch.Tensor:

@@ -509,11 +509,14 @@ class Communicator:
         s = self._site_for_call(site, Collective.TOKEN_ALL_GATHER, x, ReduceOp.SUM, rows_per_rank=counts)
         return self._call(s, x, CallArgs(rows_per_rank=tuple(counts)))
 
-    def all_to_all(self, x: torch.Tensor, site: str | Site, *, splits: Sequence[int] | None = None) -> torch.Tensor:
+    def all_to_all(self, x: torch.Tensor, site: str | Site, *, splits: Sequence[int] | None = None,
+                   out_splits: Sequence[int] | None = None) -> torch.Tensor:
         """Rank r sends its row block q to rank q and receives, in rank order, every rank's block r.
 
         ``splits=None``: even blocks (rows divisible by W). Otherwise ``splits[q]`` rows go to rank q; the
-        counts each rank receives are exchanged first (one small extra all-to-all).
+        counts each rank receives are exchanged first (one small extra all-to-all), unless the caller already
+        knows them: ``out_splits[q]`` = the rows rank q sends here (it must equal rank q's ``splits[r]``; a
+        wrong count is the caller's bug and fails or hangs in the transport, as a wrong size does there).
         """
         self._check_open()
         name = site.name if isinstance(site, Site) else site
@@ -529,13 +532,20 @@ class Communicator:
                 raise ValueError(f"site {name!r}: splits has {len(in_splits)} entries, the group has {self.world_size} ranks")
             if isinstance(x, torch.Tensor) and x.dim() >= 1 and sum(in_splits) != x.shape[0]:
                 raise ValueError(f"site {name!r}: splits sum to {sum(in_splits)}, the tensor has {x.shape[0]} rows")
+        known: list[int] | None = None
+        if out_splits is not None:
+            if splits is None:
+                raise ValueError(f"site {name!r}: out_splits is for an uneven all_to_all; pass splits= too")
+            known = _int_list(out_splits, name, "out_splits")
+            if len(known) != self.world_size:
+                raise ValueError(f"site {name!r}: out_splits has {len(known)} entries, the group has {self.world_size} ranks")
         s = self._site_for_call(site, Collective.ALL_TO_ALL, x, ReduceOp.SUM, uneven=splits is not None)
         if splits is None:
             n = x.shape[0] // self.world_size
             ins = outs = [n] * self.world_size
         else:
             ins = in_splits
-            outs = self._native.exchange_splits(ins, self.device)
+            outs = self._native.exchange_splits(ins, self.device) if known is None else known
         return self._call(s, x, CallArgs(in_splits=tuple(ins), out_splits=tuple(outs)))
 
     def argmax(self, logits_shard: torch.Tensor, site: str | Site, *, vocab_start: int) -> torch.Tensor:

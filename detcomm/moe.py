@@ -52,8 +52,8 @@ fixed shape then gives every row the same bits.
 
 Cost: dispatch is one uneven all-to-all of the rows, each carrying 16 bytes of metadata as raw bits in extra
 columns (expert id, source rank, token index, slot as int32), after its count exchange; combine is one uneven
-all-to-all of the rows back (after its count exchange) plus 2k elementwise fp32 passes over [T, k, H]-sized
-data (k products, k adds): the traffic of a plain expert-parallel all-to-all pair plus 16 bytes per slot.
+all-to-all of the rows back (its counts are the dispatch's, known on both sides: no count exchange) plus 2k
+elementwise fp32 passes over [T, k, H]-sized data (k products, k adds): the traffic of a plain expert-parallel all-to-all pair plus 16 bytes per slot.
 """
 
 from __future__ import annotations
@@ -120,6 +120,11 @@ class Placement:
     def round_robin(cls, num_experts: int, world_size: int) -> Placement:
         """Expert e on rank e mod world_size, no replicas."""
         return cls(world_size, tuple((e % world_size,) for e in range(num_experts)))
+
+    @classmethod
+    def replicated(cls, num_experts: int, world_size: int) -> Placement:
+        """Every expert on every rank (the replica rule then spreads each expert's rows over all ranks)."""
+        return cls(world_size, tuple(tuple(range(world_size)) for _ in range(num_experts)))
 
     @classmethod
     def random(cls, num_experts: int, world_size: int, *, seed: int, max_replicas: int = 1) -> Placement:
@@ -340,7 +345,8 @@ def moe_combine(expert_out: torch.Tensor, weights: torch.Tensor, handle: MoEHand
                          f"{handle.tokens.shape[1]}, got {hid}")
     back = torch.empty_like(expert_out)
     back[handle.recv_order] = expert_out
-    returned = comm.all_to_all(back, s.combine, splits=list(handle.recv_splits))
+    # The counts coming back are the ones this rank dispatched: no count exchange on the way back.
+    returned = comm.all_to_all(back, s.combine, splits=list(handle.recv_splits), out_splits=list(handle.send_splits))
     dev = returned.device
     # y[t, j]: slot j's expert output for token t (+0.0 rows for the zero expert, the token for the identity).
     alloc = torch.zeros if bool((ids == ZERO_EXPERT).any()) else torch.empty  # every other row is written below

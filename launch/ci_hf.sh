@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # CI: the HF probe (a transformers model sharded over detcomm) at W=4 on CPU (gloo) through detcomm-launch:
 # a tiny real config in fp32 and in bf16 under rl-bitwise (every row 0, PASS), and the native negative
-# control (must diverge). Needs the hf extra (transformers, safetensors); installs it when missing.
+# control (must diverge); then an MoE config with its experts spread over the ranks (two placements compared,
+# and the rank-order combine as the negative control). Needs the hf extra (transformers, safetensors); installs it when missing.
 #
 #   PYTHON=/path/to/venv/bin/python launch/ci_hf.sh        # from the repository root
 set -euo pipefail
@@ -30,4 +31,13 @@ run() {  # run <description> <command...>: show it, time it, stop on failure
 run "HF probe, llama-tiny fp32, rl-bitwise" "${L[@]}" --numerics rl-bitwise -m detcomm.probe hf --config llama-tiny --dtype float32 --requests 6 --new-tokens 6
 run "HF probe, qwen3-tiny bf16, rl-bitwise" "${L[@]}" --numerics rl-bitwise -m detcomm.probe hf --config qwen3-tiny --dtype bfloat16 --requests 6 --new-tokens 6
 run "HF probe, native negative control" "${L[@]}" --numerics auto -m detcomm.probe hf --config llama-tiny --route native --expect-divergence --requests 6 --new-tokens 6
+# MoE (qwen3-moe-tiny: 8 experts, top-4, renormalized) with the experts spread over the ranks: two random
+# placements (replicas allowed) must each pass and give identical token ids and logprob bits; the engines'
+# rank-order combine (numerics auto, sum sites forced onto the fold so only the combine differs) must diverge.
+MOE=(--config qwen3-moe-tiny --ep --requests 4 --new-tokens 4 --max-prompt 12 --expert-block 16)
+TMP="$(mktemp -d)"; trap 'rm -rf "$TMP"' EXIT
+run "HF MoE probe, placement seed 1, rl-bitwise" "${L[@]}" --numerics rl-bitwise -m detcomm.probe hf "${MOE[@]}" --placement-seed 1 --json "$TMP/p1.json"
+run "HF MoE probe, placement seed 2, rl-bitwise" "${L[@]}" --numerics rl-bitwise -m detcomm.probe hf "${MOE[@]}" --placement-seed 2 --json "$TMP/p2.json"
+run "HF MoE probe, placement seeds 1 and 2 give identical bits" "$PYTHON" -m detcomm.probe hf --compare "$TMP/p1.json" "$TMP/p2.json"
+run "HF MoE probe, rank-order combine negative control" "${L[@]}" --numerics auto -m detcomm.probe hf "${MOE[@]}" --placement-seed 1 --combine-order rank --route gather_fold --expect-divergence
 echo "=== HF probes passed (W=$NPROC)"

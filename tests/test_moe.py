@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 
 import moe_oracle
 import oracle
@@ -128,6 +129,19 @@ def _caller_errors(w: int) -> None:
         with pytest.raises(exc, match=text):
             moe_dispatch(tokens, kw.get("ids", ids), placement=kw.get("placement", Placement.round_robin(E, w)),
                          site="moe.errors", token_ids=kw.get("token_ids"))
+    import detcomm
+
+    rows = torch.zeros(w, H)
+    with pytest.raises(ValueError, match="out_splits is for an uneven all_to_all"):
+        detcomm.all_to_all(rows, "moe.errors.a2a", out_splits=[1] * w)
+    with pytest.raises(ValueError, match=f"out_splits has {w + 1} entries"):
+        detcomm.all_to_all(rows, "moe.errors.a2a", splits=[1] * w, out_splits=[1] * (w + 1))
+    with pytest.raises(ValueError, match="out_splits must be non-negative"):
+        detcomm.all_to_all(rows, "moe.errors.a2a", splits=[1] * w, out_splits=[-1] * w)
+    # A caller that knows the counts (here: every rank sends one row to each) gets the exchange's result.
+    got = detcomm.all_to_all(torch.arange(w, dtype=torch.float32)[:, None].expand(w, H).contiguous() + 10 * dist.get_rank(),
+                             "moe.errors.a2a", splits=[1] * w, out_splits=[1] * w)
+    assert got[:, 0].tolist() == [10.0 * q + dist.get_rank() for q in range(w)]
 
 
 # ---------------------------------------------------------------------------------------------------------

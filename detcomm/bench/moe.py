@@ -8,8 +8,9 @@ counts.
 
 Both paths route the same tokens with the same placement (random, with replicas) and the same replica rule,
 and both exchange the per-rank counts; the experts are the identity (expert output = the dispatched row), so
-the numbers are communication plus combine arithmetic only. ``detcomm`` = ``moe_dispatch`` (rows + 32 bytes
-of metadata per slot, two uneven all-to-alls) + ``moe_combine`` (the rows back + the fp32 slot-order fold);
+the numbers are communication plus combine arithmetic only. ``detcomm`` = ``moe_dispatch`` (counts, then rows +
+16 bytes of metadata per slot in one uneven all-to-all) + ``moe_combine`` (the rows back, whose counts are the
+dispatch's: no second count exchange, + the fp32 slot-order fold);
 ``plain`` = counts + rows out + rows back (``torch.distributed.all_to_all_single``) + ``(w * y).sum(1)`` in the
 dtype. On CPU each rank runs one torch thread. Each sample is one call from an aligned start (a barrier; on GPUs the device is synchronized after the
 call: both paths need the counts on the host). Rank 0's median, p10 and p90 are printed.

@@ -1,4 +1,5 @@
-"""transformers causal LMs (Llama, Mistral, Qwen2, Qwen3) served tensor-parallel over detcomm.
+"""transformers causal LMs (Llama, Mistral, Qwen2, Qwen3; Mixtral, Qwen2-MoE, Qwen3-MoE with expert-parallel
+MoE blocks) served tensor-parallel over detcomm.
 
     import detcomm, detcomm.hf                  # every rank, e.g. under detcomm-launch --nproc 4 --numerics rl-bitwise
     detcomm.init()
@@ -7,7 +8,7 @@
 
 ``load`` reads the checkpoint with transformers' ``from_pretrained``, shards it in place (``detcomm.hf.shard``:
 column-parallel q/k/v/gate/up, row-parallel o_proj/down_proj through detcomm sites named after the modules,
-vocabulary-parallel embedding and LM head) and wraps it in the fixed-width engine (``detcomm.hf.engine``,
+vocabulary-parallel embedding and LM head; sparse MoE blocks expert-parallel, ``detcomm.hf.moe_block``) and wraps it in the fixed-width engine (``detcomm.hf.engine``,
 whose docstring says how local compute is made batch-invariant and what that costs). Needs the ``hf`` extra
 (``pip install 'detcomm[hf]'``).
 """
@@ -18,15 +19,18 @@ import torch
 
 from .checkpoints import TINY_CONFIGS, load_causal_lm, write_tiny_checkpoint
 from .engine import ServingConfig, StepLogits, TPCausalLM
+from .moe_block import EPConfig
 from .shard import SUPPORTED_FAMILIES, check_divisible
 
-__all__ = ["load", "TPCausalLM", "ServingConfig", "StepLogits", "SUPPORTED_FAMILIES", "TINY_CONFIGS",
+__all__ = ["load", "TPCausalLM", "EPConfig", "ServingConfig", "StepLogits", "SUPPORTED_FAMILIES", "TINY_CONFIGS",
            "check_divisible", "load_causal_lm", "write_tiny_checkpoint"]
 
 
 def load(directory: str, *, dtype: torch.dtype = torch.bfloat16, serving: ServingConfig | None = None,
-         route: str | None = None) -> TPCausalLM:
+         route: str | None = None, ep: EPConfig | None = None) -> TPCausalLM:
     """Load a local checkpoint directory and shard it over the detcomm group. Collective: call on every rank
     after ``detcomm.init``. ``serving``: the step geometry (default ``ServingConfig()``: 64 rows a step, 128 tokens
-    of KV cache a request). ``route`` forces the route of the sum sites ("native": no bitwise claim)."""
-    return TPCausalLM(load_causal_lm(directory, dtype=dtype), serving or ServingConfig(), route=route)
+    of KV cache a request). ``route`` forces the route of the sum sites ("native": no bitwise claim). ``ep``: where
+    an MoE model's experts live (``EPConfig(placement=detcomm.moe.Placement...)``; default every expert on
+    every rank)."""
+    return TPCausalLM(load_causal_lm(directory, dtype=dtype), serving or ServingConfig(), route=route, ep=ep)

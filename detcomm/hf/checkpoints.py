@@ -16,7 +16,7 @@ from torch import nn
 
 from .shard import SUPPORTED_FAMILIES
 
-__all__ = ["TINY_CONFIGS", "tiny_config", "write_tiny_checkpoint", "load_causal_lm", "DTYPES"]
+__all__ = ["TINY_CONFIGS", "MOE_TINY_CONFIGS", "tiny_config", "write_tiny_checkpoint", "load_causal_lm", "DTYPES"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -26,11 +26,24 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _COMMON: dict[str, Any] = dict(vocab_size=1024, hidden_size=192, intermediate_size=384, num_hidden_layers=2,
                                num_attention_heads=24, num_key_value_heads=12, head_dim=8,
                                max_position_embeddings=512, rms_norm_eps=1e-6, initializer_range=0.05)
+_MOE: dict[str, Any] = dict(num_experts_per_tok=4, output_router_logits=False, router_aux_loss_coef=0.0)
+MOE_TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "mixtral-tiny": ("MixtralConfig", dict(_MOE, tie_word_embeddings=False, num_local_experts=8,
+                                           num_experts_per_tok=2, intermediate_size=96, sliding_window=None)),
+    "qwen2-moe-tiny": ("Qwen2MoeConfig", dict(_MOE, tie_word_embeddings=True, num_experts=8, moe_intermediate_size=96,
+                                              shared_expert_intermediate_size=192, norm_topk_prob=False,
+                                              decoder_sparse_step=1, mlp_only_layers=[0])),
+    "qwen3-moe-tiny": ("Qwen3MoeConfig", dict(_MOE, tie_word_embeddings=True, num_experts=8, moe_intermediate_size=96,
+                                              norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])),
+}
 TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama-tiny": ("LlamaConfig", dict(tie_word_embeddings=False)),
     "mistral-tiny": ("MistralConfig", dict(tie_word_embeddings=False, sliding_window=48)),
     "qwen2-tiny": ("Qwen2Config", dict(tie_word_embeddings=True)),
     "qwen3-tiny": ("Qwen3Config", dict(tie_word_embeddings=True)),
+    # MoE (detcomm.hf.moe_block): 8 experts; Mixtral top-2 (renormalized); Qwen2-MoE top-4 unnormalized with
+    # its sigmoid-gated shared expert and a dense layer 0; Qwen3-MoE top-4 renormalized (norm_topk_prob).
+    **MOE_TINY_CONFIGS,
 }
 
 

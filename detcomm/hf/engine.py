@@ -55,6 +55,7 @@ import detcomm
 
 from ..probe.model import Segment, pack_segments
 from .layers import StepRows
+from .moe_block import EPConfig, EPMoEBlock
 from .shard import Shards, declare_sites, shard_model
 
 __all__ = ["ServingConfig", "StepLogits", "TPCausalLM", "ROW_ALIGN"]
@@ -106,7 +107,8 @@ class TPCausalLM:
     sharded in place and moved to the communicator's device.
     """
 
-    def __init__(self, model: Any, serving: ServingConfig | None = None, *, route: str | None = None) -> None:
+    def __init__(self, model: Any, serving: ServingConfig | None = None, *, route: str | None = None,
+                 ep: EPConfig | None = None) -> None:
         serving = serving or ServingConfig()
         serving.check()
         comm = detcomm.get_communicator()
@@ -114,7 +116,7 @@ class TPCausalLM:
         self.device = comm.device
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.step_rows = StepRows()
-        self.shards: Shards = shard_model(model, rank=self.rank, world=self.world, step=self.step_rows)
+        self.shards: Shards = shard_model(model, rank=self.rank, world=self.world, step=self.step_rows, ep=ep)
         self.model: Any = model.to(self.device).eval()
         self.config: Any = model.config
         self.dtype = next(model.parameters()).dtype
@@ -142,7 +144,13 @@ class TPCausalLM:
     def _window(self, attn: Any) -> int | None:
         if hasattr(attn, "sliding_window"):  # Qwen2/Qwen3: per layer, None for full attention
             return attn.sliding_window
-        return getattr(self.config, "sliding_window", None)  # Mistral: model-wide; Llama: none
+        cfg = self.config
+        types = getattr(cfg, "layer_types", None)
+        if types is not None:  # Qwen2-MoE: the module has the attribute only on its sliding layers
+            return cfg.sliding_window if types[attn.layer_idx] == "sliding_attention" else None
+        if not getattr(cfg, "use_sliding_window", True):  # the window is off (its size may still be set)
+            return None
+        return getattr(cfg, "sliding_window", None)  # Mistral, Mixtral: model-wide; Llama: none
 
     def _mask_table(self, window: int | None) -> torch.Tensor:
         """Additive [L, L] mask (query position, key position) in the model dtype, as transformers builds it:
@@ -168,8 +176,13 @@ class TPCausalLM:
         ops: list[tuple[Callable[[torch.Tensor], torch.Tensor], int]] = []
         for layer in self.layers:
             a, m = layer.self_attn, layer.mlp
-            ops += [(lin, lin.in_features) for lin in (a.q_proj, a.k_proj, a.v_proj, m.gate_proj, m.up_proj)]
-            ops += [(_partial_linear(lin.weight), lin.in_features) for lin in (a.o_proj, m.down_proj)]
+            ops += [(lin, lin.in_features) for lin in (a.q_proj, a.k_proj, a.v_proj)]
+            ops.append((_partial_linear(a.o_proj.weight), a.o_proj.in_features))
+            if isinstance(m, EPMoEBlock):  # router and shared expert (its experts run at their own block shape)
+                ops += m.local_ops()
+                continue
+            ops += [(lin, lin.in_features) for lin in (m.gate_proj, m.up_proj)]
+            ops.append((_partial_linear(m.down_proj.weight), m.down_proj.in_features))
         head = self.model.lm_head
         ops.append((head.shard_logits, head.weight.shape[1]))
         return ops

@@ -28,10 +28,11 @@ from .layers import (
     column_shard,
     vocab_shard_width,
 )
+from .moe_block import MOE_FAMILIES, EPConfig, EPMoEBlock, dense_ffn_width, moe_block_of
 
 __all__ = ["SUPPORTED_FAMILIES", "Shards", "check_divisible", "shard_model", "declare_sites"]
 
-SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", *MOE_FAMILIES)
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,7 @@ class Shards:
     row_sites: tuple[str, ...]  # o_proj / down_proj sites in layer order
     embed_site: str
     head_sites: dict[str, str]  # gather, argmax, stats, logprobs
+    moe_blocks: tuple[EPMoEBlock, ...] = ()  # expert-parallel MoE blocks in layer order (detcomm.hf.moe_block)
 
 
 def _divisors_of_all(*values: int) -> list[int]:
@@ -63,11 +65,13 @@ def check_divisible(config: Any, world: int) -> None:
         raise ValueError(f"model_type {family!r} is not supported by detcomm.hf; supported: {', '.join(SUPPORTED_FAMILIES)}")
     heads = config.num_attention_heads
     kv = getattr(config, "num_key_value_heads", None) or heads
-    ffn = config.intermediate_size
-    bad = [f"{name}={v}" for name, v in (("num_attention_heads", heads), ("num_key_value_heads", kv),
-                                           ("intermediate_size", ffn)) if v % world]
+    ffn = dense_ffn_width(config)  # None: every MLP is an expert-parallel MoE block (no FFN split)
+    sizes = [("num_attention_heads", heads), ("num_key_value_heads", kv)]
+    if ffn is not None:
+        sizes.append(("intermediate_size", ffn))
+    bad = [f"{name}={v}" for name, v in sizes if v % world]
     if bad:
-        ok = _divisors_of_all(heads, kv, ffn)
+        ok = _divisors_of_all(*(v for _, v in sizes))
         raise ValueError(
             f"tensor parallelism over {world} ranks needs whole heads and FFN slices per rank, but "
             f"{', '.join(bad)} does not divide by {world}: run with a world size in {ok} "
@@ -75,31 +79,51 @@ def check_divisible(config: Any, world: int) -> None:
         )
 
 
-def shard_model(model: Any, *, rank: int, world: int, step: StepRows) -> Shards:
+def shard_model(model: Any, *, rank: int, world: int, step: StepRows, ep: EPConfig | None = None) -> Shards:
     """Cut ``model`` (a transformers *ForCausalLM of a supported family, still whole) to this rank's shard,
-    in place. Local; the sites it names must then be declared with ``declare_sites`` (collective)."""
+    in place. A sparse MoE block becomes an ``EPMoEBlock`` with this rank's experts of ``ep.placement``
+    (default ``EPConfig()``: every expert on every rank). Local; the sites it names must then be declared with
+    ``declare_sites`` (collective)."""
     config = model.config
     check_divisible(config, world)
+    if ep is not None:
+        if config.model_type not in MOE_FAMILIES:
+            raise ValueError(f"ep= places the experts of an MoE model ({', '.join(MOE_FAMILIES)}); "
+                             f"{config.model_type!r} has none: leave ep out")
+        ep.check()
     decoder = model.model
     heads = config.num_attention_heads
     kv = getattr(config, "num_key_value_heads", None) or heads
-    ffn = config.intermediate_size
+    ffn = dense_ffn_width(config) or 0
     hl, kvl, fl = heads // world, kv // world, ffn // world
     head_dim = decoder.layers[0].self_attn.head_dim
     names = {id(m): n for n, m in model.named_modules()}
     row_sites: list[str] = []
+    moe_blocks: list[EPMoEBlock] = []
     for layer in decoder.layers:
-        attn, mlp = layer.self_attn, layer.mlp
+        attn = layer.self_attn
         q0, k0 = rank * hl * head_dim, rank * kvl * head_dim
         column_shard(attn.q_proj, q0, q0 + hl * head_dim)
         column_shard(attn.k_proj, k0, k0 + kvl * head_dim)
         column_shard(attn.v_proj, k0, k0 + kvl * head_dim)
+        o_site = names[id(attn.o_proj)]
+        attn.o_proj = RowParallelLinear(attn.o_proj, q0, q0 + hl * head_dim, site=o_site, step=step)
+        row_sites.append(o_site)
+        sparse = moe_block_of(layer)
+        if sparse is not None:  # expert-parallel instead of an FFN split; the engine calls layer.mlp
+            attr, block = sparse
+            ep_block = EPMoEBlock(block, name=names[id(block)], family=config.model_type, ep=ep or EPConfig(),
+                                  rank=rank, world=world, step=step)
+            setattr(layer, attr, ep_block)
+            layer.mlp = ep_block
+            moe_blocks.append(ep_block)
+            continue
+        mlp = layer.mlp
         column_shard(mlp.gate_proj, rank * fl, (rank + 1) * fl)
         column_shard(mlp.up_proj, rank * fl, (rank + 1) * fl)
-        o_site, d_site = names[id(attn.o_proj)], names[id(mlp.down_proj)]
-        attn.o_proj = RowParallelLinear(attn.o_proj, q0, q0 + hl * head_dim, site=o_site, step=step)
+        d_site = names[id(mlp.down_proj)]
         mlp.down_proj = RowParallelLinear(mlp.down_proj, rank * fl, (rank + 1) * fl, site=d_site, step=step)
-        row_sites += [o_site, d_site]
+        row_sites.append(d_site)
     vocab = config.vocab_size
     width = vocab_shard_width(vocab, world)
     embed_site = names[id(decoder.embed_tokens)]
@@ -110,7 +134,8 @@ def shard_model(model: Any, *, rank: int, world: int, step: StepRows) -> Shards:
     decoder.embed_tokens = VocabParallelEmbedding(decoder.embed_tokens, rank * width, width, site=embed_site,
                                                   step=step)
     return Shards(rank=rank, world=world, heads=hl, kv_heads=kvl, head_dim=head_dim, ffn=fl, vocab=vocab,
-                  vocab_width=width, row_sites=tuple(row_sites), embed_site=embed_site, head_sites=head_sites)
+                  vocab_width=width, row_sites=tuple(row_sites), embed_site=embed_site, head_sites=head_sites,
+                  moe_blocks=tuple(moe_blocks))
 
 
 def declare_sites(shards: Shards, *, hidden: int, dtype: torch.dtype, max_rows: int, route: str | None = None) -> None:
@@ -126,3 +151,5 @@ def declare_sites(shards: Shards, *, hidden: int, dtype: torch.dtype, max_rows: 
     detcomm.site(s["argmax"], collective="argmax", dtype=torch.float32, shape=(w,), max_rows=max_rows)
     detcomm.site(s["stats"], collective="all_gather", dtype=torch.float32, shape=(2,), max_rows=max_rows)
     detcomm.site(s["logprobs"], collective="all_gather", dtype=torch.float32, shape=(w,), max_rows=max_rows)
+    for block in shards.moe_blocks:
+        block.declare(dtype=dtype, max_rows=max_rows)

@@ -1,18 +1,31 @@
 """HF probe: a transformers causal LM, sharded over detcomm, generating the same requests alone, packed and
 rerun (docs/spec.md §7).
 
-The model is a local checkpoint (``--model DIR``, Llama / Mistral / Qwen2 / Qwen3) or a tiny real config
-(``--config llama-tiny|mistral-tiny|qwen2-tiny|qwen3-tiny``) whose seeded random weights are written with
-``save_pretrained`` into a temporary directory and loaded back with ``from_pretrained``. It runs through
+The model is a local checkpoint (``--model DIR``, Llama / Mistral / Qwen2 / Qwen3, and the MoE families
+Mixtral / Qwen2-MoE / Qwen3-MoE) or a tiny real config (``--config llama-tiny|...|qwen3-moe-tiny``) whose seeded
+random weights are written with ``save_pretrained`` into a temporary directory and loaded back with
+``from_pretrained``. It runs through
 ``detcomm.hf`` (fixed-width steps, static KV caches, row-parallel o_proj/down_proj sites, vocabulary-parallel
 head). The requests, schedules and table are the model probe's: alone at batch 1, packed twice with random
 co-batches and prefill chunking, and packed #1 rerun; half greedy, half temperature 1 with per-request
 seeds. Under a bitwise envelope every row must read 0 (exit 1 otherwise); ``--route native
 --expect-divergence`` is the negative control (the native all-reduce at W >= 3 must be caught).
 
+MoE models run their sparse blocks expert-parallel (``detcomm.hf.moe_block``): every expert on every rank by
+default; ``--ep`` spreads them (round-robin, or ``--placement-seed N``: a random placement with up to
+``--max-replicas`` replicas per expert). Two placement seeds must give identical ``--json`` bits
+(``--compare A.json B.json`` checks, in one process); ``--combine-order rank`` (numerics auto) is the negative
+control: the engines' rank-order sum of per-rank partials moves bits with the replica chosen for a row, so
+with the batch, and with the placement.
+
     detcomm-launch --nproc 4 --numerics rl-bitwise -m detcomm.probe hf --config llama-tiny
     detcomm-launch --nproc 4 -m detcomm.probe hf --config llama-tiny --route native --expect-divergence
     detcomm-launch --nproc 4 --numerics rl-bitwise -m detcomm.probe hf --model /models/Qwen3-0.6B --dtype bfloat16
+    detcomm-launch --nproc 4 -m detcomm.probe hf --config qwen3-moe-tiny --ep --placement-seed 1 --json a.json
+    detcomm-launch --nproc 4 -m detcomm.probe hf --config qwen3-moe-tiny --ep --placement-seed 2 --json b.json
+    python -m detcomm.probe hf --compare a.json b.json
+    detcomm-launch --nproc 4 --numerics auto -m detcomm.probe hf --config qwen3-moe-tiny --ep --placement-seed 1 \
+        --combine-order rank --expect-divergence
 """
 
 from __future__ import annotations
@@ -24,11 +37,13 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 import detcomm
+from detcomm.moe import COMBINE_ORDERS, Placement
 
 from .bits import bits
 from .model_probe import (
@@ -72,7 +87,43 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="PATH", help="rank 0 writes per request the token ids and logprob bits (hex)")
     p.add_argument("--expect-divergence", action="store_true",
                    help="negative control: exit 0 only if the probe caught a divergence")
+    moe = p.add_argument_group("MoE models (Mixtral, Qwen2-MoE, Qwen3-MoE)")
+    moe.add_argument("--ep", action="store_true",
+                     help="spread the experts over the ranks (default: every expert on every rank)")
+    moe.add_argument("--placement-seed", type=int, default=None,
+                     help="with --ep: a random placement from this seed (default: round-robin)")
+    moe.add_argument("--max-replicas", type=int, default=2, help="with --placement-seed: replicas per expert, at most")
+    moe.add_argument("--expert-block", type=int, default=64, help="rows per expert GEMM (the fixed shape)")
+    moe.add_argument("--combine-order", choices=COMBINE_ORDERS, default="slot",
+                     help="rank: the engines' rank-order sum (negative control, numerics auto only)")
+    p.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"),
+                   help="no model: compare two --json outputs' token ids and logprob bits (exit 1 if they differ)")
     return p
+
+
+def compare_json(a_path: str, b_path: str) -> tuple[list[list[str]], bool]:
+    """Table rows (per run label) comparing two ``--json`` files request by request, and whether any token id or
+    logprob bit differs. Requests are matched by id; their prompts must be the same."""
+    with open(a_path) as f:
+        a = json.load(f)
+    with open(b_path) as f:
+        b = json.load(f)
+    ra, rb = ({r["rid"]: r for r in x["requests"]} for x in (a, b))
+    if ra.keys() != rb.keys() or any(ra[i]["prompt"] != rb[i]["prompt"] for i in ra):
+        raise ValueError(f"{a_path} and {b_path} hold different requests: run both with the same --seed/--requests")
+    rows, differ = [], False
+    for label in ra[min(ra)]["runs"]:
+        bad = [i for i in sorted(ra) if ra[i]["runs"][label] != rb[i]["runs"][label]]
+        first = ""
+        if bad:
+            x, y = ra[bad[0]]["runs"][label], rb[bad[0]]["runs"][label]
+            pos = next((k for k, (p, q) in enumerate(zip(x["tokens"], y["tokens"])) if p != q), None)
+            if pos is None:
+                pos = next(k for k, (p, q) in enumerate(zip(x["logprob_bits"], y["logprob_bits"])) if p != q)
+            first = f"request {bad[0]}, token {pos}"
+        differ |= bool(bad)
+        rows.append([label, f"{len(bad)}/{len(ra)}", first or "-"])
+    return rows, differ
 
 
 def _hex_bits(r: Result) -> list[str]:
@@ -82,10 +133,17 @@ def _hex_bits(r: Result) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run on every rank; rank 0 prints. Exit 1 on any divergence (inverted by --expect-divergence)."""
     ns = build_parser().parse_args(argv)
+    if ns.compare:
+        rows, differ = compare_json(*ns.compare)
+        verdict = "DIFFER" if differ else "IDENTICAL"
+        print(format_table(["run", "requests differing", "first difference"], rows,
+                           title=f"{ns.compare[0]} vs {ns.compare[1]}: token ids and logprob bits") + f"\n{verdict}")
+        return (0 if differ else 1) if ns.expect_divergence else (1 if differ else 0)
     import transformers
 
-    from ..hf import ServingConfig, TPCausalLM, load_causal_lm, write_tiny_checkpoint
+    from ..hf import EPConfig, ServingConfig, TPCausalLM, load_causal_lm, write_tiny_checkpoint
     from ..hf.checkpoints import DTYPES
+    from ..hf.moe_block import MOE_FAMILIES, num_experts
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
@@ -109,6 +167,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         with tempfile.TemporaryDirectory(prefix="detcomm-hf-") as d:
             hf_model = load_causal_lm(write_tiny_checkpoint(name, d, seed=1234 + ns.seed), dtype=dtype)
+    hf_config: Any = hf_model.config
+    moe = hf_config.model_type in MOE_FAMILIES
+    if (ns.ep or ns.placement_seed is not None or ns.combine_order != "slot") and not moe:
+        raise ValueError(f"--ep/--placement-seed/--combine-order are for MoE models ({', '.join(MOE_FAMILIES)}); "
+                         f"{name} is {hf_config.model_type!r}")
+    if ns.placement_seed is not None and not ns.ep:
+        raise ValueError("--placement-seed places the experts of --ep: pass --ep too")
     own_group = ns.backend is not None and not dist.is_initialized()
     if own_group:
         if ns.backend == "nccl":
@@ -117,9 +182,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     comm = detcomm.init(numerics=numerics, **({} if ns.device is None else {"device": ns.device}))
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
-        model = TPCausalLM(hf_model, serving, route=ns.route)
+        ep = None
+        if moe:
+            ep = EPConfig(placement=_placement(ns, num_experts(hf_config), world), block=ns.expert_block,
+                          combine_order=ns.combine_order)
+        model = TPCausalLM(hf_model, serving, route=ns.route, ep=ep)
         table = detcomm.routes()
         local_ok = position_invariant(model.local_ops(), t_pad=serving.t_pad, dtype=model.dtype, device=model.device)
+        for block in model.shards.moe_blocks:  # each hosted expert at its own fixed shape
+            local_ok &= position_invariant(block.expert_ops(), t_pad=ns.expert_block, dtype=model.dtype,
+                                           device=model.device)
         reqs = make_requests(ns.requests, vocab=model.shards.vocab, new_tokens=ns.new_tokens,
                              max_prompt=ns.max_prompt, seed=ns.seed)
         runs = {"alone": generate(model, reqs, schedule=None),
@@ -146,6 +218,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"layers={cfg.num_hidden_layers} hidden={cfg.hidden_size} heads={cfg.num_attention_heads}/"
             f"kv {getattr(cfg, 'num_key_value_heads', None) or cfg.num_attention_heads} vocab={model.shards.vocab} "
             f"({model.shards.vocab_width}/rank) requests={len(reqs)} new_tokens={ns.new_tokens}"
+            + (_moe_title(model, ns) if moe else "")
         )
         emit(str(table), format_table(TABLE_HEADERS, rows, title=title) + "\n"
              + summary(passed=passed, numerics=table.numerics, local_ok=local_ok, agree=agree, seconds=elapsed,
@@ -160,10 +233,35 @@ def main(argv: Sequence[str] | None = None) -> int:
                            "dtype": ns.dtype, "t_pad": serving.t_pad, "q_block": serving.q_block,
                            "max_context": serving.max_context, "local_rows_invariant": local_ok,
                            "ranks_agree": agree, "passed": passed, "comparisons": records,
+                           "experts": _moe_record(model, ns) if moe else None,
                            "requests": per_request, "seconds": elapsed}, f, indent=2)
     if ns.expect_divergence:
         return 0 if diverged_any else 1
     return 0 if passed else 1
+
+
+def _placement(ns: argparse.Namespace, experts: int, world: int) -> Placement | None:
+    if not ns.ep:
+        return None  # every expert on every rank
+    if ns.placement_seed is None:
+        return Placement.round_robin(experts, world)
+    return Placement.random(experts, world, seed=ns.placement_seed, max_replicas=min(ns.max_replicas, world))
+
+
+def _moe_title(model: Any, ns: argparse.Namespace) -> str:
+    b = model.shards.moe_blocks[0]
+    where = ("every expert on every rank" if not ns.ep else "round-robin" if ns.placement_seed is None
+             else f"random placement seed {ns.placement_seed} (<= {min(ns.max_replicas, model.world)} replicas)")
+    return (f"\nMoE: {len(model.shards.moe_blocks)} expert-parallel blocks, {b.placement.num_experts} experts top-{b.top_k} "
+            f"(renormalized={b.renormalize}), {where}, hosts {list(b.placement.hosts)}, expert block={b.block}, "
+            f"combine={b.combine_order}")
+
+
+def _moe_record(model: Any, ns: argparse.Namespace) -> dict[str, Any]:
+    b = model.shards.moe_blocks[0]
+    return {"ep": ns.ep, "placement_seed": ns.placement_seed, "hosts": [list(h) for h in b.placement.hosts],
+            "top_k": b.top_k, "renormalize": b.renormalize, "block": b.block, "combine_order": b.combine_order,
+            "blocks": [m.name for m in model.shards.moe_blocks]}
 
 
 if __name__ == "__main__":
