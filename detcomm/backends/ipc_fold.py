@@ -26,12 +26,14 @@ class IpcFoldBackend:
         coll = Collective.ALL_REDUCE if site.collective is Collective.ALL_REDUCE_RMSNORM else site.collective
         ws = self.workspace
         reachable = ws.variants(coll.value, site.dtype, site.row_numel, site.max_rows)
+        in_place = False
         all_reduce: Call = lambda x, a: self.all_reduce(x, site.op, out=a.out, label=label)  # noqa: E731
         if coll is Collective.ALL_REDUCE and reachable:
             # The hot path of decode: everything that depends only on the site is prepared here, once.
             assert site.op is ReduceOp.SUM, "routing sends only floating-point SUM here"
             fast = ws.bind_all_reduce(site.dtype, site.row_numel, label=label)
             all_reduce = lambda x, a: fast(x, a.out)  # noqa: E731
+            in_place = True  # the site-bound kernels write in place (Workspace.bind_all_reduce says why)
         bound = bind_from(self.route, site, {
             Collective.ALL_REDUCE: all_reduce,
             Collective.REDUCE_SCATTER: lambda x, a: self.reduce_scatter(x, site.op, out=a.out, label=label),
@@ -48,7 +50,7 @@ class IpcFoldBackend:
             else:
                 kw = {"chunk_rows": 1} if v == "chunked" else {}
                 forced[v] = lambda x, a, kw=kw: ws.all_gather(x, label=label, **kw)  # type: ignore[misc]
-        return Bound(bound.route, bound.site, bound.call, forced)
+        return Bound(bound.route, bound.site, bound.call, forced, in_place=in_place)
 
     def all_reduce(self, x: torch.Tensor, op: ReduceOp, *, out: torch.Tensor | None = None,
                    label: str | None = None) -> torch.Tensor:
