@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 import detcomm
 from detcomm.backends.base import Bound
-from detcomm.route import CallArgs, Route, Site
+from detcomm.route import Route, Site
 
 
 class _NopBackend:
