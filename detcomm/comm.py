@@ -269,8 +269,8 @@ class Communicator:
         self._sites[s.name] = s
         if bound.in_place:
             self._in_place.add(s.name)
-        if s.collective is Collective.ALL_REDUCE and self._verifier is None:
-            self._hot[s.name] = _HotSite(s, bound.in_place, self.device)
+        if s.collective in _HOT_COLLECTIVES and self._verifier is None:
+            self._hot[s.name] = _HotSite(s, bound.in_place, self.device, self.world_size)
         return s
 
     def _site_for_call(self, site: str | Site, collective: Collective, x: torch.Tensor, op: ReduceOp, *,
@@ -358,25 +358,9 @@ class Communicator:
 
         Returns a new tensor, or ``out`` when given (``out=x`` reduces in place). ``async_op=True`` returns a
         ``detcomm.Work`` handle instead (``.wait()``, ``.result()``). Collective."""
-        # The fast path: a declared site called as declared costs one dict lookup and a few attribute
-        # comparisons (_HotSite.admits). Anything else (a first call, a contradiction, a wrong type, a closed
-        # communicator: close() empties the cache) takes the full checks below, which raise the precise error.
-        hot = self._hot.get(site) if type(site) is str else (self._hot.get(site.name) if type(site) is Site else None)
-        if hot is not None and (type(site) is str or hot.site is site) and op == hot.op:
-            target = hot.admits(x, out)
-            if target is not _REFUSED:
-                self._calls += 1
-                try:
-                    # Through _bound, the one table of bound routes (tests and benches swap entries in it).
-                    result = self._bound[hot.site.name](x, NO_ARGS if target is None else _out_args(target))
-                except RuntimeError as e:
-                    if isinstance(e, DetcommError) or not is_timeout(e):
-                        raise
-                    raise peer_timeout(hot.site.name, self._calls, e, group=self.group, rank=self.rank) from e
-                if out is not None and result is not out:
-                    out.copy_(result)
-                    result = out
-                return Work(result) if async_op else result
+        done = self._fast(Collective.ALL_REDUCE, x, site, op, out, async_op)
+        if done is not _REFUSED:
+            return done  # type: ignore[return-value]
         self._check_open()
         s = self._site_for_call(site, Collective.ALL_REDUCE, x, _enum(ReduceOp, op, "op", site))
         self._check_out(s.name, out, x, tuple(x.shape))
@@ -386,6 +370,9 @@ class Communicator:
                        async_op: bool = False) -> torch.Tensor | Work:
         """Rank r receives row block r of the reduction; ``x.shape[0]`` must divide by the world size.
         ``out`` (``x.shape[0] // W`` rows) and ``async_op`` as for ``all_reduce``. Collective."""
+        done = self._fast(Collective.REDUCE_SCATTER, x, site, op, out, async_op)
+        if done is not _REFUSED:
+            return done  # type: ignore[return-value]
         self._check_open()
         rop = _enum(ReduceOp, op, "op", site)
         name = site.name if isinstance(site, Site) else site
@@ -401,6 +388,9 @@ class Communicator:
     def all_gather(self, x: torch.Tensor, site: str | Site, *, out: torch.Tensor | None = None,
                    async_op: bool = False) -> torch.Tensor | Work:
         """Every rank's ``x`` concatenated along dim 0 in rank order (``out``: ``W * rows`` rows). Collective."""
+        done = self._fast(Collective.ALL_GATHER, x, site, ReduceOp.SUM, out, async_op)
+        if done is not _REFUSED:
+            return done  # type: ignore[return-value]
         self._check_open()
         s = self._site_for_call(site, Collective.ALL_GATHER, x, ReduceOp.SUM)
         self._check_out(s.name, out, x, (x.shape[0] * self.world_size, *x.shape[1:]))
@@ -416,6 +406,31 @@ class Communicator:
         _norm.eps_fp32(eps)
         s = self._site_for_call(site, Collective.ALL_REDUCE_RMSNORM, x, ReduceOp.SUM)
         return _norm.add_rms_norm(self._call(s, x, NO_ARGS), residual, weight, eps=eps)
+
+    def _fast(self, collective: Collective, x: torch.Tensor, site: str | Site, op: object, out: torch.Tensor | None,
+              async_op: bool) -> object:
+        """A declared site called as declared: one dict lookup and one comparison per cached fact
+        (_HotSite.admits), then the route. Returns the call's result, or _REFUSED for anything else (a first
+        call, a contradiction, a wrong type, a closed communicator: close() empties the cache), which the caller
+        sends through the full checks, where the precise error is raised."""
+        hot = self._hot.get(site) if type(site) is str else (self._hot.get(site.name) if type(site) is Site else None)
+        if hot is None or hot.collective is not collective or (type(site) is not str and hot.site is not site) or op != hot.op:
+            return _REFUSED
+        target = hot.admits(x, out)
+        if target is _REFUSED:
+            return _REFUSED
+        self._calls += 1
+        try:
+            # Through _bound, the one table of bound routes (tests and benches swap entries in it).
+            result = self._bound[hot.site.name](x, NO_ARGS if target is None else _out_args(target))
+        except RuntimeError as e:  # as in _call
+            if isinstance(e, DetcommError) or not is_timeout(e):
+                raise
+            raise peer_timeout(hot.site.name, self._calls, e, group=self.group, rank=self.rank) from e
+        if out is not None and result is not out:
+            out.copy_(result)
+            result = out
+        return Work(result) if async_op else result
 
     def _call(self, s: Site, x: torch.Tensor, args: CallArgs) -> torch.Tensor:
         """Every collective call goes through here: the site's bound route, with a timeout translated into a
@@ -571,15 +586,21 @@ def _out_args(out: torch.Tensor) -> CallArgs:
     return args
 
 
+# The collectives whose calls take the fast path, with the output's rows as (multiplier, divisor) of the input's.
+_HOT_COLLECTIVES = (Collective.ALL_REDUCE, Collective.REDUCE_SCATTER, Collective.ALL_GATHER)
+
+
 class _HotSite:
-    """An all-reduce site's facts, cached at declaration for the per-call fast path: what a call must match
-    (op, dtype, trailing shape, rows, device, contiguity), each one comparison, and whether its route writes in
-    place. Only sites without cross-rank call checking are cached (init(check=True) checks every call in full)."""
+    """A declared site's facts, cached at declaration for the per-call fast path (Communicator._fast): what a
+    call must match (collective, op, dtype, trailing shape, rows, device, contiguity, the output's shape), each
+    one comparison, and whether its route writes in place. Only sites without cross-rank call checking are
+    cached (init(check=True) checks every call in full)."""
 
-    __slots__ = ("site", "op", "dtype", "ndim", "tail", "max_rows", "device", "in_place")
+    __slots__ = ("site", "collective", "op", "dtype", "ndim", "tail", "max_rows", "device", "in_place", "mul", "div")
 
-    def __init__(self, site: Site, in_place: bool, device: torch.device) -> None:
+    def __init__(self, site: Site, in_place: bool, device: torch.device, world_size: int) -> None:
         self.site = site
+        self.collective = site.collective
         self.op = site.op
         self.dtype = site.dtype
         self.ndim = 1 + len(site.shape)
@@ -587,6 +608,8 @@ class _HotSite:
         self.max_rows = site.max_rows
         self.device = device
         self.in_place = in_place
+        self.mul = world_size if site.collective is Collective.ALL_GATHER else 1
+        self.div = world_size if site.collective is Collective.REDUCE_SCATTER else 1
 
     def admits(self, x: object, out: object) -> object:
         """What the route gets as ``CallArgs.out`` (None: allocate) when ``x`` and ``out`` pass every check the
@@ -595,19 +618,28 @@ class _HotSite:
             return _REFUSED
         sh = x.shape
         if (len(sh) != self.ndim or sh[0] > self.max_rows or x.dtype is not self.dtype or sh[1:] != self.tail
-                or x.device != self.device or not x.is_contiguous()):
+                or x.device != self.device or not x.is_contiguous() or sh[0] % self.div):
             return _REFUSED
         if out is None:
             return None
         if out is x:
             return x if self.in_place else None
-        if (type(out) is not torch.Tensor or out.shape != sh or out.dtype is not self.dtype or out.device != self.device
-                or not out.is_contiguous()):
+        if type(out) is not torch.Tensor or out.dtype is not self.dtype or out.device != self.device:
+            return _REFUSED
+        osh = out.shape
+        if self.mul == self.div == 1:
+            if osh != sh:
+                return _REFUSED
+        elif len(osh) != self.ndim or osh[0] != sh[0] * self.mul // self.div or osh[1:] != self.tail:
+            return _REFUSED
+        if not out.is_contiguous():
             return _REFUSED
         a, b = out.data_ptr(), x.data_ptr()
-        if a == b:  # another view of x's bytes: in place
+        if a == b:  # x's bytes (x itself, or another view of them): in place
             return out if self.in_place else None
-        return out if abs(a - b) >= x.nbytes else _REFUSED  # a partial overlap is refused by the full path
+        if a < b + x.nbytes and b < a + out.nbytes:  # a partial overlap: refused by the full path
+            return _REFUSED
+        return out
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -98,9 +98,22 @@ def job_fast_path(rank: int, w: int) -> list[str]:
             got = call()
             if not torch.equal(got, want):
                 problems.append(f"{label}: wrong result")
+        detcomm.site("hp.rs", collective="reduce_scatter", dtype=torch.float32, shape=(12,), max_rows=4 * w)
+        detcomm.site("hp.ag", collective="all_gather", dtype=torch.float32, shape=(12,), max_rows=4)
+        xs = torch.full((2 * w, 12), float(rank + 1))
+        gathered = torch.cat([torch.full((3, 12), float(r + 1)) for r in range(w)])
+        for label, call, expect in (
+                ("rs", lambda: detcomm.reduce_scatter(xs, "hp.rs"), want[:2]),
+                ("rs out=", lambda: detcomm.reduce_scatter(xs, "hp.rs", out=torch.empty(2, 12)), want[:2]),
+                ("ag", lambda: detcomm.all_gather(x, "hp.ag"), gathered),
+                ("ag out=", lambda: detcomm.all_gather(x, "hp.ag", out=torch.empty(3 * w, 12)), gathered)):
+            if not torch.equal(call(), expect):
+                problems.append(f"{label}: wrong result")
         if full:
             problems.append(f"declared calls took the full checks: {full}")
         # Every call the full checks refuse reaches them (same error), before any communication.
+        storage = torch.zeros((3 * w + 1) * 12)  # an all_gather output starting one row into its input
+        xo, oo = storage[:36].view(3, 12), storage[12:].view(3 * w, 12)
         bad = {
             "dtype": (lambda: detcomm.all_reduce(x.half(), "hp.e"), ValueError, "contradicts it: dtype"),
             "shape": (lambda: detcomm.all_reduce(torch.zeros(3, 6), "hp.e"), ValueError, "trailing shape"),
@@ -119,6 +132,13 @@ def job_fast_path(rank: int, w: int) -> list[str]:
             "foreign Site": (lambda: detcomm.all_reduce(x, Site("hp.e", Collective.ALL_REDUCE, torch.float32,
                              (12,), 4, group="other")), ValueError, "was not declared"),
             "site type": (lambda: detcomm.all_reduce(x, 7), TypeError, "site must be a site name"),
+            "rs rows": (lambda: detcomm.reduce_scatter(xs[1:], "hp.rs"), ValueError, "divisible by the world size"),
+            "rs out rows": (lambda: detcomm.reduce_scatter(xs, "hp.rs", out=torch.empty(3, 12)), ValueError,
+                            "out must be"),
+            "rs as all_reduce": (lambda: detcomm.all_reduce(xs, "hp.rs"), ValueError, "collective all_reduce"),
+            "ag out rows": (lambda: detcomm.all_gather(x, "hp.ag", out=torch.empty(3, 12)), ValueError,
+                            "out must be"),
+            "ag overlap": (lambda: detcomm.all_gather(xo, "hp.ag", out=oo), ValueError, "partially overlaps"),
         }
         for label, (call, err, text) in bad.items():
             n = len(full)
@@ -128,7 +148,8 @@ def job_fast_path(rank: int, w: int) -> list[str]:
             except err as e:
                 if text not in str(e):
                     problems.append(f"{label}: {e}")
-            if label != "bad op" and len(full) == n:  # an unknown op is refused before the site lookup
+            # An unknown op and a reduce_scatter's row count are refused before the site lookup.
+            if label not in ("bad op", "rs rows") and len(full) == n:
                 problems.append(f"{label}: the full checks never ran")
         # The spy can see a full-path call (negative control of the 'no full checks' assertion above).
         comm._hot.clear()

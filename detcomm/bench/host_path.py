@@ -4,7 +4,7 @@ One process, a one-rank gloo group on the CPU: a site is declared, then its boun
 returns its input (or the caller's ``out``), so what is timed is exactly what detcomm's public call costs on top
 of the route: the module-level dispatch, the site lookup, the tensor and output checks, the route call and the
 result handling. ``python -m detcomm.bench.host_path`` prints microseconds per call (median of repeats) for
-``detcomm.all_reduce`` with a new output, ``out=buf``, ``out=x`` and a Site object; ``--profile`` adds a cProfile
+``detcomm.all_reduce`` with a new output, ``out=buf``, ``out=x``, a Site object and a reduce_scatter; ``--profile`` adds a cProfile
 of the first case.
 """
 
@@ -63,7 +63,8 @@ def main(argv: list[str] | None = None) -> None:
             comm.auto._backends[Route.NATIVE] = _NopBackend()
             site = detcomm.site("bench.host", collective="all_reduce", dtype=torch.bfloat16, shape=(8192,),
                                 max_rows=8)
-            assert comm.routes().entries[0].decision.route is Route.NATIVE
+            detcomm.site("bench.rs", collective="reduce_scatter", dtype=torch.bfloat16, shape=(8192,), max_rows=8)
+            assert {e.decision.route for e in comm.routes().entries} == {Route.NATIVE}
             x = torch.zeros(1, 8192, dtype=torch.bfloat16)
             buf = torch.empty_like(x)
             cases: dict[str, Callable[[], object]] = {
@@ -72,6 +73,7 @@ def main(argv: list[str] | None = None) -> None:
                 "all_reduce(x, name, out=x)": lambda: detcomm.all_reduce(x, "bench.host", out=x),
                 "all_reduce(x, site)": lambda: detcomm.all_reduce(x, site),
                 "comm.all_reduce(x, name)": lambda: comm.all_reduce(x, "bench.host"),
+                "reduce_scatter(x, name, out=buf)": lambda: detcomm.reduce_scatter(x, "bench.rs", out=buf),
             }
             for label, fn in cases.items():
                 print(f"{label:34s} {_per_call_us(fn, a.calls, a.repeats):7.2f} us/call")
