@@ -137,7 +137,7 @@ class Communicator:
                                 checker=self._selfchecks if selfcheck else None, leaf=self.leaf.name)
         self._sites: dict[str, Site] = {}
         self._bound: dict[str, BoundRoute] = {}
-        self._hot: dict[str, _HotSite] = {}  # all-reduce sites' facts for the per-call fast path (_HotSite)
+        self._hot: dict[str, _HotSite] = {}  # declared sites' facts for the per-call fast path (_HotSite)
         self._in_place: set[str] = set()  # sites whose bound route writes in place (route.BoundRoute.in_place)
         self._calls = 0  # collective calls made on this communicator (named in timeout errors)
         self._closed = False
@@ -422,7 +422,7 @@ class Communicator:
         self._calls += 1
         try:
             # Through _bound, the one table of bound routes (tests and benches swap entries in it).
-            result = self._bound[hot.site.name](x, NO_ARGS if target is None else _out_args(target))
+            result = self._bound[hot.site.name](x, NO_ARGS if target is None else _out_args(target))  # type: ignore[arg-type]
         except RuntimeError as e:  # as in _call
             if isinstance(e, DetcommError) or not is_timeout(e):
                 raise
@@ -586,7 +586,7 @@ def _out_args(out: torch.Tensor) -> CallArgs:
     return args
 
 
-# The collectives whose calls take the fast path, with the output's rows as (multiplier, divisor) of the input's.
+# The collectives whose calls take the fast path (Communicator._fast); the others always take the full checks.
 _HOT_COLLECTIVES = (Collective.ALL_REDUCE, Collective.REDUCE_SCATTER, Collective.ALL_GATHER)
 
 
@@ -608,6 +608,7 @@ class _HotSite:
         self.max_rows = site.max_rows
         self.device = device
         self.in_place = in_place
+        # The output's rows are the input's * mul // div; a reduce_scatter's input rows must divide by div.
         self.mul = world_size if site.collective is Collective.ALL_GATHER else 1
         self.div = world_size if site.collective is Collective.REDUCE_SCATTER else 1
 

@@ -3,7 +3,7 @@ are the canonical fold's (tests/oracle.py) on every kernel a site can reach: one
 
 Why it is exact (Workspace.bind_all_reduce): in every launch the thread that writes an element of the output is
 the one that copied that element of the input into its slot, before the START barrier; chunks cover disjoint
-rows. Tested twice: W ranks as W streams of one GPU (W = 3 and 4, where the rank order matters; a small
+rows. Tested twice: W ranks as W streams of one GPU (W = 3, where the rank order matters; a small
 one-shot threshold and capacity so two-shot and chunking run), and through the public API on two GPUs over
 NCCL, eager and captured in a CUDA graph. Negative control: every rank's input differs from the result, so a
 kernel that left x alone, or a call that wrote its result elsewhere, fails."""
@@ -24,12 +24,12 @@ pytestmark = pytest.mark.gpu
 TRAILING = 40  # 80 B bf16 rows: rows start on 16 B boundaries only every few rows
 
 
-@pytest.mark.parametrize("world", [3, 4])
+@pytest.mark.parametrize("world", [3])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_site_bound_all_reduce_in_place_every_kernel(world: int, dtype: str) -> None:
     from detcomm.workspace import Workspace
 
-    views = Workspace.in_process(world, device="cuda:0", capacity_bytes=64 * 1024, max_rows_armed=64,
+    views = Workspace.in_process(world, device="cuda:0", capacity_bytes=64 * 1024, max_rows_armed=4096,
                                  one_shot_max_bytes=4096)
     try:
         tdt = getattr(torch, dtype)
