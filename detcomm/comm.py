@@ -133,6 +133,8 @@ class Communicator:
                                 checker=self._selfchecks if selfcheck else None, leaf=self.leaf.name)
         self._sites: dict[str, Site] = {}
         self._bound: dict[str, BoundRoute] = {}
+        self._hot: dict[str, _HotSite] = {}  # declared sites' facts for the per-call fast path (_HotSite)
+        self._in_place: set[str] = set()  # sites whose bound route writes in place (route.BoundRoute.in_place)
         self._calls = 0  # collective calls made on this communicator (named in timeout errors)
         self._closed = False
         if selfcheck:
@@ -261,8 +263,12 @@ class Communicator:
                     f"{s.describe()} contradicts it. A site is static: use another name for the other call."
                 )
             return existing
-        self._bound[s.name] = self.auto.route(s)
+        bound = self._bound[s.name] = self.auto.route(s)
         self._sites[s.name] = s
+        if bound.in_place:
+            self._in_place.add(s.name)
+        if s.collective in _HOT_COLLECTIVES and self._verifier is None and s.virtual_shards is None:
+            self._hot[s.name] = _HotSite(s, bound.in_place, self.device, self.world_size)
         return s
 
     def _site_for_call(self, site: str | Site, collective: Collective, x: torch.Tensor, op: ReduceOp, *,
@@ -353,13 +359,16 @@ class Communicator:
 
         On a virtual-shard site ``x`` is this rank's [V/W, rows, *shape] fp32 partial sums and the result is
         [rows, *shape] in the site's dtype (see ``_virtual``)."""
+        done = self._fast(Collective.ALL_REDUCE, x, site, op, out, async_op)
+        if done is not _REFUSED:
+            return done  # type: ignore[return-value]
         self._check_open()
         vs = self._virtual_site(site)
         if vs is not None:
             return self._virtual(vs, Collective.ALL_REDUCE, x, op, out, async_op)
         s = self._site_for_call(site, Collective.ALL_REDUCE, x, _enum(ReduceOp, op, "op", site))
         self._check_out(s.name, out, x, tuple(x.shape))
-        return self._finish(self._call(s, x, CallArgs(out=_separate(out, x))), out, async_op)
+        return self._finish(self._call(s, x, CallArgs(out=_separate(out, x, s.name in self._in_place))), out, async_op)
 
     def reduce_scatter(self, x: torch.Tensor, site: str | Site, *, op: str = "sum", out: torch.Tensor | None = None,
                        async_op: bool = False) -> torch.Tensor | Work:
@@ -368,6 +377,9 @@ class Communicator:
 
         On a virtual-shard site ``x`` is this rank's [V/W, rows, *shape] fp32 partial sums and rank r receives
         row block r of the folded [rows, *shape] result, in the site's dtype (see ``_virtual``)."""
+        done = self._fast(Collective.REDUCE_SCATTER, x, site, op, out, async_op)
+        if done is not _REFUSED:
+            return done  # type: ignore[return-value]
         self._check_open()
         vs = self._virtual_site(site)
         if vs is not None:
@@ -381,7 +393,7 @@ class Communicator:
             )
         s = self._site_for_call(site, Collective.REDUCE_SCATTER, x, rop)
         self._check_out(s.name, out, x, (x.shape[0] // self.world_size, *x.shape[1:]))
-        return self._finish(self._call(s, x, CallArgs(out=_separate(out, x))), out, async_op)
+        return self._finish(self._call(s, x, CallArgs(out=_separate(out, x, s.name in self._in_place))), out, async_op)
 
     def _virtual_site(self, site: str | Site) -> Site | None:
         """The declared virtual-shard site a call names, or None (every other case takes the plain path, which
@@ -437,10 +449,13 @@ class Communicator:
     def all_gather(self, x: torch.Tensor, site: str | Site, *, out: torch.Tensor | None = None,
                    async_op: bool = False) -> torch.Tensor | Work:
         """Every rank's ``x`` concatenated along dim 0 in rank order (``out``: ``W * rows`` rows). Collective."""
+        done = self._fast(Collective.ALL_GATHER, x, site, ReduceOp.SUM, out, async_op)
+        if done is not _REFUSED:
+            return done  # type: ignore[return-value]
         self._check_open()
         s = self._site_for_call(site, Collective.ALL_GATHER, x, ReduceOp.SUM)
         self._check_out(s.name, out, x, (x.shape[0] * self.world_size, *x.shape[1:]))
-        return self._finish(self._call(s, x, CallArgs(out=_separate(out, x))), out, async_op)
+        return self._finish(self._call(s, x, CallArgs(out=_separate(out, x, s.name in self._in_place))), out, async_op)
 
     def all_reduce_residual_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, *,
                                     eps: float, site: str | Site) -> tuple[torch.Tensor, torch.Tensor]:
@@ -456,6 +471,31 @@ class Communicator:
             self._calls += 1
             return fused(x, residual, weight, eps)  # type: ignore[no-any-return]
         return _norm.add_rms_norm(self._call(s, x, NO_ARGS), residual, weight, eps=eps)
+
+    def _fast(self, collective: Collective, x: torch.Tensor, site: str | Site, op: object, out: torch.Tensor | None,
+              async_op: bool) -> object:
+        """A declared site called as declared: one dict lookup and one comparison per cached fact
+        (_HotSite.admits), then the route. Returns the call's result, or _REFUSED for anything else (a first
+        call, a contradiction, a wrong type, a closed communicator: close() empties the cache), which the caller
+        sends through the full checks, where the precise error is raised."""
+        hot = self._hot.get(site) if type(site) is str else (self._hot.get(site.name) if type(site) is Site else None)
+        if hot is None or hot.collective is not collective or (type(site) is not str and hot.site is not site) or op != hot.op:
+            return _REFUSED
+        target = hot.admits(x, out)
+        if target is _REFUSED:
+            return _REFUSED
+        self._calls += 1
+        try:
+            # Through _bound, the one table of bound routes (tests and benches swap entries in it).
+            result = self._bound[hot.site.name](x, NO_ARGS if target is None else _out_args(target))  # type: ignore[arg-type]
+        except RuntimeError as e:  # as in _call
+            if isinstance(e, DetcommError) or not is_timeout(e):
+                raise
+            raise peer_timeout(hot.site.name, self._calls, e, group=self.group, rank=self.rank) from e
+        if out is not None and result is not out:
+            out.copy_(result)
+            result = out
+        return Work(result) if async_op else result
 
     def _call(self, s: Site, x: torch.Tensor, args: CallArgs) -> torch.Tensor:
         """Every collective call goes through here: the site's bound route, with a timeout translated into a
@@ -583,6 +623,7 @@ class Communicator:
         if self._closed:
             return
         self._closed = True
+        self._hot.clear()
         if self._workspace is not None:
             self._workspace.close()
             self._workspace = None
@@ -602,10 +643,81 @@ class Communicator:
             raise DetcommError("this detcomm communicator is shut down; call detcomm.init() again")
 
 
-def _separate(out: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None:
-    """``out`` when a route may write it directly; None for an in-place call (the route reads x while it
-    writes its result, so the communicator copies the finished result into x instead)."""
-    return None if out is None or out.data_ptr() == x.data_ptr() else out
+def _separate(out: torch.Tensor | None, x: torch.Tensor, in_place: bool) -> torch.Tensor | None:
+    """``out`` when the route may write it directly: a separate buffer, or x itself (in place) where the site's
+    route writes in place (route.BoundRoute.in_place); else None, and the communicator copies the finished
+    result into x."""
+    if out is None or (out.data_ptr() == x.data_ptr() and not in_place):
+        return None
+    return out
+
+
+_REFUSED = object()  # _HotSite.admits: the call needs the full checks
+
+
+def _out_args(out: torch.Tensor) -> CallArgs:
+    """``CallArgs(out=out)`` at a third of the cost: a frozen dataclass's __init__ sets every field through
+    object.__setattr__, while the other fields' defaults are class attributes a bare instance already reads."""
+    args = object.__new__(CallArgs)
+    object.__setattr__(args, "out", out)
+    return args
+
+
+# The collectives whose calls take the fast path (Communicator._fast); the others always take the full checks.
+_HOT_COLLECTIVES = (Collective.ALL_REDUCE, Collective.REDUCE_SCATTER, Collective.ALL_GATHER)
+
+
+class _HotSite:
+    """A declared site's facts, cached at declaration for the per-call fast path (Communicator._fast): what a
+    call must match (collective, op, dtype, trailing shape, rows, device, contiguity, the output's shape), each
+    one comparison, and whether its route writes in place. Only sites without cross-rank call checking are
+    cached (init(check=True) checks every call in full)."""
+
+    __slots__ = ("site", "collective", "op", "dtype", "ndim", "tail", "max_rows", "device", "in_place", "mul", "div")
+
+    def __init__(self, site: Site, in_place: bool, device: torch.device, world_size: int) -> None:
+        self.site = site
+        self.collective = site.collective
+        self.op = site.op
+        self.dtype = site.dtype
+        self.ndim = 1 + len(site.shape)
+        self.tail = site.shape
+        self.max_rows = site.max_rows
+        self.device = device
+        self.in_place = in_place
+        # The output's rows are the input's * mul // div; a reduce_scatter's input rows must divide by div.
+        self.mul = world_size if site.collective is Collective.ALL_GATHER else 1
+        self.div = world_size if site.collective is Collective.REDUCE_SCATTER else 1
+
+    def admits(self, x: object, out: object) -> object:
+        """What the route gets as ``CallArgs.out`` (None: allocate) when ``x`` and ``out`` pass every check the
+        full path makes; ``_REFUSED`` otherwise (the full path then raises the precise error)."""
+        if type(x) is not torch.Tensor:
+            return _REFUSED
+        sh = x.shape
+        if (len(sh) != self.ndim or sh[0] > self.max_rows or x.dtype is not self.dtype or sh[1:] != self.tail
+                or x.device != self.device or not x.is_contiguous() or sh[0] % self.div):
+            return _REFUSED
+        if out is None:
+            return None
+        if out is x:
+            return x if self.in_place else None
+        if type(out) is not torch.Tensor or out.dtype is not self.dtype or out.device != self.device:
+            return _REFUSED
+        osh = out.shape
+        if self.mul == self.div == 1:
+            if osh != sh:
+                return _REFUSED
+        elif len(osh) != self.ndim or osh[0] != sh[0] * self.mul // self.div or osh[1:] != self.tail:
+            return _REFUSED
+        if not out.is_contiguous():
+            return _REFUSED
+        a, b = out.data_ptr(), x.data_ptr()
+        if a == b:  # x's bytes (x itself, or another view of them): in place
+            return out if self.in_place else None
+        if a < b + x.nbytes and b < a + out.nbytes:  # a partial overlap: refused by the full path
+            return _REFUSED
+        return out
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -298,8 +298,8 @@ class CallArgs:
     in_splits: tuple[int, ...] | None = None  # all_to_all
     out_splits: tuple[int, ...] | None = None  # all_to_all
     vocab_start: int = 0  # argmax
-    # all_reduce / reduce_scatter / all_gather: a caller's buffer the route may write the result into (never
-    # the input itself); routes that cannot write in place ignore it and the communicator copies.
+    # all_reduce / reduce_scatter / all_gather: a caller's buffer the route may write the result into (the input
+    # itself only where the binding's ``in_place`` says so); routes may ignore it, and the communicator copies.
     out: torch.Tensor | None = None
 
 
@@ -318,6 +318,12 @@ class BoundRoute(Protocol):
 
     @property
     def site(self) -> Site: ...
+
+    @property
+    def in_place(self) -> bool:
+        """Whether the route may be handed the input itself as ``CallArgs.out`` (it reads every input element
+        before it writes that element of the result); otherwise an in-place call costs the communicator a copy."""
+        ...
 
     def __call__(self, x: torch.Tensor, args: CallArgs) -> torch.Tensor: ...
 

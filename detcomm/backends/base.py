@@ -29,15 +29,18 @@ class Bound:
     # Every kernel variant a call of the site can reach, by name, each forced (ipc_fold: one_shot, two_shot,
     # chunked...): the self-checks prove each before the site's first use. Empty: the route has one code path.
     variants: Mapping[str, Call] = field(default_factory=dict)
+    # The call may be handed x itself as args.out (route.BoundRoute.in_place): it reads each input element before
+    # it writes that element of the result, so an in-place call needs no copy.
+    in_place: bool = False
 
     def __call__(self, x: torch.Tensor, args: CallArgs) -> torch.Tensor:
         return self.call(x, args)
 
 
-def bind_from(route: Route, site: Site, table: dict[Collective, Call]) -> Bound:
-    """Bind ``site`` to the entry of ``table`` (the backend's methods by collective)."""
+def bind_from(route: Route, site: Site, table: dict[Collective, Call], *, in_place: bool = False) -> Bound:
+    """Bind ``site`` to the entry of ``table`` (the backend's methods by collective); ``in_place``: see Bound."""
     # The norm composition's communication is its all-reduce (the communicator adds the residual and normalizes).
     collective = Collective.ALL_REDUCE if site.collective is Collective.ALL_REDUCE_RMSNORM else site.collective
     call = table.get(collective)
     assert call is not None, f"route {route.value} cannot carry {site.collective.value}: routing sent it here"
-    return Bound(route, site, call)
+    return Bound(route, site, call, in_place=in_place)

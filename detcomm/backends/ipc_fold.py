@@ -67,12 +67,14 @@ class IpcFoldBackend:
         coll = Collective.ALL_REDUCE if site.collective is Collective.ALL_REDUCE_RMSNORM else site.collective
         ws = self.workspace
         reachable = ws.variants(coll.value, site.dtype, site.row_numel, site.max_rows)
+        in_place = False
         all_reduce: Call = lambda x, a: self.all_reduce(x, site.op, out=a.out, label=label)  # noqa: E731
         if coll is Collective.ALL_REDUCE and reachable:
             # The hot path of decode: everything that depends only on the site is prepared here, once.
             assert site.op is ReduceOp.SUM, "routing sends only floating-point SUM here"
             fast = ws.bind_all_reduce(site.dtype, site.row_numel, label=label)
             all_reduce = lambda x, a: fast(x, a.out)  # noqa: E731
+            in_place = True  # the site-bound kernels write in place (Workspace.bind_all_reduce says why)
         bound = bind_from(self.route, site, {
             Collective.ALL_REDUCE: all_reduce,
             Collective.REDUCE_SCATTER: lambda x, a: self.reduce_scatter(x, site.op, out=a.out, label=label),
@@ -91,7 +93,7 @@ class IpcFoldBackend:
                 forced[v] = lambda x, a, kw=kw: ws.all_gather(x, label=label, **kw)  # type: ignore[misc]
         if site.collective is Collective.ALL_REDUCE_RMSNORM:
             return self._bind_norm(site, bound, forced)
-        return Bound(bound.route, bound.site, bound.call, forced)
+        return Bound(bound.route, bound.site, bound.call, forced, in_place=in_place)
 
     def _bind_norm(self, site: Site, bound: Bound, forced: dict[str, Call]) -> FusedBound:
         """The fused kernel serves the site when fusion is allowed (detcomm.norm.fusion_refusal) and its rows fit a

@@ -54,14 +54,16 @@ class NativeBackend:
                 Collective.ALL_REDUCE: lambda x, a: self.all_reduce(presum(x), ReduceOp.SUM).to(dtype),
                 Collective.REDUCE_SCATTER: lambda x, a: self.reduce_scatter(presum(x), ReduceOp.SUM).to(dtype),
             })
+        # A SUM (or an integer MIN/MAX) reduces the library's buffer in place; AVG and float MIN/MAX reduce keys.
+        in_place = op is ReduceOp.SUM or (op is not ReduceOp.AVG and not site.is_float)
         return bind_from(self.route, site, {
-            Collective.ALL_REDUCE: lambda x, a: self.all_reduce(x, op),
+            Collective.ALL_REDUCE: lambda x, a: self.all_reduce(x, op, out=a.out),
             Collective.REDUCE_SCATTER: lambda x, a: self.reduce_scatter(x, op),
             Collective.ALL_GATHER: lambda x, a: self.all_gather(x),
             Collective.TOKEN_ALL_GATHER: lambda x, a: self.token_all_gather(x, _given(a.rows_per_rank)),
             Collective.ALL_TO_ALL: lambda x, a: self.all_to_all(x, _given(a.in_splits), _given(a.out_splits)),
             Collective.ARGMAX: lambda x, a: self.argmax(x, a.vocab_start),
-        })
+        }, in_place=in_place)
 
     def _lib(self, x: torch.Tensor) -> torch.Tensor:
         return x.cpu() if self.stage else x
@@ -70,14 +72,17 @@ class NativeBackend:
         return out.to(like.device) if self.stage else out
 
     # -- reductions ---------------------------------------------------------------------------------
-    def all_reduce(self, x: torch.Tensor, op: ReduceOp) -> torch.Tensor:
+    def all_reduce(self, x: torch.Tensor, op: ReduceOp, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``out=x`` reduces x itself where the library sees x (not staged through the host); any other ``out``
+        is left to the communicator."""
         if op is ReduceOp.AVG:
             # gloo has no AVG: the library's SUM (not batch-invariant: this route makes no claim), one division.
             return (self.all_reduce(x, ReduceOp.SUM).to(torch.float32) / self.world_size).to(x.dtype)
         if op is ReduceOp.SUM or not x.is_floating_point():
-            out = self._lib(x).clone()
-            dist.all_reduce(out, op=_TORCH_OP[op], group=self.group)
-            return self._back(out, x)
+            in_place = out is x and not self.stage
+            buf = x if in_place else self._lib(x).clone()
+            dist.all_reduce(buf, op=_TORCH_OP[op], group=self.group)
+            return x if in_place else self._back(buf, x)
         k = self._lib(keys.to_key(x, op=op.value))
         dist.all_reduce(k, op=_TORCH_OP[op], group=self.group)
         return keys.from_key(self._back(k, x), x.dtype, op=op.value)

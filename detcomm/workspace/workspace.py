@@ -363,8 +363,13 @@ class Workspace:
         """LOCAL, once per site: the site's all-reduce as ``call(x, out) -> out`` (COLLECTIVE when called), with
         everything that depends only on the site (dtype, row width, kernels, chunking, the launch parameter
         blocks) prepared here, so a call does O(1) work: a liveness check, the output, the launches. ``x`` and
-        ``out`` (None: allocated; never overlapping x) must already be validated as the communicator does before
-        any route sees them: contiguous, on this device, the site's dtype and row width."""
+        ``out`` (None: allocated) must already be validated as the communicator does before any route sees
+        them: contiguous, on this device, the site's dtype and row width, and ``out`` either separate from x
+        or x itself. In place (``out`` is x) is exact: in every launch (one-shot, two-shot, each chunk) the
+        thread that writes an element of ``out`` is the one that copied that element of x into the slot, and
+        it copied it before the START barrier, while every write to ``out`` comes after it (the kernels'
+        pack ownership, csrc/detcomm_common.cuh "Work assignment"); chunks cover disjoint rows. A call that
+        fails midway leaves x partly overwritten."""
         if dtype not in FLOAT_DTYPES:
             raise ValueError(f"the workspace folds {list(FLOAT_NAMES)}, got {dtype}")
         name = name_of(dtype)
