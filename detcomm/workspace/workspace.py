@@ -310,9 +310,15 @@ class Workspace:
             raise RuntimeError(f"detcomm workspace (rank {self.rank}) is closed")
 
     def synchronize(self) -> None:
-        """LOCAL: wait for this rank's work on the current stream (at most the deadline, since no spin outlives
-        it), then `check()`."""
+        """LOCAL: wait for this rank's work on the current stream and for this workspace's last launch, on
+        whichever stream it was issued (at most the deadline, since no spin outlives it), then `check()`."""
         torch.cuda.current_stream(self.device).synchronize()
+        if self._last_stream is not None and self._dead != "closed":
+            from cupy.cuda import runtime  # noqa: PLC0415
+
+            # The last eager launch may sit on another stream than the caller's: without this wait, check() could
+            # read the failure record before that kernel wrote it (a fast host path makes the race real).
+            runtime.eventSynchronize(self._done)
         self.check()
 
     def error_record(self) -> str | None:
