@@ -265,6 +265,7 @@ def site(
     op: str = "sum",
     group: dist.ProcessGroup | None = None,
     route: str | None = None,
+    virtual_shards: int | None = None,
 ) -> Site:
     """Declare a call site: its route is decided now, once, from these static properties.
 
@@ -273,9 +274,19 @@ def site(
     route (refused when it would void the envelope). Declaring the same name again with the same properties
     returns the existing site; different properties raise ValueError. Collective when it runs a new
     self-check: declare sites in the same order on every rank.
+
+    ``virtual_shards=V`` (all_reduce or reduce_scatter, op "sum", a float ``dtype``; docs/spec.md §9.1): the
+    reduction dimension is split into V fixed shards and every call passes this rank's V/W fp32 partial sums,
+    ``[V/W, rows, *shape]`` (slab j is shard r*V/W + j); the result, in ``dtype``, is the canonical fold over
+    shards 0..V-1, rounded once: the same bits at every W dividing V, W = 1 included. V must be divisible by
+    the group's W (choose a multiple of every TP size you will run, e.g. 8). Routed to gather_fold
+    (all_reduce) or a2a_fold (reduce_scatter) under every envelope, and self-checked with V inputs on
+    declaration; ``route="native"`` (outside bitwise envelopes) sums pre-folded per-rank partials instead: a
+    W-dependent negative control.
     """
     return get_communicator(group).site(
-        name, collective=collective, dtype=dtype, shape=shape, max_rows=max_rows, op=op, route=route
+        name, collective=collective, dtype=dtype, shape=shape, max_rows=max_rows, op=op, route=route,
+        virtual_shards=virtual_shards,
     )
 
 
@@ -288,7 +299,10 @@ def all_reduce(x: torch.Tensor, site: str | Site, *, op: str = ..., out: torch.T
 def all_reduce(x: torch.Tensor, site: str | Site, *, op: str = "sum", out: torch.Tensor | None = None,
                async_op: bool = False) -> torch.Tensor | Work:
     """All-reduce (sum, avg, max, min) of every rank's ``x`` through the site's route. Returns a new tensor, or
-    ``out`` when given (``out=x``: in place), or a ``Work`` handle with ``async_op=True``. Collective."""
+    ``out`` when given (``out=x``: in place), or a ``Work`` handle with ``async_op=True``. Collective.
+
+    On a ``virtual_shards=V`` site, ``x`` is this rank's fp32 partials ``[V/W, rows, *shape]`` and the result is
+    ``[rows, *shape]`` in the site's dtype: ``detcomm.fold.reference_fold(all V partials stacked, dtype)``."""
     return _comm_for(site).all_reduce(x, site, op=op, out=out, async_op=async_op)
 
 
@@ -312,7 +326,10 @@ def reduce_scatter(x: torch.Tensor, site: str | Site, *, op: str = ..., out: tor
                    async_op: Literal[True]) -> Work: ...
 def reduce_scatter(x: torch.Tensor, site: str | Site, *, op: str = "sum", out: torch.Tensor | None = None,
                    async_op: bool = False) -> torch.Tensor | Work:
-    """Reduce-scatter (sum or avg): rank r receives row block r (rows must divide by the world size). Collective."""
+    """Reduce-scatter (sum or avg): rank r receives row block r (rows must divide by the world size). Collective.
+
+    On a ``virtual_shards=V`` site, ``x`` is this rank's fp32 partials ``[V/W, rows, *shape]`` and rank r
+    receives row block r (``rows / W`` rows, in the site's dtype) of the fold over the V shards."""
     return _comm_for(site).reduce_scatter(x, site, op=op, out=out, async_op=async_op)
 
 

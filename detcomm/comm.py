@@ -234,6 +234,7 @@ class Communicator:
         max_rows: int,
         op: str | ReduceOp = "sum",
         route: str | Route | None = None,
+        virtual_shards: int | None = None,
     ) -> Site:
         """Declare a call site (see ``detcomm.site``). Collective when it runs a new self-check."""
         self._check_open()
@@ -250,6 +251,7 @@ class Communicator:
             op=rop,
             group=self.group_label,
             route=None if route is None else _enum(Route, route, "route", name),
+            virtual_shards=virtual_shards,
         )
         return self._declare(s)
 
@@ -350,8 +352,14 @@ class Communicator:
         """Reduce every rank's ``x`` (sum, avg, max or min); identical bits on every rank.
 
         Returns a new tensor, or ``out`` when given (``out=x`` reduces in place). ``async_op=True`` returns a
-        ``detcomm.Work`` handle instead (``.wait()``, ``.result()``). Collective."""
+        ``detcomm.Work`` handle instead (``.wait()``, ``.result()``). Collective.
+
+        On a virtual-shard site ``x`` is this rank's [V/W, rows, *shape] fp32 partial sums and the result is
+        [rows, *shape] in the site's dtype (see ``_virtual``)."""
         self._check_open()
+        vs = self._virtual_site(site)
+        if vs is not None:
+            return self._virtual(vs, Collective.ALL_REDUCE, x, op, out, async_op)
         s = self._site_for_call(site, Collective.ALL_REDUCE, x, _enum(ReduceOp, op, "op", site))
         self._check_out(s.name, out, x, tuple(x.shape))
         return self._finish(self._call(s, x, CallArgs(out=_separate(out, x))), out, async_op)
@@ -359,8 +367,14 @@ class Communicator:
     def reduce_scatter(self, x: torch.Tensor, site: str | Site, *, op: str = "sum", out: torch.Tensor | None = None,
                        async_op: bool = False) -> torch.Tensor | Work:
         """Rank r receives row block r of the reduction; ``x.shape[0]`` must divide by the world size.
-        ``out`` (``x.shape[0] // W`` rows) and ``async_op`` as for ``all_reduce``. Collective."""
+        ``out`` (``x.shape[0] // W`` rows) and ``async_op`` as for ``all_reduce``. Collective.
+
+        On a virtual-shard site ``x`` is this rank's [V/W, rows, *shape] fp32 partial sums and rank r receives
+        row block r of the folded [rows, *shape] result, in the site's dtype (see ``_virtual``)."""
         self._check_open()
+        vs = self._virtual_site(site)
+        if vs is not None:
+            return self._virtual(vs, Collective.REDUCE_SCATTER, x, op, out, async_op)
         rop = _enum(ReduceOp, op, "op", site)
         name = site.name if isinstance(site, Site) else site
         if isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[0] % self.world_size:
@@ -371,6 +385,57 @@ class Communicator:
         s = self._site_for_call(site, Collective.REDUCE_SCATTER, x, rop)
         self._check_out(s.name, out, x, (x.shape[0] // self.world_size, *x.shape[1:]))
         return self._finish(self._call(s, x, CallArgs(out=_separate(out, x))), out, async_op)
+
+    def _virtual_site(self, site: str | Site) -> Site | None:
+        """The declared virtual-shard site a call names, or None (every other case takes the plain path, which
+        reports unknown or foreign sites)."""
+        declared = self._sites.get(site.name if isinstance(site, Site) else site) if isinstance(site, (str, Site)) else None
+        if declared is None or declared.virtual_shards is None:
+            return None
+        if isinstance(site, Site) and site != declared:
+            return None  # the plain path raises: declared differently on this group
+        return declared
+
+    def _virtual(self, s: Site, collective: Collective, partials: torch.Tensor, op: str, out: torch.Tensor | None,
+                 async_op: bool) -> torch.Tensor | Work:
+        """A call of a virtual-shard site (docs/spec.md §9.1), validated before any communication.
+
+        ``partials``: float32 [V/W, rows, *shape], this rank's shards in order (slab j is global shard
+        r*V/W + j, r this rank). Result: the canonical fold over shards 0..V-1 from +0.0 in fp32, rounded once to
+        the site's dtype (``detcomm.fold.reference_fold`` of all V partials stacked): the same bits for every
+        W that divides V, W = 1 included. A reduce-scatter returns row block r of it (rows divisible by W)."""
+        name, v, w = s.name, s.virtual_shards, self.world_size
+        assert v is not None
+        k = v // w
+        if _enum(ReduceOp, op, "op", name) is not ReduceOp.SUM:
+            raise ValueError(f"site {name!r} folds {v} virtual shards: op must be 'sum', got {op!r}; divide the "
+                             "result for a mean")
+        if s.collective is not collective:
+            raise ValueError(f"site {name!r} was declared as {s.describe()}; this call is a {collective.value}: "
+                             "declare another site for it")
+        self._check_tensor(name, partials)
+        want = f"float32 [V/W={k}, rows, {', '.join(map(str, s.shape))}]"
+        mine = f"this rank's {k} fp32 partial sums (shards {self.rank * k}..{self.rank * k + k - 1} of {v})"
+        if partials.dtype != torch.float32:
+            raise ValueError(f"site {name!r}: a virtual-shard call takes {mine} as {want}; got dtype "
+                             f"{str(partials.dtype).replace('torch.', '')}: pass the GEMM's fp32 partials "
+                             "(out_dtype=torch.float32), not values rounded to the output dtype")
+        if partials.dim() != 2 + len(s.shape) or partials.shape[0] != k or tuple(partials.shape[2:]) != s.shape:
+            raise ValueError(f"site {name!r}: a virtual-shard call takes {mine} as {want}; got shape "
+                             f"{list(partials.shape)}: stack this rank's shards on dim 0 (V={v}, W={w})")
+        rows = partials.shape[1]
+        if rows > s.max_rows:
+            raise ValueError(f"site {name!r}: {rows} rows exceed the declared max_rows={s.max_rows}; declare the "
+                             "site with a larger max_rows (the most rows it will ever carry)")
+        out_rows = rows
+        if collective is Collective.REDUCE_SCATTER:
+            if rows % w:
+                raise ValueError(f"site {name!r}: reduce_scatter needs a row count divisible by the world size {w} "
+                                 f"(rank r receives row block r); got {rows} rows: pad to {-(-rows // w) * w}")
+            out_rows = rows // w
+        self._check_out(name, out, partials, (out_rows, *s.shape), dtype=s.dtype)
+        self._agree(name, collective, ReduceOp.SUM, partials, None, False)
+        return self._finish(self._call(s, partials, NO_ARGS), out, async_op)
 
     def all_gather(self, x: torch.Tensor, site: str | Site, *, out: torch.Tensor | None = None,
                    async_op: bool = False) -> torch.Tensor | Work:
@@ -402,15 +467,17 @@ class Communicator:
                 raise
             raise peer_timeout(s.name, self._calls, e, group=self.group, rank=self.rank) from e
 
-    def _check_out(self, name: str, out: torch.Tensor | None, x: torch.Tensor, shape: tuple[int, ...]) -> None:
-        """Validate a caller's output buffer before any communication."""
+    def _check_out(self, name: str, out: torch.Tensor | None, x: torch.Tensor, shape: tuple[int, ...], *,
+                   dtype: torch.dtype | None = None) -> None:
+        """Validate a caller's output buffer before any communication (``dtype``: the result's, default x's)."""
         if out is None:
             return
+        dtype = x.dtype if dtype is None else dtype
         if not isinstance(out, torch.Tensor):
             raise TypeError(f"site {name!r}: out must be a torch.Tensor, got {type(out).__name__}")
-        if tuple(out.shape) != shape or out.dtype != x.dtype or out.device != x.device:
+        if tuple(out.shape) != shape or out.dtype != dtype or out.device != x.device:
             raise ValueError(
-                f"site {name!r}: out must be a {str(x.dtype).replace('torch.', '')} tensor of shape {list(shape)} on "
+                f"site {name!r}: out must be a {str(dtype).replace('torch.', '')} tensor of shape {list(shape)} on "
                 f"{x.device}, got {str(out.dtype).replace('torch.', '')} {list(out.shape)} on {out.device}"
             )
         if not out.is_contiguous():

@@ -37,6 +37,7 @@ __all__ = [
     "canonicalize_nan",
     "reference_fold",
     "portable_fold",
+    "fold_shards",
     "register_leaf",
     "unregister_leaf",
     "select_leaf",
@@ -44,6 +45,8 @@ __all__ = [
 ]
 
 BATCH_INVARIANT = "batch_invariant"
+
+FoldFn = Callable[[torch.Tensor, torch.dtype], torch.Tensor]
 
 _CANONICAL_NAN_BITS = {torch.float32: 0x7FC00000, torch.bfloat16: 0x7FC0, torch.float16: 0x7E00}
 
@@ -92,6 +95,29 @@ def average(folded_fp32: torch.Tensor, world_size: int, out_dtype: torch.dtype) 
     return canonicalize_nan(torch.div(folded_fp32, float(world_size)).to(out_dtype))
 
 
+# The most inputs one leaf call folds in fold_shards: every registered leaf folds at least this many (the CUDA
+# leaf's kernels take up to 8).
+_SHARD_CHUNK = 8
+
+
+def fold_shards(stacked: torch.Tensor, out_dtype: torch.dtype, fold: FoldFn) -> torch.Tensor:
+    """A virtual-shard site's result (docs/spec.md §9.1): ``stacked`` is the fp32 partials of all V shards
+    [V, *rest] in shard order; returns ``reference_fold(stacked, out_dtype)``'s bits through the leaf ``fold``.
+
+    The leaf folds into fp32 (no rounding), then one round-to-nearest-even to ``out_dtype``: a leaf that rounds
+    to its input dtype (the CUDA leaf) serves as it is. More than ``_SHARD_CHUNK`` shards are folded in chunks,
+    each chunk's fold starting from the previous accumulator: exact, because a fold that starts from +0.0 never
+    holds -0.0, and +0.0 + acc == acc for every other acc, so the chained fold adds the same operands in the same
+    order as one fold over all V."""
+    assert stacked.dtype == torch.float32, "the communicator checks that virtual-shard partials are fp32"
+    if stacked.is_cuda:
+        stacked = stacked.contiguous()  # the CUDA leaf reads one contiguous block
+    acc = fold(stacked[:_SHARD_CHUNK], torch.float32)
+    for start in range(_SHARD_CHUNK, stacked.shape[0], _SHARD_CHUNK - 1):
+        acc = fold(torch.cat([acc.unsqueeze(0), stacked[start : start + _SHARD_CHUNK - 1]]), torch.float32)
+    return acc if out_dtype == torch.float32 else canonicalize_nan(acc.to(out_dtype))
+
+
 def portable_fold(stacked: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """The same bits as ``reference_fold`` with fewer passes over memory: ``x0 + 0.0`` equals ``0.0 + x0``
     bit for bit (IEEE addition commutes; -0.0 + +0.0 is +0.0), and ``add_`` of a bf16/fp16 operand into an
@@ -109,9 +135,6 @@ class Priority(IntEnum):
 
     PORTABLE = 0
     VENDOR = 100
-
-
-FoldFn = Callable[[torch.Tensor, torch.dtype], torch.Tensor]
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,7 @@ __all__ = [
     "AutoBackend",
     "SUPPORTED_DTYPES",
     "DEFAULT_MAX_ROWS",
+    "VIRTUAL_SHARD_COLLECTIVES",
 ]
 
 DEFAULT_MAX_ROWS = 8192
@@ -121,6 +122,13 @@ _CARRIES: Mapping[Route, frozenset[Collective]] = {
 }
 
 
+# Virtual-shard sites (docs/spec.md §9.1): the collectives and routes that carry them. gather_fold all-gathers
+# the fp32 partials; a2a_fold exchanges column blocks (all-reduce) or row blocks (reduce-scatter) of them; the
+# native route (outside bitwise envelopes, forced only) sums each rank's pre-folded partials in the library.
+VIRTUAL_SHARD_COLLECTIVES = frozenset({Collective.ALL_REDUCE, Collective.REDUCE_SCATTER})
+_VIRTUAL_ROUTES = frozenset({Route.GATHER_FOLD, Route.A2A_FOLD, Route.NATIVE})
+
+
 @dataclass(frozen=True)
 class Site:
     """A static call-site declaration.
@@ -135,6 +143,9 @@ class Site:
         group: the group's name as torch.distributed knows it.
         route: a forced route, or None for AutoBackend's choice.
         implicit: declared from a first call rather than by ``detcomm.site``.
+        virtual_shards: V for a virtual-shard site (docs/spec.md §9.1): every call passes this rank's V/W fp32
+            partial sums and the result is the canonical fold over the V shards, the same bits for every W that
+            divides V. None: the plain fold over the W ranks.
     """
 
     name: str
@@ -146,6 +157,7 @@ class Site:
     group: str = "default"
     route: Route | None = None
     implicit: bool = field(default=False, compare=False)
+    virtual_shards: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str):
@@ -177,11 +189,38 @@ class Site:
         if self.op is ReduceOp.AVG and self.dtype not in FLOAT_DTYPES:
             raise ValueError(f"site {self.name!r}: op='avg' takes floating-point inputs (an integer average "
                              f"rounds); use op='sum' and divide, got {self.dtype}")
-        if self.route is not None and self.collective not in _CARRIES[self.route]:
+        if self.virtual_shards is not None:
+            self._check_virtual_shards()
+        elif self.route is not None and self.collective not in _CARRIES[self.route]:
             raise ValueError(
                 f"site {self.name!r}: route {self.route.value!r} cannot carry {self.collective.value}; routes that "
                 f"can: {sorted(r.value for r, c in _CARRIES.items() if self.collective in c)}"
             )
+
+    def _check_virtual_shards(self) -> None:
+        """What a virtual-shard site can be, checked without a group (W is checked by routing)."""
+        v = self.virtual_shards
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(f"site {self.name!r}: virtual_shards must be an int (the number of fixed shards of the "
+                            f"reduction dimension, e.g. 8), got {type(v).__name__}")
+        if v < 1:
+            raise ValueError(f"site {self.name!r}: virtual_shards must be >= 1, got {v}; choose V a multiple of "
+                             "every TP size you will run, e.g. 8")
+        if self.collective not in VIRTUAL_SHARD_COLLECTIVES:
+            raise ValueError(f"site {self.name!r}: virtual_shards applies to all_reduce and reduce_scatter sites, "
+                             f"not {self.collective.value}; declare the site without virtual_shards")
+        if self.dtype not in FLOAT_DTYPES:
+            raise ValueError(f"site {self.name!r}: virtual_shards folds fp32 partial sums into a float dtype "
+                             f"(bfloat16, float16, float32), got {self.dtype}; integer sums are exact in any order, "
+                             "declare the site without virtual_shards")
+        if self.op is not ReduceOp.SUM:
+            raise ValueError(f"site {self.name!r}: virtual_shards sums (op='sum'), got op={self.op.value!r}; an "
+                             "average or an extreme of partial sums is not a layer's output: declare op='sum' (divide "
+                             "afterwards for a mean), or drop virtual_shards")
+        if self.route is not None and self.route not in _VIRTUAL_ROUTES:
+            raise ValueError(f"site {self.name!r}: route {self.route.value!r} cannot carry a virtual-shard site"
+                             f"{' (the workspace kernels fold one input per rank)' if self.route is Route.IPC_FOLD else ''}"
+                             f"; routes that can: {sorted(r.value for r in _VIRTUAL_ROUTES)}")
 
     @property
     def is_float(self) -> bool:
@@ -201,7 +240,8 @@ class Site:
     def describe(self) -> str:
         dt = name_of(self.dtype)
         op = f" {self.op.value}" if self.collective.reduces else ""
-        return f"{self.collective.value}{op} {dt}[rows<={self.max_rows}, {', '.join(map(str, self.shape))}]"
+        vs = "" if self.virtual_shards is None else f" virtual_shards={self.virtual_shards}"
+        return f"{self.collective.value}{op} {dt}[rows<={self.max_rows}, {', '.join(map(str, self.shape))}]{vs}"
 
 
 @dataclass(frozen=True)
@@ -314,6 +354,7 @@ class RouteEntry:
             "route": self.decision.route.value,
             "why": self.decision.why,
             "selfcheck": self.selfcheck,
+            "virtual_shards": s.virtual_shards,
         }
 
 
@@ -332,9 +373,11 @@ class RouteTable:
         return [e.as_dict() for e in self.entries]
 
     def __str__(self) -> str:
-        cols = ("site", "collective", "op", "dtype", "shape", "max_rows", "route", "selfcheck", "why")
-        rows = [["x".join(map(str, d[c])) if c == "shape" else str(d[c]) for c in cols]  # type: ignore[call-overload]
-                for d in self.as_dicts()]
+        cols: tuple[str, ...] = ("site", "collective", "op", "dtype", "shape", "max_rows", "route", "selfcheck", "why")
+        if any(e.site.virtual_shards is not None for e in self.entries):  # the column only where a site has them
+            cols = (*cols[:5], "virtual_shards", *cols[5:])
+        rows = [["x".join(map(str, d[c])) if c == "shape" else ("-" if d[c] is None else str(d[c]))  # type: ignore[call-overload]
+                 for c in cols] for d in self.as_dicts()]
         head = f"detcomm routes: numerics={self.numerics} backend={self.backend} W={self.world_size} fold leaf={self.leaf}"
         if self.note:
             head += "\n" + self.note
@@ -367,9 +410,9 @@ class AutoBackend:
         self._backends = dict(backends or {})
         self._checker = checker
         self._bound: dict[Site, tuple[BoundRoute, RouteDecision, str]] = {}
-        # (route, collective, op) -> why it was refused: a route that failed a check serves that collective for
-        # no dtype or shape on this group.
-        self._refused: dict[tuple[Route, Collective, ReduceOp], str] = {}
+        # (route, collective, op, virtual shards?) -> why it was refused: a route that failed a check serves that
+        # collective for no dtype or shape on this group (a virtual-shard site runs other code on the route).
+        self._refused: dict[tuple[Route, Collective, ReduceOp, bool], str] = {}
 
     # -- the static policy -------------------------------------------------------------------------------------
     def decide(self, site: Site) -> RouteDecision:
@@ -378,6 +421,8 @@ class AutoBackend:
 
     def candidates(self, site: Site) -> list[RouteDecision]:
         sw = self.resolved.switches
+        if site.virtual_shards is not None:
+            return self._virtual_candidates(site)
         if site.route is not None:
             return [self._forced(site)]
         if site.collective in (Collective.ALL_GATHER, Collective.TOKEN_ALL_GATHER):
@@ -428,6 +473,35 @@ class AutoBackend:
                    for d in out]
         return out
 
+    def _virtual_candidates(self, site: Site) -> list[RouteDecision]:
+        """A virtual-shard site (docs/spec.md §9.1): gather_fold or a2a_fold under every envelope, by a static
+        rule. The declaration asks for bits that do not depend on W; under ``auto`` the native route would give
+        other numerics without a word, so it serves such a site only when forced (outside bitwise envelopes),
+        as a negative control. The workspace kernels fold one input per rank, never V/W of them."""
+        v, w = site.virtual_shards, self.caps.world_size
+        assert v is not None
+        if v % w:
+            raise ValueError(
+                f"site {site.name!r}: virtual_shards V={v} is not divisible by the group's world size W={w} (rank r "
+                f"owns shards r*V/W .. (r+1)*V/W - 1); choose V a multiple of every TP size you will run, e.g. 8"
+            )
+        if site.route is not None:
+            if site.route is Route.NATIVE and self.resolved.bitwise:
+                raise ValueError(
+                    f"site {site.name!r}: route='native' sums each rank's pre-folded partials in the library's order "
+                    f"(W-dependent, not batch-invariant) and numerics={self.resolved.numerics!r} promises bitwise "
+                    "batch invariance; drop route= (gather_fold/a2a_fold fold the V shards) or use numerics='auto'"
+                )
+            return [RouteDecision(site.route, f"forced by the site's route=; {v} virtual shards")]
+        shards = f"{v} virtual shards, {v // w} fp32 partials per rank; the workspace kernels fold one input per rank"
+        gather = RouteDecision(Route.GATHER_FOLD, f"canonical fold over the shards after an all-gather of the fp32 "
+                                                  f"partials ({shards})")
+        if site.collective is Collective.REDUCE_SCATTER:
+            return [RouteDecision(Route.A2A_FOLD, f"canonical fold over the shards after an all-to-all of the row "
+                                                  f"blocks of the fp32 partials ({shards})"), gather]
+        return [gather, RouteDecision(Route.A2A_FOLD, f"all-to-all of column blocks of the fp32 partials, canonical "
+                                                      f"fold, all-gather of the rounded blocks ({shards})")]
+
     def _launches(self, site: Site) -> int:
         """How many workspace launches a call at ``max_rows`` takes (rows beyond workspace_bytes are chunked)."""
         if self.caps.workspace_bytes <= 0:
@@ -473,7 +547,7 @@ class AutoBackend:
             return hit[0]
         refused: list[str] = []
         for cand in self.candidates(site):
-            kind = (cand.route, site.collective, site.op)
+            kind = (cand.route, site.collective, site.op, site.virtual_shards is not None)
             if kind in self._refused:
                 refused.append(f"{cand.route.value}: {self._refused[kind]}")
                 continue

@@ -10,6 +10,10 @@ call, an ill-conditioned payload (detcomm.payload) is reduced
       sums; torch's own amax/amin/argmax for the key-based routes);
   (d) and every rank's result is compared with every other rank's.
 
+A virtual-shard site (docs/spec.md §9.1) is checked the same way with V inputs: each rank passes its V/W fp32
+partials of a payload whose cancelling pairs are spread over all V shards (so any reordering of shards shows
+after rounding, at W = 1 too), and (c) compares with ``reference_fold`` of all V shards stacked.
+
 The verdict is agreed across ranks (one integer MAX), so a failing route is refused on every rank with the
 same reason. Everything here is collective over the communicator's group.
 """
@@ -54,12 +58,14 @@ class CheckKey:
     dtype: torch.dtype
     shape: tuple[int, ...]
     variant: str = ""  # a forced kernel variant of the route ("" = the route's own choice)
+    virtual_shards: int | None = None  # V of a virtual-shard site: the check folds V fp32 partials
 
     def label(self) -> str:
         dt = name_of(self.dtype)
         op = f" {self.op.value}" if self.collective.reduces else ""
         variant = f" [{self.variant}]" if self.variant else ""
-        return f"{self.route.value}{variant}: {self.collective.value}{op} {dt}{list(self.shape)}"
+        vs = "" if self.virtual_shards is None else f" virtual_shards={self.virtual_shards}"
+        return f"{self.route.value}{variant}: {self.collective.value}{op} {dt}{list(self.shape)}{vs}"
 
 
 @dataclass(frozen=True)
@@ -108,7 +114,26 @@ def run_check(
     return CheckResult(key, False, reason, time.perf_counter() - t0)
 
 
+def _shard_payload(key: CheckKey, rows: int, *, seed: int, rank: int, w: int, device: torch.device) -> torch.Tensor:
+    """A virtual-shard check's input, rows first: [rows, V/W, *shape] fp32, slab j = shard rank*V/W + j. Each
+    shard's values are the dtype's ill-conditioned payload (cancelling pairs over all V shards), times a
+    per-element factor 1 + u*2^-20 computed in fp32, so partials carry bits below the dtype's precision and the
+    final rounding is exercised."""
+    v = key.virtual_shards
+    assert v is not None
+    k = v // w
+    slabs = []
+    for j in range(k):
+        shard = rank * k + j
+        p = ill_conditioned(rows, key.shape, key.dtype, seed=seed, rank=shard, world_size=v).to(torch.float32)
+        u = torch.randint(-64, 65, p.shape, generator=torch.Generator().manual_seed(seed * 131 + shard))
+        slabs.append(p * (1.0 + u.to(torch.float32) * 2.0**-20))
+    return torch.stack(slabs, dim=1).to(device)
+
+
 def _payload(key: CheckKey, rows: int, *, seed: int, rank: int, w: int, device: torch.device) -> torch.Tensor:
+    if key.virtual_shards is not None:
+        return _shard_payload(key, rows, seed=seed, rank=rank, w=w, device=device)
     x = ill_conditioned(rows, key.shape, key.dtype, seed=seed, rank=rank, world_size=w)
     if key.collective is Collective.ARGMAX:
         # Exact ties across ranks and within a shard, and signed zeros, so lowest-index resolution is tested.
@@ -120,10 +145,17 @@ def _payload(key: CheckKey, rows: int, *, seed: int, rank: int, w: int, device: 
     return x.to(device)
 
 
+def _shards_first(execute: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda x: execute(x.transpose(0, 1).contiguous())
+
+
 def _checks(key: CheckKey, execute: Callable[[torch.Tensor], torch.Tensor], *, w: int, rank: int,
             native: NativeBackend, device: torch.device) -> list[str]:
     rs = key.collective is Collective.REDUCE_SCATTER
     blocks = w if rs else 1  # a reduce-scatter input is W row blocks; rank r receives block r
+    if key.virtual_shards is not None:
+        # The payloads are rows first (the compositions of (b) index dim 0); the route takes [V/W, rows, ...].
+        execute = _shards_first(execute)
     b = _BASE_ROWS
     base = _payload(key, blocks * b, seed=_SEED, rank=rank, w=w, device=device)
     failures: list[str] = []
@@ -147,6 +179,8 @@ def _checks(key: CheckKey, execute: Callable[[torch.Tensor], torch.Tensor], *, w
                         f"changed, up to {tally.max_ulps:g} ulps")
 
     stacked = native.all_gather(base).view(w, *base.shape).cpu()
+    if key.virtual_shards is not None:  # [W, rows, V/W, ...] -> the V shards in order, [V, rows, ...]
+        stacked = stacked.transpose(1, 2).reshape(key.virtual_shards, *base.shape[:1], *base.shape[2:])
     if key.collective is Collective.ARGMAX:
         full = stacked.permute(1, 0, 2).reshape(b, -1).to(torch.float32)
         ref = torch.argmax(full, dim=-1)
@@ -190,7 +224,8 @@ class SelfChecks:
         calls.update(getattr(bound, "variants", {}))
         result: CheckResult | None = None
         for variant, call in calls.items():
-            key = CheckKey(bound.route, site.collective, site.op, site.dtype, site.shape, variant)
+            key = CheckKey(bound.route, site.collective, site.op, site.dtype, site.shape, variant,
+                           site.virtual_shards)
             result = self.results.get(key)
             if result is None:
                 result = run_check(key, lambda x, c=call: c(x, args), native=self.native,  # type: ignore[misc]

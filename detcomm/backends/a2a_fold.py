@@ -3,13 +3,25 @@
 Rank r sends its row block q to rank q and receives block r from every rank, in rank order, so it holds
 exactly the W inputs of its own output rows: no extra traffic over a ring reduce-scatter, and the fold of
 those W blocks is the canonical fold.
+
+Virtual-shard sites (docs/spec.md §9.1), input this rank's [V/W, rows, *shape] fp32 partials (slab j = global
+shard r*V/W + j):
+  - reduce-scatter: the same exchange of row blocks, each carrying V/W slabs; rank r receives the V shards of
+    its rows, in shard order, and folds them;
+  - all-reduce: rank q receives column block q (ceil(n/W) of a row's n elements; the last block is padded with
+    zeros that are dropped) of every rank's slabs, folds the V shards of its columns and rounds them, and an
+    all-gather of the rounded blocks gives every rank the whole rows. Each rank receives about V/W fp32 slabs'
+    worth of its columns plus the output row, instead of all V slabs (gather_fold).
 """
 
 from __future__ import annotations
 
-import torch
+import math
 
-from ..fold import Leaf, average
+import torch
+import torch.nn.functional as F
+
+from ..fold import Leaf, average, fold_shards
 from ..route import BoundRoute, Collective, ReduceOp, Route, Site
 from .base import bind_from
 from .guard import CallGuard, split
@@ -25,6 +37,12 @@ class A2AFoldBackend:
 
     def bind(self, site: Site) -> BoundRoute:
         guard = CallGuard(site)
+        if site.virtual_shards is not None:
+            dtype = site.dtype
+            return bind_from(self.route, site, {
+                Collective.ALL_REDUCE: lambda x, a: self.virtual_all_reduce(x, dtype, guard=guard),
+                Collective.REDUCE_SCATTER: lambda x, a: self.virtual_reduce_scatter(x, dtype, guard=guard),
+            })
         return bind_from(self.route, site,
                          {Collective.REDUCE_SCATTER: lambda x, a: self.reduce_scatter(x, site.op, guard=guard)})
 
@@ -45,3 +63,35 @@ class A2AFoldBackend:
         if op is ReduceOp.AVG:
             return average(self.leaf.fold(stacked, torch.float32), w, x.dtype)
         return self.leaf.fold(stacked, x.dtype)
+
+    # -- virtual shards ------------------------------------------------------------------------------------------
+    def _exchange(self, blocks: torch.Tensor, guard: CallGuard | None) -> torch.Tensor:
+        """``blocks`` [W, V/W, ...]: block q goes to rank q. Returns [V, ...]: what every rank sent this rank, in
+        rank order, so in shard order."""
+        w = self.native.world_size
+        if guard is None or not guard.applies(blocks, staged=self.native.stage):
+            recv = self.native.all_to_all(blocks.reshape(w, -1), [1] * w, [1] * w)
+            return recv.view(-1, *blocks.shape[2:])
+        header = guard.next_header().to(blocks.device)
+        msgs = torch.cat([blocks.reshape(w, -1).view(torch.uint8), header.expand(w, -1)], dim=1)
+        stacked, headers = split(self.native.all_to_all(msgs, [1] * w, [1] * w), blocks[0], contiguous=True)
+        guard.check(headers)
+        return stacked.view(-1, *blocks.shape[2:])
+
+    def virtual_reduce_scatter(self, x: torch.Tensor, dtype: torch.dtype, *,
+                               guard: CallGuard | None = None) -> torch.Tensor:
+        w = self.native.world_size
+        k, rows = x.shape[0], x.shape[1]
+        blocks = x.view(k, w, rows // w, *x.shape[2:]).transpose(0, 1)  # [dest, V/W, rows/W, *shape]
+        return fold_shards(self._exchange(blocks, guard), dtype, self.leaf.fold)
+
+    def virtual_all_reduce(self, x: torch.Tensor, dtype: torch.dtype, *, guard: CallGuard | None = None) -> torch.Tensor:
+        w = self.native.world_size
+        k, rows = x.shape[0], x.shape[1]
+        n = math.prod(x.shape[2:])
+        c = -(-n // w)  # columns per block; the last block is zero-padded
+        flat = F.pad(x.reshape(k, rows, n), (0, w * c - n))
+        blocks = flat.view(k, rows, w, c).permute(2, 0, 1, 3)  # [dest, V/W, rows, c]
+        mine = fold_shards(self._exchange(blocks, guard), dtype, self.leaf.fold)  # [rows, c] in dtype
+        whole = self.native.all_gather(mine.contiguous()).view(w, rows, c)
+        return whole.permute(1, 0, 2).reshape(rows, w * c)[:, :n].reshape(rows, *x.shape[2:])

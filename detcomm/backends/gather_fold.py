@@ -3,13 +3,17 @@
 World-size times the traffic of a reduction, on any platform, any W, across nodes. Every rank folds the same
 gathered bytes with the same leaf, so all ranks hold identical bits, and a row's result depends only on that
 row's W inputs: not on the row count, its offset, or the stream.
+
+A virtual-shard site (docs/spec.md §9.1) gathers every rank's V/W fp32 partials instead: rank r's slab j is
+global shard r*V/W + j, so the gathered [W, V/W, ...] block is the V shards in shard order, and every rank folds
+all V of them (V/W fp32 slabs per rank on the wire, against one dtype row for a plain site).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..fold import Leaf, average
+from ..fold import Leaf, average, fold_shards
 from ..route import BoundRoute, Collective, ReduceOp, Route, Site
 from .base import bind_from
 from .guard import CallGuard, append_header, split
@@ -25,18 +29,24 @@ class GatherFoldBackend:
 
     def bind(self, site: Site) -> BoundRoute:
         guard = CallGuard(site)
+        if site.virtual_shards is not None:
+            dtype = site.dtype
+            return bind_from(self.route, site, {
+                Collective.ALL_REDUCE: lambda x, a: self.virtual_all_reduce(x, dtype, guard=guard),
+                Collective.REDUCE_SCATTER: lambda x, a: self.virtual_reduce_scatter(x, dtype, guard=guard),
+            })
         return bind_from(self.route, site, {
             Collective.ALL_REDUCE: lambda x, a: self.all_reduce(x, site.op, guard=guard),
             Collective.REDUCE_SCATTER: lambda x, a: self.reduce_scatter(x, site.op, guard=guard),
         })
 
-    def _gathered(self, x: torch.Tensor, guard: CallGuard | None) -> torch.Tensor:
+    def _gathered(self, x: torch.Tensor, guard: CallGuard | None, *, contiguous: bool = False) -> torch.Tensor:
         w = self.native.world_size
         if guard is None or not guard.applies(x, staged=self.native.stage):
             return self.native.all_gather(x).view(w, *x.shape)
         msgs = self.native.all_gather(append_header(x, guard.next_header()).view(1, -1))
         # The torch leaf folds strided views; the CUDA leaf reads one contiguous [W, ...] block.
-        stacked, headers = split(msgs, x, contiguous=x.is_cuda)
+        stacked, headers = split(msgs, x, contiguous=contiguous or x.is_cuda)
         guard.check(headers)
         return stacked
 
@@ -53,3 +63,17 @@ class GatherFoldBackend:
         n = x.shape[0] // self.native.world_size
         r = self.native.rank
         return self._fold(self._gathered(x, guard)[:, r * n : (r + 1) * n], x.dtype, op)
+
+    # -- virtual shards: x is this rank's [V/W, rows, *shape] fp32 partials -------------------------------------
+    def _shards(self, x: torch.Tensor, guard: CallGuard | None) -> torch.Tensor:
+        """All V shards' partials [V, rows, *shape] in shard order (rank r's slab j is shard r*V/W + j)."""
+        return self._gathered(x, guard, contiguous=True).view(-1, *x.shape[1:])
+
+    def virtual_all_reduce(self, x: torch.Tensor, dtype: torch.dtype, *, guard: CallGuard | None = None) -> torch.Tensor:
+        return fold_shards(self._shards(x, guard), dtype, self.leaf.fold)
+
+    def virtual_reduce_scatter(self, x: torch.Tensor, dtype: torch.dtype, *,
+                               guard: CallGuard | None = None) -> torch.Tensor:
+        n = x.shape[1] // self.native.world_size
+        r = self.native.rank
+        return fold_shards(self._shards(x, guard)[:, r * n : (r + 1) * n], dtype, self.leaf.fold)

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from .. import keys
+from ..fold import reference_fold
 from ..route import BoundRoute, Collective, ReduceOp, Route, Site
 from .base import bind_from
 
@@ -41,6 +42,18 @@ class NativeBackend:
 
     def bind(self, site: Site) -> BoundRoute:
         op = site.op
+        if site.virtual_shards is not None:
+            # Forced only, outside bitwise envelopes (route.py): each rank folds its own V/W partials, the
+            # library sums the W pre-folded results in fp32 and the sum is rounded once. W-dependent bits: the
+            # negative control of the canonical fold over the V shards.
+            def presum(x: torch.Tensor) -> torch.Tensor:
+                return reference_fold(x, torch.float32)
+
+            dtype = site.dtype
+            return bind_from(self.route, site, {
+                Collective.ALL_REDUCE: lambda x, a: self.all_reduce(presum(x), ReduceOp.SUM).to(dtype),
+                Collective.REDUCE_SCATTER: lambda x, a: self.reduce_scatter(presum(x), ReduceOp.SUM).to(dtype),
+            })
         return bind_from(self.route, site, {
             Collective.ALL_REDUCE: lambda x, a: self.all_reduce(x, op),
             Collective.REDUCE_SCATTER: lambda x, a: self.reduce_scatter(x, op),
