@@ -163,7 +163,7 @@ class RowParallelLinear:
             detcomm.site(self.site, collective="all_reduce", dtype=self.dtype, shape=(self.out_features,),
                          max_rows=self.max_rows, route=self.route)
         elif self.layout == "virtual":
-            detcomm.site(self.site, collective="all_reduce", dtype=self.dtype, shape=(self.out_features,),  # type: ignore[call-arg]
+            detcomm.site(self.site, collective="all_reduce", dtype=self.dtype, shape=(self.out_features,),
                          max_rows=self.max_rows, route=self.route, virtual_shards=self.virtual_shards)
         else:
             detcomm.site(f"{self.site}.gather_in", collective="all_gather", dtype=self.dtype,
