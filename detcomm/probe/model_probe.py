@@ -38,7 +38,6 @@ import torch.distributed as dist
 import detcomm
 from detcomm.envelope import DEFAULT_NUMERICS
 from detcomm.invariance import bits
-
 from detcomm.tp import Layout
 
 from .model import SITE_NAMES, ModelConfig, Segment, TPTransformer
