@@ -233,3 +233,28 @@ def test_layout_arguments() -> None:
         RowParallelLinear(wt, site="x", layout="rows", max_rows=T, rank=0, world=2)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="do not tile"):
         VocabParallelHead(torch.zeros(HID, VOCAB), blocks=7, t_pad=T, rank=0, world=1)
+
+
+def test_tp_compare(tmp_path, capsys) -> None:  # noqa: ANN001
+    """tp-compare passes identical runs, catches one flipped logprob bit (and exits 0 on it only with
+    --expect-divergence), and refuses runs of other requests."""
+    import json
+
+    from detcomm.probe.tp_compare import main
+
+    req = {"rid": 0, "prompt": [1, 2], "temperature": 0.0, "seed": 5, "tokens": [7, 8], "logprob_bits": ["0xbf800000", "0xc0000000"]}
+    paths = []
+    for w, lp in ((1, "0xc0000000"), (2, "0xc0000000"), (4, "0xc0000001")):
+        p = tmp_path / f"r{w}.json"
+        p.write_text(json.dumps({"world_size": w, "layout": "full_k", "virtual_shards": None,
+                                 "requests": [{**req, "logprob_bits": ["0xbf800000", lp]}]}))
+        paths.append(str(p))
+    assert main(paths[:2]) == 0 and "PASS" in capsys.readouterr().out
+    assert main(paths) == 1
+    assert "token 1: logprob 0xc0000001 vs 0xc0000000" in capsys.readouterr().out
+    assert main([*paths, "--expect-divergence"]) == 0
+    assert main([*paths[:2], "--expect-divergence"]) == 1
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"world_size": 2, "requests": [{**req, "seed": 6}]}))
+    with pytest.raises(ValueError, match="holds other requests"):
+        main([paths[0], str(other)])

@@ -16,6 +16,13 @@ to T_pad rows and the keys to the cache's fixed length with a causal mask. The o
 real row count reaches the arithmetic is the all-reduce of the row-parallel projections: that is detcomm's
 job, and what the probe measures. ``pad=False`` runs the GEMMs at the real row count instead (to show that
 the probe also catches local non-invariance).
+
+The layers come from ``detcomm.tp``. ``layout="fold"`` is the plain sharding above. ``layout="virtual"`` (V
+virtual shards) and ``layout="full_k"`` also make the bits independent of W (docs/spec.md §9.1 "TP-size
+invariance: layouts"): column blocks, head groups and vocabulary blocks of fixed size, a vocabulary-parallel
+embedding and a fixed-block logprob head. Because a decode row and a teacher-forced row run the same
+fixed-shape computation, ``forward_all`` (one forward over whole sequences, the training path) reproduces the
+sampling-time logprobs (``python -m detcomm.probe align``).
 """
 
 from __future__ import annotations
