@@ -65,7 +65,11 @@ def check_divides(what: str, total: int, parts: int, world: int) -> None:
                          f"TP-size invariance holds for the W that divide {parts}: run at one of those W")
 
 
-def _rank_world(rank: int | None, world: int | None) -> tuple[int, int]:
+def _matrix_and_group(weight: torch.Tensor, dims: str, rank: int | None, world: int | None) -> tuple[int, int]:
+    """TypeError unless ``weight`` is a 2-D tensor (``dims`` names its axes); this rank and the world size
+    (default: the default process group's)."""
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise TypeError(f"weight must be a 2-D [{dims}] tensor")
     return (dist.get_rank() if rank is None else rank), (dist.get_world_size() if world is None else world)
 
 
@@ -84,9 +88,7 @@ class ColumnParallelLinear:
 
     def __init__(self, weight: torch.Tensor, *, blocks: int | None, rank: int | None = None, world: int | None = None,
                  dtype: torch.dtype | None = None, device: torch.device | str = "cpu") -> None:
-        if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
-            raise TypeError("weight must be a 2-D [in, out] tensor")
-        rank, world = _rank_world(rank, world)
+        rank, world = _matrix_and_group(weight, "in, out", rank, world)
         k, n = weight.shape
         if n % world:
             raise ValueError(f"ColumnParallelLinear: the world size {world} does not divide the {n} output columns")
@@ -124,15 +126,13 @@ class RowParallelLinear:
                  virtual_shards: int | None = None, blocks: int | None = None, route: str | None = None,
                  rank: int | None = None, world: int | None = None, dtype: torch.dtype | None = None,
                  device: torch.device | str = "cpu") -> None:
-        if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
-            raise TypeError("weight must be a 2-D [in, out] tensor")
+        rank, world = _matrix_and_group(weight, "in, out", rank, world)
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
         if (virtual_shards is not None) != (layout == "virtual"):
             raise ValueError("virtual_shards is given exactly for layout='virtual'")
         if (blocks is not None) != (layout == "full_k"):
             raise ValueError("blocks is given exactly for layout='full_k'")
-        rank, world = _rank_world(rank, world)
         k, n = weight.shape
         if k % world:
             raise ValueError(f"RowParallelLinear {site!r}: the world size {world} does not divide K={k}")
@@ -208,9 +208,7 @@ class VocabParallelEmbedding:
 
     def __init__(self, weight: torch.Tensor, *, site: str, max_rows: int, rank: int | None = None,
                  world: int | None = None, dtype: torch.dtype | None = None, device: torch.device | str = "cpu") -> None:
-        if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
-            raise TypeError("weight must be a 2-D [vocab, hidden] tensor")
-        rank, world = _rank_world(rank, world)
+        rank, world = _matrix_and_group(weight, "vocab, hidden", rank, world)
         vocab, hidden = weight.shape
         if vocab % world:
             raise ValueError(f"VocabParallelEmbedding: the world size {world} does not divide vocab={vocab}")
@@ -255,9 +253,7 @@ class VocabParallelHead:
     def __init__(self, weight: torch.Tensor, *, blocks: int, t_pad: int, site: str = "lm_head",
                  rank: int | None = None, world: int | None = None, dtype: torch.dtype | None = None,
                  device: torch.device | str = "cpu") -> None:
-        if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
-            raise TypeError("weight must be a 2-D [hidden, vocab] tensor")
-        rank, world = _rank_world(rank, world)
+        rank, world = _matrix_and_group(weight, "hidden, vocab", rank, world)
         hidden, vocab = weight.shape
         check_divides("VocabParallelHead", vocab, blocks, world)
         self.rank, self.world, self.vocab, self.t_pad, self.site = rank, world, vocab, t_pad, site

@@ -31,19 +31,11 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from .hf_decode import _ints
+
 __all__ = ["build_parser", "main", "PHASES"]
 
 PHASES = ("fold", "virtual", "full_k", "native")
-
-
-def _ints(text: str) -> list[int]:
-    try:
-        vals = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not vals or min(vals) < 1:
-        raise argparse.ArgumentTypeError("expected positive integers")
-    return vals
 
 
 def build_parser() -> argparse.ArgumentParser:
