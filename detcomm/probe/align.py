@@ -69,12 +69,12 @@ def serve(ns: argparse.Namespace) -> int:
                              seed=ns.seed)
         # Random co-batches and prefill chunks: the server's rows share steps the trainer never sees.
         results = generate(model, reqs, schedule=1000 + ns.seed)
-        numerics, rank, world = comm.resolved.numerics, dist.get_rank(), dist.get_world_size()
+        numerics, rank, world, device = comm.resolved.numerics, dist.get_rank(), dist.get_world_size(), comm.device
     finally:
         detcomm.shutdown()
     if rank == 0:
         with open(ns.out, "w") as f:
-            json.dump({"world_size": world, "numerics": numerics, "model": spec,
+            json.dump({"world_size": world, "numerics": numerics, "device_type": device.type, "model": spec,
                        "requests": request_records(reqs, results)}, f, indent=2)
         emit(f"align serve: W={world} layout={layout_label(layout, ns.virtual_shards)} numerics={numerics} "
              f"requests={len(reqs)} new_tokens={ns.new_tokens}: wrote {ns.out}")
@@ -126,10 +126,18 @@ def train(ns: argparse.Namespace) -> int:
     import detcomm.dist_backend  # noqa: F401  (registers the backend)
 
     torch.set_num_threads(1)
+    # The same kind of device as the server: exp, log and the GEMMs round the same only on the same platform.
+    device = torch.device("cpu")
+    if server.get("device_type", "cpu") == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"{ns.server} was generated on CUDA devices: run the trainer on CUDA devices too")
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        device = torch.device("cuda", torch.cuda.current_device())
     dist.init_process_group("detcomm", init_method="env://")
     t0 = time.monotonic()
     try:
-        comm = detcomm.init(numerics=ns.numerics or os.environ.get("DETCOMM_NUMERICS") or server["numerics"])
+        comm = detcomm.init(numerics=ns.numerics or os.environ.get("DETCOMM_NUMERICS") or server["numerics"],
+                            device=device)
         try:
             model = TPTransformer(_config(spec), device=comm.device, layout=spec["layout"],
                                   virtual_shards=spec["virtual_shards"])
@@ -145,7 +153,7 @@ def train(ns: argparse.Namespace) -> int:
     passed = bad == 0
     if rank == 0:
         title = (f"trainer alignment: server W={server['world_size']} (KV-cache decode, packed) vs trainer W={world} "
-                 f"(teacher forcing, one forward per sequence, process group backend={backend}); "
+                 f"(teacher forcing, one forward per sequence, process group backend={backend}, device={device.type}); "
                  f"layout={layout_label(spec['layout'], spec['virtual_shards'])} dtype={spec['dtype']} "
                  f"T_pad={spec['t_pad']}")
         verdict = (f"PASS: all {total} trainer logprobs equal the server's sampling-time logprobs bit for bit"
