@@ -171,7 +171,8 @@ class TPTransformer:
             return (1.0 + 0.1 * torch.randn(n, generator=g)).to(dt).to(dev)
 
         embed = torch.randn(V, H, generator=g)
-        self.embed = embed.to(dt).to(dev)
+        # Replicated in the plain layout; vocabulary-parallel (one row's owner supplies it) in the invariant ones.
+        self.embed = None if self.invariant else embed.to(dt).to(dev)
         self.embedding = (VocabParallelEmbedding(embed, site=SITE_NAMES["embed"], max_rows=cfg.t_pad, dtype=dt,
                                                  device=dev) if self.invariant else None)
         self.layers: list[dict] = []
@@ -196,7 +197,8 @@ class TPTransformer:
         base = _rand(g, H, V // 2, fan_in=H) * 4.0
         twin = base * (1.0 + 2.0**-21 * torch.randn(H, V // 2, generator=g))
         head = torch.cat([base, twin], dim=1)
-        self.lm_head = head[:, self.vocab_start : self.vocab_start + self.vocab_local].contiguous().to(dt).to(dev)
+        self.lm_head = (None if self.invariant else
+                        head[:, self.vocab_start : self.vocab_start + self.vocab_local].contiguous().to(dt).to(dev))
         self.head = (VocabParallelHead(head, blocks=cfg.blocks, t_pad=cfg.t_pad, site="lm_head", dtype=dt, device=dev)
                      if self.invariant else None)
         # Rotary table for every position, computed once in float64: per-call cos/sin could take a vector or a
@@ -235,7 +237,10 @@ class TPTransformer:
         """Every weight a local GEMM multiplies (for the row-position check of the probes)."""
         out = [w for L in self.layers for k in ("q", "k", "v", "gate", "up") for w in L[k].blocks]
         out += [w for L in self.layers for k in ("o", "down") for w in L[k].weights]
-        return out + (self.head.weights if self.head is not None else [self.lm_head])
+        if self.head is not None:
+            return out + self.head.weights
+        assert self.lm_head is not None
+        return [*out, self.lm_head]
 
     # -- local compute at a fixed shape ----------------------------------------------------------------
     def _cols(self, lin: ColumnParallelLinear, x: torch.Tensor, rows: int) -> list[torch.Tensor]:
@@ -318,7 +323,11 @@ class TPTransformer:
         [T_pad, H] buffer, each segment's first row and the real row count."""
         c = self.cfg
         ids, pos, offsets, rows = pack_segments(segments, t_pad=c.t_pad, max_context=c.max_context, device=self.device)
-        h = self.embedding(ids) if self.embedding is not None else self.embed[ids]  # rows >= `rows` are filler
+        if self.embedding is not None:
+            h = self.embedding(ids)  # rows >= `rows` are filler
+        else:
+            assert self.embed is not None
+            h = self.embed[ids]
         for li, L in enumerate(self.layers):
             out = self._attn_block(L, li, self._norm(h, L["attn_norm"]), pos, segments, offsets, rows)
             h = h.clone()
@@ -332,6 +341,7 @@ class TPTransformer:
         if self.head is not None:
             return self.head.logits(x if self.pad else x[:rows])[:rows]
         w = self.lm_head
+        assert w is not None
         return (torch.matmul(x, w) if self.pad else torch.matmul(x[:rows], w)).to(torch.float32)[:rows]
 
     def forward(self, segments: Sequence[Segment]) -> tuple[torch.Tensor, list[int]]:
