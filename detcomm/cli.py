@@ -44,16 +44,18 @@ _DEFAULT_SITES = (
 )
 
 SITE_HELP = """\
---site NAME:COLLECTIVE:DTYPE:SHAPE:MAX_ROWS[:OP]   (repeatable; default: a TP decoder layer's sites)
+--site NAME:COLLECTIVE:DTYPE:SHAPE:MAX_ROWS[:OP][:vs=V]   (repeatable; default: a TP decoder layer's sites)
   COLLECTIVE  all_reduce, reduce_scatter, all_gather, token_all_gather, all_to_all, argmax
   DTYPE       bf16|bfloat16, fp16|half|float16, fp32|float|float32, int8, uint8, int32|int, int64|long
   SHAPE       one row's trailing shape: 4096, or 4,128 (also 4x128); empty for one value per row
   MAX_ROWS    the most rows one call carries (per rank for gathers)
   OP          sum (default), max or min, for all_reduce and reduce_scatter only; argmax is a max by
               definition; the gathers and all_to_all move data and take no op
+  vs=V        virtual shards (docs/spec.md §9.1): all_reduce/reduce_scatter sum of V fp32 partial sums
 examples:
   detcomm routes --backend nccl --world-size 8 --site o_proj:all_reduce:bf16:4096:2048
   detcomm routes --backend gloo --world-size 4 --site lm_head:argmax:bf16:19008:64 --json
+  detcomm routes --world-size 4 --site o_proj:all_reduce:bf16:4096:2048:sum:vs=8
 """
 
 
@@ -67,11 +69,18 @@ class SiteSpec:
     shape: tuple[int, ...]
     max_rows: int
     op: str
+    virtual_shards: int | None = None
 
 
 def parse_site(spec: str) -> SiteSpec:
     """``NAME:COLLECTIVE:DTYPE:SHAPE:MAX_ROWS[:OP]`` (see SITE_HELP); ValueError naming what is wrong."""
     parts = spec.split(":")
+    virtual_shards = None
+    if len(parts) > 5 and parts[-1].strip().lower().startswith("vs="):
+        v = parts.pop().strip()[3:]
+        if not v.isdigit():
+            raise ValueError(f"--site {spec!r}: vs={v!r} must be a positive integer (the number of virtual shards)")
+        virtual_shards = int(v)
     if len(parts) not in (5, 6):
         raise ValueError(f"--site {spec!r}: expected NAME:COLLECTIVE:DTYPE:SHAPE:MAX_ROWS[:OP], "
                          f"e.g. o_proj:all_reduce:bf16:4096:2048")
@@ -102,7 +111,8 @@ def parse_site(spec: str) -> SiteSpec:
         raise ValueError(f"--site {spec!r}: {coll} moves data and takes no reduce op; drop ':{op}'")
     else:
         op = "sum"
-    return SiteSpec(name, coll, DTYPE_NAMES[dtype.lower()], tuple(int(d) for d in dims), int(max_rows), op)
+    return SiteSpec(name, coll, DTYPE_NAMES[dtype.lower()], tuple(int(d) for d in dims), int(max_rows), op,
+                    virtual_shards)
 
 
 def _routes(args: argparse.Namespace) -> int:
@@ -145,7 +155,7 @@ def _routes(args: argparse.Namespace) -> int:
     rows = []
     for spec in specs:
         s = Site(spec.name, Collective(spec.collective), getattr(torch, spec.dtype), spec.shape, spec.max_rows,
-                 ReduceOp(spec.op))
+                 ReduceOp(spec.op), virtual_shards=spec.virtual_shards)
         d = live.decide(s)
         condition = ""
         if arms:
@@ -154,7 +164,9 @@ def _routes(args: argparse.Namespace) -> int:
                 condition = f"if the workspace arms; else {other.route.value}"
         rows.append({"site": s.name, "collective": s.collective.value,
                      "op": spec.op if s.collective.reduces or s.collective is Collective.ARGMAX else "",
-                     "dtype": spec.dtype, "shape": ",".join(map(str, s.shape)), "max_rows": str(s.max_rows),
+                     "dtype": spec.dtype, "shape": ",".join(map(str, s.shape)),
+                     "virtual_shards": "-" if s.virtual_shards is None else str(s.virtual_shards),
+                     "max_rows": str(s.max_rows),
                      "route": d.route.value, "condition": condition, "why": d.why})
     if args.json:
         print(json.dumps(rows, indent=2))
@@ -168,7 +180,8 @@ def _routes(args: argparse.Namespace) -> int:
               "not arm, every site takes its 'else' route.")
     else:
         print(f"workspace: {no_ws}")
-    cols = [c for c in rows[0] if c != "condition" or any(r["condition"] for r in rows)]
+    cols = [c for c in rows[0] if (c != "condition" or any(r["condition"] for r in rows))
+            and (c != "virtual_shards" or any(r[c] != "-" for r in rows))]
     widths = {c: max(len(c), *(len(r[c]) for r in rows)) for c in cols}
     print("  ".join(c.ljust(widths[c]) for c in cols).rstrip())
     print("  ".join("-" * widths[c] for c in cols))

@@ -118,16 +118,17 @@ def _shard_payload(key: CheckKey, rows: int, *, seed: int, rank: int, w: int, de
     """A virtual-shard check's input, rows first: [rows, V/W, *shape] fp32, slab j = shard rank*V/W + j. Each
     shard's values are the dtype's ill-conditioned payload (cancelling pairs over all V shards), times a
     per-element factor 1 + u*2^-20 computed in fp32, so partials carry bits below the dtype's precision and the
-    final rounding is exercised."""
+    final rounding is exercised. The factor is the same on every shard: +big and -big still cancel exactly."""
     v = key.virtual_shards
     assert v is not None
     k = v // w
+    u = torch.randint(-64, 65, (rows, *key.shape), generator=torch.Generator().manual_seed(seed))
+    factor = 1.0 + u.to(torch.float32) * 2.0**-20
     slabs = []
     for j in range(k):
         shard = rank * k + j
         p = ill_conditioned(rows, key.shape, key.dtype, seed=seed, rank=shard, world_size=v).to(torch.float32)
-        u = torch.randint(-64, 65, p.shape, generator=torch.Generator().manual_seed(seed * 131 + shard))
-        slabs.append(p * (1.0 + u.to(torch.float32) * 2.0**-20))
+        slabs.append(p * factor)
     return torch.stack(slabs, dim=1).to(device)
 
 

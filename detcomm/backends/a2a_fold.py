@@ -10,8 +10,9 @@ shard r*V/W + j):
     its rows, in shard order, and folds them;
   - all-reduce: rank q receives column block q (ceil(n/W) of a row's n elements; the last block is padded with
     zeros that are dropped) of every rank's slabs, folds the V shards of its columns and rounds them, and an
-    all-gather of the rounded blocks gives every rank the whole rows. Each rank receives about V/W fp32 slabs'
-    worth of its columns plus the output row, instead of all V slabs (gather_fold).
+    all-gather of the rounded blocks gives every rank the whole rows. Each rank receives the other ranks' V/W
+    fp32 slabs of its column block (1/W of a row) and their rounded blocks: W times fewer fp32 bytes than
+    gather_fold, in two collectives instead of one (byte counts: docs/spec.md §9.1).
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@
     detcomm-bench --out results/bench                  # rows 1..8192 x hidden 4096/7168/8192, bf16 and fp32
     detcomm-bench -b 8 -e 128M -f 2 --out results/bench  # nccl-tests style: message sizes 8 B .. 128 MiB, x2
     python -m detcomm.bench ...                        # the same without the console script
+    detcomm-bench tp-layouts --quick                   # TP layouts' collective cost (detcomm/bench/tp_layouts.py)
 
 Prints a progress bar (stderr) and the markdown tables (stdout); writes results.json, results.csv, results.md
 and latency_vs_size.png, divergence_vs_size.png, ratio_vs_size.png under --out. Needs matplotlib and tqdm.
@@ -133,6 +134,11 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point; returns the exit status (0, or 1 when a measured point ended in an error)."""
+    rest = list(sys.argv[1:] if argv is None else argv)
+    if rest[:1] == ["tp-layouts"]:
+        from .tp_layouts import main as tp_layouts_main
+
+        return tp_layouts_main(rest[1:])
     args = _parser().parse_args(argv)
     if not args.allow_multicast:
         from detcomm.envelope import MULTICAST_OFF_ENV

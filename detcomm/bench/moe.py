@@ -57,7 +57,7 @@ def job(rank: int, w: int, cfg: dict[str, Any]) -> list[dict[str, Any]]:
     import torch.distributed as dist
 
     import detcomm
-    from detcomm.bench.timing import summarize, time_cpu
+    from detcomm.bench.timing import summarize, synced, time_cpu
     from detcomm.moe import Placement, moe_combine, moe_dispatch, moe_site
 
     if cfg["device"] == "cpu":
@@ -83,18 +83,11 @@ def job(rank: int, w: int, cfg: dict[str, Any]) -> list[dict[str, Any]]:
         def plain() -> object:
             return _plain(tokens, ids, weights, placement, rank, w)
 
-        def synced(fn):  # type: ignore[no-untyped-def]
-            def call() -> None:
-                fn()
-                if cuda:
-                    torch.cuda.synchronize()
-            return call
-
         res: dict[str, list[float]] = {"detcomm": [], "plain": []}
         # Interleaved in rounds so a drift of the machine's load does not land on one path.
         for _ in range(2):
             for name, fn in (("detcomm", ours), ("plain", plain)):
-                res[name] += time_cpu(synced(fn), iters=cfg["iters"] // 2, warmup=2, barrier=dist.barrier)
+                res[name] += time_cpu(synced(fn, cuda=cuda), iters=cfg["iters"] // 2, warmup=2, barrier=dist.barrier)
         s = {name: summarize(v) for name, v in res.items()}
         rows.append({"tokens": T, "hidden": H, "experts": E, "top_k": k, "world_size": w, "device": str(dev),
                      "dtype": "bf16", **{f"{n}_{q}": s[n][q] for n in s for q in ("median_us", "p10_us", "p90_us")},

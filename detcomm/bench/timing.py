@@ -15,7 +15,16 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["time_cpu", "time_cuda_eager", "time_cuda_graph", "median_ms_back_to_back", "summarize", "bandwidth"]
+__all__ = ["synced", "time_cpu", "time_cuda_eager", "time_cuda_graph", "median_ms_back_to_back", "summarize", "bandwidth"]
+
+
+def synced(fn: Callable[[], object], *, cuda: bool) -> Callable[[], None]:
+    """``fn`` followed, on CUDA, by a device synchronization: one call's full latency for ``time_cpu``."""
+    def call() -> None:
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+    return call
 
 
 def time_cpu(fn: Callable[[], object], *, iters: int, warmup: int, barrier: Callable[[], None]) -> list[float]:
