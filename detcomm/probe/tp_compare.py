@@ -1,6 +1,6 @@
 """``python -m detcomm.probe tp-compare A.json B.json ...``: the same requests at different TP widths W.
 
-Reads the ``--json`` files of ``detcomm.probe model`` (or ``hf``) runs of one request set at different W and
+Reads the ``--json`` files of ``detcomm.probe model`` (or ``hf``: its "alone" run) runs of one request set at different W and
 compares every request's token ids and logprob bit patterns with the first file's. In a TP-size-invariant
 layout (``--virtual-shards V`` or ``--full-k``) nothing may differ (exit 1 otherwise); in the plain layout
 (fold at each W) the bits must differ across W, and ``--expect-divergence`` makes that the exit status (the
@@ -32,7 +32,14 @@ def load(path: str) -> dict[str, Any]:
         run = json.load(f)
     if "requests" not in run:
         raise ValueError(f"{path}: no per-request records: rerun the probe with --json PATH")
+    run["requests"] = [_alone(r) for r in run["requests"]]
     return run
+
+
+def _alone(record: dict[str, Any]) -> dict[str, Any]:
+    """A request's tokens and logprob bits: the model probe stores them at the top, the HF probe per run (its
+    "alone" run is the reference)."""
+    return {**record, **record["runs"]["alone"]} if "runs" in record else record
 
 
 def _label(run: dict[str, Any]) -> str:
