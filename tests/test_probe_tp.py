@@ -63,3 +63,16 @@ def test_align_trainer_matches_server(tmp_path: Path) -> None:
             assert "PASS: all 20 trainer logprobs" in _ok(proc) and "backend=detcomm" in proc.stdout
         else:
             assert proc.returncode == 1 and "FAIL" in proc.stdout, proc.stdout
+
+
+@pytest.mark.parametrize("flags", [["--virtual-shards", "8"], ["--full-k"]], ids=["virtual", "full_k"])
+def test_hf_probe_across_widths(flags: list[str], tmp_path: Path) -> None:
+    """The HF probe (a transformers Llama-architecture model sharded by detcomm.hf) in each invariant layout."""
+    pytest.importorskip("transformers")
+    paths = []
+    for w in (1, 2):
+        p = tmp_path / f"hf{w}.json"
+        _ok(_run(["detcomm.launch", "--nproc", str(w), "--numerics", "rl-bitwise", "-m", "detcomm.probe", "hf",
+                  *SMALL, *flags, "--json", str(p)]))
+        paths.append(str(p))
+    assert "PASS" in _ok(_run(["detcomm.probe", "tp-compare", *paths]))

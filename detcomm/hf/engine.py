@@ -31,6 +31,12 @@ docs/spec.md §7 (row-count mapper), local compute is made batch-invariant by co
   (computed on the fixed [T_pad, shard] buffer) are all-gathered (data movement) and combined in rank order
   in fp32, ``lse = M + log(sum_r s_r * exp(m_r - M))``, on a fixed [T_pad] buffer.
 
+TP-size invariance (``layout="virtual"`` with ``virtual_shards=V``, or ``layout="full_k"``; docs/spec.md §9.1):
+q/k/v/gate/up in fixed column blocks, o_proj/down_proj through ``detcomm.tp.RowParallelLinear``, attention in
+fixed head groups (heads/B query heads with their KV heads, one call each) and the LM head in fixed vocabulary
+blocks (``detcomm.tp.VocabParallelHead``), B = ``shard.invariant_blocks(config)``: the same bits at every W
+dividing B (and V).
+
 What it costs: every step pays T_pad rows of GEMM whatever its real row count (a decode step of c requests
 does T_pad / c times the useful GEMM work: 64x at c = 1 with T_pad = 64, nothing extra at c = T_pad); each
 request's attention costs ceil(n / q_block) blocks of q_block x max_context scores per layer whatever its
