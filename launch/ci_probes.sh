@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # CI: the collective and model probes at W=4 on CPU (gloo), through detcomm-launch, once under torchrun and
 # once under a real mpiexec (Open MPI from Debian packages + mpi4py from PyPI), each with its negative
-# control (the native route must be caught changing bits / diverging).
+# control (the native route must be caught changing bits / diverging); then TP-size invariance (W = 1, 2, 4 in the
+# virtual-shard and full-K layouts, the fold layout as negative control) and the trainer alignment probe.
 #
 #   PYTHON=/path/to/venv/bin/python launch/ci_probes.sh        # from the repository root
 #
@@ -37,4 +38,31 @@ for backend in torchrun mpi; do
   step "model probe, rl-bitwise, $backend" "${L[@]}" --numerics rl-bitwise -m detcomm.probe model
   step "model probe, native negative control, $backend" "${L[@]}" --numerics auto -m detcomm.probe model --route native --expect-divergence
 done
-echo "=== all probes passed (W=$NPROC, torchrun and mpi)"
+
+# TP-size invariance (docs/spec.md "TP-size invariance: layouts"): the same requests at W = 1, 2, 4 give the
+# same token ids and logprob bits in each invariant layout; the plain fold layout must differ across W. Then a
+# trainer at W=1 (detcomm torch.distributed backend, teacher forcing) must reproduce a W=4 server's
+# sampling-time logprobs bit for bit, and must not in the fold layout.
+TP_DIR="$(mktemp -d)"
+TP_ARGS=(--requests 4 --new-tokens 6 --max-prompt 12)
+for layout in vs fk fold; do
+  case "$layout" in vs) FLAGS=(--virtual-shards 8) ;; fk) FLAGS=(--full-k) ;; fold) FLAGS=() ;; esac
+  widths=(1 2 4); [ "$layout" = fold ] && widths=(1 4)  # the negative control needs one pair of widths
+  for w in "${widths[@]}"; do
+    step "model probe, layout $layout, W=$w" "${LAUNCH[@]}" --nproc "$w" --numerics rl-bitwise -m detcomm.probe model \
+      "${TP_ARGS[@]}" ${FLAGS[@]+"${FLAGS[@]}"} --json "$TP_DIR/$layout$w.json"
+  done
+done
+step "tp-compare, virtual shards V=8, W=1,2,4" "$PYTHON" -m detcomm.probe tp-compare "$TP_DIR"/vs{1,2,4}.json
+step "tp-compare, full-K, W=1,2,4" "$PYTHON" -m detcomm.probe tp-compare "$TP_DIR"/fk{1,2,4}.json
+step "tp-compare, fold negative control, W=1,4" "$PYTHON" -m detcomm.probe tp-compare "$TP_DIR"/fold{1,4}.json --expect-divergence
+step "align serve, virtual shards, W=4" "${LAUNCH[@]}" --nproc 4 --numerics rl-bitwise -m detcomm.probe align serve \
+  --virtual-shards 8 "${TP_ARGS[@]}" --out "$TP_DIR/serve_vs.json"
+step "align train, virtual shards, W=1" "${LAUNCH[@]}" --nproc 1 --numerics rl-bitwise -m detcomm.probe align train \
+  --server "$TP_DIR/serve_vs.json"
+step "align serve, fold, W=4" "${LAUNCH[@]}" --nproc 4 --numerics rl-bitwise -m detcomm.probe align serve \
+  "${TP_ARGS[@]}" --out "$TP_DIR/serve_fold.json"
+step "align train, fold negative control, W=1" "${LAUNCH[@]}" --nproc 1 --numerics rl-bitwise -m detcomm.probe align \
+  train --server "$TP_DIR/serve_fold.json" --expect-fail
+rm -rf "$TP_DIR"
+echo "=== all probes passed (W=$NPROC, torchrun and mpi; TP-size invariance at W=1,2,4)"

@@ -31,6 +31,12 @@ docs/spec.md §7 (row-count mapper), local compute is made batch-invariant by co
   (computed on the fixed [T_pad, shard] buffer) are all-gathered (data movement) and combined in rank order
   in fp32, ``lse = M + log(sum_r s_r * exp(m_r - M))``, on a fixed [T_pad] buffer.
 
+TP-size invariance (``layout="virtual"`` with ``virtual_shards=V``, or ``layout="full_k"``; docs/spec.md §9.1):
+q/k/v/gate/up in fixed column blocks, o_proj/down_proj through ``detcomm.tp.RowParallelLinear``, attention in
+fixed head groups (heads/B query heads with their KV heads, one call each) and the LM head in fixed vocabulary
+blocks (``detcomm.tp.VocabParallelHead``), B = ``shard.invariant_blocks(config)``: the same bits at every W
+dividing B (and V).
+
 What it costs: every step pays T_pad rows of GEMM whatever its real row count (a decode step of c requests
 does T_pad / c times the useful GEMM work: 64x at c = 1 with T_pad = 64, nothing extra at c = T_pad); each
 request's attention costs ceil(n / q_block) blocks of q_block x max_context scores per layer whatever its
@@ -108,15 +114,20 @@ class TPCausalLM:
     """
 
     def __init__(self, model: Any, serving: ServingConfig | None = None, *, route: str | None = None,
-                 ep: EPConfig | None = None) -> None:
+                 ep: EPConfig | None = None, layout: str = "fold", virtual_shards: int | None = None) -> None:
         serving = serving or ServingConfig()
         serving.check()
+        if layout not in ("fold", "virtual", "full_k"):
+            raise ValueError(f"layout must be fold, virtual or full_k, got {layout!r}")
+        if (virtual_shards is not None) != (layout == "virtual"):
+            raise ValueError("virtual_shards is given exactly for layout='virtual'")
         comm = detcomm.get_communicator()
         self.cfg = serving
         self.device = comm.device
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.step_rows = StepRows()
-        self.shards: Shards = shard_model(model, rank=self.rank, world=self.world, step=self.step_rows, ep=ep)
+        self.shards: Shards = shard_model(model, rank=self.rank, world=self.world, step=self.step_rows, ep=ep,
+                                          layout=layout, virtual_shards=virtual_shards, max_rows=serving.t_pad)
         self.model: Any = model.to(self.device).eval()
         self.config: Any = model.config
         self.dtype = next(model.parameters()).dtype
@@ -125,6 +136,20 @@ class TPCausalLM:
         self.layers: list[Any] = list(model.model.layers)
         declare_sites(self.shards, hidden=self.config.hidden_size, dtype=self.dtype, max_rows=serving.t_pad,
                       route=route)
+        # The invariant layouts: heads run in fixed groups (one Q column block and its KV heads); the
+        # detcomm.tp layers declare their own sites.
+        self.invariant = layout != "fold"
+        b = self.shards.blocks if self.invariant else 1
+        self.group = (self.shards.heads, self.shards.kv_heads) if not self.invariant else \
+            (self.config.num_attention_heads // b, (getattr(self.config, "num_key_value_heads", None)
+                                                   or self.config.num_attention_heads) // b)
+        if self.invariant:
+            for layer in self.layers:
+                layer.self_attn.o_proj.layer.declare()
+                layer.mlp.down_proj.layer.declare()
+            model.lm_head.head.declare()
+            detcomm.site(self.shards.head_sites["gather"], collective="all_gather", dtype=torch.float32,
+                         shape=(self.shards.vocab_width,), max_rows=serving.t_pad)
         modeling = sys.modules[type(self.layers[0].self_attn).__module__]
         self._apply_rope = modeling.apply_rotary_pos_emb
         self._attend = modeling.eager_attention_forward
@@ -206,8 +231,12 @@ class TPCausalLM:
             qpos = torch.zeros(qb, dtype=torch.long, device=self.device)  # filler query rows see key 0
             qpos[:m] = torch.arange(start + b0, start + b0 + m, device=self.device)
             mask = table[qpos][None, None]  # [1, 1, q_block, L]
-            o, _ = self._attend(attn, qp, kc[None], vc[None], mask, scaling=attn.scaling, dropout=0.0)
-            out[b0 : b0 + m] = o[0, :m].reshape(m, s.heads * s.head_dim)  # o: [1, q_block, heads, hd]
+            gq, gk = self.group
+            for g in range(s.heads // gq):  # fixed head groups: one call's shape does not follow W
+                o, _ = self._attend(attn, qp[:, g * gq : (g + 1) * gq], kc[None, g * gk : (g + 1) * gk],
+                                    vc[None, g * gk : (g + 1) * gk], mask, scaling=attn.scaling, dropout=0.0)
+                cols = slice(g * gq * s.head_dim, (g + 1) * gq * s.head_dim)
+                out[b0 : b0 + m, cols] = o[0, :m].reshape(m, gq * s.head_dim)  # o: [1, q_block, group, hd]
         return out
 
     @torch.no_grad()
@@ -251,6 +280,8 @@ class TPCausalLM:
     def greedy(self, logits: StepLogits) -> torch.Tensor:
         """Global argmax of each sampling row's logits (lowest index on exact ties). Collective."""
         shard = logits.buf[logits.rows].contiguous()
+        if self.invariant:
+            return self.model.lm_head.head.greedy(shard)
         return detcomm.argmax(shard, site=self.shards.head_sites["argmax"], vocab_start=self.rank * self.shards.vocab_width)
 
     def logprobs(self, logits: StepLogits) -> torch.Tensor:
@@ -258,6 +289,8 @@ class TPCausalLM:
         every rank and whatever the batch. Collective (two all-gathers: the per-rank (max, sum of exp)
         pairs, then the log-probability shards)."""
         buf, rows, s = logits.buf, logits.rows, self.shards
+        if self.invariant:  # fixed vocabulary blocks (docs/spec.md §9.1): the same bits at every W
+            return self.model.lm_head.head.logprobs(buf[rows].contiguous())
         t_pad, n = buf.shape[0], len(logits)
         m = buf.amax(dim=-1)
         e = torch.exp(buf - m[:, None]).sum(dim=-1)  # each rank's sum of exp over its shard, row-local

@@ -23,7 +23,7 @@ from torch import nn
 import detcomm
 
 __all__ = ["StepRows", "column_shard", "RowParallelLinear", "VocabParallelEmbedding", "VocabParallelHead",
-           "vocab_shard_width", "VOCAB_ALIGN"]
+           "vocab_shard_width", "VOCAB_ALIGN", "BlockColumnLinear", "InvariantRowLinear", "BlockVocabHead"]
 
 # The vocabulary shard width is padded to a multiple of this, so that a [T_pad, shard] fp32 or bf16 buffer
 # never has a scalar remainder in torch's vectorized CPU loops (2 x 32 lanes covers AVX-512 bf16): every
@@ -156,3 +156,96 @@ class VocabParallelHead(nn.Module):
 
     def extra_repr(self) -> str:
         return f"vocab [{self.start}, {self.start + self.width}) of {self.vocab}, gather site={self.gather_site!r}"
+
+
+# -- TP-size-invariant layouts (docs/spec.md §9.1 "TP-size invariance: layouts") ---------------------------
+
+
+class BlockColumnLinear(nn.Module):
+    """Output features [start, stop) of a Linear in fixed blocks of ``block`` features, one GEMM per block, so
+    a feature's GEMM has the same shape at every W (detcomm.tp.ColumnParallelLinear for transformers' modules).
+    Local (no communication)."""
+
+    def __init__(self, linear: nn.Linear, start: int, stop: int, *, block: int) -> None:
+        super().__init__()
+        w = linear.weight.data
+        b = linear.bias.data if linear.bias is not None else None
+        self.blocks = nn.ParameterList(nn.Parameter(w[j : j + block].clone(), requires_grad=False)
+                                       for j in range(start, stop, block))
+        self.biases = (None if b is None else
+                       nn.ParameterList(nn.Parameter(b[j : j + block].clone(), requires_grad=False)
+                                        for j in range(start, stop, block)))
+        self.in_features, self.out_features = linear.in_features, stop - start
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        biases = [None] * len(self.blocks) if self.biases is None else list(self.biases)
+        return torch.cat([F.linear(x, w, b) for w, b in zip(self.blocks, biases)], dim=-1)
+
+
+class InvariantRowLinear(nn.Module):
+    """o_proj / down_proj in a TP-size-invariant layout: ``detcomm.tp.RowParallelLinear`` ("virtual" with
+    ``virtual_shards``, or "full_k" with ``blocks``) over input features [start, stop) of a Linear, the bias
+    added once after. Only the step's real rows travel; filler rows come back as zeros. Collective."""
+
+    def __init__(self, linear: nn.Linear, start: int, stop: int, *, site: str, step: StepRows, layout: str,
+                 virtual_shards: int | None, blocks: int | None, max_rows: int, rank: int, world: int) -> None:
+        super().__init__()
+        from detcomm.tp import RowParallelLinear as TPRow
+
+        self.layer = TPRow(linear.weight.data.t(), site=site, layout=layout, max_rows=max_rows,  # type: ignore[arg-type]
+                           virtual_shards=virtual_shards, blocks=blocks, rank=rank, world=world,
+                           device=linear.weight.device)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.data.clone(), requires_grad=False)
+        self.in_features, self.out_features = stop - start, linear.out_features
+        self.weight = nn.Parameter(linear.weight.data[:, start:stop].clone(), requires_grad=False)  # local_ops' GEMM
+        self.site = site
+        self._step = step
+
+    def _apply(self, fn, recurse: bool = True):  # type: ignore[no-untyped-def, override]
+        # .to(device/dtype) of the module also moves the detcomm.tp layer's plain tensors.
+        self.layer.weights = [fn(w) for w in self.layer.weights]
+        return super()._apply(fn, recurse)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        rows = flat.shape[0] if self._step.rows is None else self._step.rows
+        summed = self.layer(flat, rows)
+        out = summed if rows == flat.shape[0] else torch.zeros(flat.shape[0], self.out_features, dtype=summed.dtype,
+                                                              device=summed.device)
+        if rows != flat.shape[0]:
+            out[:rows] = summed
+        if self.bias is not None:
+            out = out + self.bias
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+class BlockVocabHead(nn.Module):
+    """The LM head in fixed vocabulary blocks (``detcomm.tp.VocabParallelHead``): ``shard_logits`` gives this
+    rank's fp32 logits [..., vocab/W] (local); ``head`` computes logprobs, greedy and sampling over the blocks;
+    ``forward`` (transformers' own forward) gathers the full logits at ``gather_site``. Collective."""
+
+    def __init__(self, linear: nn.Linear, *, blocks: int, t_pad: int, site: str, gather_site: str, rank: int,
+                 world: int) -> None:
+        super().__init__()
+        from detcomm.tp import VocabParallelHead as TPHead
+
+        self.head = TPHead(linear.weight.data.t(), blocks=blocks, t_pad=t_pad, site=site, rank=rank, world=world,
+                           device=linear.weight.device)
+        self.vocab, self.gather_site = linear.out_features, gather_site
+        self.width = self.vocab // world
+        self.weight = nn.Parameter(torch.cat(self.head.weights, dim=1).t().contiguous(), requires_grad=False)
+
+    def _apply(self, fn, recurse: bool = True):  # type: ignore[no-untyped-def, override]
+        self.head.weights = [fn(w) for w in self.head.weights]
+        return super()._apply(fn, recurse)
+
+    def shard_logits(self, h: torch.Tensor) -> torch.Tensor:
+        flat = h.reshape(-1, h.shape[-1])
+        return self.head.logits(flat).view(*h.shape[:-1], self.width)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        flat = self.shard_logits(h).reshape(-1, self.width).contiguous()
+        n = flat.shape[0]
+        full = detcomm.all_gather(flat, site=self.gather_site)
+        world = full.shape[0] // n
+        return full.view(world, n, self.width).transpose(0, 1).reshape(*h.shape[:-1], self.vocab)

@@ -21,6 +21,9 @@ import torch
 import detcomm
 
 from .layers import (
+    BlockColumnLinear,
+    BlockVocabHead,
+    InvariantRowLinear,
     RowParallelLinear,
     StepRows,
     VocabParallelEmbedding,
@@ -30,7 +33,7 @@ from .layers import (
 )
 from .moe_block import MOE_FAMILIES, EPConfig, EPMoEBlock, dense_ffn_width, moe_block_of
 
-__all__ = ["SUPPORTED_FAMILIES", "Shards", "check_divisible", "shard_model", "declare_sites"]
+__all__ = ["SUPPORTED_FAMILIES", "Shards", "check_divisible", "invariant_blocks", "shard_model", "declare_sites"]
 
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", *MOE_FAMILIES)
 
@@ -51,6 +54,8 @@ class Shards:
     embed_site: str
     head_sites: dict[str, str]  # gather, argmax, stats, logprobs
     moe_blocks: tuple[EPMoEBlock, ...] = ()  # expert-parallel MoE blocks in layer order (detcomm.hf.moe_block)
+    layout: str = "fold"  # "fold", "virtual" or "full_k"
+    blocks: int = 1  # fixed blocks of the invariant layouts (heads, KV heads, FFN, hidden, vocabulary)
 
 
 def _divisors_of_all(*values: int) -> list[int]:
@@ -79,11 +84,25 @@ def check_divisible(config: Any, world: int) -> None:
         )
 
 
-def shard_model(model: Any, *, rank: int, world: int, step: StepRows, ep: EPConfig | None = None) -> Shards:
+def invariant_blocks(config: Any) -> int:
+    """The fixed block count of the TP-size-invariant layouts for ``config``: the largest of 8, 4, 2 that
+    divides the attention heads, the KV heads, the FFN width, the hidden size and the vocabulary."""
+    kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    dims = (config.num_attention_heads, kv, config.intermediate_size, config.hidden_size, config.vocab_size)
+    return next((b for b in (8, 4, 2) if all(d % b == 0 for d in dims)), 1)
+
+
+def shard_model(model: Any, *, rank: int, world: int, step: StepRows, ep: EPConfig | None = None,
+                layout: str = "fold", virtual_shards: int | None = None, max_rows: int = 0) -> Shards:
     """Cut ``model`` (a transformers *ForCausalLM of a supported family, still whole) to this rank's shard,
     in place. A sparse MoE block becomes an ``EPMoEBlock`` with this rank's experts of ``ep.placement``
     (default ``EPConfig()``: every expert on every rank). Local; the sites it names must then be declared with
-    ``declare_sites`` (collective)."""
+    ``declare_sites`` (collective).
+
+    ``layout``: "fold" (the plain Megatron layout), or "virtual" (``virtual_shards`` V) / "full_k": the
+    TP-size-invariant layouts (docs/spec.md §9.1) of dense models: column-parallel projections in
+    ``invariant_blocks`` fixed blocks, o_proj / down_proj through ``detcomm.tp.RowParallelLinear``, the LM head in
+    fixed vocabulary blocks; ``max_rows`` is then the step width."""
     config = model.config
     check_divisible(config, world)
     if ep is not None:
@@ -91,6 +110,20 @@ def shard_model(model: Any, *, rank: int, world: int, step: StepRows, ep: EPConf
             raise ValueError(f"ep= places the experts of an MoE model ({', '.join(MOE_FAMILIES)}); "
                              f"{config.model_type!r} has none: leave ep out")
         ep.check()
+    blocks = 1
+    if layout != "fold":
+        if config.model_type in MOE_FAMILIES:
+            raise ValueError(f"layout={layout!r}: the TP-size-invariant layouts serve dense models and "
+                             f"{config.model_type!r} has MoE blocks; use layout='fold' (the MoE combine is already "
+                             "placement- and batch-invariant)")
+        blocks = invariant_blocks(config)
+        from detcomm.tp import check_divides
+
+        check_divides("model blocks", blocks, blocks, world)
+        if layout == "virtual":
+            assert virtual_shards is not None
+            for k in (config.num_attention_heads * model.model.layers[0].self_attn.head_dim, config.intermediate_size):
+                check_divides("--virtual-shards", k, virtual_shards, world)
     decoder = model.model
     heads = config.num_attention_heads
     kv = getattr(config, "num_key_value_heads", None) or heads
@@ -103,11 +136,20 @@ def shard_model(model: Any, *, rank: int, world: int, step: StepRows, ep: EPConf
     for layer in decoder.layers:
         attn = layer.self_attn
         q0, k0 = rank * hl * head_dim, rank * kvl * head_dim
-        column_shard(attn.q_proj, q0, q0 + hl * head_dim)
-        column_shard(attn.k_proj, k0, k0 + kvl * head_dim)
-        column_shard(attn.v_proj, k0, k0 + kvl * head_dim)
         o_site = names[id(attn.o_proj)]
-        attn.o_proj = RowParallelLinear(attn.o_proj, q0, q0 + hl * head_dim, site=o_site, step=step)
+        row = dict(step=step, layout=layout, virtual_shards=virtual_shards,
+                   blocks=blocks if layout == "full_k" else None, max_rows=max_rows, rank=rank, world=world)
+        if layout == "fold":
+            column_shard(attn.q_proj, q0, q0 + hl * head_dim)
+            column_shard(attn.k_proj, k0, k0 + kvl * head_dim)
+            column_shard(attn.v_proj, k0, k0 + kvl * head_dim)
+            attn.o_proj = RowParallelLinear(attn.o_proj, q0, q0 + hl * head_dim, site=o_site, step=step)
+        else:
+            qb, kb = heads // blocks * head_dim, kv // blocks * head_dim
+            attn.q_proj = BlockColumnLinear(attn.q_proj, q0, q0 + hl * head_dim, block=qb)
+            attn.k_proj = BlockColumnLinear(attn.k_proj, k0, k0 + kvl * head_dim, block=kb)
+            attn.v_proj = BlockColumnLinear(attn.v_proj, k0, k0 + kvl * head_dim, block=kb)
+            attn.o_proj = InvariantRowLinear(attn.o_proj, q0, q0 + hl * head_dim, site=o_site, **row)  # type: ignore[arg-type]
         row_sites.append(o_site)
         sparse = moe_block_of(layer)
         if sparse is not None:  # expert-parallel instead of an FFN split; the engine calls layer.mlp
@@ -119,10 +161,16 @@ def shard_model(model: Any, *, rank: int, world: int, step: StepRows, ep: EPConf
             moe_blocks.append(ep_block)
             continue
         mlp = layer.mlp
-        column_shard(mlp.gate_proj, rank * fl, (rank + 1) * fl)
-        column_shard(mlp.up_proj, rank * fl, (rank + 1) * fl)
         d_site = names[id(mlp.down_proj)]
-        mlp.down_proj = RowParallelLinear(mlp.down_proj, rank * fl, (rank + 1) * fl, site=d_site, step=step)
+        if layout == "fold":
+            column_shard(mlp.gate_proj, rank * fl, (rank + 1) * fl)
+            column_shard(mlp.up_proj, rank * fl, (rank + 1) * fl)
+            mlp.down_proj = RowParallelLinear(mlp.down_proj, rank * fl, (rank + 1) * fl, site=d_site, step=step)
+        else:
+            fb = ffn // blocks
+            mlp.gate_proj = BlockColumnLinear(mlp.gate_proj, rank * fl, (rank + 1) * fl, block=fb)
+            mlp.up_proj = BlockColumnLinear(mlp.up_proj, rank * fl, (rank + 1) * fl, block=fb)
+            mlp.down_proj = InvariantRowLinear(mlp.down_proj, rank * fl, (rank + 1) * fl, site=d_site, **row)  # type: ignore[arg-type]
         row_sites.append(d_site)
     vocab = config.vocab_size
     width = vocab_shard_width(vocab, world)
@@ -130,12 +178,17 @@ def shard_model(model: Any, *, rank: int, world: int, step: StepRows, ep: EPConf
     head_name = names[id(model.lm_head)]
     head_sites = {k: f"{head_name}.{k}" for k in ("gather", "argmax", "stats", "logprobs")}
     # The head first: with tied embeddings both modules share one weight, which the embedding swap drops.
-    model.lm_head = VocabParallelHead(model.lm_head, rank * width, width, vocab, gather_site=head_sites["gather"])
+    if layout == "fold":
+        model.lm_head = VocabParallelHead(model.lm_head, rank * width, width, vocab, gather_site=head_sites["gather"])
+    else:
+        width = vocab // world
+        model.lm_head = BlockVocabHead(model.lm_head, blocks=blocks, t_pad=max_rows, site=head_name,
+                                       gather_site=head_sites["gather"], rank=rank, world=world)
     decoder.embed_tokens = VocabParallelEmbedding(decoder.embed_tokens, rank * width, width, site=embed_site,
                                                   step=step)
     return Shards(rank=rank, world=world, heads=hl, kv_heads=kvl, head_dim=head_dim, ffn=fl, vocab=vocab,
                   vocab_width=width, row_sites=tuple(row_sites), embed_site=embed_site, head_sites=head_sites,
-                  moe_blocks=tuple(moe_blocks))
+                  moe_blocks=tuple(moe_blocks), layout=layout, blocks=blocks)
 
 
 def declare_sites(shards: Shards, *, hidden: int, dtype: torch.dtype, max_rows: int, route: str | None = None) -> None:
@@ -143,6 +196,10 @@ def declare_sites(shards: Shards, *, hidden: int, dtype: torch.dtype, max_rows: 
 
     ``max_rows``: the most rows one call carries (the serving config's padded step width). ``route`` forces
     the route of the sum sites (o_proj, down_proj, the embedding): "native" is the negative control."""
+    if shards.layout != "fold":
+        detcomm.site(shards.embed_site, collective="all_reduce", dtype=dtype, shape=(hidden,), max_rows=max_rows,
+                     route=route)
+        return
     for name in (shards.embed_site, *shards.row_sites):
         detcomm.site(name, collective="all_reduce", dtype=dtype, shape=(hidden,), max_rows=max_rows, route=route)
     w = shards.vocab_width

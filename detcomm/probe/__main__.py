@@ -1,7 +1,8 @@
-"""``python -m detcomm.probe {collectives,model,hf,rows} [options]``: the invariance probes (docs/spec.md section 7).
+"""``python -m detcomm.probe {collectives,model,hf,rows,tp-compare,align} [options]``: the invariance probes
+(docs/spec.md section 7).
 
-collectives, model and hf are collective programs: start them on every rank (detcomm-launch, torchrun or
-mpiexec); rows runs in one process.
+collectives, model, hf and align are collective programs: start them on every rank (detcomm-launch, torchrun or
+mpiexec); rows and tp-compare run in one process.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-_COMMANDS = ("collectives", "model", "hf", "rows")
+_COMMANDS = ("collectives", "model", "hf", "rows", "tp-compare", "align")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -26,6 +27,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .model_probe import main as run
     elif command == "hf":
         from .hf_probe import main as run
+    elif command == "tp-compare":
+        from .tp_compare import main as run
+    elif command == "align":
+        from .align import main as run
     else:
         from .rows import main as run
     return run(rest)

@@ -51,6 +51,8 @@ from .model_probe import (
     Result,
     compare_runs,
     generate,
+    layout_from_args,
+    layout_label,
     make_requests,
     position_invariant,
     ranks_agree,
@@ -84,6 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--q-block", type=int, default=16, help="query rows per padded attention block")
     p.add_argument("--max-context", type=int, default=128, help="static KV cache length per request (a multiple of 64)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--virtual-shards", type=int, default=None, metavar="V",
+                   help="TP-size-invariant layout: o_proj/down_proj fold V fixed virtual shards (W must divide V)")
+    p.add_argument("--full-k", action="store_true",
+                   help="TP-size-invariant layout: o_proj/down_proj as full-K GEMMs on fixed column blocks")
     p.add_argument("--json", metavar="PATH", help="rank 0 writes per request the token ids and logprob bits (hex)")
     p.add_argument("--expect-divergence", action="store_true",
                    help="negative control: exit 0 only if the probe caught a divergence")
@@ -139,6 +145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(format_table(["run", "requests differing", "first difference"], rows,
                            title=f"{ns.compare[0]} vs {ns.compare[1]}: token ids and logprob bits") + f"\n{verdict}")
         return (0 if differ else 1) if ns.expect_divergence else (1 if differ else 0)
+    layout = layout_from_args(ns)
     import transformers
 
     from ..hf import EPConfig, ServingConfig, TPCausalLM, load_causal_lm, write_tiny_checkpoint
@@ -186,7 +193,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if moe:
             ep = EPConfig(placement=_placement(ns, num_experts(hf_config), world), block=ns.expert_block,
                           combine_order=ns.combine_order)
-        model = TPCausalLM(hf_model, serving, route=ns.route, ep=ep)
+        model = TPCausalLM(hf_model, serving, route=ns.route, ep=ep, layout=layout,
+                           virtual_shards=ns.virtual_shards)
         table = detcomm.routes()
         local_ok = position_invariant(model.local_ops(), t_pad=serving.t_pad, dtype=model.dtype, device=model.device)
         for block in model.shards.moe_blocks:  # each hosted expert at its own fixed shape
@@ -207,13 +215,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     rows, records, diverged_any = compare_runs(reqs, runs["alone"], runs["packed #1"], runs["packed #2"], runs["rerun"])
     routes = {e["site"]: e["route"] for e in table.as_dicts()}
-    row_routes = sorted({str(routes[s]) for s in model.shards.row_sites})
+    row_routes = sorted({str(routes.get(s, "-")) for s in model.shards.row_sites})
     passed = not diverged_any and agree
     if rank == 0:
         cfg = model.config
         title = (
             f"HF probe: {cfg.model_type} ({name}) W={world} backend={table.backend} numerics={table.numerics} "
-            f"o_proj/down_proj route={'/'.join(row_routes)} dtype={ns.dtype} device={model.device} "
+            f"layout={layout_label(layout, ns.virtual_shards)} o_proj/down_proj route={'/'.join(row_routes)} "
+            f"dtype={ns.dtype} device={model.device} "
             f"T_pad={serving.t_pad} q_block={serving.q_block} max_context={serving.max_context} "
             f"layers={cfg.num_hidden_layers} hidden={cfg.hidden_size} heads={cfg.num_attention_heads}/"
             f"kv {getattr(cfg, 'num_key_value_heads', None) or cfg.num_attention_heads} vocab={model.shards.vocab} "
@@ -234,7 +243,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                            "max_context": serving.max_context, "local_rows_invariant": local_ok,
                            "ranks_agree": agree, "passed": passed, "comparisons": records,
                            "experts": _moe_record(model, ns) if moe else None,
-                           "requests": per_request, "seconds": elapsed}, f, indent=2)
+                           "requests": per_request, "seconds": elapsed, "layout": layout,
+                           "virtual_shards": ns.virtual_shards}, f, indent=2)
     if ns.expect_divergence:
         return 0 if diverged_any else 1
     return 0 if passed else 1

@@ -16,6 +16,13 @@ to T_pad rows and the keys to the cache's fixed length with a causal mask. The o
 real row count reaches the arithmetic is the all-reduce of the row-parallel projections: that is detcomm's
 job, and what the probe measures. ``pad=False`` runs the GEMMs at the real row count instead (to show that
 the probe also catches local non-invariance).
+
+The layers come from ``detcomm.tp``. ``layout="fold"`` is the plain sharding above. ``layout="virtual"`` (V
+virtual shards) and ``layout="full_k"`` also make the bits independent of W (docs/spec.md §9.1 "TP-size
+invariance: layouts"): column blocks, head groups and vocabulary blocks of fixed size, a vocabulary-parallel
+embedding and a fixed-block logprob head. Because a decode row and a teacher-forced row run the same
+fixed-shape computation, ``forward_all`` (one forward over whole sequences, the training path) reproduces the
+sampling-time logprobs (``python -m detcomm.probe align``).
 """
 
 from __future__ import annotations
@@ -28,19 +35,31 @@ import torch
 import torch.distributed as dist
 
 import detcomm
+from detcomm.tp import (
+    LAYOUTS,
+    ColumnParallelLinear,
+    Layout,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    VocabParallelHead,
+    check_divides,
+)
 
 __all__ = ["ModelConfig", "Segment", "TPTransformer", "SITE_NAMES", "pack_segments"]
 
-SITE_NAMES = {"o_proj": "o_proj", "down_proj": "down_proj", "argmax": "lm_head.argmax", "gather": "lm_head.gather"}
-# Under a bitwise envelope each layer boundary is one fused call: the row-parallel all-reduce, the residual add and
-# the next RMSNorm (detcomm.all_reduce_residual_rmsnorm, docs/spec.md §9.2).
+SITE_NAMES = {"o_proj": "o_proj", "down_proj": "down_proj", "argmax": "lm_head.argmax", "gather": "lm_head.gather",
+              "embed": "embed.gather"}
+# Under a bitwise envelope each layer boundary of the fold layout is one fused call: the row-parallel
+# all-reduce, the residual add and the next RMSNorm (detcomm.all_reduce_residual_rmsnorm, docs/spec.md §9.2).
 FUSED_SITE_NAMES = {"o_proj": "o_proj.add_norm", "down_proj": "down_proj.add_norm"}
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     """Model and serving geometry. ``heads``, ``ffn`` and ``vocab`` must divide by the world size
-    (the defaults divide by 1..8 except 5 and 7 for heads)."""
+    (the defaults divide by 1..8 except 5 and 7 for heads). ``blocks``: the number of fixed blocks the
+    TP-size-invariant layouts cut each dimension into (column blocks, head groups, vocabulary blocks, full-K
+    output blocks); they hold for every W dividing it."""
 
     vocab: int = 1680
     hidden: int = 128
@@ -53,8 +72,9 @@ class ModelConfig:
     dtype: torch.dtype = torch.float32
     seed: int = 1234
     eps: float = 1e-6
+    blocks: int = 8
 
-    def check(self, world: int) -> None:
+    def check(self, world: int, *, layout: Layout = "fold", virtual_shards: int | None = None) -> None:
         for name in ("heads", "ffn", "vocab"):
             if getattr(self, name) % world:
                 raise ValueError(f"model {name}={getattr(self, name)} does not divide by the world size {world}")
@@ -62,6 +82,14 @@ class ModelConfig:
             raise ValueError(f"head_dim must be even (rotary pairs), got {self.head_dim}")
         if self.dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype}")
+        if layout == "fold":
+            return
+        for name in ("heads", "ffn", "vocab", "hidden"):
+            check_divides(f"model {name}", getattr(self, name), self.blocks, world)
+        if layout == "virtual":
+            assert virtual_shards is not None
+            for name, k in (("heads * head_dim", self.heads * self.head_dim), ("ffn", self.ffn)):
+                check_divides(f"--virtual-shards for {name}", k, virtual_shards, world)
 
 
 @dataclass
@@ -104,34 +132,54 @@ def _rand(g: torch.Generator, *shape: int, fan_in: int) -> torch.Tensor:
 
 class TPTransformer:
     """The decoder's shard on this rank. Call ``declare_sites`` once after ``detcomm.init`` (collective),
-    then ``forward`` on every rank with the same segments."""
+    then ``forward`` on every rank with the same segments.
 
-    def __init__(self, cfg: ModelConfig, *, pad: bool = True, device: torch.device | str = "cpu") -> None:
+    ``layout`` (docs/spec.md "TP-size invariance: layouts"): "fold" is the plain Megatron layer (one GEMM over
+    the rank's columns, the canonical all-reduce of the W partials: invariant to the batch at one W, not
+    across W); "virtual" (``virtual_shards`` V) and "full_k" give the same bits at every W dividing V and
+    ``cfg.blocks``: fixed column blocks, fixed head groups, a vocabulary-parallel embedding and a
+    fixed-block vocabulary head."""
+
+    def __init__(self, cfg: ModelConfig, *, pad: bool = True, device: torch.device | str = "cpu",
+                 layout: Layout = "fold", virtual_shards: int | None = None) -> None:
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        if (virtual_shards is not None) != (layout == "virtual"):
+            raise ValueError("virtual_shards is given exactly for layout='virtual'")
         self.cfg = cfg
         self.device = dev = torch.device(device)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        cfg.check(self.world)
-        self.pad = pad
+        cfg.check(self.world, layout=layout, virtual_shards=virtual_shards)
+        self.pad, self.layout, self.virtual_shards = pad, layout, virtual_shards
+        self.invariant = layout != "fold"
         self.fuse = False  # declare_sites decides (fused layer boundaries under a bitwise envelope)
         self.heads_local = cfg.heads // self.world
+        # Attention runs in groups of a fixed number of heads: all local heads at once in the plain layout,
+        # heads/blocks (one column block of Q) in the invariant ones, whatever W is.
+        self.head_group = cfg.heads // cfg.blocks if self.invariant else self.heads_local
         self.vocab_local = cfg.vocab // self.world
         self.vocab_start = self.rank * self.vocab_local
         g = torch.Generator().manual_seed(cfg.seed)
-        H, A, F, V, r, w = cfg.hidden, cfg.heads * cfg.head_dim, cfg.ffn, cfg.vocab, self.rank, self.world
-        dt = cfg.dtype
+        H, A, F, V = cfg.hidden, cfg.heads * cfg.head_dim, cfg.ffn, cfg.vocab
+        dt, blocks = cfg.dtype, (cfg.blocks if self.invariant else None)
 
-        # Drawn on the CPU (same numbers on every platform), then moved.
-        def cols(m: torch.Tensor, n: int) -> torch.Tensor:  # this rank's slice of the output columns
-            return m[:, r * (n // w) : (r + 1) * (n // w)].contiguous().to(dt).to(dev)
+        # Drawn on the CPU in full (same numbers on every platform and W), then sharded by detcomm.tp.
+        def col(m: torch.Tensor) -> ColumnParallelLinear:
+            return ColumnParallelLinear(m, blocks=blocks, dtype=dt, device=dev)
 
-        def rows(m: torch.Tensor, n: int) -> torch.Tensor:  # this rank's slice of the input rows
-            return m[r * (n // w) : (r + 1) * (n // w)].contiguous().to(dt).to(dev)
+        def row(m: torch.Tensor, site: str) -> RowParallelLinear:
+            return RowParallelLinear(m, site=site, layout=layout, max_rows=cfg.t_pad, virtual_shards=virtual_shards,
+                                     blocks=blocks if layout == "full_k" else None, dtype=dt, device=dev)
 
         def vec(n: int) -> torch.Tensor:
             return (1.0 + 0.1 * torch.randn(n, generator=g)).to(dt).to(dev)
 
-        self.embed = torch.randn(V, H, generator=g).to(dt).to(dev)
-        self.layers = []
+        embed = torch.randn(V, H, generator=g)
+        # Replicated in the plain layout; vocabulary-parallel (one row's owner supplies it) in the invariant ones.
+        self.embed = None if self.invariant else embed.to(dt).to(dev)
+        self.embedding = (VocabParallelEmbedding(embed, site=SITE_NAMES["embed"], max_rows=cfg.t_pad, dtype=dt,
+                                                 device=dev) if self.invariant else None)
+        self.layers: list[dict] = []
         for _ in range(cfg.layers):
             wq, wk, wv = (_rand(g, H, A, fan_in=H) for _ in range(3))
             wo = _rand(g, A, H, fan_in=A)
@@ -140,11 +188,11 @@ class TPTransformer:
             self.layers.append({
                 "attn_norm": vec(H),
                 "mlp_norm": vec(H),
-                # Q, K, V column-parallel by heads: one GEMM for the three.
-                "wqkv": torch.cat([cols(wq, A), cols(wk, A), cols(wv, A)], dim=1),
-                "wo": rows(wo, A),
-                "wgu": torch.cat([cols(wg, F), cols(wu, F)], dim=1),
-                "wd": rows(wd, F),
+                # Q, K, V column-parallel by heads; o_proj row-parallel over them.
+                "q": col(wq), "k": col(wk), "v": col(wv),
+                "o": row(wo, SITE_NAMES["o_proj"]),
+                "gate": col(wg), "up": col(wu),
+                "down": row(wd, SITE_NAMES["down_proj"]),
             })
         self.final_norm = vec(H)
         # LM head: every vocabulary entry has a near-twin half a vocabulary away (the same column times
@@ -152,7 +200,11 @@ class TPTransformer:
         # moves then flips greedy tokens, not only logprob bits: the negative control bites on token ids.
         base = _rand(g, H, V // 2, fan_in=H) * 4.0
         twin = base * (1.0 + 2.0**-21 * torch.randn(H, V // 2, generator=g))
-        self.lm_head = cols(torch.cat([base, twin], dim=1), V)
+        head = torch.cat([base, twin], dim=1)
+        self.lm_head = (None if self.invariant else
+                        head[:, self.vocab_start : self.vocab_start + self.vocab_local].contiguous().to(dt).to(dev))
+        self.head = (VocabParallelHead(head, blocks=cfg.blocks, t_pad=cfg.t_pad, site="lm_head", dtype=dt, device=dev)
+                     if self.invariant else None)
         # Rotary table for every position, computed once in float64: per-call cos/sin could take a vector or a
         # scalar path depending on the tensor's length and round differently.
         inv = 1.0 / (10000.0 ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim))
@@ -164,17 +216,25 @@ class TPTransformer:
     # -- sites -----------------------------------------------------------------------------------------
     def declare_sites(self, *, route: str | None = None) -> None:
         """Declare the model's call sites (collective). ``route`` forces the route of the two row-parallel
-        all-reduces (the probe's negative control uses "native")."""
+        all-reduces (the probe's negative control uses "native"; the full-K layout has no all-reduce)."""
         cfg = self.cfg
-        # The fused boundary under a bitwise envelope (its norm is then detcomm's canonical RMSNorm everywhere);
-        # a forced route (the negative control) keeps the plain all-reduce + the model's own norm.
-        self.fuse = route is None and detcomm.get_communicator().resolved.bitwise
-        for name in ("o_proj", "down_proj"):
-            detcomm.site(SITE_NAMES[name], collective="all_reduce", dtype=cfg.dtype, shape=(cfg.hidden,),
-                         max_rows=cfg.t_pad, route=route)
-            if self.fuse:
+        if self.embedding is not None:
+            self.embedding.declare()
+        for L in self.layers[:1]:  # every layer calls the same two sites
+            for lin in (L["o"], L["down"]):
+                lin.route = route
+                lin.declare()
+        # The fold layout's boundaries are fused under a bitwise envelope (the norm is then detcomm's canonical
+        # RMSNorm everywhere); a forced route (the negative control) keeps the plain all-reduce + the model's own
+        # norm, and the invariant layouts keep their own row-parallel layers (their sums are not one all-reduce).
+        self.fuse = route is None and not self.invariant and detcomm.get_communicator().resolved.bitwise
+        if self.fuse:
+            for name in ("o_proj", "down_proj"):
                 detcomm.site(FUSED_SITE_NAMES[name], collective="all_reduce_rmsnorm", dtype=cfg.dtype,
                              shape=(cfg.hidden,), max_rows=cfg.t_pad)
+        if self.head is not None:
+            self.head.declare()
+            return
         detcomm.site(SITE_NAMES["argmax"], collective="argmax", dtype=torch.float32, shape=(self.vocab_local,),
                      max_rows=cfg.t_pad)
         detcomm.site(SITE_NAMES["gather"], collective="all_gather", dtype=torch.float32, shape=(self.vocab_local,),
@@ -185,13 +245,30 @@ class TPTransformer:
         c = self.cfg
         return torch.zeros(c.layers, 2, self.heads_local, c.max_context, c.head_dim, dtype=c.dtype, device=self.device)
 
+    def local_gemm_weights(self) -> list[torch.Tensor]:
+        """Every weight a local GEMM multiplies (for the row-position check of the probes)."""
+        out = [w for L in self.layers for k in ("q", "k", "v", "gate", "up") for w in L[k].blocks]
+        out += [w for L in self.layers for k in ("o", "down") for w in L[k].weights]
+        if self.head is not None:
+            return out + self.head.weights
+        assert self.lm_head is not None
+        return [*out, self.lm_head]
+
     # -- local compute at a fixed shape ----------------------------------------------------------------
-    def _linear(self, x: torch.Tensor, w: torch.Tensor, rows: int) -> torch.Tensor:
+    def _cols(self, lin: ColumnParallelLinear, x: torch.Tensor, rows: int) -> list[torch.Tensor]:
+        """A column-parallel layer's blocks on the [T_pad, K] buffer (``pad=False``: on the real rows only)."""
         if self.pad:
-            return torch.matmul(x, w)  # x is the whole [T_pad, K] buffer
-        out = torch.zeros(x.shape[0], w.shape[1], dtype=x.dtype, device=self.device)
-        out[:rows] = torch.matmul(x[:rows], w)
+            return lin.forward_blocks(x)
+        out = []
+        for b in lin.forward_blocks(x[:rows]):
+            full = torch.zeros(x.shape[0], b.shape[1], dtype=b.dtype, device=self.device)
+            full[:rows] = b
+            out.append(full)
         return out
+
+    def _rows(self, lin: RowParallelLinear, x: torch.Tensor, rows: int) -> torch.Tensor:
+        """A row-parallel layer: the whole [rows, H] output on every rank. Collective."""
+        return lin(x if self.pad else x[:rows], rows)
 
     def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         if self.fuse:  # one norm everywhere: the canonical one the fused boundaries compute
@@ -199,15 +276,17 @@ class TPTransformer:
         f = x.to(torch.float32)
         return (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + self.cfg.eps)).to(x.dtype) * w
 
-    def _reduce_add_norm(self, part: torch.Tensor, h: torch.Tensor, w: torch.Tensor, name: str,
-                         rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """After a row-parallel projection: the residual stream h + all_reduce(part) and its next norm (rows >=
-        ``rows`` are filler). Fused: one detcomm.all_reduce_residual_rmsnorm; else the all-reduce, the add, the
+    def _boundary(self, lin: RowParallelLinear, inp: torch.Tensor, h: torch.Tensor, w: torch.Tensor, name: str,
+                  rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A row-parallel projection of ``inp`` and the layer boundary after it: the residual stream h + the
+        projection and its next norm (rows >= ``rows`` are filler). Fused (fold layout, bitwise envelope): the local
+        partial product, then one detcomm.all_reduce_residual_rmsnorm; else the layer's own reduction, the add, the
         model's norm. Collective."""
         h = h.clone()
         if not self.fuse:
-            h[:rows] += detcomm.all_reduce(part[:rows], site=SITE_NAMES[name])
+            h[:rows] += self._rows(lin, inp, rows)
             return h, self._norm(h, w)
+        part = torch.matmul(inp if self.pad else inp[:rows], lin.weights[0])  # the fold layout's one local GEMM
         y, r = detcomm.all_reduce_residual_rmsnorm(part[:rows], h[:rows], w, eps=self.cfg.eps,
                                                    site=FUSED_SITE_NAMES[name])
         h[:rows] = r
@@ -216,14 +295,19 @@ class TPTransformer:
         return h, normed
 
     def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        # x: [T_pad, heads, head_dim], rotate-half convention.
+        # x: [T_pad, heads, head_dim], rotate-half convention; elementwise IEEE ops only (no shape dependence).
         half = x.shape[-1] // 2
         cos, sin = self.cos[pos][:, None, :], self.sin[pos][:, None, :]
         x1, x2 = x[..., :half], x[..., half:]
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
     def _attention(self, q: torch.Tensor, seg: Segment, layer: int, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """One request's attention: its n new rows of q/k/v ([n, heads, hd]); returns [n, heads * hd]."""
+        """One request's attention: its n new rows of q/k/v ([n, heads, hd]); returns [n, heads * hd].
+
+        The query block is padded to T_pad rows and the keys are the cache's fixed max_context positions
+        with a causal mask, so a query row's arithmetic is the same whether it is a decode row, a prefill
+        chunk's row or a teacher-forced row, at any offset; heads run in groups of ``head_group``, one
+        batched call of shape [group, T_pad, max_context] each, the same at every W."""
         c = self.cfg
         n, s = len(seg.tokens), seg.start
         kc, vc = seg.cache[layer, 0], seg.cache[layer, 1]  # [heads, L, hd]
@@ -233,57 +317,99 @@ class TPTransformer:
         qp[:, :n] = q.transpose(0, 1)
         qpos = torch.zeros(c.t_pad, dtype=torch.long, device=self.device)
         qpos[:n] = torch.arange(s, s + n, device=self.device)
-        scores = torch.matmul(qp, kc.transpose(1, 2)).to(torch.float32) * (1.0 / math.sqrt(c.head_dim))
-        scores = scores.masked_fill(self.mask[qpos][None], float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(c.dtype)
-        out = torch.matmul(probs, vc)  # [heads, T_pad, hd]
+        mask = self.mask[qpos][None]
+        outs = []
+        for g0 in range(0, self.heads_local, self.head_group):
+            hs = slice(g0, g0 + self.head_group)
+            scores = torch.matmul(qp[hs], kc[hs].transpose(1, 2)).to(torch.float32) * (1.0 / math.sqrt(c.head_dim))
+            scores = scores.masked_fill(mask, float("-inf"))
+            probs = torch.softmax(scores, dim=-1).to(c.dtype)
+            outs.append(torch.matmul(probs, vc[hs]))  # [group, T_pad, hd]
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
         return out[:, :n].transpose(0, 1).reshape(n, self.heads_local * c.head_dim)
 
+    def _attn_block(self, L: dict, li: int, x: torch.Tensor, pos: torch.Tensor, segments: Sequence[Segment],
+                    offsets: list[int], rows: int) -> torch.Tensor:
+        """Attention of one layer on the normed [T_pad, H] input: o_proj's [T_pad, heads/W * head_dim] input."""
+        c, hl, hd = self.cfg, self.heads_local, self.cfg.head_dim
+        q, k, v = (torch.cat(self._cols(L[n], x, rows), dim=1) for n in ("q", "k", "v"))
+        q = self._rope(q.reshape(c.t_pad, hl, hd), pos)
+        k = self._rope(k.reshape(c.t_pad, hl, hd), pos)
+        v = v.reshape(c.t_pad, hl, hd)
+        attn = torch.zeros(c.t_pad, hl * hd, dtype=c.dtype, device=self.device)
+        for s, o in zip(segments, offsets):
+            n = len(s.tokens)
+            attn[o : o + n] = self._attention(q[o : o + n], s, li, k[o : o + n], v[o : o + n])
+        return attn
+
+    def _mlp_block(self, L: dict, x: torch.Tensor, rows: int) -> torch.Tensor:
+        """SwiGLU of one layer on the normed [T_pad, H] input: down_proj's [T_pad, F/W] input. The activation runs
+        per column block (each its own [T_pad, F/blocks] tensor at every W)."""
+        act = [torch.nn.functional.silu(gb) * ub for gb, ub in zip(self._cols(L["gate"], x, rows),
+                                                                     self._cols(L["up"], x, rows))]
+        return act[0] if len(act) == 1 else torch.cat(act, dim=1)
+
     # -- one forward step ------------------------------------------------------------------------------
+    def hidden(self, segments: Sequence[Segment]) -> tuple[torch.Tensor, list[int], int]:
+        """Run the layers over the segments' rows, packed in order. Collective. Returns the final-normed
+        [T_pad, H] buffer, each segment's first row and the real row count."""
+        c = self.cfg
+        ids, pos, offsets, rows = pack_segments(segments, t_pad=c.t_pad, max_context=c.max_context, device=self.device)
+        if self.embedding is not None:
+            h = self.embedding(ids)  # rows >= `rows` are filler
+        else:
+            assert self.embed is not None
+            h = self.embed[ids]
+        normed = self._norm(h, self.layers[0]["attn_norm"] if self.layers else self.final_norm)
+        for li, L in enumerate(self.layers):
+            attn = self._attn_block(L, li, normed, pos, segments, offsets, rows)
+            h, normed = self._boundary(L["o"], attn, h, L["mlp_norm"], "o_proj", rows)
+            act = self._mlp_block(L, normed, rows)
+            nxt = self.layers[li + 1]["attn_norm"] if li + 1 < len(self.layers) else self.final_norm
+            h, normed = self._boundary(L["down"], act, h, nxt, "down_proj", rows)
+        return normed, offsets, rows
+
+    def _logits(self, x: torch.Tensor, rows: int) -> torch.Tensor:
+        if self.head is not None:
+            return self.head.logits(x if self.pad else x[:rows])[:rows]
+        w = self.lm_head
+        assert w is not None
+        return (torch.matmul(x, w) if self.pad else torch.matmul(x[:rows], w)).to(torch.float32)[:rows]
+
     def forward(self, segments: Sequence[Segment]) -> tuple[torch.Tensor, list[int]]:
         """Run one step over the segments' rows, packed in order. Collective.
 
         Returns this rank's fp32 logit shard [S, vocab/W] of the sampling rows (the last row of every segment
         with ``sample``) and the index of each such segment.
         """
-        c = self.cfg
-        ids, pos, offsets, rows = pack_segments(segments, t_pad=c.t_pad, max_context=c.max_context, device=self.device)
-        h = self.embed[ids]  # [T_pad, H]; rows >= `rows` are filler
-        hd, hl = c.head_dim, self.heads_local
-        normed = self._norm(h, self.layers[0]["attn_norm"] if self.layers else self.final_norm)
-        for li, L in enumerate(self.layers):
-            qkv = self._linear(normed, L["wqkv"], rows)
-            q, k, v = qkv.split(hl * hd, dim=1)
-            q = self._rope(q.reshape(c.t_pad, hl, hd), pos)
-            k = self._rope(k.reshape(c.t_pad, hl, hd), pos)
-            v = v.reshape(c.t_pad, hl, hd)
-            attn = torch.zeros(c.t_pad, hl * hd, dtype=c.dtype, device=self.device)
-            for s, o in zip(segments, offsets):
-                n = len(s.tokens)
-                attn[o : o + n] = self._attention(q[o : o + n], s, li, k[o : o + n], v[o : o + n])
-            part = self._linear(attn, L["wo"], rows)
-            h, normed = self._reduce_add_norm(part, h, L["mlp_norm"], "o_proj", rows)
-            gu = self._linear(normed, L["wgu"], rows)
-            gate, up = gu.split(c.ffn // self.world, dim=1)
-            part = self._linear(torch.nn.functional.silu(gate) * up, L["wd"], rows)
-            nxt = self.layers[li + 1]["attn_norm"] if li + 1 < len(self.layers) else self.final_norm
-            h, normed = self._reduce_add_norm(part, h, nxt, "down_proj", rows)
-        logits = self._linear(normed, self.lm_head, rows).to(torch.float32)
+        x, offsets, rows = self.hidden(segments)
+        logits = self._logits(x, rows)
         picks = [i for i, s in enumerate(segments) if s.sample]
         last = torch.tensor([offsets[i] + len(segments[i].tokens) - 1 for i in picks], dtype=torch.long, device=self.device)
         return logits[last], picks
 
+    def forward_all(self, segments: Sequence[Segment]) -> torch.Tensor:
+        """The logit shard [rows, vocab/W] of every real row (teacher forcing: the training code path's one
+        forward over whole sequences). Collective."""
+        x, _, rows = self.hidden(segments)
+        return self._logits(x, rows)
+
     # -- vocabulary-parallel head ------------------------------------------------------------------------
     def greedy(self, shard: torch.Tensor) -> torch.Tensor:
         """Global argmax per row (lowest index on exact ties) over the vocabulary shards. Collective."""
+        if self.head is not None:
+            return self.head.greedy(shard)
         return detcomm.argmax(shard, site=SITE_NAMES["argmax"], vocab_start=self.vocab_start)
 
     def logprobs(self, shard: torch.Tensor) -> torch.Tensor:
         """fp32 log-softmax over the whole vocabulary, [S, vocab], identical bits on every rank. Collective.
 
-        The shards are gathered (data movement: no arithmetic, so no order to move) and each row's
-        log-softmax runs row-locally on a fixed [T_pad, vocab] buffer, so neither the number of rows nor a
-        row's place among them reaches its arithmetic."""
+        Invariant layouts: ``detcomm.tp.VocabParallelHead`` (fixed vocabulary blocks: the same bits at every
+        W). Plain layout: the shards are gathered (data movement: no arithmetic, so no order to move) and each
+        row's log-softmax runs row-locally on a fixed [T_pad, vocab] buffer, so neither the number of rows nor
+        a row's place among them reaches its arithmetic."""
+        if self.head is not None:
+            return self.head.logprobs(shard)
         c = self.cfg
         n = shard.shape[0]
         full = detcomm.all_gather(shard.contiguous(), site=SITE_NAMES["gather"])  # [W * n, V/W], rank order

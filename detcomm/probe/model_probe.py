@@ -38,12 +38,14 @@ import torch.distributed as dist
 import detcomm
 from detcomm.envelope import DEFAULT_NUMERICS
 from detcomm.invariance import bits
+from detcomm.tp import Layout
 
 from .model import SITE_NAMES, ModelConfig, Segment, TPTransformer
 from .table import emit, format_table
 
 __all__ = ["Request", "Result", "StepModel", "make_requests", "generate", "first_divergence", "compare_runs",
-           "position_invariant", "ranks_agree", "summary", "TABLE_HEADERS", "main"]
+           "position_invariant", "ranks_agree", "summary", "request_records", "layout_from_args", "TABLE_HEADERS",
+           "main"]
 
 _MASK64 = (1 << 64) - 1
 
@@ -232,8 +234,7 @@ def position_invariant(ops: Sequence[tuple[Callable[[torch.Tensor], torch.Tensor
 
 def local_rows_invariant(model: TPTransformer) -> bool:
     """``position_invariant`` over every local GEMM of the model probe's decoder."""
-    weights = [w for L in model.layers for w in (L["wqkv"], L["wo"], L["wgu"], L["wd"])] + [model.lm_head]
-    ops = [(lambda x, w=w: torch.matmul(x, w), w.shape[0]) for w in weights]
+    ops = [(lambda x, w=w: torch.matmul(x.to(w.dtype), w), w.shape[0]) for w in model.local_gemm_weights()]
     return position_invariant(ops, t_pad=model.cfg.t_pad, dtype=model.cfg.dtype, device=model.device)
 
 
@@ -289,6 +290,31 @@ def ranks_agree(results: dict[int, Result], device: torch.device) -> bool:
     return bool(torch.equal(hi, lo))
 
 
+def layout_from_args(ns: argparse.Namespace) -> Layout:
+    """The TP layout the --virtual-shards / --full-k flags select (ValueError when both, or with --route on
+    full-K, whose layers have no all-reduce to force)."""
+    if ns.virtual_shards is not None and ns.full_k:
+        raise ValueError("--virtual-shards and --full-k are two layouts: pass one")
+    if ns.virtual_shards is not None and ns.virtual_shards < 1:
+        raise ValueError(f"--virtual-shards must be >= 1, got {ns.virtual_shards}")
+    if ns.full_k and getattr(ns, "route", None):
+        raise ValueError("--route forces the o_proj/down_proj all-reduce; the full-K layout has none")
+    return "virtual" if ns.virtual_shards is not None else "full_k" if ns.full_k else "fold"
+
+
+def layout_label(layout: str, virtual_shards: int | None) -> str:
+    return f"virtual V={virtual_shards}" if layout == "virtual" else layout
+
+
+def request_records(reqs: Sequence[Request], results: dict[int, Result]) -> list[dict]:
+    """Per request: its sampling setup, the generated token ids and every logprob's fp32 bit pattern in hex
+    (comparable across runs and W by any tool)."""
+    return [{"rid": r.rid, "temperature": r.temperature, "seed": r.seed, "prompt": list(r.prompt),
+             "tokens": results[r.rid].tokens,
+             "logprob_bits": [f"0x{int(b) & 0xFFFFFFFF:08x}" for b in bits(results[r.rid].logprob_tensor()).tolist()]}
+            for r in reqs]
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m detcomm.probe model", description=__doc__.split("\n\n")[0])
     p.add_argument("--numerics", default=None,
@@ -303,7 +329,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-pad", action="store_true",
                    help="run local GEMMs at the real row count (shows the probe catching local non-invariance)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", metavar="PATH", help="rank 0 writes the results as JSON")
+    p.add_argument("--virtual-shards", type=int, default=None, metavar="V",
+                   help="TP-size-invariant layout: o_proj/down_proj fold V fixed virtual shards (W must divide V)")
+    p.add_argument("--full-k", action="store_true",
+                   help="TP-size-invariant layout: o_proj/down_proj as full-K GEMMs on fixed column blocks")
+    p.add_argument("--json", metavar="PATH",
+                   help="rank 0 writes the results as JSON, with every request's token ids and logprob bits "
+                        "(compare runs at different W with: python -m detcomm.probe tp-compare A.json B.json ...)")
     p.add_argument("--expect-divergence", action="store_true",
                    help="negative control: exit 0 only if the probe caught a divergence")
     return p
@@ -316,6 +348,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise ValueError("--requests and --new-tokens must be >= 1, --max-prompt >= 2")
     if ns.max_prompt > ns.t_pad:
         raise ValueError(f"--max-prompt {ns.max_prompt} must fit one step at batch 1 (--t-pad {ns.t_pad})")
+    layout = layout_from_args(ns)
     numerics = ns.numerics or os.environ.get("DETCOMM_NUMERICS") or ("auto" if ns.route == "native" else DEFAULT_NUMERICS)
     torch.set_num_threads(1)  # W ranks share the cores; one thread each also keeps kernels single-path
     cfg = ModelConfig(layers=ns.layers, t_pad=ns.t_pad, seed=1234 + ns.seed,
@@ -325,7 +358,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     comm = detcomm.init(numerics=numerics)
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
-        model = TPTransformer(cfg, pad=not ns.no_pad, device=comm.device)
+        model = TPTransformer(cfg, pad=not ns.no_pad, device=comm.device, layout=layout,
+                              virtual_shards=ns.virtual_shards)
         model.declare_sites(route=ns.route)
         table = detcomm.routes()
         local_ok = local_rows_invariant(model)
@@ -346,7 +380,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if rank == 0:
         title = (
             f"model probe: W={world} backend={table.backend} numerics={table.numerics} "
-            f"o_proj/down_proj route={routes[SITE_NAMES['o_proj']]}/{routes[SITE_NAMES['down_proj']]} "
+            f"layout={layout_label(layout, ns.virtual_shards)} "
+            f"o_proj/down_proj route={routes.get(SITE_NAMES['o_proj'], '-')}/{routes.get(SITE_NAMES['down_proj'], '-')} "
             f"dtype={ns.dtype} T_pad={'off' if ns.no_pad else cfg.t_pad} layers={cfg.layers} "
             f"hidden={cfg.hidden} vocab={cfg.vocab} ({cfg.vocab // world}/rank) requests={len(reqs)} "
             f"new_tokens={ns.new_tokens}"
@@ -359,7 +394,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 json.dump({"world_size": world, "backend": table.backend, "numerics": table.numerics,
                            "routes": routes, "dtype": ns.dtype, "t_pad": None if ns.no_pad else cfg.t_pad,
                            "local_rows_invariant": local_ok, "ranks_agree": agree, "passed": passed,
-                           "comparisons": records, "seconds": elapsed}, f, indent=2)
+                           "comparisons": records, "seconds": elapsed,
+                           "layout": layout, "virtual_shards": ns.virtual_shards,
+                           "requests": request_records(reqs, alone)}, f, indent=2)
     if ns.expect_divergence:
         return 0 if diverged_any else 1
     return 0 if passed else 1

@@ -1,0 +1,188 @@
+"""Decode tokens/s of the probe's tensor-parallel decoder in each TP layout: fold, virtual shards, full-K, native.
+
+    detcomm-launch --nproc 4 --numerics rl-bitwise -m detcomm.bench.tp_decode                     # CPU, gloo
+    detcomm-launch --nproc 2 --numerics rl-bitwise -m detcomm.bench.tp_decode --hidden 2048 --heads 16 \\
+        --head-dim 128 --ffn 8192 --vocab 32000 --layers 4 --dtype bfloat16 --t-pad 64              # GPUs, NCCL
+
+A collective program (every rank runs it). It builds ``detcomm.probe.model.TPTransformer`` (seeded weights) once
+per phase and times greedy decode steps at each concurrency (one row per request, every step at the fixed
+width T_pad; prompts prefilled untimed):
+
+  fold     the plain Megatron layers, o_proj / down_proj on the canonical fold routes (rl-bitwise): batch-
+           invariant at one W, not across W;
+  virtual  virtual shards (``--virtual-shards V``, default 8): the same bits at every W dividing V;
+  full_k   full-K GEMMs on fixed column blocks and all-gathers: the same bits at every W dividing the blocks;
+  native   the plain layers with o_proj / down_proj forced onto the library's all-reduce (numerics auto).
+
+Rank 0 prints tokens/s per concurrency and layout and each layout's cost against fold, and writes ``--json``.
+The invariant layouts also run their local compute in fixed blocks (column blocks, head groups, vocabulary
+blocks: docs/spec.md §9.1), which costs kernel launches at small widths: the numbers include that.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from .hf_decode import _ints
+
+__all__ = ["build_parser", "main", "PHASES"]
+
+PHASES = ("fold", "virtual", "full_k", "native")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m detcomm.bench.tp_decode", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="\n\n".join(__doc__.split("\n\n")[1:]))
+    p.add_argument("--layouts", default=",".join(PHASES), help=f"comma-separated phases, in order, from {PHASES}")
+    p.add_argument("--virtual-shards", type=int, default=8, metavar="V")
+    p.add_argument("--blocks", type=int, default=8, help="fixed blocks of the invariant layouts (W must divide it)")
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--heads", type=int, default=24)
+    p.add_argument("--head-dim", type=int, default=8)
+    p.add_argument("--ffn", type=int, default=384)
+    p.add_argument("--vocab", type=int, default=1680)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--concurrency", type=_ints, default=[1, 2, 4, 8, 16, 32, 64],
+                   help="comma-separated numbers of concurrent decoding requests (each <= --t-pad)")
+    p.add_argument("--t-pad", type=int, default=64)
+    p.add_argument("--prompt", type=int, default=8, help="prompt tokens per request (prefilled, not timed)")
+    p.add_argument("--steps", type=int, default=8, help="timed decode steps per concurrency")
+    p.add_argument("--warmup", type=int, default=2, help="untimed decode steps first")
+    p.add_argument("--repeats", type=int, default=3, help="timed blocks of --steps steps; the fastest counts")
+    p.add_argument("--logprobs", action="store_true", help="also compute the fp32 logprobs every step")
+    p.add_argument("--backend", choices=("nccl", "gloo"), default=None,
+                   help="process group backend when none exists (default: nccl with CUDA, else gloo)")
+    p.add_argument("--device", default=None, help="tensor device (default: cuda:LOCAL_RANK for nccl, cpu for gloo)")
+    p.add_argument("--json", metavar="PATH", help="rank 0 writes the results as JSON")
+    return p
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time_phase(model, ns: argparse.Namespace) -> dict[int, float]:  # type: ignore[no-untyped-def]
+    from ..probe.model import Segment
+
+    out = {}
+    for c in ns.concurrency:
+        caches = [model.new_cache() for _ in range(c)]
+        gen = torch.Generator().manual_seed(c)
+        prompts = [torch.randint(0, model.cfg.vocab, (ns.prompt,), generator=gen).tolist() for _ in range(c)]
+        toks = [0] * c
+        per_step = max(1, ns.t_pad // ns.prompt)
+        for i in range(0, c, per_step):  # prefill, untimed
+            group = list(range(i, min(c, i + per_step)))
+            logits, _ = model.forward([Segment(caches[j], prompts[j], 0) for j in group])
+            for j, t in zip(group, model.greedy(logits).tolist()):
+                toks[j] = int(t)
+        pos = ns.prompt
+
+        def step() -> None:
+            nonlocal pos
+            logits, _ = model.forward([Segment(cache, [tok], pos) for cache, tok in zip(caches, toks)])
+            if ns.logprobs:
+                model.logprobs(logits)
+            toks[:] = [int(t) for t in model.greedy(logits).tolist()]
+            pos += 1
+
+        for _ in range(ns.warmup):
+            step()
+        best = float("inf")
+        for _ in range(ns.repeats):  # the best of several timed blocks: other load on the host only slows one
+            _sync(model.device)
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(ns.steps):
+                step()
+            _sync(model.device)
+            worst = torch.tensor([time.perf_counter() - t0], dtype=torch.float64,
+                                 device=model.device if dist.get_backend() == "nccl" else "cpu")
+            dist.all_reduce(worst, op=dist.ReduceOp.MAX)  # the slowest rank's time is the step time
+            best = min(best, float(worst))
+        out[c] = c * ns.steps / best
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run on every rank; rank 0 prints and writes --json."""
+    ns = build_parser().parse_args(argv)
+    import detcomm
+
+    from ..probe.model import ModelConfig, TPTransformer
+    from ..probe.table import emit, format_table
+
+    phases = [p.strip() for p in ns.layouts.split(",") if p.strip()]
+    if not phases or any(p not in PHASES for p in phases):
+        raise ValueError(f"--layouts takes {', '.join(PHASES)}, got {ns.layouts!r}")
+    if not 1 <= ns.prompt <= ns.t_pad or ns.steps < 1 or ns.warmup < 0 or ns.repeats < 1:
+        raise ValueError(f"--prompt must be 1..--t-pad ({ns.t_pad}), --steps and --repeats >= 1, --warmup >= 0")
+    if max(ns.concurrency) > ns.t_pad:
+        raise ValueError(f"--concurrency {max(ns.concurrency)} exceeds --t-pad {ns.t_pad} rows per step")
+    cfg = ModelConfig(vocab=ns.vocab, hidden=ns.hidden, heads=ns.heads, head_dim=ns.head_dim, ffn=ns.ffn,
+                      layers=ns.layers, t_pad=ns.t_pad, blocks=ns.blocks,
+                      max_context=-(-(ns.prompt + ns.warmup + ns.repeats * ns.steps + 1) // 64) * 64,
+                      dtype=torch.float32 if ns.dtype == "float32" else torch.bfloat16)
+    backend = ns.backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    device = torch.device(ns.device or (f"cuda:{torch.cuda.current_device()}" if backend == "nccl" else "cpu"))
+    if backend == "gloo":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    if not dist.is_initialized():  # created here so that every phase shares it (detcomm.shutdown keeps it)
+        dist.init_process_group(backend=backend, init_method="env://")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    results: dict[str, dict[int, float]] = {}
+    for phase in phases:
+        detcomm.init(numerics="auto" if phase == "native" else "rl-bitwise", device=device)
+        try:
+            layout = "fold" if phase == "native" else phase
+            model = TPTransformer(cfg, device=device, layout=layout,  # type: ignore[arg-type]
+                                  virtual_shards=ns.virtual_shards if phase == "virtual" else None)
+            model.declare_sites(route="native" if phase == "native" else None)
+            # An untimed pass first: a process's first steps pay one-time costs (allocator, kernel caches).
+            _time_phase(model, argparse.Namespace(**{**vars(ns), "concurrency": [1], "repeats": 1}))
+            results[phase] = _time_phase(model, ns)
+            del model
+        finally:
+            detcomm.shutdown()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    if rank == 0:
+        rows: list[list[object]] = []
+        for c in ns.concurrency:
+            fold = results.get("fold", {}).get(c)
+            row: list[object] = [c]
+            for p in phases:
+                v = results[p][c]
+                row.append(f"{v:.1f}" + ("" if fold is None or p == "fold" else f" ({v / fold:.2f}x)"))
+            rows.append(row)
+        title = (f"probe decoder decode tokens/s: W={world} backend={backend} device={device} dtype={ns.dtype} "
+                 f"hidden={cfg.hidden} layers={cfg.layers} heads={cfg.heads}x{cfg.head_dim} ffn={cfg.ffn} "
+                 f"vocab={cfg.vocab} T_pad={cfg.t_pad} V={ns.virtual_shards} blocks={cfg.blocks} "
+                 f"best of {ns.repeats}x{ns.steps} steps "
+                 f"logprobs={'yes' if ns.logprobs else 'no'}; (x) = tokens/s relative to fold")
+        emit(format_table(["concurrency", *phases], rows, title=title))
+        if ns.json:
+            with open(ns.json, "w") as f:
+                json.dump({"world_size": world, "backend": backend, "device": str(device),
+                           "args": {k: v for k, v in vars(ns).items() if k != "json"},
+                           "tokens_per_s": {p: {str(c): v for c, v in r.items()} for p, r in results.items()}},
+                          f, indent=2)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
