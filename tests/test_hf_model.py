@@ -27,6 +27,10 @@ def _bits(t: torch.Tensor) -> np.ndarray:
     return t.detach().contiguous().view(_INT[t.dtype]).numpy().view(_UINT[t.dtype])
 
 
+def _bf16(bits: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16)
+
+
 def job_boundaries(rank: int, w: int, directory: str, numerics: str, dtype_name: str) -> dict:
     """One step of the engine with every fused boundary call recorded (site, operands, results) and every call
     of transformers' RMSNorm modules counted; the layer norms get random weights first (a checkpoint's are all
@@ -153,10 +157,9 @@ def test_fused_boundaries_bits(cluster, tmp_path) -> None:  # noqa: ANN001
     with the right norm's weight); the layer-0 o_proj boundary's (y, r) bits are the composition of the ranks'
     partials (numpy oracle, and detcomm.fold.reference_fold + detcomm.norm), its residual is the embedding;
     transformers' norm of r gives other bits (what the comparison would catch); Qwen3's q/k norms still run."""
-    from norm_oracle import composition_oracle
-
     from detcomm.fold import reference_fold
     from detcomm.norm import add_rms_norm_torch
+    from norm_oracle import composition_oracle
 
     directory = write_tiny_checkpoint("qwen3-tiny", str(tmp_path), seed=5)
     res = cluster.run(job_boundaries, directory, "rl-bitwise", "bfloat16")
@@ -172,10 +175,8 @@ def test_fused_boundaries_bits(cluster, tmp_path) -> None:  # noqa: ANN001
         np.testing.assert_array_equal(got["residual"], res[0]["embed_rows"])
     y_ref, r_ref = composition_oracle([g["x"] for g in res], res[0]["residual"], res[0]["weight"], "bfloat16",
                                       "bfloat16", res[0]["eps"][0])
-    def t(b: np.ndarray) -> torch.Tensor:  # noqa: E306
-        return torch.from_numpy(b.view(np.int16)).view(torch.bfloat16)
-    s = reference_fold(torch.stack([t(g["x"]) for g in res]), torch.bfloat16)
-    y_def, r_def = add_rms_norm_torch(s, t(res[0]["residual"]), t(res[0]["weight"]), eps=res[0]["eps"][0])
+    s = reference_fold(torch.stack([_bf16(g["x"]) for g in res]), torch.bfloat16)
+    y_def, r_def = add_rms_norm_torch(s, _bf16(res[0]["residual"]), _bf16(res[0]["weight"]), eps=res[0]["eps"][0])
     for got in res:
         np.testing.assert_array_equal(got["r"], r_ref)
         np.testing.assert_array_equal(got["y"], y_ref)
@@ -193,6 +194,36 @@ def test_moe_boundary_is_local_add_norm(tmp_path, cluster2) -> None:  # noqa: AN
         o = [f"model.layers.{i}.self_attn.o_proj.add_norm" for i in (0, 1)]
         assert got["fuse"] and got["norm_sites"] == o and got["sites"] == [o[0], None, o[1], None]
         assert all(got["weights_ok"]) and got["counts"]["hf_norm"] == 0
+
+
+def _biased_llama(directory: str) -> str:
+    """llama-tiny with biases on o_proj and down_proj (``attention_bias``, ``mlp_bias``), seeded."""
+    import transformers
+
+    cfg = tiny_config("llama-tiny")
+    cfg.attention_bias = cfg.mlp_bias = True
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(11)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():  # transformers initializes biases to zero, which would hide a dropped one
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.o_proj, layer.mlp.down_proj):
+                proj.bias.normal_(0.0, 0.5)
+    model.save_pretrained(directory)
+    return directory
+
+
+@pytest.mark.slow
+def test_biased_projection_boundary(tmp_path, cluster2) -> None:  # noqa: ANN001
+    """A row-parallel projection with a bias keeps its all-reduce (+ bias after the sum) and then takes the local
+    canonical add + norm: no add_norm site, the right norms, and the engine still matches transformers."""
+    directory = _biased_llama(str(tmp_path))
+    for got in cluster2.run(job_boundaries, directory, "rl-bitwise", "float32"):
+        assert got["fuse"] and got["norm_sites"] == [] and got["add_norm_collectives"] == {}
+        assert got["sites"] == [None] * 4 and all(got["weights_ok"]) and got["counts"]["hf_norm"] == 0
+    for engine_err, _, lp_err, tokens, ref_tokens in cluster2.run(job_against_unsharded, directory, "float32"):
+        assert engine_err < 1e-4 and lp_err < 1e-4, (engine_err, lp_err)
+        assert tokens == ref_tokens
 
 
 @pytest.mark.slow

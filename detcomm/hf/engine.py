@@ -68,10 +68,10 @@ import torch.nn.functional as F
 
 import detcomm
 
+from ..norm import add_rms_norm
 from ..probe.model import Segment, pack_segments
 from .layers import StepRows
 from .moe_block import EPConfig, EPMoEBlock
-from ..norm import add_rms_norm
 from .shard import Shards, add_norm_site, declare_sites, fuse_boundaries, shard_model
 
 __all__ = ["ServingConfig", "StepLogits", "TPCausalLM", "ROW_ALIGN"]
