@@ -37,7 +37,7 @@ each boundary after a row-parallel projection is one ``detcomm.all_reduce_residu
 the norm is the layer's ``post_attention_layernorm``, after down_proj the next layer's ``input_layernorm`` (the
 final ``model.norm`` after the last layer). Every decoder-level RMSNorm (those three, and layer 0's
 ``input_layernorm`` after the embedding) is then detcomm's canonical norm with the module's weight (model dtype)
-and ``variance_epsilon``, not transformers' arithmetic (fp32 mean of squares, approximate ``rsqrt``, cast, weight
+and ``variance_epsilon``, not transformers' arithmetic (fp32 mean of squares, ``torch.rsqrt``, a cast, the weight
 product in the model dtype): the outputs differ from transformers' own by rounding, never by batch. Qwen3's
 per-head q/k norms stay transformers' (local, row-wise). Two boundaries have nothing to reduce and run the same
 composition with the sum already whole (``detcomm.norm.add_rms_norm``: r = round(fp32(residual) + fp32(s)), y =
