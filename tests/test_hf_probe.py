@@ -1,5 +1,6 @@
-"""The HF probe through detcomm-launch (torchrun, gloo on CPU): bitwise at W=4 under rl-bitwise, with the JSON
-record per request (token ids and logprob bits in hex); the native negative control must diverge at W=3.
+"""The HF probe through detcomm-launch (torchrun, gloo on CPU): bitwise at W=4 under rl-bitwise, its layer
+boundaries fused (the add_norm sites in the route table), with the JSON record per request (token ids and logprob
+bits in hex); the native negative control (transformers' boundaries, no add_norm site) must diverge at W=3.
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ def test_hf_probe_bitwise_w4(tmp_path: Path) -> None:
     res = json.loads(out.read_text())
     assert res["passed"] and res["local_rows_invariant"] and res["world_size"] == 4
     assert res["routes"]["model.layers.1.self_attn.o_proj"] in ("gather_fold", "ipc_fold")
+    fused = {s: r for s, r in res["routes"].items() if s.endswith(".add_norm")}
+    assert sorted(fused) == [f"model.layers.{i}.{m}.add_norm" for i in (0, 1) for m in ("mlp.down_proj", "self_attn.o_proj")]
+    assert set(fused.values()) <= {"gather_fold", "ipc_fold"}
     for req in res["requests"]:
         runs = req["runs"]
         assert len(runs["alone"]["tokens"]) == 6
@@ -50,4 +54,5 @@ def test_hf_probe_native_diverges_w3(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     res = json.loads(out.read_text())
     assert not res["passed"] and res["numerics"] == "auto"
+    assert not any(s.endswith(".add_norm") for s in res["routes"])
     assert any(c["diverged"] for c in res["comparisons"] if "vs alone" in c["comparison"])

@@ -37,6 +37,22 @@ fixed head groups (heads/B query heads with their KV heads, one call each) and t
 blocks (``detcomm.tp.VocabParallelHead``), B = ``shard.invariant_blocks(config)``: the same bits at every W
 dividing B (and V).
 
+Layer boundaries (docs/spec.md §9.2). In the fold layout under a bitwise envelope with no forced route
+(``TPCausalLM.fuse``),
+each boundary after a row-parallel projection is one ``detcomm.all_reduce_residual_rmsnorm`` call at the site
+``<projection site>.add_norm``, returning the next residual stream r and the next norm's output y: after o_proj
+the norm is the layer's ``post_attention_layernorm``, after down_proj the next layer's ``input_layernorm`` (the
+final ``model.norm`` after the last layer). Every decoder-level RMSNorm (those three, and layer 0's
+``input_layernorm`` after the embedding) is then detcomm's canonical norm with the module's weight (model dtype)
+and ``variance_epsilon``, not transformers' arithmetic (fp32 mean of squares, ``torch.rsqrt``, a cast, the weight
+product in the model dtype): the outputs differ from transformers' own by rounding, never by batch. Qwen3's
+per-head q/k norms stay transformers' (local, row-wise). Two boundaries have nothing to reduce and run the same
+composition with the sum already whole (``detcomm.norm.add_rms_norm``: r = round(fp32(residual) + fp32(s)), y =
+the canonical norm of r, which is the composition at W = 1): after an expert-parallel MoE block, whose output is
+already the full row (the combine's fold, all-gathered), and after a projection with a bias, which keeps its own
+all-reduce + bias (``RowParallelLinear``) and so its rounding of s + bias. Under ``numerics="auto"`` or a forced
+route (the negative controls) the boundaries stay transformers' residual adds and norm modules.
+
 What it costs: every step pays T_pad rows of GEMM whatever its real row count (a decode step of c requests
 does T_pad / c times the useful GEMM work: 64x at c = 1 with T_pad = 64, nothing extra at c = T_pad); each
 request's attention costs ceil(n / q_block) blocks of q_block x max_context scores per layer whatever its
@@ -59,10 +75,11 @@ import torch.nn.functional as F
 
 import detcomm
 
+from ..norm import add_rms_norm
 from ..probe.model import Segment, pack_segments
 from .layers import StepRows
 from .moe_block import EPConfig, EPMoEBlock
-from .shard import Shards, declare_sites, shard_model
+from .shard import Shards, add_norm_site, declare_sites, fuse_boundaries, shard_model
 
 __all__ = ["ServingConfig", "StepLogits", "TPCausalLM", "ROW_ALIGN"]
 
@@ -134,8 +151,11 @@ class TPCausalLM:
         if self.dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype}")
         self.layers: list[Any] = list(model.model.layers)
+        # Fused layer boundaries and canonical norms (module docstring); the invariant layouts' row-parallel layers
+        # are not one all-reduce of a partial, so they keep their own reductions and transformers' norms.
+        self.fuse = layout == "fold" and fuse_boundaries(route)
         declare_sites(self.shards, hidden=self.config.hidden_size, dtype=self.dtype, max_rows=serving.t_pad,
-                      route=route)
+                      route=route, fuse=self.fuse)
         # The invariant layouts: heads run in fixed groups (one Q column block and its KV heads); the
         # detcomm.tp layers declare their own sites.
         self.invariant = layout != "fold"
@@ -239,6 +259,38 @@ class TPCausalLM:
                 out[b0 : b0 + m, cols] = o[0, :m].reshape(m, gq * s.head_dim)  # o: [1, q_block, group, hd]
         return out
 
+    # -- fused layer boundaries (module docstring) --------------------------------------------------------
+    def _canonical_norm(self, norm: Any, h: torch.Tensor, rows: int) -> torch.Tensor:
+        """detcomm's canonical RMSNorm of the real rows with the HF module's weight and eps (filler rows: zero)."""
+        x = torch.zeros_like(h)
+        x[:rows] = detcomm.rms_norm(h[:rows], norm.weight, eps=norm.variance_epsilon)
+        return x
+
+    def _add_norm(self, x: torch.Tensor, h: torch.Tensor, norm: Any, rows: int, *,
+                  site: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual stream, normed) after one boundary on the real rows (filler rows of the normed output: zero).
+        ``site``: x is this rank's partial sum, reduced there by ``detcomm.all_reduce_residual_rmsnorm``
+        (collective); None: x is already the whole sum (``add_rms_norm``, local)."""
+        w, eps = norm.weight, norm.variance_epsilon
+        if site is None:
+            y, r = add_rms_norm(x[:rows], h[:rows], w, eps=eps)
+        else:
+            y, r = detcomm.all_reduce_residual_rmsnorm(x[:rows], h[:rows], w, eps=eps, site=site)
+        h = h.clone()
+        h[:rows] = r
+        normed = torch.zeros_like(h)  # rows never mix, so the filler's values do not matter: zero is the cheapest
+        normed[:rows] = y
+        return h, normed
+
+    def _boundary(self, proj: Any, inp: torch.Tensor, h: torch.Tensor, norm: Any,
+                  rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The boundary after row-parallel ``proj`` (o_proj, down_proj) of ``inp``. Bias-free: its local partial
+        product goes to the fused site; with a bias: the projection's own all-reduce + bias, then the add and
+        norm. Collective."""
+        if proj.bias is None:
+            return self._add_norm(F.linear(inp, proj.weight), h, norm, rows, site=add_norm_site(proj.site))
+        return self._add_norm(proj(inp), h, norm, rows, site=None)
+
     @torch.no_grad()
     def forward(self, segments: Sequence[Segment]) -> tuple[StepLogits, list[int]]:
         """Run one step over the segments' rows, packed in order. Collective.
@@ -252,9 +304,10 @@ class TPCausalLM:
         self.step_rows.rows = rows
         try:
             h = self.model.model.embed_tokens(ids)  # [T_pad, hidden]
+            first = self.layers[0].input_layernorm
+            x = self._canonical_norm(first, h, rows) if self.fuse else first(h)
             for li, layer in enumerate(self.layers):
                 attn = layer.self_attn
-                x = layer.input_layernorm(h)
                 q = attn.q_proj(x).view(c.t_pad, s.heads, hd)
                 k = attn.k_proj(x).view(c.t_pad, s.kv_heads, hd)
                 v = attn.v_proj(x).view(c.t_pad, s.kv_heads, hd)
@@ -266,9 +319,19 @@ class TPCausalLM:
                 for seg, o in zip(segments, offsets):
                     n = len(seg.tokens)
                     mixed[o : o + n] = self._attention(li, attn, q[:, o : o + n], k[:, o : o + n], v[:, o : o + n], seg)
-                h = h + attn.o_proj(mixed)
-                h = h + layer.mlp(layer.post_attention_layernorm(h))
-            logits = self.model.lm_head.shard_logits(self.model.model.norm(h))  # [T_pad, shard] fp32
+                nxt = self.layers[li + 1].input_layernorm if li + 1 < len(self.layers) else self.model.model.norm
+                if not self.fuse:  # transformers' residual adds and norm modules
+                    h = h + attn.o_proj(mixed)
+                    h = h + layer.mlp(layer.post_attention_layernorm(h))
+                    x = nxt(h)
+                    continue
+                h, x = self._boundary(attn.o_proj, mixed, h, layer.post_attention_layernorm, rows)
+                mlp = layer.mlp
+                if isinstance(mlp, EPMoEBlock):  # its output is already the whole row: nothing to reduce
+                    h, x = self._add_norm(mlp(x), h, nxt, rows, site=None)
+                else:  # transformers' MLP, its down_proj's partial product handed to the fused boundary
+                    h, x = self._boundary(mlp.down_proj, mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x), h, nxt, rows)
+            logits = self.model.lm_head.shard_logits(x)  # [T_pad, shard] fp32
         finally:
             self.step_rows.rows = None
         picks = [i for i, seg in enumerate(segments) if seg.sample]

@@ -7,6 +7,11 @@ qualified name (``model.layers.3.self_attn.o_proj``). The embedding and the LM h
 (``model.embed_tokens``, ``lm_head.*`` sites). Everything else (norms, rotary tables, activations, Qwen3's
 per-head q/k norms) stays transformers' own module, replicated.
 
+Under a bitwise envelope (and no forced route: ``fuse_boundaries``) every layer boundary after a bias-free
+row-parallel projection is one ``detcomm.all_reduce_residual_rmsnorm`` call, declared as collective
+``all_reduce_rmsnorm`` at ``<projection site>.add_norm`` (``model.layers.3.self_attn.o_proj.add_norm``); the
+plain all-reduce sites stay declared for transformers' own forward.
+
 The shapes are checked before anything is cut: a head count or FFN width that W does not divide is refused
 with the world sizes that would work.
 """
@@ -33,7 +38,8 @@ from .layers import (
 )
 from .moe_block import MOE_FAMILIES, EPConfig, EPMoEBlock, dense_ffn_width, moe_block_of
 
-__all__ = ["SUPPORTED_FAMILIES", "Shards", "check_divisible", "invariant_blocks", "shard_model", "declare_sites"]
+__all__ = ["SUPPORTED_FAMILIES", "Shards", "check_divisible", "invariant_blocks", "shard_model", "declare_sites",
+           "add_norm_site", "fuse_boundaries"]
 
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", *MOE_FAMILIES)
 
@@ -56,6 +62,20 @@ class Shards:
     moe_blocks: tuple[EPMoEBlock, ...] = ()  # expert-parallel MoE blocks in layer order (detcomm.hf.moe_block)
     layout: str = "fold"  # "fold", "virtual" or "full_k"
     blocks: int = 1  # fixed blocks of the invariant layouts (heads, KV heads, FFN, hidden, vocabulary)
+    norm_sites: tuple[str, ...] = ()  # fused layer-boundary sites of the bias-free row-parallel projections
+
+
+def add_norm_site(row_site: str) -> str:
+    """The fused all-reduce + residual add + RMSNorm site of a row-parallel projection's site (the model
+    probe's naming: ``<site>.add_norm``)."""
+    return f"{row_site}.add_norm"
+
+
+def fuse_boundaries(route: str | None) -> bool:
+    """Whether the layer boundaries run fused (``detcomm.all_reduce_residual_rmsnorm`` and the canonical norm):
+    under a bitwise envelope when no route is forced (a forced route, e.g. the native negative control, keeps the
+    plain all-reduce and transformers' norms), as in the model probe. Local."""
+    return route is None and detcomm.get_communicator().resolved.bitwise
 
 
 def _divisors_of_all(*values: int) -> list[int]:
@@ -132,6 +152,7 @@ def shard_model(model: Any, *, rank: int, world: int, step: StepRows, ep: EPConf
     head_dim = decoder.layers[0].self_attn.head_dim
     names = {id(m): n for n, m in model.named_modules()}
     row_sites: list[str] = []
+    norm_sites: list[str] = []  # a projection with a bias keeps its plain site (the bias is added after the sum)
     moe_blocks: list[EPMoEBlock] = []
     for layer in decoder.layers:
         attn = layer.self_attn
@@ -151,6 +172,8 @@ def shard_model(model: Any, *, rank: int, world: int, step: StepRows, ep: EPConf
             attn.v_proj = BlockColumnLinear(attn.v_proj, k0, k0 + kvl * head_dim, block=kb)
             attn.o_proj = InvariantRowLinear(attn.o_proj, q0, q0 + hl * head_dim, site=o_site, **row)  # type: ignore[arg-type]
         row_sites.append(o_site)
+        if layout == "fold" and attn.o_proj.bias is None:
+            norm_sites.append(add_norm_site(o_site))
         sparse = moe_block_of(layer)
         if sparse is not None:  # expert-parallel instead of an FFN split; the engine calls layer.mlp
             attr, block = sparse
@@ -172,6 +195,8 @@ def shard_model(model: Any, *, rank: int, world: int, step: StepRows, ep: EPConf
             mlp.up_proj = BlockColumnLinear(mlp.up_proj, rank * fl, (rank + 1) * fl, block=fb)
             mlp.down_proj = InvariantRowLinear(mlp.down_proj, rank * fl, (rank + 1) * fl, site=d_site, **row)  # type: ignore[arg-type]
         row_sites.append(d_site)
+        if layout == "fold" and mlp.down_proj.bias is None:
+            norm_sites.append(add_norm_site(d_site))
     vocab = config.vocab_size
     width = vocab_shard_width(vocab, world)
     embed_site = names[id(decoder.embed_tokens)]
@@ -188,20 +213,25 @@ def shard_model(model: Any, *, rank: int, world: int, step: StepRows, ep: EPConf
                                                   step=step)
     return Shards(rank=rank, world=world, heads=hl, kv_heads=kvl, head_dim=head_dim, ffn=fl, vocab=vocab,
                   vocab_width=width, row_sites=tuple(row_sites), embed_site=embed_site, head_sites=head_sites,
-                  moe_blocks=tuple(moe_blocks), layout=layout, blocks=blocks)
+                  moe_blocks=tuple(moe_blocks), layout=layout, blocks=blocks, norm_sites=tuple(norm_sites))
 
 
-def declare_sites(shards: Shards, *, hidden: int, dtype: torch.dtype, max_rows: int, route: str | None = None) -> None:
+def declare_sites(shards: Shards, *, hidden: int, dtype: torch.dtype, max_rows: int, route: str | None = None,
+                  fuse: bool = False) -> None:
     """Declare every site of the sharded model, in one order on every rank. Collective.
 
     ``max_rows``: the most rows one call carries (the serving config's padded step width). ``route`` forces
-    the route of the sum sites (o_proj, down_proj, the embedding): "native" is the negative control."""
+    the route of the sum sites (o_proj, down_proj, the embedding): "native" is the negative control. ``fuse``
+    (``fuse_boundaries(route)``, fold layout only) also declares the fused layer-boundary sites
+    (``shards.norm_sites``)."""
     if shards.layout != "fold":
         detcomm.site(shards.embed_site, collective="all_reduce", dtype=dtype, shape=(hidden,), max_rows=max_rows,
                      route=route)
         return
     for name in (shards.embed_site, *shards.row_sites):
         detcomm.site(name, collective="all_reduce", dtype=dtype, shape=(hidden,), max_rows=max_rows, route=route)
+    for name in shards.norm_sites if fuse else ():
+        detcomm.site(name, collective="all_reduce_rmsnorm", dtype=dtype, shape=(hidden,), max_rows=max_rows)
     w = shards.vocab_width
     s = shards.head_sites
     detcomm.site(s["gather"], collective="all_gather", dtype=dtype, shape=(w,), max_rows=max_rows)
