@@ -211,3 +211,56 @@ def test_arguments_are_refused_before_any_launch():
         v.all_reduce_virtual(x, dtype=torch.bfloat16, out=torch.empty(4, 8, device="cuda:0"))
     calls = v._calls
     assert calls == R.views[1]._calls  # nothing launched: the ranks still agree
+
+
+# ---- through the public API: W processes sharing one GPU (gloo side channel), self-checks on -------------------
+def job_public_api(rank: int, w: int, variant: str) -> dict[str, object]:
+    import detcomm
+    import detcomm.workspace as ws_mod
+
+    if variant != "canonical":
+        real = ws_mod.Workspace.create.__func__  # type: ignore[attr-defined]
+        ws_mod.Workspace.create = classmethod(lambda cls, *a, **k: real(cls, *a, _variant=variant, **k))  # type: ignore[method-assign]
+    comm = detcomm.init(numerics="rl-bitwise", device="cuda:0")
+    s = V // w
+    out: dict[str, object] = {}
+    for dtype in ("bfloat16", "float32"):
+        comm.site(f"vs.{dtype}", collective="all_reduce", dtype=getattr(torch, dtype), shape=(N,), max_rows=64,
+                  virtual_shards=V)
+    out["routes"] = {e["site"]: (e["route"], e["why"]) for e in comm.routes().as_dicts()}
+    ws = comm._workspace
+    if ws is not None:
+        need = {("all_reduce_virtual", "bfloat16", v) for v in ws.virtual_variants(torch.bfloat16, N, 64, s)}
+        out["variants_missing"] = sorted(need - ws.variants_run)
+    ok = []
+    for dtype in ("bfloat16", "float32"):
+        for rows in (1, 5, 64):
+            bits = partials(100 + rows, rows, N, dtype)
+            mine = to_tensor(np.ascontiguousarray(bits[rank * s:(rank + 1) * s]), "float32", "cuda:0")
+            got = from_tensor(comm.all_reduce(mine, site=f"vs.{dtype}"))
+            ok.append(bool(np.array_equal(got, oracle(bits, dtype))))
+    out["ok"] = ok
+    out["checks"] = [(c.key.label(), c.passed) for c in comm.checks()]
+    detcomm.shutdown()
+    return out
+
+
+def test_public_api_routes_virtual_sites_to_the_workspace_and_the_checks_refuse_a_rotated_build():
+    """W = 3 processes on one GPU: a virtual-shard all-reduce site takes ipc_fold, every reachable variant ran in
+    its self-check, and the results are the oracle's. Negative control: with the rotated build the self-check
+    refuses ipc_fold and the site falls back to gather_fold (the same canonical bits)."""
+    from detcomm._spawn import LocalCluster
+
+    for variant in ("canonical", "rotated"):
+        with LocalCluster(3, backend="gloo", pg_timeout_s=120) as c:
+            res = c.run(job_public_api, variant, timeout_s=600)
+        for r in res:
+            assert all(r["ok"]), r
+            route, why = r["routes"]["vs.bfloat16"]
+            if variant == "canonical":
+                assert route == "ipc_fold" and "V/W=4 fp32 slabs" in why, r
+                assert r["variants_missing"] == [], r
+                assert any(label.startswith("ipc_fold") and f"virtual_shards={V}" in label and passed
+                           for label, passed in r["checks"]), r["checks"]
+            else:
+                assert route == "gather_fold" and "refused: ipc_fold" in why and "(c) differs" in why, r
