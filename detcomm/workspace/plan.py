@@ -190,6 +190,19 @@ def reduce_scatter_slices(chunk_rows: int, row_elems: int, dtype: str, grid: int
 
 
 # --- kernel variants a site can reach -----------------------------------------------------------------------
+def _by_launch_bytes(per: int, row_bytes: int, max_rows: int, one_shot_max_bytes: int) -> list[str]:
+    """An all-reduce's paths when a launch carries `per` rows of row_bytes and picks one-shot up to
+    one_shot_max_bytes, two-shot above: [] when per < 1."""
+    if per < 1:
+        return []
+    out = []
+    if row_bytes <= one_shot_max_bytes:
+        out.append("one_shot")
+    if min(max_rows, per) * row_bytes > one_shot_max_bytes:
+        out.append("two_shot")
+    return out + (["chunked"] if max_rows > per else [])
+
+
 def variants(collective: str, *, row_bytes: int, max_rows: int, world_size: int, capacity_bytes: int,
              one_shot_max_bytes: int) -> list[str]:
     """The code paths calls of 1..max_rows rows of row_bytes each can take, in a fixed order: the kernels
@@ -201,15 +214,7 @@ def variants(collective: str, *, row_bytes: int, max_rows: int, world_size: int,
     if row_bytes < 1 or max_rows < 1:
         raise ValueError(f"row_bytes and max_rows must be >= 1, got {row_bytes} and {max_rows}")
     if collective == "all_reduce":
-        per = capacity_bytes // row_bytes
-        if per < 1:
-            return []
-        out = []
-        if row_bytes <= one_shot_max_bytes:
-            out.append("one_shot")
-        if min(max_rows, per) * row_bytes > one_shot_max_bytes:
-            out.append("two_shot")
-        return out + (["chunked"] if max_rows > per else [])
+        return _by_launch_bytes(capacity_bytes // row_bytes, row_bytes, max_rows, one_shot_max_bytes)
     if collective == "reduce_scatter":
         per = capacity_bytes // (row_bytes * world_size)
         if per < 1:
@@ -270,15 +275,7 @@ def virtual_variants(*, row_numel: int, shards_per_rank: int, max_rows: int, wor
         raise ValueError(f"max_rows must be >= 1, got {max_rows}")
     per = virtual_rows_per_launch(capacity_bytes, row_numel, shards_per_rank, world_size=world_size, dtype=dtype,
                                   grid=grid)
-    if per < 1:
-        return []
-    row_bytes = shards_per_rank * row_numel * F32_BYTES
-    out = []
-    if row_bytes <= one_shot_max_bytes:
-        out.append("one_shot")
-    if min(max_rows, per) * row_bytes > one_shot_max_bytes:
-        out.append("two_shot")
-    return out + (["chunked"] if max_rows > per else [])
+    return _by_launch_bytes(per, shards_per_rank * row_numel * F32_BYTES, max_rows, one_shot_max_bytes)
 
 
 # --- fused all-reduce + residual add + RMSNorm (csrc/fused_rmsnorm.cu) ---------------------------------------

@@ -160,7 +160,7 @@ def test_unaligned_partials_and_output(world):
             check_all([from_tensor(o) for o in outs], want, f"W={world} {dtype} {algo} unaligned")
 
 
-@pytest.mark.parametrize("world", [3, 4])
+@pytest.mark.parametrize("world", [3])  # W = 3 is the smallest W where the controls must differ
 def test_negative_controls_differ(world):
     """The checks above can fail: folding the peers in a rotated order (the rotated build), or folding per-rank
     pre-sums (each rank's S slabs summed in fp32 and rounded, then the plain fold over ranks), gives other bits."""
