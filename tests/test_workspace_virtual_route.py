@@ -1,6 +1,7 @@
 """The static rule that routes virtual-shard all-reduce sites (docs/spec.md §9.1) to the workspace's virtual kernels,
 and ipc_fold's binding of such a site to Workspace.all_reduce_virtual with every reachable variant exposed for the
-self-checks (no GPU: routing is a pure function of static facts; the binding is checked against a recording fake)."""
+self-checks (no GPU: routing is a pure function of static facts; the binding is checked against a recording fake,
+and the self-checks against a CPU stand-in of the workspace whose variants can each be made wrong, on gloo)."""
 
 from __future__ import annotations
 
@@ -100,3 +101,58 @@ def test_ipc_fold_binds_virtual_sites_with_every_variant_forced() -> None:
         v(x, NO_ARGS)
     base = {"dtype": torch.bfloat16, "label": "o_proj"}
     assert ws.calls == [base, {**base, "algo": "one_shot"}, {**base, "algo": "two_shot"}, {**base, "chunk_rows": 1}]
+
+
+class _StandInVirtualWorkspace:
+    """Serves ipc_fold's virtual-shard calls on CPU with the reference fold of the gathered shards (rank r's slab j
+    is shard r*S + j); the variant named `wrong` flips one bit of its result (None: none does). Records which
+    variant each call forced."""
+
+    def __init__(self, native, wrong: str | None) -> None:  # noqa: ANN001
+        self.native, self.wrong = native, wrong
+        self.world_size = native.world_size
+        self.ran: list[str] = []
+
+    def virtual_variants(self, dtype: torch.dtype, row_numel: int, max_rows: int, shards: int) -> list[str]:
+        return ["one_shot", "two_shot", "chunked"]
+
+    def all_reduce_virtual(self, x: torch.Tensor, *, dtype: torch.dtype, algo: str | None = None,
+                           chunk_rows: int | None = None, label: str | None = None) -> torch.Tensor:
+        from detcomm.fold import reference_fold
+
+        variant = algo or ("chunked" if chunk_rows is not None else "")
+        self.ran.append(variant)
+        shards = self.native.all_gather(x.contiguous()).view(-1, *x.shape[1:])  # [W*S, rows, ...]: shard order
+        y = reference_fold(shards, dtype).clone()
+        if variant == self.wrong:
+            y.view(torch.int16 if dtype != torch.float32 else torch.int32).view(-1)[0] ^= 1
+        return y
+
+
+def job_virtual_variant_checks(rank: int, w: int) -> list[tuple[str | None, bool, str, list[str]]]:
+    import torch.distributed as dist
+
+    from detcomm.backends.ipc_fold import IpcFoldBackend
+    from detcomm.backends.native import NativeBackend
+    from detcomm.selfcheck import SelfChecks
+
+    native = NativeBackend(dist.group.WORLD)
+    site = Site("vs.ar", Collective.ALL_REDUCE, torch.bfloat16, (24,), 64, virtual_shards=12)
+    out = []
+    for wrong in (None, "one_shot", "two_shot", "chunked"):
+        ws = _StandInVirtualWorkspace(native, wrong)
+        bound = IpcFoldBackend(ws, resolved=resolve_numerics("rl-bitwise")).bind(site)  # type: ignore[arg-type]
+        result = SelfChecks(native=native, device=torch.device("cpu"))(bound)
+        out.append((wrong, result.passed, result.key.variant, sorted(set(ws.ran))))
+    return out
+
+
+@pytest.mark.parametrize("cluster", [2, 3], indirect=True, ids=["W2", "W3"])
+def test_selfchecks_prove_every_virtual_variant(cluster) -> None:  # noqa: ANN001
+    """The self-checks of a virtual-shard ipc_fold site run the default call and every forced variant with V fp32
+    inputs against the reference fold of the V shards; a wrong bit in any one variant refuses the route, naming it."""
+    for res in cluster.run(job_virtual_variant_checks, timeout_s=300):
+        (_, ok, _, ran), *bad = res
+        assert ok and ran == ["", "chunked", "one_shot", "two_shot"], res
+        for wrong, passed, variant, _ in bad:
+            assert not passed and variant == wrong, res
