@@ -585,7 +585,7 @@ class AutoBackend:
         if not self.caps.workspace:
             return self.caps.workspace_reason
         if self._virtual_slab_bytes(site) > self.caps.workspace_bytes:
-            return (f"one row's {site.virtual_shards // self.caps.world_size} fp32 slabs "
+            return (f"one row's V/W={site.virtual_shards // self.caps.world_size} fp32 slabs "  # type: ignore[operator]
                     f"({self._virtual_slab_bytes(site)} bytes) exceed a workspace launch "
                     f"(workspace_bytes={self.caps.workspace_bytes})")
         return None
