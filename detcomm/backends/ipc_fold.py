@@ -111,7 +111,8 @@ class IpcFoldBackend:
         forced: dict[str, Call] = {}
         for v in ws.virtual_variants(dtype, site.row_numel, site.max_rows, shards):
             kw: dict[str, object] = {"chunk_rows": 1} if v == "chunked" else {"algo": v}
-            forced[v] = lambda x, a, kw=kw: ws.all_reduce_virtual(x, dtype=dtype, label=label, **kw)  # type: ignore[misc]
+            forced[v] = lambda x, a, kw=kw: ws.all_reduce_virtual(  # type: ignore[misc]
+                x, dtype=dtype, label=label, **kw)
         return Bound(self.route, site, lambda x, a: ws.all_reduce_virtual(x, dtype=dtype, label=label), forced)
 
     def _bind_norm(self, site: Site, bound: Bound, forced: dict[str, Call]) -> FusedBound:
