@@ -119,8 +119,8 @@ def test_every_variant_every_world_matches_the_oracle(dtype):
 @pytest.mark.parametrize("world", [3, 4])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_many_grid_sweeps_and_natural_chunking(world, dtype):
-    """Messages longer than one grid sweep (one-shot units and two-shot slices both wrap the grid), and a
-    capacity that chunks the call without being asked."""
+    """Messages longer than one grid sweep (on an H200 at W = 3 / 4: 44 / 33 blocks; the one-shot units of every
+    dtype and the fp32 two-shot slices wrap the grid), and a capacity that chunks the call without being asked."""
     rows, n = 4096, 72
     bits = partials(11, rows, n, dtype)
     want = oracle(bits, dtype)
