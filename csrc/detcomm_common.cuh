@@ -69,6 +69,8 @@ typedef long long i64;
 #define DETCOMM_KIND_ALL_GATHER 4
 #define DETCOMM_KIND_FUSED_NORM_1SHOT 5  // csrc/fused_rmsnorm.cu
 #define DETCOMM_KIND_FUSED_NORM_2SHOT 6
+#define DETCOMM_KIND_VIRTUAL_1SHOT 7  // csrc/virtual_fold.cu
+#define DETCOMM_KIND_VIRTUAL_2SHOT 8
 
 #define BARRIER_START 0
 #define BARRIER_MID 1

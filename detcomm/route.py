@@ -146,7 +146,7 @@ _CARRIES: Mapping[Route, frozenset[Collective]] = {
 # the fp32 partials; a2a_fold exchanges column blocks (all-reduce) or row blocks (reduce-scatter) of them; the
 # native route (outside bitwise envelopes, forced only) sums each rank's pre-folded partials in the library.
 VIRTUAL_SHARD_COLLECTIVES = frozenset({Collective.ALL_REDUCE, Collective.REDUCE_SCATTER})
-_VIRTUAL_ROUTES = frozenset({Route.GATHER_FOLD, Route.A2A_FOLD, Route.NATIVE})
+_VIRTUAL_ROUTES = frozenset({Route.GATHER_FOLD, Route.A2A_FOLD, Route.NATIVE, Route.IPC_FOLD})
 
 
 @dataclass(frozen=True)
@@ -239,8 +239,10 @@ class Site:
                              "afterwards for a mean), or drop virtual_shards")
         if self.route is not None and self.route not in _VIRTUAL_ROUTES:
             raise ValueError(f"site {self.name!r}: route {self.route.value!r} cannot carry a virtual-shard site"
-                             f"{' (the workspace kernels fold one input per rank)' if self.route is Route.IPC_FOLD else ''}"
                              f"; routes that can: {sorted(r.value for r in _VIRTUAL_ROUTES)}")
+        if self.route is Route.IPC_FOLD and self.collective is not Collective.ALL_REDUCE:
+            raise ValueError(f"site {self.name!r}: route 'ipc_fold' folds virtual shards for all_reduce sites only "
+                             "(the workspace has no virtual-shard reduce-scatter); drop route= (a2a_fold carries it)")
 
     @property
     def is_float(self) -> bool:
@@ -527,7 +529,8 @@ class AutoBackend:
         """A virtual-shard site (docs/spec.md §9.1): gather_fold or a2a_fold under every envelope, by a static
         rule. The declaration asks for bits that do not depend on W; under ``auto`` the native route would give
         other numerics without a word, so it serves such a site only when forced (outside bitwise envelopes),
-        as a negative control. The workspace kernels fold one input per rank, never V/W of them."""
+        as a negative control. An all-reduce site takes the workspace first where it is armed and one row's V/W
+        fp32 slabs fit a launch (csrc/virtual_fold.cu; `_virtual_workspace_refusal`); reduce-scatter never does."""
         v, w = site.virtual_shards, self.caps.world_size
         assert v is not None
         if v % w:
@@ -542,15 +545,62 @@ class AutoBackend:
                     f"(W-dependent, not batch-invariant) and numerics={self.resolved.numerics!r} promises bitwise "
                     "batch invariance; drop route= (gather_fold/a2a_fold fold the V shards) or use numerics='auto'"
                 )
+            if site.route is Route.IPC_FOLD:
+                no_ws = self._virtual_workspace_refusal(site)
+                if no_ws is not None:
+                    raise ValueError(f"site {site.name!r}: route='ipc_fold' is unavailable for {v} virtual shards: "
+                                     f"{no_ws}; drop route= (gather_fold / a2a_fold fold the V shards on any group)")
             return [RouteDecision(site.route, f"forced by the site's route=; {v} virtual shards")]
-        shards = f"{v} virtual shards, {v // w} fp32 partials per rank; the workspace kernels fold one input per rank"
-        gather = RouteDecision(Route.GATHER_FOLD, f"canonical fold over the shards after an all-gather of the fp32 "
-                                                  f"partials ({shards})")
+        shards = f"{v} virtual shards, {v // w} fp32 partials per rank"
         if site.collective is Collective.REDUCE_SCATTER:
+            shards += "; the workspace kernels fold virtual shards for all-reduce only"
+            gather = RouteDecision(Route.GATHER_FOLD, f"canonical fold over the shards after an all-gather of the "
+                                                      f"fp32 partials ({shards})")
             return [RouteDecision(Route.A2A_FOLD, f"canonical fold over the shards after an all-to-all of the row "
                                                   f"blocks of the fp32 partials ({shards})"), gather]
-        return [gather, RouteDecision(Route.A2A_FOLD, f"all-to-all of column blocks of the fp32 partials, canonical "
-                                                      f"fold, all-gather of the rounded blocks ({shards})")]
+        out: list[RouteDecision] = []
+        no_ws = self._virtual_workspace_refusal(site)
+        if no_ws is None:
+            out.append(RouteDecision(Route.IPC_FOLD, self._virtual_workspace_why(site)))
+            no_ws = "ipc_fold refused"
+        shards += f"; {no_ws}"
+        return out + [
+            RouteDecision(Route.GATHER_FOLD, f"canonical fold over the shards after an all-gather of the fp32 "
+                                             f"partials ({shards})"),
+            RouteDecision(Route.A2A_FOLD, f"all-to-all of column blocks of the fp32 partials, canonical fold, "
+                                          f"all-gather of the rounded blocks ({shards})")]
+
+    # -- virtual-shard all-reduce sites on the workspace (csrc/virtual_fold.cu; a self-contained rule) ----------
+    def _virtual_slab_bytes(self, site: Site) -> int:
+        """fp32 bytes of one row's V/W slabs on one rank: what a launch must hold per row."""
+        assert site.virtual_shards is not None
+        return site.virtual_shards // self.caps.world_size * site.row_numel * 4
+
+    def _virtual_workspace_refusal(self, site: Site) -> str | None:
+        """Why a virtual-shard all-reduce site cannot take the workspace (None: it can). Static: the workspace is
+        armed and one row's V/W fp32 slabs fit one launch (workspace_bytes); more rows than a launch holds are
+        chunked (the fold is element-wise: same bits)."""
+        if self.resolved.switches.force_deterministic_rsag:
+            return "force_deterministic_rsag: no symmetric-memory path"
+        if not self.caps.workspace:
+            return self.caps.workspace_reason
+        if self._virtual_slab_bytes(site) > self.caps.workspace_bytes:
+            return (f"one row's V/W={site.virtual_shards // self.caps.world_size} fp32 slabs "  # type: ignore[operator]
+                    f"({self._virtual_slab_bytes(site)} bytes) exceed a workspace launch "
+                    f"(workspace_bytes={self.caps.workspace_bytes})")
+        return None
+
+    def _virtual_workspace_why(self, site: Site) -> str:
+        k = site.virtual_shards // self.caps.world_size  # type: ignore[operator]
+        per = self.caps.workspace_bytes // self._virtual_slab_bytes(site)
+        launches = -(-site.max_rows // per)
+        why = (f"the CUDA-IPC workspace kernels fold the V/W={k} fp32 slabs of every rank in global shard order "
+               f"({site.virtual_shards} virtual shards), one rounding")
+        if site.max_rows > self.caps.workspace_max_rows:
+            why += f"; chunked above the armed {self.caps.workspace_max_rows} rows"
+        if launches > 1:
+            why += f"; {launches} launches per call at max_rows (workspace_bytes={self.caps.workspace_bytes})"
+        return why
 
     def _launches(self, site: Site) -> int:
         """How many workspace launches a call at ``max_rows`` takes (rows beyond workspace_bytes are chunked)."""

@@ -162,7 +162,8 @@ def job_errors(rank: int, w: int) -> list[tuple[str, str, str]]:
     expect("max", site("e5", op="max"))
     expect("all_gather", site("e6", collective="all_gather"))
     expect("int dtype", site("e7", dtype=torch.int32))
-    expect("ipc_fold", site("e8", route="ipc_fold"))
+    expect("ipc_fold", site("e8", route="ipc_fold"))  # no workspace on a gloo CPU group
+    expect("ipc_fold rs", site("e8rs", collective="reduce_scatter", route="ipc_fold"))
     expect("native bitwise", site("e9", route="native"))
     detcomm.site("ok", collective="all_reduce", dtype=bf16, shape=(8,), max_rows=4, virtual_shards=4)
     detcomm.site("ok.rs", collective="reduce_scatter", dtype=bf16, shape=(8,), max_rows=4, virtual_shards=4)
@@ -314,7 +315,8 @@ def test_refusals(cluster2: LocalCluster) -> None:
             "max": ("ValueError", ["op='sum'"]),
             "all_gather": ("ValueError", ["all_reduce and reduce_scatter"]),
             "int dtype": ("ValueError", ["float dtype"]),
-            "ipc_fold": ("ValueError", ["fold one input per rank", "gather_fold"]),
+            "ipc_fold": ("ValueError", ["route='ipc_fold' is unavailable", "gather_fold"]),
+            "ipc_fold rs": ("ValueError", ["all_reduce sites only", "a2a_fold"]),
             "native bitwise": ("ValueError", ["numerics='auto'"]),
             "bf16 partials": ("ValueError", ["fp32 partials", "dtype bfloat16"]),
             "leading dim": ("ValueError", ["V/W=2", "[4, 4, 8]"]),

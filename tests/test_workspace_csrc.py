@@ -36,7 +36,7 @@ def test_nvcc_compiles(cu, world, tmp_path):
 
 
 @needs_nvcc
-@pytest.mark.parametrize("cu", ["one_shot.cu", "two_shot.cu", "reduce_scatter.cu", "fold_local.cu"])
+@pytest.mark.parametrize("cu", ["one_shot.cu", "two_shot.cu", "reduce_scatter.cu", "fold_local.cu", "virtual_fold.cu"])
 def test_ptx_has_no_fma_and_no_ftz(cu, tmp_path):
     out = tmp_path / "k.ptx"
     p = subprocess.run([NVCC, *FLAGS, "-DDETCOMM_W=4", "-ptx", str(CSRC / cu), "-o", str(out)], capture_output=True, text=True)
@@ -98,20 +98,34 @@ def test_dtype_module_holds_only_its_kernels(tmp_path):
                             "-o", str(out)], capture_output=True, text=True)
         assert p.returncode == 0, p.stderr
         entries = set(re.findall(r"\.entry (\w+)", out.read_text()))
-        want = {n for n in kernels.module_functions(module) if "one_shot" in n}
+        want = {n for n in kernels.module_functions(module) if n.startswith("detcomm_one_shot")}
         assert entries == want, (module, entries)
 
 
 @needs_nvcc
-def test_rotated_negative_control_compiles_differently(tmp_path):
+@pytest.mark.parametrize("cu", ["one_shot.cu", "virtual_fold.cu"])
+def test_rotated_negative_control_compiles_differently(cu, tmp_path):
     ptx = {}
     for variant, extra in (("canonical", []), ("rotated", [f"-D{kernels.ROTATE_MACRO}=1"])):
         out = tmp_path / f"{variant}.ptx"
-        p = subprocess.run([NVCC, *FLAGS, "-DDETCOMM_W=3", *extra, "-ptx", str(CSRC / "one_shot.cu"), "-o", str(out)],
+        p = subprocess.run([NVCC, *FLAGS, "-DDETCOMM_W=3", *extra, "-ptx", str(CSRC / cu), "-o", str(out)],
                            capture_output=True, text=True)
         assert p.returncode == 0, p.stderr
         ptx[variant] = out.read_text()
     assert ptx["canonical"] != ptx["rotated"]
+
+
+@needs_nvcc
+def test_virtual_fold_entry_points_per_dtype_module(tmp_path):
+    """Each dtype module of csrc/virtual_fold.cu defines exactly the two virtual kernels module_functions lists."""
+    for module, code in kernels.MODULE_DTYPE_CODES.items():
+        out = tmp_path / f"{module}.ptx"
+        p = subprocess.run([NVCC, *FLAGS, "-DDETCOMM_W=4", f"-DDETCOMM_DTYPE={code}", "-ptx",
+                            str(CSRC / "virtual_fold.cu"), "-o", str(out)], capture_output=True, text=True)
+        assert p.returncode == 0, p.stderr
+        entries = set(re.findall(r"\.entry (\w+)", out.read_text()))
+        want = {n for n in kernels.module_functions(module) if n.startswith("detcomm_virtual_")}
+        assert entries == want and (module == "bytes" or len(want) == 2), (module, entries)
 
 
 def test_nvrtc_options_are_exact():

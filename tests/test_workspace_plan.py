@@ -156,3 +156,53 @@ def test_one_shot_threshold_from_topology() -> None:
         ["one_shot", "chunked"]
     # Negative control: the old threshold at W = 2 reaches two-shot on the same site.
     assert "two_shot" in p.variants("all_reduce", **big, one_shot_max_bytes=p.DEFAULT_ONE_SHOT_MAX_BYTES)
+
+
+# --- virtual-shard all-reduce (csrc/virtual_fold.cu) -----------------------------------------------------------
+def test_virtual_rows_per_launch_is_the_fp32_capacity_and_stays_in_the_slot():
+    """rows = capacity // (S * row_numel * 4); for every such launch both kernels' slot use (whole units, W slices
+    of L) stays inside slot_bytes, for S up to 64 and every W, dtype and a small and a large grid."""
+    got = plan.virtual_rows_per_launch(1 << 17, 33, 12, world_size=1, dtype="bfloat16", grid=132)
+    assert got == (1 << 17) // (12 * 33 * 4)
+    assert plan.virtual_rows_per_launch(1000, 33, 12, world_size=1, dtype="float32", grid=132) == 0  # 1584 B > 1000
+    for world in range(1, plan.MAX_WORLD + 1):
+        for s in (1, 2, 3, 5, 12, 64):
+            for dtype in ("float32", "bfloat16", "float16"):
+                for grid in (1, 132):
+                    for cap, numel in ((16, 1), (1000, 3), (1 << 16, 33), (12345, 7)):
+                        rows = plan.virtual_rows_per_launch(cap, numel, s, world_size=world, dtype=dtype, grid=grid)
+                        assert rows == cap // (s * numel * 4)
+                        if rows:
+                            n = rows * numel
+                            slot = plan.slot_bytes(cap, world, grid)
+                            for algo in ("one_shot", "two_shot"):
+                                assert plan.virtual_slot_bytes_used(n, s, world, dtype, algo) <= slot
+
+
+def test_virtual_slices_cover_the_slab_in_whole_output_packs():
+    for world in range(1, plan.MAX_WORLD + 1):
+        for dtype, per in (("float32", 4), ("bfloat16", 8), ("float16", 8)):
+            for n in (1, 7, 8, 33, 1000, 4097):
+                L = plan.virtual_slices(n, world, dtype)
+                assert L % per == 0 and world * L >= n and L - -(-n // world) < per
+                assert plan.virtual_slot_bytes_used(n, 3, world, dtype, "two_shot") == 3 * world * L * 4
+                assert plan.virtual_slot_bytes_used(n, 3, world, dtype, "one_shot") == 3 * (-(-n // per) * per) * 4
+    with pytest.raises(ValueError):
+        plan.virtual_slot_bytes_used(8, 1, 1, "float32", "three_shot")
+
+
+def test_virtual_variants():
+    kw = dict(world_size=4, dtype="bfloat16", grid=33)
+    # S = 3, 33 elements: 396 fp32 bytes a row; 100 rows per launch at 39600 bytes of capacity
+    assert plan.virtual_variants(row_numel=33, shards_per_rank=3, max_rows=64, capacity_bytes=39600,
+                                 one_shot_max_bytes=1 << 19, **kw) == ["one_shot"]
+    assert plan.virtual_variants(row_numel=33, shards_per_rank=3, max_rows=101, capacity_bytes=39600,
+                                 one_shot_max_bytes=1 << 19, **kw) == ["one_shot", "chunked"]
+    assert plan.virtual_variants(row_numel=33, shards_per_rank=3, max_rows=64, capacity_bytes=39600,
+                                 one_shot_max_bytes=4000, **kw) == ["one_shot", "two_shot"]
+    assert plan.virtual_variants(row_numel=33, shards_per_rank=3, max_rows=64, capacity_bytes=39600,
+                                 one_shot_max_bytes=100, **kw) == ["two_shot"]
+    assert plan.virtual_variants(row_numel=33, shards_per_rank=3, max_rows=64, capacity_bytes=395,
+                                 one_shot_max_bytes=1 << 19, **kw) == []
+    with pytest.raises(ValueError):
+        plan.virtual_rows_per_launch(100, 0, 3, world_size=1, dtype="float32", grid=1)

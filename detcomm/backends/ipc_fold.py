@@ -4,6 +4,9 @@ The communicator arms the workspace once at startup when the group is on CUDA an
 could use it; the route carries all-reduce and reduce-scatter SUM of floats for sites whose max_rows is within
 the armed rows. The kernels compute the canonical fold bit for bit (the startup self-checks prove it on the
 group before a site is routed here); the row count only picks one-shot, two-shot or chunking.
+
+A virtual-shard all-reduce site (docs/spec.md §9.1) takes the workspace's virtual kernels (csrc/virtual_fold.cu):
+each rank copies its V/W fp32 slabs into its slot and the fold runs over the V shards in global order.
 """
 
 from __future__ import annotations
@@ -63,6 +66,8 @@ class IpcFoldBackend:
         self.resolved = resolved
 
     def bind(self, site: Site) -> BoundRoute:
+        if site.virtual_shards is not None:
+            return self._bind_virtual(site)
         label = site.name
         coll = Collective.ALL_REDUCE if site.collective is Collective.ALL_REDUCE_RMSNORM else site.collective
         ws = self.workspace
@@ -94,6 +99,21 @@ class IpcFoldBackend:
         if site.collective is Collective.ALL_REDUCE_RMSNORM:
             return self._bind_norm(site, bound, forced)
         return Bound(bound.route, bound.site, bound.call, forced, in_place=in_place)
+
+    def _bind_virtual(self, site: Site) -> Bound:
+        """A virtual-shard all-reduce site: calls pass this rank's [V/W, rows, *shape] fp32 partials. Every kernel
+        variant the site's rows can reach (Workspace.virtual_variants) is exposed forced, so the self-checks prove
+        each against the reference fold of the V shards."""
+        assert site.collective is Collective.ALL_REDUCE, "routing sends only virtual-shard all-reduce here"
+        assert site.virtual_shards is not None
+        ws, label, dtype = self.workspace, site.name, site.dtype
+        shards = site.virtual_shards // ws.world_size
+        forced: dict[str, Call] = {}
+        for v in ws.virtual_variants(dtype, site.row_numel, site.max_rows, shards):
+            kw: dict[str, object] = {"chunk_rows": 1} if v == "chunked" else {"algo": v}
+            forced[v] = lambda x, a, kw=kw: ws.all_reduce_virtual(  # type: ignore[misc]
+                x, dtype=dtype, label=label, **kw)
+        return Bound(self.route, site, lambda x, a: ws.all_reduce_virtual(x, dtype=dtype, label=label), forced)
 
     def _bind_norm(self, site: Site, bound: Bound, forced: dict[str, Call]) -> FusedBound:
         """The fused kernel serves the site when fusion is allowed (detcomm.norm.fusion_refusal) and its rows fit a

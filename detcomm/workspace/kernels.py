@@ -53,7 +53,8 @@ def _kernel_source_dir() -> Path:
 
 
 CSRC = _kernel_source_dir()
-KERNEL_FILES = ("one_shot.cu", "two_shot.cu", "reduce_scatter.cu", "all_gather.cu", "fold_local.cu", "fused_rmsnorm.cu")
+KERNEL_FILES = ("one_shot.cu", "two_shot.cu", "reduce_scatter.cu", "all_gather.cu", "fold_local.cu", "fused_rmsnorm.cu",
+                "virtual_fold.cu")
 ROTATE_MACRO = "DETCOMM_ROTATE_RANK_ORDER"
 TRAP_ENV = "DETCOMM_WORKSPACE_TRAP"
 # Test-only builds: "rotated" folds in the wrong rank order, "stale_flags" lets a barrier pass on an earlier use's flag. Each is a
@@ -175,7 +176,8 @@ def module_functions(module: str) -> list[str]:
     if module == "bytes":
         return ["detcomm_all_gather"]
     sfx = plan.DTYPE_SUFFIX[module]
-    return ([f"detcomm_{kind}_{sfx}" for kind in ("one_shot", "two_shot", "reduce_scatter", "fold_local")]
+    return ([f"detcomm_{kind}_{sfx}" for kind in ("one_shot", "two_shot", "reduce_scatter", "fold_local",
+                                                  "virtual_one_shot", "virtual_two_shot")]
             + [plan.fused_norm_kernel(algo, module, w) for algo in plan.FUSED_NORM_ALGOS for w in plan.DTYPE_SUFFIX])
 
 

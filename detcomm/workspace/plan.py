@@ -32,7 +32,7 @@ ERR_OVERLAP = 0xDE7C0005
 ABORT_BY_KERNEL = 0x100
 ABORT_BY_HOST = 0x200
 KIND_CODES = {1: "one_shot", 2: "two_shot", 3: "reduce_scatter", 4: "all_gather", 5: "fused_norm_1shot",
-              6: "fused_norm_2shot"}
+              6: "fused_norm_2shot", 7: "virtual_1shot", 8: "virtual_2shot"}
 DTYPE_CODES = {0: "float32", 1: "bfloat16", 2: "float16", 3: "bytes"}
 BARRIER_NAMES = ("start", "mid", "end")
 
@@ -190,6 +190,19 @@ def reduce_scatter_slices(chunk_rows: int, row_elems: int, dtype: str, grid: int
 
 
 # --- kernel variants a site can reach -----------------------------------------------------------------------
+def _by_launch_bytes(per: int, row_bytes: int, max_rows: int, one_shot_max_bytes: int) -> list[str]:
+    """An all-reduce's paths when a launch carries `per` rows of row_bytes and picks one-shot up to
+    one_shot_max_bytes, two-shot above: [] when per < 1."""
+    if per < 1:
+        return []
+    out = []
+    if row_bytes <= one_shot_max_bytes:
+        out.append("one_shot")
+    if min(max_rows, per) * row_bytes > one_shot_max_bytes:
+        out.append("two_shot")
+    return out + (["chunked"] if max_rows > per else [])
+
+
 def variants(collective: str, *, row_bytes: int, max_rows: int, world_size: int, capacity_bytes: int,
              one_shot_max_bytes: int) -> list[str]:
     """The code paths calls of 1..max_rows rows of row_bytes each can take, in a fixed order: the kernels
@@ -201,15 +214,7 @@ def variants(collective: str, *, row_bytes: int, max_rows: int, world_size: int,
     if row_bytes < 1 or max_rows < 1:
         raise ValueError(f"row_bytes and max_rows must be >= 1, got {row_bytes} and {max_rows}")
     if collective == "all_reduce":
-        per = capacity_bytes // row_bytes
-        if per < 1:
-            return []
-        out = []
-        if row_bytes <= one_shot_max_bytes:
-            out.append("one_shot")
-        if min(max_rows, per) * row_bytes > one_shot_max_bytes:
-            out.append("two_shot")
-        return out + (["chunked"] if max_rows > per else [])
+        return _by_launch_bytes(capacity_bytes // row_bytes, row_bytes, max_rows, one_shot_max_bytes)
     if collective == "reduce_scatter":
         per = capacity_bytes // (row_bytes * world_size)
         if per < 1:
@@ -221,6 +226,56 @@ def variants(collective: str, *, row_bytes: int, max_rows: int, world_size: int,
             return []
         return ["all_gather"] + (["chunked"] if max_rows > per else [])
     raise ValueError(f"collective must be all_reduce, reduce_scatter or all_gather, got {collective!r}")
+
+
+# --- virtual-shard all-reduce (csrc/virtual_fold.cu) --------------------------------------------------------
+# Each rank passes S = V/W fp32 slabs per call; the kernels fold them in units of one output pack (pack_elems of
+# the output dtype: 4 fp32 or 8 bf16/fp16 elements, i.e. 16 or 32 bytes of fp32 in the slot).
+F32_BYTES = 4
+
+
+def virtual_slices(n_elems: int, world_size: int, dtype: str) -> int:
+    """L, the slice length in elements of a virtual two-shot launch of n elements per slab: ceil(n / W) rounded up
+    to whole output packs (rank q folds elements [q*L, (q+1)*L) of every slab)."""
+    return _round_up(max(1, _ceil_div(n_elems, world_size)), pack_elems(dtype))
+
+
+def virtual_slot_bytes_used(n_elems: int, shards_per_rank: int, world_size: int, dtype: str, algo: str) -> int:
+    """Slot bytes one virtual launch writes: S slabs of n fp32 elements rounded up to whole units (one-shot), or
+    S slabs of W slices of L elements (two-shot)."""
+    per = pack_elems(dtype)
+    if algo == "one_shot":
+        return shards_per_rank * _round_up(n_elems, per) * F32_BYTES
+    if algo == "two_shot":
+        return shards_per_rank * world_size * virtual_slices(n_elems, world_size, dtype) * F32_BYTES
+    raise ValueError(f"algo must be one_shot or two_shot, got {algo!r}")
+
+
+def virtual_rows_per_launch(capacity_bytes: int, row_numel: int, shards_per_rank: int, *, world_size: int,
+                            dtype: str, grid: int) -> int:
+    """Rows of one virtual launch: capacity_bytes // (S * row_numel * 4), the fp32 bytes of one row's S slabs;
+    0 when not even one row fits. Either kernel's rounding to whole units stays inside the slot's padding
+    (checked here, so a launch never overruns the slot)."""
+    if row_numel < 1 or shards_per_rank < 1:
+        raise ValueError(f"row_numel and shards_per_rank must be >= 1, got {row_numel} and {shards_per_rank}")
+    rows = capacity_bytes // (shards_per_rank * row_numel * F32_BYTES)
+    if rows < 1:
+        return 0
+    n = rows * row_numel
+    used = max(virtual_slot_bytes_used(n, shards_per_rank, world_size, dtype, a) for a in ("one_shot", "two_shot"))
+    return rows if used <= slot_bytes(capacity_bytes, world_size, grid) else 0
+
+
+def virtual_variants(*, row_numel: int, shards_per_rank: int, max_rows: int, world_size: int, dtype: str,
+                     capacity_bytes: int, grid: int, one_shot_max_bytes: int) -> list[str]:
+    """The code paths virtual calls of 1..max_rows rows can take ("one_shot", "two_shot", "chunked"), chosen per
+    launch by its fp32 input bytes (S * rows * row_numel * 4) against one_shot_max_bytes like all_reduce's;
+    [] when one row's S slabs do not fit a launch."""
+    if max_rows < 1:
+        raise ValueError(f"max_rows must be >= 1, got {max_rows}")
+    per = virtual_rows_per_launch(capacity_bytes, row_numel, shards_per_rank, world_size=world_size, dtype=dtype,
+                                  grid=grid)
+    return _by_launch_bytes(per, shards_per_rank * row_numel * F32_BYTES, max_rows, one_shot_max_bytes)
 
 
 # --- fused all-reduce + residual add + RMSNorm (csrc/fused_rmsnorm.cu) ---------------------------------------

@@ -77,10 +77,10 @@ class Workspace:
     """One rank's armed CUDA-IPC workspace (or one rank view of an in-process group).
 
     Collective calls (every rank of the group must make them, in the same order, with the same shapes):
-    `create`, `all_reduce`, `reduce_scatter`, `all_gather`, `close`. Local calls: `abort`, `check`, `synchronize`,
-    `error_record`, `variants`, `bind_all_reduce` (once per site; the call it returns is collective).
-    `in_process` is not collective (one process plays every rank); its rank views' collectives must still be
-    called once per rank, each from its own stream.
+    `create`, `all_reduce`, `all_reduce_virtual`, `reduce_scatter`, `all_gather`, `close`. Local calls: `abort`,
+    `check`, `synchronize`, `error_record`, `variants`, `virtual_variants`, `bind_all_reduce` (once per site; the
+    call it returns is collective). `in_process` is not collective (one process plays every rank); its rank views'
+    collectives must still be called once per rank, each from its own stream.
 
     Inputs are contiguous tensors on the workspace's device, [rows, *trailing], rows along dim 0. One collective
     may be in flight per workspace: a call from another stream while the previous one has not finished raises;
@@ -499,6 +499,98 @@ class Workspace:
             if rows > per:
                 self.variants_run.add(("all_reduce_rmsnorm", dtype, "fused_chunked"))
         return y, r
+
+    # ---- virtual-shard all-reduce (csrc/virtual_fold.cu, docs/spec.md §9.1) -------------------------------
+    def virtual_variants(self, dtype: torch.dtype, row_numel: int, max_rows: int, shards_per_rank: int) -> list[str]:
+        """LOCAL: the code paths of a virtual-shard all-reduce site (plan.virtual_variants: "one_shot", "two_shot",
+        "chunked") whose calls pass shards_per_rank fp32 slabs of 1..max_rows rows of row_numel elements; [] when
+        the workspace cannot serve it (output dtype refused, one row's slabs larger than a launch)."""
+        if dtype not in FLOAT_DTYPES:
+            raise ValueError(f"the workspace folds into {list(FLOAT_NAMES)}, got {dtype}")
+        if name_of(dtype) in self.refused:
+            return []
+        return plan.virtual_variants(row_numel=row_numel, shards_per_rank=shards_per_rank, max_rows=max_rows,
+                                     world_size=self.world_size, dtype=name_of(dtype),
+                                     capacity_bytes=self.capacity_bytes, grid=self.grid,
+                                     one_shot_max_bytes=self.one_shot_max_bytes)
+
+    def all_reduce_virtual(self, partials: torch.Tensor, *, dtype: torch.dtype, out: torch.Tensor | None = None,
+                           algo: str | None = None, chunk_rows: int | None = None,
+                           label: str | None = None) -> torch.Tensor:
+        """COLLECTIVE. The virtual-shard all-reduce of docs/spec.md §9.1: ``partials`` is this rank's contiguous
+        fp32 [S, rows, *shape] (S = V/W; slab j is global shard rank*S + j, the same S on every rank); returns
+        [rows, *shape] in ``dtype``: the fold over the V shards in global order from +0.0 in fp32, rounded once,
+        identical on every rank and for every W dividing V.
+
+        algo: None chooses by the launch's fp32 input bytes (S * rows * row_numel * 4: one-shot up to
+        one_shot_max_bytes, two-shot above); "one_shot" / "two_shot" force one. chunk_rows: rows per launch
+        (default: as many as the capacity holds, plan.virtual_rows_per_launch; smaller forces chunking). Every
+        choice gives the same bits."""
+        if algo not in (None, "one_shot", "two_shot"):
+            raise ValueError(f"algo must be None, 'one_shot' or 'two_shot', got {algo!r}")
+        self._check_tensor(partials)
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
+        if dtype not in FLOAT_DTYPES:
+            raise ValueError(f"the workspace folds into {list(FLOAT_NAMES)}, got {dtype}")
+        name = name_of(dtype)
+        if name in self.refused:
+            raise WorkspaceUnavailable(f"the workspace's {name} kernels were refused: {self.refused[name]}")
+        if partials.dtype != torch.float32 or partials.dim() < 2 or partials.shape[0] < 1:
+            raise ValueError(f"partials must be float32 [S >= 1, rows, *shape], got {partials.dtype} "
+                             f"{list(partials.shape)}")
+        shards = partials.shape[0]
+        shape = tuple(partials.shape[1:])
+        out = self._virtual_output(partials, out, shape, dtype)
+        rows, row_elems = shape[0], out[0].numel() if shape[0] else 0
+        if rows == 0 or row_elems == 0:
+            return out
+        per = plan.virtual_rows_per_launch(self.capacity_bytes, row_elems, shards, world_size=self.world_size,
+                                           dtype=name, grid=self.grid)
+        if per < 1:
+            raise WorkspaceUnavailable(f"one row's {shards} fp32 slabs of {row_elems} elements do not fit one launch "
+                                       f"of this workspace (capacity {self.capacity_bytes} bytes)")
+        if chunk_rows is not None:
+            if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int):
+                raise TypeError(f"chunk_rows must be an int, got {type(chunk_rows).__name__}")
+            if not 1 <= chunk_rows <= per:
+                raise ValueError(f"chunk_rows must be in 1..{per} (rows one launch carries), got {chunk_rows}")
+            per = chunk_rows
+        sfx, esize = plan.DTYPE_SUFFIX[name], out.element_size()
+        x_stride = rows * row_elems  # elements between slabs
+        with self._collective() as stream_ptr:
+            for a, b in plan.chunks(rows, per):
+                n = (b - a) * row_elems
+                head = [_u64(partials.data_ptr() + a * row_elems * 4), _i64(x_stride), ctypes.c_int32(shards),
+                        _u64(out.data_ptr() + a * row_elems * esize), _i64(n)]
+                one = algo == "one_shot" or (algo is None and shards * n * 4 <= self.one_shot_max_bytes)
+                kind = "one_shot" if one else "two_shot"
+                used = plan.virtual_slot_bytes_used(n, shards, self.world_size, name, kind)
+                assert used <= self._slot_bytes, (used, self._slot_bytes)
+                if one:
+                    self._launch(f"detcomm_virtual_one_shot_{sfx}", head, stream_ptr, label)
+                else:
+                    self._launch(f"detcomm_virtual_two_shot_{sfx}",
+                                 head + [_i64(plan.virtual_slices(n, self.world_size, name))], stream_ptr, label)
+                self.variants_run.add(("all_reduce_virtual", name, kind))
+            if rows > per:
+                self.variants_run.add(("all_reduce_virtual", name, "chunked"))
+        return out
+
+    def _virtual_output(self, partials: torch.Tensor, out: torch.Tensor | None, shape: tuple[int, ...],
+                        dtype: torch.dtype) -> torch.Tensor:
+        if out is None:
+            return torch.empty(shape, dtype=dtype, device=partials.device)
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
+        if tuple(out.shape) != shape or out.dtype != dtype or out.device != partials.device or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous {dtype} tensor of shape {shape} on {partials.device}")
+        x0, o0 = partials.data_ptr(), out.data_ptr()
+        x1, o1 = x0 + partials.numel() * 4, o0 + out.numel() * out.element_size()
+        if x0 < o1 and o0 < x1:
+            raise ValueError(f"out [{o0:#x}, {o1:#x}) overlaps the partials [{x0:#x}, {x1:#x}); pass a separate "
+                             "output tensor")
+        return out
 
     # ---- helpers ---------------------------------------------------------------------------------------
     def _check_tensor(self, x: torch.Tensor) -> None:
