@@ -129,7 +129,7 @@ def _routes(args: argparse.Namespace) -> int:
         raise ValueError("--world-size, --nodes and --workspace-max-rows must be positive")
 
     from .envelope import resolve_numerics
-    from .route import AutoBackend, Capabilities, Collective, ReduceOp, Site
+    from .route import DEFAULT_WORKSPACE_BYTES, AutoBackend, Capabilities, Collective, ReduceOp, Site
 
     resolved = resolve_numerics(numerics)
     sw = resolved.switches
@@ -138,7 +138,8 @@ def _routes(args: argparse.Namespace) -> int:
     def caps(armed: bool, why: str) -> Capabilities:
         return Capabilities(backend=args.backend, device_type="cuda" if cuda else "cpu", world_size=args.world_size,
                             workspace=armed, workspace_reason=why,
-                            workspace_max_rows=args.workspace_max_rows if armed else 0)
+                            workspace_max_rows=args.workspace_max_rows if armed else 0,
+                            workspace_bytes=DEFAULT_WORKSPACE_BYTES if armed else 0)
 
     # detcomm.init arms the CUDA-IPC workspace on a CUDA group under a batch-invariant envelope; it arms only
     # where every rank proves peer access through CUDA IPC, which one node can and several cannot.
@@ -181,8 +182,8 @@ def _routes(args: argparse.Namespace) -> int:
     if arms:
         print(f"workspace: init arms the CUDA-IPC workspace on this group when every rank proves CUDA IPC peer access "
               f"at startup\n  (one node); it serves float SUM sites with max_rows <= {args.workspace_max_rows} "
-              "(ipc_fold); larger ones take gather_fold\n  (all_reduce) or a2a_fold (reduce_scatter). Where it does "
-              "not arm, every site takes its 'else' route.")
+              "(ipc_fold); larger all_reduce sites take it\n  chunked (one row must fit a launch), larger "
+              "reduce_scatter sites a2a_fold. Where it does not arm, every site takes its 'else' route.")
     else:
         print(f"workspace: {no_ws}")
     cols = [c for c in rows[0] if (c != "condition" or any(r["condition"] for r in rows))

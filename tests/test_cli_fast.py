@@ -25,15 +25,23 @@ def _run(*args: str, extra: str = "") -> tuple[list[dict[str, str]], dict[str, o
 
 def _live_decisions(rows: list[dict[str, str]], backend: str, world: int) -> list[tuple[str, str]]:
     """The router's (route, why) for each row's site built with a torch dtype, on the capabilities a live group of
-    this kind has at startup (one NCCL node: the workspace armed at the default max_rows; gloo: none)."""
+    this kind has at startup (one NCCL node: the workspace armed at the default max_rows and bytes; gloo: none)."""
     import torch
 
     from detcomm.envelope import resolve_numerics
-    from detcomm.route import DEFAULT_WORKSPACE_MAX_ROWS, AutoBackend, Capabilities, Collective, ReduceOp, Site
+    from detcomm.route import (
+        DEFAULT_WORKSPACE_BYTES,
+        DEFAULT_WORKSPACE_MAX_ROWS,
+        AutoBackend,
+        Capabilities,
+        Collective,
+        ReduceOp,
+        Site,
+    )
 
     if backend == "nccl":
         caps = Capabilities(backend="nccl", device_type="cuda", world_size=world, workspace=True,
-                            workspace_max_rows=DEFAULT_WORKSPACE_MAX_ROWS)
+                            workspace_max_rows=DEFAULT_WORKSPACE_MAX_ROWS, workspace_bytes=DEFAULT_WORKSPACE_BYTES)
     else:
         caps = Capabilities(backend="gloo", device_type="cpu", world_size=world, workspace=False,
                             workspace_reason="CPU group: no CUDA-IPC workspace")

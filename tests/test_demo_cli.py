@@ -56,7 +56,9 @@ def test_routes_say_what_a_live_group_of_the_kind_chooses(capsys: pytest.Capture
     # One NCCL node under the default envelope (rl-bitwise): the workspace arms, small sites go to ipc_fold.
     nccl = {r["site"]: r for r in _routes(capsys, "--backend", "nccl", *sites)}
     assert (nccl["small"]["route"], nccl["small"]["condition"]) == ("ipc_fold", "if the workspace arms; else gather_fold")
-    assert (nccl["big"]["route"], nccl["big"]["condition"]) == ("gather_fold", "")
+    # Above the armed rows an all-reduce stays on the workspace, chunked (a row fits one launch), as init decides.
+    assert (nccl["big"]["route"], nccl["big"]["condition"]) == ("ipc_fold", "if the workspace arms; else gather_fold")
+    assert "chunked" in nccl["big"]["why"]
     assert (nccl["rs"]["route"], nccl["rs"]["condition"]) == ("ipc_fold", "if the workspace arms; else a2a_fold")
     # Several nodes, or gloo: no workspace, and no claim about one.
     for args in (("--backend", "nccl", "--nodes", "2"), ("--backend", "gloo")):

@@ -370,7 +370,9 @@ def test_detcomm_routes_shows_virtual_shards(capsys: pytest.CaptureFixture[str])
     assert main(["routes", "--world-size", "4", "--json", "--site", "o:all_reduce:bf16:4096:64:vs=8",
                  "--site", "r:reduce_scatter:bf16:4096:64:vs=8"]) == 0
     rows = {r["site"]: r for r in json.loads(capsys.readouterr().out)}
-    assert (rows["o"]["route"], rows["o"]["virtual_shards"]) == ("gather_fold", "8")
+    # One NCCL node: the workspace folds a virtual all-reduce (else gather_fold); reduce-scatter stays on a2a_fold.
+    assert (rows["o"]["route"], rows["o"]["virtual_shards"], rows["o"]["condition"]) == (
+        "ipc_fold", "8", "if the workspace arms; else gather_fold")
     assert (rows["r"]["route"], rows["r"]["virtual_shards"]) == ("a2a_fold", "8")
     assert main(["routes", "--world-size", "3", "--site", "o:all_reduce:bf16:4096:64:vs=8"]) == 2
     assert "V=8 is not divisible by the group's world size W=3" in capsys.readouterr().err
