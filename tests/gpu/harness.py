@@ -39,3 +39,18 @@ class Ranks:
     def close(self) -> None:
         for v in self.views:
             v.close()
+
+
+_CACHED: dict = {}
+
+
+def cached_ranks(world: int, *, capacity: int, variant: str = "canonical", **kw: Any) -> Ranks:
+    """W in-process workspace views on cuda:0 (W streams of one GPU), built once per (world, capacity, kernel
+    build, options) and shared by the tests: each build compiles and maps its buffers once."""
+    from detcomm.workspace import Workspace
+
+    key = (world, capacity, variant, tuple(sorted(kw.items())))
+    if key not in _CACHED:
+        _CACHED[key] = Ranks(Workspace.in_process(world, device="cuda:0", capacity_bytes=capacity,
+                                                  max_rows_armed=4096, _variant=variant, **kw))
+    return _CACHED[key]

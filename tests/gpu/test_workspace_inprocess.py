@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from harness import Ranks
+from harness import Ranks, cached_ranks
 from payloads import first_mismatch, from_tensor, ill_conditioned, random_bits, to_tensor
 
 from oracle import fold_oracle
@@ -16,17 +16,10 @@ DTYPES = ["float32", "bfloat16", "float16"]
 ROWS = [1, 2, 3, 5, 7, 31, 61, 127, 257, 1021, 4093, 4096]
 TRAILING = 40  # 160 B fp32 rows, 80 B bf16 rows: rows start on 16 B boundaries only every few rows
 CAPACITY = 4096 * TRAILING * 4 + 4096  # all of ROWS fit without chunking (chunking has its own test)
-_CACHE: dict = {}
 
 
 def ranks(world: int, *, capacity: int = CAPACITY, variant: str = "canonical", **kw) -> Ranks:
-    from detcomm.workspace import Workspace
-
-    key = (world, capacity, variant, tuple(sorted(kw.items())))
-    if key not in _CACHE:
-        _CACHE[key] = Ranks(Workspace.in_process(world, device="cuda:0", capacity_bytes=capacity,
-                                                 max_rows_armed=4096, _variant=variant, **kw))
-    return _CACHE[key]
+    return cached_ranks(world, capacity=capacity, variant=variant, **kw)
 
 
 def payload(rng, world, shape, dtype, kind):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from harness import Ranks
+from harness import Ranks, cached_ranks
 from payloads import first_mismatch, from_tensor, to_tensor
 
 from oracle import fold_oracle, round_fp32_bits
@@ -26,17 +26,10 @@ DTYPES = ("bfloat16", "float16", "float32")
 N = 33  # odd: the last unit of every row range is partial (the scalar tail)
 ROWS = (1, 2, 5, 64)
 CAPACITY = 1 << 17  # 82 rows of N at S = 12: none of ROWS is chunked unless forced
-_CACHE: dict = {}
 
 
 def ranks(world: int, *, capacity: int = CAPACITY, variant: str = "canonical", **kw) -> Ranks:
-    from detcomm.workspace import Workspace
-
-    key = (world, capacity, variant, tuple(sorted(kw.items())))
-    if key not in _CACHE:
-        _CACHE[key] = Ranks(Workspace.in_process(world, device="cuda:0", capacity_bytes=capacity,
-                                                 max_rows_armed=4096, _variant=variant, **kw))
-    return _CACHE[key]
+    return cached_ranks(world, capacity=capacity, variant=variant, **kw)
 
 
 def partials(seed: int, rows: int, n: int, dtype: str) -> np.ndarray:
