@@ -634,7 +634,12 @@ class Communicator:
             dist.destroy_process_group()
         # Drop every reference to the process group: a ProcessGroup object outliving destroy_process_group is
         # finalized at interpreter exit, where gloo's worker threads can abort the process.
+        # Every holder of the native backend counts: the bound routes, the call checker, the self-checks, the router.
         self._backends.clear()
+        self._bound.clear()
+        self._verifier = None
+        self._selfchecks = None  # type: ignore[assignment]
+        self.auto.release()
         self._native = None  # type: ignore[assignment]
         self.group = None  # type: ignore[assignment]
 

@@ -23,7 +23,7 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
 
 from . import dtypes
 from .dtypes import name_of
@@ -682,6 +682,14 @@ class AutoBackend:
     def bound_sites(self) -> list[Site]:
         """Every site ``route`` has resolved so far (declared sites and the startup self-check probes)."""
         return list(self._bound)
+
+    def release(self) -> None:
+        """Drop the backends, the checker and the bound routes (they hold the process group, which must not outlive
+        its destruction: gloo's threads abort a process that finalizes one at exit). The decisions stay, so the
+        route table still reads as before; nothing can be routed afterwards. Local."""
+        self._backends.clear()
+        self._checker = None
+        self._bound = {s: (cast("BoundRoute", None), d, c) for s, (_, d, c) in self._bound.items()}
 
     def table(self, sites: Sequence[Site], *, note: str = "") -> RouteTable:
         """The route table of ``sites``: live entries for sites this backend has bound, the static decision
