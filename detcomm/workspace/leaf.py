@@ -59,11 +59,17 @@ def _kernels(device_index: int, w: int):  # type: ignore[no-untyped-def]
 
 def cuda_fold(stacked: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """``stacked`` [W, *rest] on a CUDA device -> [*rest] in the same dtype (the kernel rounds to its input
-    dtype). Capturable in a CUDA graph once the kernels are loaded."""
-    if out_dtype != stacked.dtype or stacked.dtype not in FLOAT_DTYPES:
-        raise ValueError(f"the CUDA fold leaf folds {FLOAT_DTYPES} into the same dtype, got {stacked.dtype} -> {out_dtype}")
+    dtype), or in fp32 (the unrounded fold ``op="avg"`` divides). Capturable in a CUDA graph once the kernels are
+    loaded."""
+    if stacked.dtype not in FLOAT_DTYPES or out_dtype not in (stacked.dtype, torch.float32):
+        raise ValueError(f"the CUDA fold leaf folds {FLOAT_DTYPES} into the same dtype or float32, got "
+                         f"{stacked.dtype} -> {out_dtype}")
     if not stacked.is_cuda or not stacked.is_contiguous():
         raise ValueError("the CUDA fold leaf takes a contiguous CUDA tensor [W, *rest]")
+    if out_dtype != stacked.dtype:
+        # A bf16/fp16 stack kept in fp32: the kernels round to their input dtype, so the portable fold (the same
+        # arithmetic, bit for bit, in torch ops: capturable too) serves it.
+        return portable_fold(stacked, out_dtype)
     w = stacked.shape[0]
     if not 1 <= w <= plan.MAX_WORLD:
         raise ValueError(f"the CUDA fold leaf folds 1..{plan.MAX_WORLD} inputs, got {w}")

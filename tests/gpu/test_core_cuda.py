@@ -53,6 +53,23 @@ def test_portable_leaf_on_cuda_equals_oracle(dtype: str, w: int) -> None:
                                   oracle.fold_oracle(inputs, dtype))
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_cuda_leaf_keeps_a_narrow_fold_in_fp32_for_avg(dtype: str) -> None:
+    """op="avg" divides the fold's unrounded fp32 accumulator: the CUDA leaf takes a bf16/fp16 stack with an fp32
+    output (gather_fold and a2a_fold ask for that), and the average's bits are the oracle's."""
+    from detcomm.fold import BATCH_INVARIANT, average, select_leaf
+
+    leaf = select_leaf(device_type="cuda", required=frozenset({BATCH_INVARIANT}))
+    w = 3
+    inputs = [ill_bits(513, 67, dtype, seed=4, rank=r) for r in range(w)]
+    stacked = torch.stack([to_torch(b, dtype) for b in inputs]).cuda()
+    expected = oracle.avg_oracle(inputs, dtype)
+    assert np.array_equal(to_bits(average(leaf.fold(stacked, torch.float32), w, DTYPES[dtype])), expected)
+    # negative control: rounding the fold to the dtype before the division gives other bits
+    rounded_first = average(leaf.fold(stacked, DTYPES[dtype]).float(), w, DTYPES[dtype])
+    assert not np.array_equal(to_bits(rounded_first), expected)
+
+
 def test_subnormals_survive_on_cuda() -> None:
     from detcomm.fold import portable_fold
 
