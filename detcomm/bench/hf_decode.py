@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["build_parser", "main"]
+__all__ = ["build_parser", "main", "add_decode_arguments", "time_decode"]
 
 
 def _ints(text: str) -> list[int]:
@@ -64,13 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ffn", type=int, default=14336)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
-    p.add_argument("--concurrency", type=_ints, default=[1, 2, 4, 8, 16, 32, 64],
-                   help="comma-separated numbers of concurrent decoding requests (each <= --t-pad)")
-    p.add_argument("--t-pad", type=int, default=64)
-    p.add_argument("--prompt", type=int, default=16, help="prompt tokens per request (prefilled, not timed)")
-    p.add_argument("--steps", type=int, default=16, help="timed decode steps per concurrency")
-    p.add_argument("--warmup", type=int, default=3, help="untimed decode steps first")
-    p.add_argument("--logprobs", action="store_true", help="also compute the fp32 logprobs every step")
+    add_decode_arguments(p, prompt=16, steps=16, warmup=3)
     p.add_argument("--phases", default="fold,native", help="which phases, in order: fold, native or both")
     p.add_argument("--backend", choices=("nccl", "gloo"), default=None,
                    help="process group backend when none exists (default: nccl with CUDA, else gloo)")
@@ -115,38 +109,54 @@ def _decode_step(lm: Any, caches: list[torch.Tensor], toks: list[int], pos: int,
     return pos + 1
 
 
-def _time_phase(lm: Any, concurrency: Sequence[int], ns: argparse.Namespace) -> dict[int, float]:
+def add_decode_arguments(p: argparse.ArgumentParser, *, prompt: int, steps: int, warmup: int) -> None:
+    """The decode-timing options this bench shares with detcomm.bench.tp_decode (``time_decode`` reads them)."""
+    p.add_argument("--concurrency", type=_ints, default=[1, 2, 4, 8, 16, 32, 64],
+                   help="comma-separated numbers of concurrent decoding requests (each <= --t-pad)")
+    p.add_argument("--t-pad", type=int, default=64)
+    p.add_argument("--prompt", type=int, default=prompt, help="prompt tokens per request (prefilled, not timed)")
+    p.add_argument("--steps", type=int, default=steps, help="timed decode steps per concurrency")
+    p.add_argument("--warmup", type=int, default=warmup, help="untimed decode steps first")
+    p.add_argument("--logprobs", action="store_true", help="also compute the fp32 logprobs every step")
+
+
+def time_decode(lm: Any, concurrency: Sequence[int], ns: argparse.Namespace, *, vocab: int, seed: int = 0,
+                repeats: int = 1) -> dict[int, float]:
+    """Greedy decode tokens/s of ``lm`` (a detcomm.hf engine or the probe decoder) at each concurrency: prompts
+    of ``ns.prompt`` random tokens prefilled in T_pad-row steps and ``ns.warmup`` steps untimed, then the best of
+    ``repeats`` timed blocks of ``ns.steps`` steps (other load on the host only slows one block), each timed as
+    the slowest rank's. Collective."""
     from ..probe.model import Segment
 
     out = {}
     for c in concurrency:
         caches = [lm.new_cache() for _ in range(c)]
-        gen = torch.Generator().manual_seed(ns.seed + c)
-        prompts = [torch.randint(0, lm.shards.vocab, (ns.prompt,), generator=gen).tolist() for _ in range(c)]
+        gen = torch.Generator().manual_seed(seed + c)
+        prompts = [torch.randint(0, vocab, (ns.prompt,), generator=gen).tolist() for _ in range(c)]
         toks = [0] * c
-        # Prefill in T_pad-row steps (not timed).
-        i = 0
-        while i < c:
-            group = list(range(i, min(c, i + max(1, ns.t_pad // ns.prompt))))
+        per_step = max(1, ns.t_pad // ns.prompt)
+        for i in range(0, c, per_step):  # prefill, untimed
+            group = list(range(i, min(c, i + per_step)))
             logits, _ = lm.forward([Segment(caches[j], prompts[j], 0) for j in group])
             for j, t in zip(group, lm.greedy(logits).tolist()):
                 toks[j] = int(t)
-            i = group[-1] + 1
         pos = ns.prompt
         for _ in range(ns.warmup):
             pos = _decode_step(lm, caches, toks, pos, logprobs=ns.logprobs)
-        _sync(lm.device)
-        dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(ns.steps):
-            pos = _decode_step(lm, caches, toks, pos, logprobs=ns.logprobs)
-        _sync(lm.device)
-        elapsed = time.perf_counter() - t0
-        # The slowest rank's time is the step time.
-        worst = torch.tensor([elapsed], dtype=torch.float64,
-                             device=lm.device if dist.get_backend() == "nccl" else "cpu")
-        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-        out[c] = c * ns.steps / float(worst)
+        best = float("inf")
+        for _ in range(repeats):
+            _sync(lm.device)
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(ns.steps):
+                pos = _decode_step(lm, caches, toks, pos, logprobs=ns.logprobs)
+            _sync(lm.device)
+            # The slowest rank's time is the step time.
+            worst = torch.tensor([time.perf_counter() - t0], dtype=torch.float64,
+                                 device=lm.device if dist.get_backend() == "nccl" else "cpu")
+            dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+            best = min(best, float(worst))
+        out[c] = c * ns.steps / best
     return out
 
 
@@ -189,7 +199,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             lm = TPCausalLM(_build(ns, device, dtype), serving, route=None if phase == "fold" else "native")
             routes[phase] = next(e["route"] for e in detcomm.routes().as_dicts() if e["site"] == lm.shards.row_sites[0])
-            results[phase] = _time_phase(lm, ns.concurrency, ns)
+            results[phase] = time_decode(lm, ns.concurrency, ns, vocab=lm.shards.vocab, seed=ns.seed)
             del lm
         finally:
             detcomm.shutdown()

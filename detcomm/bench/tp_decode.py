@@ -25,13 +25,12 @@ import argparse
 import json
 import os
 import sys
-import time
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
-from .hf_decode import _ints
+from .hf_decode import add_decode_arguments, time_decode
 
 __all__ = ["build_parser", "main", "PHASES"]
 
@@ -52,67 +51,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab", type=int, default=1680)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    p.add_argument("--concurrency", type=_ints, default=[1, 2, 4, 8, 16, 32, 64],
-                   help="comma-separated numbers of concurrent decoding requests (each <= --t-pad)")
-    p.add_argument("--t-pad", type=int, default=64)
-    p.add_argument("--prompt", type=int, default=8, help="prompt tokens per request (prefilled, not timed)")
-    p.add_argument("--steps", type=int, default=8, help="timed decode steps per concurrency")
-    p.add_argument("--warmup", type=int, default=2, help="untimed decode steps first")
+    add_decode_arguments(p, prompt=8, steps=8, warmup=2)
     p.add_argument("--repeats", type=int, default=3, help="timed blocks of --steps steps; the fastest counts")
-    p.add_argument("--logprobs", action="store_true", help="also compute the fp32 logprobs every step")
     p.add_argument("--backend", choices=("nccl", "gloo"), default=None,
                    help="process group backend when none exists (default: nccl with CUDA, else gloo)")
     p.add_argument("--device", default=None, help="tensor device (default: cuda:LOCAL_RANK for nccl, cpu for gloo)")
     p.add_argument("--json", metavar="PATH", help="rank 0 writes the results as JSON")
     return p
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _time_phase(model, ns: argparse.Namespace) -> dict[int, float]:  # type: ignore[no-untyped-def]
-    from ..probe.model import Segment
-
-    out = {}
-    for c in ns.concurrency:
-        caches = [model.new_cache() for _ in range(c)]
-        gen = torch.Generator().manual_seed(c)
-        prompts = [torch.randint(0, model.cfg.vocab, (ns.prompt,), generator=gen).tolist() for _ in range(c)]
-        toks = [0] * c
-        per_step = max(1, ns.t_pad // ns.prompt)
-        for i in range(0, c, per_step):  # prefill, untimed
-            group = list(range(i, min(c, i + per_step)))
-            logits, _ = model.forward([Segment(caches[j], prompts[j], 0) for j in group])
-            for j, t in zip(group, model.greedy(logits).tolist()):
-                toks[j] = int(t)
-        pos = ns.prompt
-
-        def step() -> None:
-            nonlocal pos
-            logits, _ = model.forward([Segment(cache, [tok], pos) for cache, tok in zip(caches, toks)])
-            if ns.logprobs:
-                model.logprobs(logits)
-            toks[:] = [int(t) for t in model.greedy(logits).tolist()]
-            pos += 1
-
-        for _ in range(ns.warmup):
-            step()
-        best = float("inf")
-        for _ in range(ns.repeats):  # the best of several timed blocks: other load on the host only slows one
-            _sync(model.device)
-            dist.barrier()
-            t0 = time.perf_counter()
-            for _ in range(ns.steps):
-                step()
-            _sync(model.device)
-            worst = torch.tensor([time.perf_counter() - t0], dtype=torch.float64,
-                                 device=model.device if dist.get_backend() == "nccl" else "cpu")
-            dist.all_reduce(worst, op=dist.ReduceOp.MAX)  # the slowest rank's time is the step time
-            best = min(best, float(worst))
-        out[c] = c * ns.steps / best
-    return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -152,8 +97,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                   virtual_shards=ns.virtual_shards if phase == "virtual" else None)
             model.declare_sites(route="native" if phase == "native" else None)
             # An untimed pass first: a process's first steps pay one-time costs (allocator, kernel caches).
-            _time_phase(model, argparse.Namespace(**{**vars(ns), "concurrency": [1], "repeats": 1}))
-            results[phase] = _time_phase(model, ns)
+            time_decode(model, [1], ns, vocab=cfg.vocab)
+            results[phase] = time_decode(model, ns.concurrency, ns, vocab=cfg.vocab, repeats=ns.repeats)
             del model
         finally:
             detcomm.shutdown()
