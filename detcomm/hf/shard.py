@@ -154,12 +154,13 @@ def shard_model(model: Any, *, rank: int, world: int, step: StepRows, ep: EPConf
     row_sites: list[str] = []
     norm_sites: list[str] = []  # a projection with a bias keeps its plain site (the bias is added after the sum)
     moe_blocks: list[EPMoEBlock] = []
+    # The invariant layouts' row-parallel options, the same for every layer.
+    row = dict(step=step, layout=layout, virtual_shards=virtual_shards,
+               blocks=blocks if layout == "full_k" else None, max_rows=max_rows, rank=rank, world=world)
     for layer in decoder.layers:
         attn = layer.self_attn
         q0, k0 = rank * hl * head_dim, rank * kvl * head_dim
         o_site = names[id(attn.o_proj)]
-        row = dict(step=step, layout=layout, virtual_shards=virtual_shards,
-                   blocks=blocks if layout == "full_k" else None, max_rows=max_rows, rank=rank, world=world)
         if layout == "fold":
             column_shard(attn.q_proj, q0, q0 + hl * head_dim)
             column_shard(attn.k_proj, k0, k0 + kvl * head_dim)
