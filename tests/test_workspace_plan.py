@@ -31,7 +31,40 @@ def test_constants_match_the_device_header():
     assert int(defines["DETCOMM_ABORT_BY_KERNEL"].rstrip("u"), 16) == plan.ABORT_BY_KERNEL
     assert int(defines["DETCOMM_ABORT_BY_HOST"].rstrip("u"), 16) == plan.ABORT_BY_HOST
     for code, kind in plan.KIND_CODES.items():
-        assert int(defines[f"DETCOMM_KIND_{kind.upper()}"]) == code
+        if code < plan.KIND_LAMPORT:  # the one-store kinds live in lamport_common.cuh (checked below)
+            assert int(defines[f"DETCOMM_KIND_{kind.upper()}"]) == code
+
+
+def test_one_store_constants_match_their_header():
+    text = (CUH.parent / "lamport_common.cuh").read_text()
+    defines = dict(re.findall(r"^#define (DETCOMM_\w+) (\S+)", text, re.M))
+    assert int(defines["DETCOMM_LAM_COUNTER_BYTES"]) == plan.LAM_COUNTER_BYTES
+    assert int(defines["DETCOMM_KIND_LAMPORT"]) == plan.KIND_LAMPORT == 9
+    assert plan.KIND_CODES[int(defines["DETCOMM_KIND_FUSED_NORM_LAMPORT"])] == "fused_norm_lamport"
+    assert int(defines["DETCOMM_WAIT_LAMPORT"]) == plan.WAIT_LAMPORT
+    # The offsets are expressions over other defines: check the values they stand for.
+    assert plan.LAM_DESC_OFF == plan.LAM_COUNTER_BYTES
+    assert plan.LAM_DESC_BYTES == 2 * plan.MAX_BLOCKS * plan.MAX_WORLD * plan.PACK_BYTES
+    assert plan.LAM_DATA_OFF == plan.LAM_DESC_OFF + plan.LAM_DESC_BYTES
+    for name, expr in (("DETCOMM_LAM_DESC_OFF", "DETCOMM_LAM_COUNTER_BYTES"),
+                       ("DETCOMM_LAM_DATA_OFF", "(DETCOMM_LAM_DESC_OFF")):
+        assert defines[name].startswith(expr), (name, defines[name])
+
+
+def test_one_store_region_layout():
+    assert plan.lamport_max_bytes(1) == 0  # no peer: no one-store path
+    assert all(plan.lamport_max_bytes(w) == plan.DEFAULT_LAMPORT_MAX_BYTES for w in range(2, 9))
+    assert plan.lamport_region_bytes(4, 0) == 0
+    assert plan.lamport_region_bytes(4, 1000) == plan.LAM_DATA_OFF + 2 * 4 * 1008  # whole packs
+    with pytest.raises(ValueError):
+        plan.lamport_region_bytes(2, -1)
+    cap, w, grid = 1 << 20, 3, 40
+    # The region follows the data slot and the buffer holds it whole.
+    off = plan.lamport_offset(cap, w, grid)
+    assert off >= plan.slot_bytes(cap, w, grid)
+    total = plan.buffer_bytes(cap, w, grid, 64 << 10)
+    assert total == plan.data_offset() + off + plan.lamport_region_bytes(w, 64 << 10)
+    assert plan.buffer_bytes(cap, w, grid) == plan.data_offset() + off
 
 
 def test_grid_is_static_and_co_resident():
@@ -126,6 +159,26 @@ def test_variants_a_site_can_reach():
         plan.variants("broadcast", row_bytes=4, max_rows=1, **kw)
 
 
+def test_variants_with_the_one_store_kernel():
+    kw = {"world_size": 4, "capacity_bytes": 16 << 20, "one_shot_max_bytes": 512 << 10, "lamport_max": 64 << 10}
+    # 16 KiB rows: 1..4 rows per launch take the one-store kernel, 5..32 one-shot, 33+ two-shot.
+    assert plan.variants("all_reduce", row_bytes=16384, max_rows=4, **kw) == ["lamport"]
+    assert plan.variants("all_reduce", row_bytes=16384, max_rows=5, **kw) == ["lamport", "one_shot"]
+    assert plan.variants("all_reduce", row_bytes=16384, max_rows=33, **kw) == ["lamport", "one_shot", "two_shot"]
+    # A row larger than the one-store areas never takes it; rows whose next multiple skips past one-shot's range
+    # reach no one-shot launch (300 KiB rows: one row takes the one-store kernel, two rows are 600 KiB > one-shot).
+    assert plan.variants("all_reduce", row_bytes=100 << 10, max_rows=8, **kw) == ["one_shot", "two_shot"]
+    kw["lamport_max"] = 300 << 10
+    assert plan.variants("all_reduce", row_bytes=300 << 10, max_rows=2, **kw) == ["lamport", "two_shot"]
+    assert plan.variants("all_reduce", row_bytes=300 << 10, max_rows=1, **kw) == ["lamport"]
+    # Capped by the capacity: a launch never carries more than it.
+    kw.update(capacity_bytes=32 << 10, lamport_max=64 << 10)
+    assert plan.variants("all_reduce", row_bytes=16384, max_rows=3, **kw) == ["lamport", "chunked"]
+    # Off (0) is the old behaviour.
+    kw.update(capacity_bytes=16 << 20, lamport_max=0)
+    assert plan.variants("all_reduce", row_bytes=16384, max_rows=64, **kw) == ["one_shot", "two_shot"]
+
+
 def test_failure_records_decode_to_one_line():
     rec = [0] * plan.ERR_WORDS
     assert plan.decode_record(rec) is None
@@ -140,6 +193,9 @@ def test_failure_records_decode_to_one_line():
     assert "rank 2's host aborted first" in plan.decode_record(rec)
     rec[5] = plan.ABORT_BY_KERNEL | 0
     assert "rank 0's kernel failed first" in plan.decode_record(rec)
+    rec[0], rec[3], rec[8] = plan.ERR_TIMEOUT, plan.WAIT_LAMPORT, (plan.KIND_LAMPORT << 8) | 1
+    line = plan.decode_record(rec)
+    assert "lamport bfloat16" in line and "one-store wait" in line and "barrier" not in line
 
 
 def test_one_shot_threshold_from_topology() -> None:

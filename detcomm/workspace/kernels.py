@@ -54,13 +54,16 @@ def _kernel_source_dir() -> Path:
 
 CSRC = _kernel_source_dir()
 KERNEL_FILES = ("one_shot.cu", "two_shot.cu", "reduce_scatter.cu", "all_gather.cu", "fold_local.cu", "fused_rmsnorm.cu",
-                "virtual_fold.cu")
+                "virtual_fold.cu", "lamport.cu")
 ROTATE_MACRO = "DETCOMM_ROTATE_RANK_ORDER"
 TRAP_ENV = "DETCOMM_WORKSPACE_TRAP"
-# Test-only builds: "rotated" folds in the wrong rank order, "stale_flags" lets a barrier pass on an earlier use's flag. Each is a
-# negative control that a test must catch; "canonical" is the only build a workspace serves with.
+# Test-only builds: "rotated" folds in the wrong rank order, "stale_flags" lets a barrier pass on an earlier use's flag,
+# "one_buffer" gives the one-store kernel a single buffer, "unmarked" pushes +0.0 unchanged (indistinguishable from an
+# empty word). Each is a negative control that a test must catch; "canonical" is the only build a workspace serves with.
 VARIANT_MACROS = {"canonical": (), "rotated": (f"-D{ROTATE_MACRO}=1",),
-                  "stale_flags": ("-DDETCOMM_TEST_STALE_FLAGS=1",)}
+                  "stale_flags": ("-DDETCOMM_TEST_STALE_FLAGS=1",),
+                  "one_buffer": ("-DDETCOMM_TEST_ONE_BUFFER=1",),
+                  "unmarked": ("-DDETCOMM_TEST_UNMARKED=1",)}
 # One module per dtype (csrc: DETCOMM_DTYPE) and one for the byte-moving all-gather.
 MODULE_DTYPE_CODES = {"float32": 0, "bfloat16": 1, "float16": 2, "bytes": 3}
 
@@ -177,7 +180,7 @@ def module_functions(module: str) -> list[str]:
         return ["detcomm_all_gather"]
     sfx = plan.DTYPE_SUFFIX[module]
     return ([f"detcomm_{kind}_{sfx}" for kind in ("one_shot", "two_shot", "reduce_scatter", "fold_local",
-                                                  "virtual_one_shot", "virtual_two_shot")]
+                                                  "virtual_one_shot", "virtual_two_shot", "lamport")]
             + [plan.fused_norm_kernel(algo, module, w) for algo in plan.FUSED_NORM_ALGOS for w in plan.DTYPE_SUFFIX])
 
 

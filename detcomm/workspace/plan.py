@@ -32,7 +32,8 @@ ERR_OVERLAP = 0xDE7C0005
 ABORT_BY_KERNEL = 0x100
 ABORT_BY_HOST = 0x200
 KIND_CODES = {1: "one_shot", 2: "two_shot", 3: "reduce_scatter", 4: "all_gather", 5: "fused_norm_1shot",
-              6: "fused_norm_2shot", 7: "virtual_1shot", 8: "virtual_2shot"}
+              6: "fused_norm_2shot", 7: "virtual_1shot", 8: "virtual_2shot", 9: "lamport",
+              10: "fused_norm_lamport"}
 DTYPE_CODES = {0: "float32", 1: "bfloat16", 2: "float16", 3: "bytes"}
 BARRIER_NAMES = ("start", "mid", "end")
 
@@ -47,12 +48,23 @@ assert HEADER_WORDS_USED * 4 <= HEADER_BYTES
 ELEM_SIZES = {d.name: d.size for d in TABLE if d.is_float}
 DTYPE_SUFFIX = {d.name: str(d.suffix) for d in TABLE if d.is_float}
 
+# --- mirrored from csrc/lamport_common.cuh: the one-store region after the data slot -------------------------
+LAM_COUNTER_BYTES = 4096
+LAM_DESC_OFF = LAM_COUNTER_BYTES
+LAM_DESC_BYTES = 2 * MAX_BLOCKS * MAX_WORLD * PACK_BYTES
+LAM_DATA_OFF = LAM_DESC_OFF + LAM_DESC_BYTES
+KIND_LAMPORT = 9
+WAIT_LAMPORT = 3
+
 DEFAULT_MAX_ROWS_ARMED = 2048
 # Above this message size all_reduce takes two-shot (see one_shot_max_bytes). Both give the same bits; this only
 # moves latency.
 DEFAULT_ONE_SHOT_MAX_BYTES = 512 * 1024
 # "Never two-shot": larger than any launch.
 ONE_SHOT_ALWAYS = 1 << 62
+# Launches up to this many bytes take the one-store kernel (csrc/lamport.cu) when ranks have peers; it is also the
+# capacity of each of its 2 * W areas per rank. See lamport_max_bytes.
+DEFAULT_LAMPORT_MAX_BYTES = 256 * 1024
 # No cap below the SM count by default: grid_blocks says why every SM helps.
 DEFAULT_MAX_GRID = MAX_BLOCKS
 
@@ -103,6 +115,31 @@ def one_shot_max_bytes(world_size: int, *, shared_gpu: bool) -> int:
     return DEFAULT_ONE_SHOT_MAX_BYTES
 
 
+def lamport_max_bytes(world_size: int) -> int:
+    """Launches up to this size take the one-store all-reduce (no barrier: data and arrival in one store), from
+    static facts. W = 1: none (0): with no peer the one-shot kernel is already a single pass over the data.
+    Otherwise DEFAULT_LAMPORT_MAX_BYTES: above it the one-store kernel's extra local traffic (every rank re-reads
+    W areas from its region and empties them) outweighs the barrier it saves."""
+    if not 1 <= world_size <= MAX_WORLD:
+        raise ValueError(f"world_size must be in 1..{MAX_WORLD}, got {world_size}")
+    return 0 if world_size == 1 else DEFAULT_LAMPORT_MAX_BYTES
+
+
+def lamport_region_bytes(world_size: int, lamport_max: int) -> int:
+    """Bytes of one rank's one-store region: counters, two buffers of call descriptors, and 2 x W data areas of
+    lamport_max bytes rounded up to whole packs. 0 when the one-store path is off (lamport_max == 0)."""
+    if lamport_max < 0:
+        raise ValueError(f"lamport_max must be >= 0, got {lamport_max}")
+    if lamport_max == 0:
+        return 0
+    return LAM_DATA_OFF + 2 * world_size * lamport_area_bytes(lamport_max)
+
+
+def lamport_area_bytes(lamport_max: int) -> int:
+    """Bytes of one (buffer, source) area: the largest one-store launch, in whole packs."""
+    return _round_up(lamport_max, PACK_BYTES)
+
+
 def stride_packs(grid: int) -> int:
     """Packs one sweep of the grid covers: the period of the pack-to-block ownership."""
     return grid * BLOCK_THREADS
@@ -129,9 +166,16 @@ def slot_bytes(capacity_bytes: int, world_size: int, grid: int) -> int:
     return _round_up(capacity_bytes, PACK_BYTES) + world_size * (stride_packs(grid) + 1) * PACK_BYTES
 
 
-def buffer_bytes(capacity_bytes: int, world_size: int, grid: int) -> int:
-    """Total bytes of one rank's symmetric buffer: header (flags, epochs) + probe scratch + data slot."""
-    return HEADER_BYTES + PROBE_BYTES + slot_bytes(capacity_bytes, world_size, grid)
+def buffer_bytes(capacity_bytes: int, world_size: int, grid: int, lamport_max: int = 0) -> int:
+    """Total bytes of one rank's symmetric buffer: header (flags, epochs) + probe scratch + data slot + the
+    one-store region (lamport_region_bytes)."""
+    return (HEADER_BYTES + PROBE_BYTES + lamport_offset(capacity_bytes, world_size, grid)
+            + lamport_region_bytes(world_size, lamport_max))
+
+
+def lamport_offset(capacity_bytes: int, world_size: int, grid: int) -> int:
+    """Where the one-store region starts, in bytes from the data slot's start (the kernels' `off` argument)."""
+    return slot_bytes(capacity_bytes, world_size, grid)
 
 
 def data_offset() -> int:
@@ -190,23 +234,30 @@ def reduce_scatter_slices(chunk_rows: int, row_elems: int, dtype: str, grid: int
 
 
 # --- kernel variants a site can reach -----------------------------------------------------------------------
-def _by_launch_bytes(per: int, row_bytes: int, max_rows: int, one_shot_max_bytes: int) -> list[str]:
-    """An all-reduce's paths when a launch carries `per` rows of row_bytes and picks one-shot up to
-    one_shot_max_bytes, two-shot above: [] when per < 1."""
+def _by_launch_bytes(per: int, row_bytes: int, max_rows: int, one_shot_max_bytes: int,
+                     lamport_max: int = 0) -> list[str]:
+    """An all-reduce's paths when a launch carries `per` rows of row_bytes and picks the one-store kernel up to
+    lamport_max, one-shot up to one_shot_max_bytes, two-shot above: [] when per < 1. A launch carries k rows,
+    1 <= k <= min(max_rows, per)."""
     if per < 1:
         return []
+    top = min(max_rows, per)
     out = []
-    if row_bytes <= one_shot_max_bytes:
+    if row_bytes <= lamport_max:
+        out.append("lamport")
+    k0 = lamport_max // row_bytes + 1  # the fewest rows a launch above the one-store size carries
+    if k0 <= top and k0 * row_bytes <= one_shot_max_bytes:
         out.append("one_shot")
-    if min(max_rows, per) * row_bytes > one_shot_max_bytes:
+    if top * row_bytes > one_shot_max_bytes:
         out.append("two_shot")
     return out + (["chunked"] if max_rows > per else [])
 
 
 def variants(collective: str, *, row_bytes: int, max_rows: int, world_size: int, capacity_bytes: int,
-             one_shot_max_bytes: int) -> list[str]:
+             one_shot_max_bytes: int, lamport_max: int = 0) -> list[str]:
     """The code paths calls of 1..max_rows rows of row_bytes each can take, in a fixed order: the kernels
-    ("one_shot", "two_shot", "reduce_scatter", "all_gather") and "chunked" when some call needs several launches.
+    ("lamport", "one_shot", "two_shot", "reduce_scatter", "all_gather") and "chunked" when some call needs several
+    launches. An all-reduce launch takes the one-store kernel up to lamport_max bytes (capped by the capacity).
     For reduce_scatter, max_rows counts the input rows (W shards). [] when not even one row fits a launch.
 
     The self-checks run each before a site uses the workspace: all_reduce(algo=...) forces a kernel and
@@ -214,7 +265,8 @@ def variants(collective: str, *, row_bytes: int, max_rows: int, world_size: int,
     if row_bytes < 1 or max_rows < 1:
         raise ValueError(f"row_bytes and max_rows must be >= 1, got {row_bytes} and {max_rows}")
     if collective == "all_reduce":
-        return _by_launch_bytes(capacity_bytes // row_bytes, row_bytes, max_rows, one_shot_max_bytes)
+        return _by_launch_bytes(capacity_bytes // row_bytes, row_bytes, max_rows, one_shot_max_bytes,
+                                min(lamport_max, capacity_bytes))
     if collective == "reduce_scatter":
         per = capacity_bytes // (row_bytes * world_size)
         if per < 1:
@@ -331,8 +383,11 @@ def decode_record(rec: Sequence[int], labels: dict[int, str] | None = None) -> s
     what, call = rec[8], rec[9]
     count = rec[10] | (rec[11] << 32)
     label = (labels or {}).get(call)
-    where = (f"{describe_call(what, call, count)}{f' ({label})' if label else ''}, "
-             f"{BARRIER_NAMES[kind] if kind < len(BARRIER_NAMES) else kind} barrier, block {block}")
+    if kind == WAIT_LAMPORT:  # a one-store wait (csrc/lamport_common.cuh); `epoch` holds the block's launch count
+        at = "one-store wait"
+    else:
+        at = f"{BARRIER_NAMES[kind] if kind < len(BARRIER_NAMES) else kind} barrier"
+    where = f"{describe_call(what, call, count)}{f' ({label})' if label else ''}, {at}, block {block}"
     if tag == ERR_TIMEOUT:
         return (f"rank {rank} timed out after {ms} ms waiting for rank {peer} at {where} "
                 f"(epoch {epoch}, flag seen {seen})")

@@ -96,7 +96,7 @@ class Workspace:
     """
 
     def __init__(self, *, transport: Any, kernels: KernelSet, grid: int, capacity_bytes: int, max_rows_armed: int,
-                 one_shot_max_bytes: int, timeout_ns: int, device: torch.device) -> None:
+                 one_shot_max_bytes: int, lamport_max_bytes: int, timeout_ns: int, device: torch.device) -> None:
         # Private: use Workspace.create or Workspace.in_process.
         self._transport = transport
         self._kernels = kernels
@@ -104,11 +104,16 @@ class Workspace:
         self.capacity_bytes = capacity_bytes
         self.max_rows_armed = max_rows_armed
         self.one_shot_max_bytes = one_shot_max_bytes
+        #: all-reduce launches up to this many bytes take the one-store kernel (csrc/lamport.cu); 0 = never.
+        self.lamport_max_bytes = lamport_max_bytes
         self.timeout_ns = timeout_ns
         self.device = device
         self.rank = transport.rank
         self.world_size = transport.world_size
         self._slot_bytes = plan.slot_bytes(capacity_bytes, self.world_size, grid)
+        # The one-store region: where it starts from each data slot, and the bytes of one of its areas.
+        self._lam_off = plan.lamport_offset(capacity_bytes, self.world_size, grid)
+        self._lam_cap = plan.lamport_area_bytes(lamport_max_bytes)
         data_ptrs = [p + plan.data_offset() for p in transport.ptrs]
         sig_ptrs = list(transport.ptrs)
         # The kernels read the peer pointers from device memory (a kernel argument cannot hold W pointers
@@ -142,25 +147,29 @@ class Workspace:
     # ---- construction ----------------------------------------------------------------------------------
     @classmethod
     def create(cls, group: Any = None, *, device: torch.device | str | int, capacity_bytes: int, max_rows_armed: int,
-               one_shot_max_bytes: int | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-               max_grid: int = plan.DEFAULT_MAX_GRID, _variant: str = "canonical") -> Workspace:
+               one_shot_max_bytes: int | None = None, lamport_max_bytes: int | None = None,
+               timeout_s: float = DEFAULT_TIMEOUT_S, max_grid: int = plan.DEFAULT_MAX_GRID,
+               _variant: str = "canonical") -> Workspace:
         """Arm a workspace over `group` (torch.distributed group; None = default). COLLECTIVE.
 
         capacity_bytes: bytes of one rank's rows one launch carries (init's workspace_bytes; more rows are chunked);
         max_rows_armed: the most rows of the sites this workspace was armed for (reported to the router; calls
         with more rows still work, chunked). one_shot_max_bytes: messages above it take two-shot (None: from the
-        topology, plan.one_shot_max_bytes). timeout_s: the device-side deadline of every barrier (see
+        topology, plan.one_shot_max_bytes). lamport_max_bytes: all-reduce launches up to this size take the one-store
+        kernel (None: plan.lamport_max_bytes; 0: never). timeout_s: the device-side deadline of every barrier (see
         DEFAULT_TIMEOUT_S for why 60 s). Raises ValueError for bad arguments and WorkspaceUnavailable (on every
         rank, with every rank's reason) when no kernel module, the symmetric memory or the peer-access proof
         fails. A dtype whose module cannot be built on some rank is refused alone on every rank (`refused`,
-        `variants`). `_variant` "rotated" / "stale_flags" build negative-control kernels (tests only).
+        `variants`). `_variant` "rotated" / "stale_flags" / "one_buffer" / "unmarked" build negative-control
+        kernels (tests only; kernels.VARIANT_MACROS).
         """
         import torch.distributed as dist  # noqa: PLC0415
 
         from ..symm_mem import IpcSymmetricBuffer, SymmMemUnavailable  # noqa: PLC0415
 
         _refuse_under_capture("Workspace.create")
-        dev = cls._check_args(device, capacity_bytes, max_rows_armed, one_shot_max_bytes, timeout_s, _variant)
+        dev = cls._check_args(device, capacity_bytes, max_rows_armed, one_shot_max_bytes, timeout_s, _variant,
+                              lamport_max_bytes)
         world = dist.get_world_size(group)
         if not 1 <= world <= plan.MAX_WORLD:
             raise ValueError(f"the workspace serves groups of 1..{plan.MAX_WORLD} ranks, got {world}")
@@ -175,7 +184,7 @@ class Workspace:
                 err = "kernels: no module could be built: " + "; ".join(f"{m}: {r}" for m, r in refused.items())
         except Exception as e:  # noqa: BLE001 - reported to every rank below
             err = f"kernels: {type(e).__name__}: {e}"
-        config = (capacity_bytes, max_rows_armed, one_shot_max_bytes, max_grid, _variant, timeout_s)
+        config = (capacity_bytes, max_rows_armed, one_shot_max_bytes, lamport_max_bytes, max_grid, _variant, timeout_s)
         infos: list[Any] = [None] * world
         dist.all_gather_object(infos, (err, sm_count, config, refused, gpu_id), group=group)
         reasons = [f"rank {r}: {i[0]}" for r, i in enumerate(infos) if i[0]]
@@ -191,14 +200,17 @@ class Workspace:
         grid = plan.grid_blocks(world, min(i[1] for i in infos), max_grid=max_grid, shared_gpu=shared)
         if one_shot_max_bytes is None:
             one_shot_max_bytes = plan.one_shot_max_bytes(world, shared_gpu=shared)
+        if lamport_max_bytes is None:
+            lamport_max_bytes = plan.lamport_max_bytes(world)
         try:
-            transport = IpcSymmetricBuffer.create(plan.buffer_bytes(capacity_bytes, world, grid), group=group,
+            transport = IpcSymmetricBuffer.create(plan.buffer_bytes(capacity_bytes, world, grid, lamport_max_bytes),
+                                                  group=group,
                                                   device_index=dev.index, probe_offset=plan.probe_offset())
         except SymmMemUnavailable as e:
             raise WorkspaceUnavailable(str(e)) from e
         ws = cls(transport=transport, kernels=ks, grid=grid, capacity_bytes=capacity_bytes,
                  max_rows_armed=max_rows_armed, one_shot_max_bytes=one_shot_max_bytes,
-                 timeout_ns=int(timeout_s * 1e9), device=dev)
+                 lamport_max_bytes=lamport_max_bytes, timeout_ns=int(timeout_s * 1e9), device=dev)
         ws.refused = all_refused
         if all_refused:
             _LOG.warning("detcomm workspace: kernel modules refused (their calls take another route): %s", all_refused)
@@ -207,8 +219,9 @@ class Workspace:
     @classmethod
     def in_process(cls, world_size: int, *, device: torch.device | str | int, capacity_bytes: int,
                    max_rows_armed: int = plan.DEFAULT_MAX_ROWS_ARMED,
-                   one_shot_max_bytes: int = plan.DEFAULT_ONE_SHOT_MAX_BYTES, timeout_s: float = DEFAULT_TIMEOUT_S,
-                   max_grid: int = plan.DEFAULT_MAX_GRID, _variant: str = "canonical") -> list[Workspace]:
+                   one_shot_max_bytes: int = plan.DEFAULT_ONE_SHOT_MAX_BYTES, lamport_max_bytes: int | None = None,
+                   timeout_s: float = DEFAULT_TIMEOUT_S, max_grid: int = plan.DEFAULT_MAX_GRID,
+                   _variant: str = "canonical") -> list[Workspace]:
         """W rank views of one workspace inside this process on one GPU (the W-stream harness). NOT collective.
 
         Drive rank r's collectives from its own CUDA stream and launch all W before waiting on any: a rank's
@@ -218,21 +231,25 @@ class Workspace:
         from ..symm_mem import create_local_group  # noqa: PLC0415
 
         _refuse_under_capture("Workspace.in_process")
-        dev = cls._check_args(device, capacity_bytes, max_rows_armed, one_shot_max_bytes, timeout_s, _variant)
+        dev = cls._check_args(device, capacity_bytes, max_rows_armed, one_shot_max_bytes, timeout_s, _variant,
+                              lamport_max_bytes)
         if not 1 <= world_size <= plan.MAX_WORLD:
             raise ValueError(f"world_size must be in 1..{plan.MAX_WORLD}, got {world_size}")
+        if lamport_max_bytes is None:
+            lamport_max_bytes = plan.lamport_max_bytes(world_size)
         sm_count = torch.cuda.get_device_properties(dev).multi_processor_count
         grid = plan.grid_blocks(world_size, sm_count, max_grid=max_grid)
         ks = kernel_set(dev.index, world_size, variant=_variant)
-        views = create_local_group(world_size, plan.buffer_bytes(capacity_bytes, world_size, grid),
+        views = create_local_group(world_size, plan.buffer_bytes(capacity_bytes, world_size, grid, lamport_max_bytes),
                                    device_index=dev.index, probe_offset=plan.probe_offset())
         return [cls(transport=v, kernels=ks, grid=grid, capacity_bytes=capacity_bytes, max_rows_armed=max_rows_armed,
-                    one_shot_max_bytes=one_shot_max_bytes, timeout_ns=int(timeout_s * 1e9), device=dev)
+                    one_shot_max_bytes=one_shot_max_bytes, lamport_max_bytes=lamport_max_bytes,
+                    timeout_ns=int(timeout_s * 1e9), device=dev)
                 for v in views]
 
     @staticmethod
     def _check_args(device: Any, capacity_bytes: int, max_rows_armed: int, one_shot_max_bytes: int | None,
-                    timeout_s: float, variant: str) -> torch.device:
+                    timeout_s: float, variant: str, lamport_max_bytes: int | None = None) -> torch.device:
         dev = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
         if dev.type != "cuda":
             raise ValueError(f"the workspace lives on a CUDA device, got {dev}")
@@ -244,6 +261,9 @@ class Workspace:
             raise ValueError(f"max_rows_armed must be >= 1, got {max_rows_armed}")
         if one_shot_max_bytes is not None and one_shot_max_bytes < 0:
             raise ValueError(f"one_shot_max_bytes must be >= 0, got {one_shot_max_bytes}")
+        if lamport_max_bytes is not None and lamport_max_bytes < 0:
+            raise ValueError(f"lamport_max_bytes must be >= 0 (0 turns the one-store kernel off), got "
+                             f"{lamport_max_bytes}")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         if variant not in VARIANT_MACROS:
@@ -342,26 +362,35 @@ class Workspace:
         if module in self.refused:
             return []
         return plan.variants(collective, row_bytes=row_numel * elem, max_rows=max_rows, world_size=self.world_size,
-                             capacity_bytes=self.capacity_bytes, one_shot_max_bytes=self.one_shot_max_bytes)
+                             capacity_bytes=self.capacity_bytes, one_shot_max_bytes=self.one_shot_max_bytes,
+                             lamport_max=self.lamport_max_bytes)
 
     # ---- collectives -----------------------------------------------------------------------------------
     def all_reduce(self, x: torch.Tensor, *, out: torch.Tensor | None = None, algo: str | None = None,
                    chunk_rows: int | None = None, label: str | None = None) -> torch.Tensor:
         """COLLECTIVE. SUM of x over the group by the canonical fold; every rank gets identical bits.
 
-        algo: None chooses by message size (one-shot up to one_shot_max_bytes per launch, two-shot above);
-        "one_shot" / "two_shot" force one (self-checks, tests, bench). chunk_rows: rows per launch (default: as
-        many as the capacity holds; smaller forces chunking). label: named in failure messages (the site). All
+        algo: None chooses by the launch's size (the one-store kernel up to lamport_max_bytes, one-shot up to
+        one_shot_max_bytes, two-shot above); "lamport" / "one_shot" / "two_shot" force one (self-checks, tests,
+        bench; a forced "lamport" launch carries at most lamport_max_bytes, and one row larger than that raises).
+        chunk_rows: rows per launch (default: as many as the capacity holds; smaller forces chunking). label: named in failure messages (the site). All
         choices and any chunking give the same bits.
         """
-        if algo not in (None, "one_shot", "two_shot"):
-            raise ValueError(f"algo must be None, 'one_shot' or 'two_shot', got {algo!r}")
+        if algo not in (None, "lamport", "one_shot", "two_shot"):
+            raise ValueError(f"algo must be None, 'lamport', 'one_shot' or 'two_shot', got {algo!r}")
         dtype = self._fold_dtype(x)
         out = self._output(x, out, tuple(x.shape))
         rows, row_elems, row_bytes = self._rows(x)
         if rows == 0 or row_elems == 0:
             return out
         per = self._per_chunk(row_bytes, chunk_rows, 1)
+        if algo == "lamport":
+            fit = self.lamport_max_bytes // row_bytes
+            if fit < 1 or (chunk_rows is not None and chunk_rows > fit):
+                raise ValueError(f"algo='lamport' serves launches of at most lamport_max_bytes="
+                                 f"{self.lamport_max_bytes} bytes; a launch of {chunk_rows or 1} row(s) carries "
+                                 f"{(chunk_rows or 1) * row_bytes}")
+            per = min(per, fit)  # forced: as many rows per launch as the one-store areas hold
         return self._all_reduce_launcher(dtype, row_elems).run(x, out, algo=algo, per=per, label=label)
 
     def bind_all_reduce(self, dtype: torch.dtype, row_numel: int, *, label: str | None = None
@@ -371,9 +400,10 @@ class Workspace:
         blocks) prepared here, so a call does O(1) work: a liveness check, the output, the launches. ``x`` and
         ``out`` (None: allocated) must already be validated as the communicator does before any route sees
         them: contiguous, on this device, the site's dtype and row width, and ``out`` either separate from x
-        or x itself. In place (``out`` is x) is exact: in every launch (one-shot, two-shot, each chunk) the
-        thread that writes an element of ``out`` is the one that copied that element of x into the slot, and
-        it copied it before the START barrier, while every write to ``out`` comes after it (the kernels'
+        or x itself. In place (``out`` is x) is exact: in every launch (one-store, one-shot, two-shot, each
+        chunk) the thread that writes an element of ``out`` is the one that copied (or pushed) that element of x,
+        and it did so before the START barrier (one-store: before its first wait), while every write to ``out``
+        comes after it (the kernels'
         pack ownership, csrc/detcomm_common.cuh "Work assignment"); chunks cover disjoint rows. A call that
         fails midway leaves x partly overwritten."""
         if dtype not in FLOAT_DTYPES:
@@ -724,8 +754,8 @@ def _event_pending(event: int) -> bool:
 
 
 class _AllReduceLauncher:
-    """The all-reduce launches of one (dtype, row width) on one workspace: kernel choice per chunk, with both
-    kernels' parameter blocks prepared once (kernels.PreparedLaunch). Every choice and chunking gives the same
+    """The all-reduce launches of one (dtype, row width) on one workspace: kernel choice per chunk, with every
+    kernel's parameter block prepared once (kernels.PreparedLaunch). Every choice and chunking gives the same
     bits (the canonical fold is element-wise); the row count only moves latency."""
 
     def __init__(self, ws: Workspace, dtype: str, row_elems: int) -> None:
@@ -735,13 +765,16 @@ class _AllReduceLauncher:
         self.row_elems = row_elems
         self.row_bytes = row_elems * plan.elem_size(dtype)
         self.one_shot_max_elems = ws.one_shot_max_bytes // plan.elem_size(dtype)
+        self.lamport_max_elems = ws.lamport_max_bytes // plan.elem_size(dtype)
         self.x, self.out, self.n = ctypes.c_uint64(), ctypes.c_uint64(), ctypes.c_int64()
         self.length, self.stride, self.call = ctypes.c_int64(), ctypes.c_int64(), ctypes.c_uint32()
         ks = ws._kernels
+        self.lamport = ks.prepare(f"detcomm_lamport_{sfx}", ws.grid, [self.x, self.out, self.n, _i64(ws._lam_off),
+                                                                       _i64(ws._lam_cap), self.call, *ws._tail])
         self.one_shot = ks.prepare(f"detcomm_one_shot_{sfx}", ws.grid, [self.x, self.out, self.n, self.call, *ws._tail])
         self.two_shot = ks.prepare(f"detcomm_two_shot_{sfx}", ws.grid,
                                    [self.x, self.out, self.n, self.length, self.stride, self.call, *ws._tail])
-        self.ran = {v: ("all_reduce", dtype, v) for v in ("one_shot", "two_shot", "chunked")}
+        self.ran = {v: ("all_reduce", dtype, v) for v in ("lamport", "one_shot", "two_shot", "chunked")}
         self._geometry: dict[int, plan.SliceGeometry] = {}
 
     def run(self, x: torch.Tensor, out: torch.Tensor, *, algo: str | None, per: int, label: str | None
@@ -757,7 +790,10 @@ class _AllReduceLauncher:
                 n = (min(rows, a + per) - a) * row_elems
                 self.x.value, self.out.value, self.n.value = xp + a * row_bytes, op + a * row_bytes, n
                 self.call.value = ws._next_call(label)
-                if algo == "one_shot" or (algo is None and n <= self.one_shot_max_elems):
+                if algo == "lamport" or (algo is None and n <= self.lamport_max_elems):
+                    self.lamport(stream)
+                    ws.variants_run.add(self.ran["lamport"])
+                elif algo == "one_shot" or (algo is None and n <= self.one_shot_max_elems):
                     self.one_shot(stream)
                     ws.variants_run.add(self.ran["one_shot"])
                 else:

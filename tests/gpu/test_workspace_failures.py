@@ -33,21 +33,22 @@ def _child(script: str, *, env: dict[str, str] | None = None) -> str:
     return p.stdout + p.stderr
 
 
-def test_deadline_ends_the_kernel_without_a_trap_one_record_per_rank():
-    """W = 3, rank 2 never launches. Ranks 0 and 1 pass their 0.3 s deadline in every block: each writes ONE
+@pytest.mark.parametrize("algo", ["lamport", "one_shot"])
+def test_deadline_ends_the_kernel_without_a_trap_one_record_per_rank(algo):
+    """W = 3, rank 2 never launches (the one-store kernel and a barrier kernel). Ranks 0 and 1 pass their 0.3 s deadline in every block: each writes ONE
     record and prints ONE line, the kernels return, the context survives, and both ranks raise WorkspaceFailed
     naming rank 2 and the call's label. Rank 2 learns of it at its next call (its kernel stops at once), and
     every later call of every rank raises."""
-    out = _child("""
+    out = _child(f"""
         import torch
         from detcomm.workspace import Workspace
         from detcomm.errors import WorkspaceFailed
         views = Workspace.in_process(3, device="cuda:0", capacity_bytes=1 << 16, timeout_s=0.3)
         streams = [torch.cuda.Stream() for _ in views]
-        x = torch.ones(64, 256, device="cuda:0")  # 4096 packs: the 8 blocks that own them wait, 2 threads each
+        x = torch.ones(64, 256, device="cuda:0")  # 4096 packs: the 8 blocks that own them wait
         for r in (0, 1):
             with torch.cuda.stream(streams[r]):
-                views[r].all_reduce(x, label="site.missing_rank")
+                views[r].all_reduce(x, label="site.missing_rank", algo="{algo}")
         torch.cuda.synchronize()  # returns: no trap, no CUDA error
         print("SYNC-OK")
         for r in (0, 1):
@@ -78,7 +79,8 @@ def test_deadline_ends_the_kernel_without_a_trap_one_record_per_rank():
     for r in (0, 1):
         line = lines[r]
         assert ("waiting for rank 2" in line or f"rank {1 - r}'s kernel failed first" in line), line
-        assert "site.missing_rank" in line and "call 1: one_shot float32" in line, line
+        assert "site.missing_rank" in line and f"call 1: {algo} float32" in line, line
+        assert ("one-store wait" in line) == (algo == "lamport"), line
         # one printed line per rank, although all 44 blocks (and 2 threads each) hit the deadline
         assert sum(l.startswith(f"detcomm: rank {r}: workspace failed") for l in out.splitlines()) == 1, out
     assert "rank 2 stopped" in out and "kernel failed first" in out, out
@@ -263,16 +265,19 @@ def test_variants_forced_kernels_and_chunking_match_the_oracle(world):
     """Every variant `variants()` lists for a site can be forced on a small payload, as the self-checks do, and
     gives the oracle's bits; variants_run records what ran."""
     dtype, trailing = "bfloat16", 24
-    R = _ranks(world, capacity_bytes=37 * trailing * 2, one_shot_max_bytes=10 * trailing * 2, timeout_s=30.0)
+    R = _ranks(world, capacity_bytes=37 * trailing * 2, one_shot_max_bytes=10 * trailing * 2,
+               lamport_max_bytes=3 * trailing * 2, timeout_s=30.0)
     v = R.views[0]
-    assert v.variants("all_reduce", torch.bfloat16, trailing, 100) == ["one_shot", "two_shot", "chunked"]
-    assert v.variants("all_reduce", torch.bfloat16, trailing, 5) == ["one_shot"]
+    assert v.variants("all_reduce", torch.bfloat16, trailing, 100) == ["lamport", "one_shot", "two_shot", "chunked"]
+    assert v.variants("all_reduce", torch.bfloat16, trailing, 5) == ["lamport", "one_shot"]
+    assert v.variants("all_reduce", torch.bfloat16, trailing, 3) == ["lamport"]
     assert v.variants("reduce_scatter", torch.bfloat16, trailing, world * 30) == ["reduce_scatter", "chunked"]
     assert v.variants("all_gather", torch.bfloat16, trailing, 38) == ["all_gather", "chunked"]
     rng = np.random.default_rng(world)
     bits = ill_conditioned(rng, world, (5, trailing), dtype)
     want = fold_oracle(bits, dtype)
-    for kw in ({"algo": "one_shot"}, {"algo": "two_shot"}, {"chunk_rows": 1}, {"chunk_rows": 2, "algo": "two_shot"}):
+    for kw in ({"algo": "lamport"}, {"algo": "one_shot"}, {"algo": "two_shot"}, {"chunk_rows": 1},
+               {"chunk_rows": 2, "algo": "two_shot"}):
         for r, got in enumerate(R.run_bits("all_reduce", bits, dtype, **kw)):
             assert np.array_equal(got, want), f"{kw} rank {r}: {first_mismatch(got, want)}"
     rs = ill_conditioned(rng, world, (world * 3, trailing), dtype)
@@ -281,23 +286,26 @@ def test_variants_forced_kernels_and_chunking_match_the_oracle(world):
         assert np.array_equal(got, full[r * 3:(r + 1) * 3])
     for r, got in enumerate(R.run_bits("all_gather", bits, dtype, chunk_rows=2)):
         assert np.array_equal(got, np.concatenate(bits))
-    assert {("all_reduce", dtype, k) for k in ("one_shot", "two_shot", "chunked")} <= v.variants_run
+    assert {("all_reduce", dtype, k) for k in ("lamport", "one_shot", "two_shot", "chunked")} <= v.variants_run
     assert ("reduce_scatter", dtype, "chunked") in v.variants_run and ("all_gather", dtype, "chunked") in v.variants_run
     with pytest.raises(ValueError):
         v.all_reduce(torch.ones(4, trailing, dtype=torch.bfloat16, device="cuda:0"), chunk_rows=38)
+    with pytest.raises(ValueError, match="lamport_max_bytes"):  # one forced one-store launch larger than its areas
+        v.all_reduce(torch.ones(4, trailing, dtype=torch.bfloat16, device="cuda:0"), algo="lamport", chunk_rows=4)
 
 
 def _slow_rank_sequence(R: Ranks, rng, *, slow: int, sleep_cycles: int) -> list[str]:
     """Consecutive calls that use START, MID and END barriers in every order (one-shot, two-shot, reduce-scatter,
-    all-gather), launched back to back with rank `slow` sleeping on its stream before each. Returns mismatches.
+    all-gather) and one-store launches between them (both of its buffers, back to back too), launched back to back with rank `slow` sleeping on its stream before each. Returns mismatches.
 
     Every input and output is allocated and uploaded first, and the sleep kernel is loaded first: between the
     launches the host issues nothing else, since in one process a device allocation or the lazy loading of a
     kernel may wait for the spinning kernels of the other ranks (this harness's limit, not the protocol's)."""
     world, dtype, trailing = R.world, "float32", 40
     plan_ = [("all_reduce", {"algo": "one_shot"}), ("all_reduce", {"algo": "two_shot"}), ("reduce_scatter", {}),
-             ("all_gather", {}), ("all_reduce", {"algo": "two_shot"}), ("all_reduce", {"algo": "one_shot"}),
-             ("reduce_scatter", {}), ("all_reduce", {"algo": "two_shot"})] * 2
+             ("all_gather", {}), ("all_reduce", {"algo": "lamport"}), ("all_reduce", {"algo": "two_shot"}),
+             ("all_reduce", {"algo": "one_shot"}), ("all_reduce", {"algo": "lamport"}),
+             ("all_reduce", {"algo": "lamport"}), ("reduce_scatter", {}), ("all_reduce", {"algo": "two_shot"})] * 2
     torch.cuda._sleep(1)
     staged = []
     for i, (op, kw) in enumerate(plan_):

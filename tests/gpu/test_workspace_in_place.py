@@ -1,10 +1,10 @@
 """The workspace all-reduce in place (out=x): the site-bound kernels write x itself, with no copy, and the bits
-are the canonical fold's (tests/oracle.py) on every kernel a site can reach: one-shot, two-shot and chunked.
+are the canonical fold's (tests/oracle.py) on every kernel a site can reach: one-store, one-shot, two-shot and chunked.
 
 Why it is exact (Workspace.bind_all_reduce): in every launch the thread that writes an element of the output is
 the one that copied that element of the input into its slot, before the START barrier; chunks cover disjoint
-rows. Tested twice: W ranks as W streams of one GPU (W = 3, where the rank order matters; a small
-one-shot threshold and capacity so two-shot and chunking run), and through the public API on two GPUs over
+rows. Tested twice: W ranks as W streams of one GPU (W = 3, where the rank order matters; small one-store and
+one-shot thresholds and capacity so every kernel and chunking run), and through the public API on two GPUs over
 NCCL, eager and captured in a CUDA graph. Negative control: every rank's input differs from the result, so a
 kernel that left x alone, or a call that wrote its result elsewhere, fails."""
 
@@ -30,7 +30,7 @@ def test_site_bound_all_reduce_in_place_every_kernel(world: int, dtype: str) -> 
     from detcomm.workspace import Workspace
 
     views = Workspace.in_process(world, device="cuda:0", capacity_bytes=64 * 1024, max_rows_armed=4096,
-                                 one_shot_max_bytes=4096)
+                                 one_shot_max_bytes=4096, lamport_max_bytes=1024)
     try:
         tdt = getattr(torch, dtype)
         calls = [v.bind_all_reduce(tdt, TRAILING, label="in_place") for v in views]
@@ -59,7 +59,7 @@ def test_site_bound_all_reduce_in_place_every_kernel(world: int, dtype: str) -> 
                 assert not np.array_equal(bits[r], want), "negative control: an input equals the result"
                 assert np.array_equal(got, want), f"W={world} {dtype} rows={rows} rank {r}: {first_mismatch(got, want)}"
         ran = {v for _, d, v in views[0].variants_run if d == dtype}
-        assert ran == {"one_shot", "two_shot", "chunked"}, ran
+        assert ran == {"lamport", "one_shot", "two_shot", "chunked"}, ran
     finally:
         for v in views:
             v.close()
