@@ -26,7 +26,7 @@
 // One-store kernels share the region whatever their pack ownership (the whole buffer belongs to one launch).
 //
 // Ranks must agree on the call: each block of each rank also stores its call descriptor (what, call number,
-// count) into desc[e & 1][block][its rank] of every peer, next to its data; threads 0..W-1 of the block wait
+// count; see lam_descriptor) into desc[e & 1][block][its rank] of every peer, next to its data; threads 0..W-1 of the block wait
 // for the descriptors, compare them with their own and empty them. A mismatch fails the workspace on every
 // rank (record DETCOMM_ERR_MISMATCH). A rank that runs a barrier kernel while its peers run a one-store kernel
 // (counts that pick different kernels) is caught by the deadline instead: neither side ever sees the other.
@@ -63,6 +63,17 @@ __device__ __forceinline__ uint4 ld_poll(const uint4* p) {
 }
 
 __device__ __forceinline__ bool lam_full(const uint4& v) { return v.x != 0u && v.y != 0u && v.z != 0u && v.w != 0u; }
+
+// A pushed descriptor: (what, call, count lo, count hi | DESC_MARK). Empty is all-zero; a pushed one has a nonzero
+// word in each 8-byte half (what is never 0: kind << 8; the mark is bit 31 of the high count word, free because a
+// count is far below 2^63), so a reader that sees both halves nonzero sees the whole store even if the 16-byte
+// store became visible in two 8-byte halves. The call number and the low count word may be 0 and are not tested.
+#define DETCOMM_LAM_DESC_MARK 0x80000000u
+__device__ __forceinline__ uint4 lam_descriptor(const Group& g) {
+  return make_uint4(g.what, g.call, (u32)g.count, (u32)(g.count >> 32) | DETCOMM_LAM_DESC_MARK);
+}
+__device__ __forceinline__ bool lam_desc_full(const uint4& v) { return v.x != 0u && v.w != 0u; }
+
 
 // +0.0 -> -0.0 in every element of a pack (see the header comment): no pushed word is ever the empty word.
 template <int DT>
@@ -127,16 +138,22 @@ struct LamWait {
   u32 polls;
 };
 
-// Poll a pack until it is full; false when the workspace failed (recorded through fail_workspace).
+// Poll a pack until it is full (a data pack: every word nonzero; a descriptor: lam_desc_full); false when the
+// workspace failed (recorded through fail_workspace).
+template <bool kDesc = false>
+__device__ __forceinline__ bool lam_ready(const uint4& v) {
+  return kDesc ? lam_desc_full(v) : lam_full(v);
+}
+template <bool kDesc = false>
 __device__ __forceinline__ bool lam_wait(const Group& g, const Lam& l, const uint4* p, uint4& v, int peer, LamWait& w) {
-  if (lam_full(v)) return true;
+  if (lam_ready<kDesc>(v)) return true;
   if (w.failed) return false;
   const u32* abort_word = g.sigs[g.rank] + DETCOMM_ABORT_INDEX;
   const volatile u32* host_abort = g.ctrl + DETCOMM_HOST_ABORT_WORD;
   if (w.start == 0) w.start = global_timer_ns();
   for (;;) {
     v = ld_poll(p);
-    if (lam_full(v)) return true;
+    if (lam_ready<kDesc>(v)) return true;
     ++w.polls;
     const u32 ab = ld_relaxed_sys(abort_word);
     if (ab != 0u) {
@@ -163,7 +180,7 @@ __device__ __forceinline__ bool lam_wait(const Group& g, const Lam& l, const uin
 // Threads 0..W-1: store this block's call descriptor into every rank's region (thread t -> rank t).
 __device__ __forceinline__ void lam_announce(const Group& g, const Lam& l) {
   const int t = threadIdx.x;
-  if (t < DETCOMM_W) st_ws(lam_desc(l, t, g.rank), make_uint4(g.what, g.call, (u32)g.count, (u32)(g.count >> 32)));
+  if (t < DETCOMM_W) st_ws(lam_desc(l, t, g.rank), lam_descriptor(g));
 }
 
 // Threads 0..W-1: refuse to go on in a workspace that already failed (a peer's kernel or host raised this rank's
@@ -181,10 +198,11 @@ __device__ __forceinline__ bool lam_check_call(const Group& g, const Lam& l, Lam
   }
   uint4* d = lam_desc(l, g.rank, t);
   uint4 v = ld_poll(d);
-  if (!lam_wait(g, l, d, v, t, w)) return false;
+  if (!lam_wait<true>(g, l, d, v, t, w)) return false;
   st_ws(d, make_uint4(0u, 0u, 0u, 0u));
-  if (v.x != g.what || v.y != g.call || v.z != (u32)g.count || v.w != (u32)(g.count >> 32)) {
-    const u32 pd[DETCOMM_DESC_WORDS] = {v.x, v.y, v.z, v.w};
+  const uint4 mine = lam_descriptor(g);
+  if (v.x != mine.x || v.y != mine.y || v.z != mine.z || v.w != mine.w) {
+    const u32 pd[DETCOMM_DESC_WORDS] = {v.x, v.y, v.z, v.w & ~DETCOMM_LAM_DESC_MARK};
     fail_workspace(g, DETCOMM_ERR_MISMATCH, DETCOMM_WAIT_LAMPORT, t, l.launch, 0u, 0, pd);
     w.failed = DETCOMM_ERR_MISMATCH;
     return false;

@@ -8,15 +8,17 @@ Modes:
 - fold: one GPU. The canonical-fold kernel over W local buffers (csrc/fold_local.cu, the fold every collective
   runs) against a device-to-device copy measured in the same run. Bytes counted for the fold: W inputs read + one
   output written; for the copy: read + write. Goal: fold >= 85% of the copy's bandwidth.
-- latency: one GPU, W ranks as W streams of this process (Workspace.in_process). One-shot and two-shot all-reduce
-  latency at W = 2, 4, 8 for 16 KiB .. 64 MiB (bf16 messages), eager and as CUDA-graph replay. The W ranks share
-  the GPU's SMs and HBM, so large-message times are a lower bound on what W GPUs over NVLink would give, not a
-  prediction of it.
+- latency: one GPU, W ranks as W streams of this process (Workspace.in_process). One-store (sizes up to the
+  workspace's lamport_max_bytes), one-shot and two-shot all-reduce latency at W = 2, 4, 8 for 16 KiB .. 64 MiB
+  (bf16 messages), eager and as CUDA-graph replay. The W ranks share the GPU's SMs and HBM, so large-message times
+  are a lower bound on what W GPUs over NVLink would give, not a prediction of it. W = 1 (pass --worlds 1) adds a
+  device-to-device copy of the same bytes ("copy"): the local pass against the copy.
 - nccl: only where torch sees >= 2 GPUs: one process per GPU, the workspace over CUDA IPC against NCCL
   all_reduce (NCCL's default, and NCCL_ALGO=Ring NCCL_PROTO=Simple), eager and graph, same sizes; beside them
   what a caller pays through the public API (`detcomm.all_reduce` on a site routed to the workspace: "detcomm"
   with an output buffer, "detcomm_inplace" with out=x), and, at the smallest size, the host time of one eager
-  call of each (mode "host").
+  call of each (mode "host"). gather_fold (the public call on a site routed to gather_fold) is timed eager; with
+  --gather-graph also captured in a CUDA graph.
 
 Medians over repeats, timed with CUDA events. The multicast-off variables of docs/spec.md §8 are set here and inherited
 by every child process.
@@ -96,12 +98,21 @@ def bench_latency(quick: bool, worlds: list[int] = WORLDS, sizes: list[int] | No
             xs = [torch.randn(n // 1024, 1024, device=dev).to(torch.bfloat16) for _ in range(w)]
             outs = [torch.empty_like(x) for x in xs]
             iters = 20 if size <= (1 << 20) else 5
-            for algo in ("one_shot", "two_shot"):
+            algos = (["lamport"] if size <= views[0].lamport_max_bytes else []) + ["one_shot", "two_shot"]
+            if w == 1:
+                algos.append("copy")
+            for algo in algos:
+                def one(r: int, algo: str = algo) -> None:
+                    if algo == "copy":  # the same bytes read and written as W = 1's local pass
+                        outs[r].copy_(xs[r])  # noqa: F821 (runs before the del below)
+                    else:
+                        views[r].all_reduce(xs[r], out=outs[r], algo=algo)  # noqa: F821
+
                 def eager() -> None:
                     for r in range(w):
                         streams[r].wait_stream(main)
                         with torch.cuda.stream(streams[r]):
-                            views[r].all_reduce(xs[r], out=outs[r], algo=algo)  # noqa: F821 (runs before the del below)
+                            one(r)
                     for s in streams:
                         main.wait_stream(s)
 
@@ -113,7 +124,7 @@ def bench_latency(quick: bool, worlds: list[int] = WORLDS, sizes: list[int] | No
                     g = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(g, stream=streams[r]):
                         for _ in range(iters):
-                            views[r].all_reduce(xs[r], out=outs[r], algo=algo)
+                            one(r)
                     graphs.append(g)
 
                 def replay() -> None:
@@ -140,7 +151,8 @@ def bench_latency(quick: bool, worlds: list[int] = WORLDS, sizes: list[int] | No
 
 
 # ---- (c) multi-GPU against NCCL ----------------------------------------------------------------------------
-def _nccl_rank(rank: int, world: int, init_file: str, sizes: list[int], nccl_env: dict, result_file: str) -> None:
+def _nccl_rank(rank: int, world: int, init_file: str, sizes: list[int], nccl_env: dict, result_file: str,
+               gather_graph: bool = False) -> None:
     os.environ.update(MULTICAST_OFF)
     os.environ.update(nccl_env)  # before the communicator exists: NCCL reads its environment at init
     import torch.distributed as dist
@@ -169,11 +181,14 @@ def _nccl_rank(rank: int, world: int, init_file: str, sizes: list[int], nccl_env
         buf = x.clone()
         iters = 20 if size <= (1 << 20) else 5
         cands = {"nccl": lambda: dist.all_reduce(x),
+                 "lamport": lambda: ws.all_reduce(x, out=out, algo="lamport"),
                  "one_shot": lambda: ws.all_reduce(x, out=out, algo="one_shot"),
                  "two_shot": lambda: ws.all_reduce(x, out=out, algo="two_shot"),
                  "detcomm": lambda: detcomm.all_reduce(x, site, out=out),
                  "detcomm_inplace": lambda: detcomm.all_reduce(buf, site, out=buf),
                  "gather_fold": lambda: detcomm.all_reduce(x, gather, out=out)}
+        if size > ws.lamport_max_bytes:
+            del cands["lamport"]
         if size == min(sizes):
             for r in _host_times(world, size, cands, gloo):
                 rows.append(dict(r, nccl_env=nccl_env))
@@ -183,7 +198,7 @@ def _nccl_rank(rank: int, world: int, init_file: str, sizes: list[int], nccl_env
             torch.cuda.synchronize()
             dist.barrier(group=gloo)
             eager = _median_ms(fn, repeats=5, iters=iters)
-            if name in EAGER_ONLY:
+            if name in EAGER_ONLY and not gather_graph:
                 rows.append({"mode": "nccl", "world": world, "bytes": size, "impl": name, "nccl_env": nccl_env,
                              "eager_us": eager * 1e3, "graph_us": float("nan"), "graph_note": EAGER_ONLY[name]})
                 _progress(rank, rows[-1])
@@ -253,7 +268,8 @@ def _host_times(world: int, size: int, cands: dict, gloo: Any, *, calls: int = 2
 NCCL_ENVS = {"default": {}, "ring_simple": {"NCCL_ALGO": "Ring", "NCCL_PROTO": "Simple"}}
 
 
-def bench_nccl(quick: bool, tmp: Path, sizes: list[int] | None = None, envs: list[str] | None = None) -> list[dict]:
+def bench_nccl(quick: bool, tmp: Path, sizes: list[int] | None = None, envs: list[str] | None = None, *,
+               gather_graph: bool = False) -> list[dict]:
     import torch.multiprocessing as mp
 
     world = min(torch.cuda.device_count(), 8)
@@ -266,7 +282,7 @@ def bench_nccl(quick: bool, tmp: Path, sizes: list[int] | None = None, envs: lis
         env = NCCL_ENVS[tag]
         result = tmp / f"nccl_{tag}.json"
         init = tmp / f"init_{tag}_{time.time_ns()}"
-        mp.spawn(_nccl_rank, args=(world, str(init), sizes, env, str(result)), nprocs=world, join=True)
+        mp.spawn(_nccl_rank, args=(world, str(init), sizes, env, str(result), gather_graph), nprocs=world, join=True)
         rows += json.loads(result.read_text())
     return rows
 
@@ -285,14 +301,9 @@ def to_markdown(rows: list[dict], header: str) -> str:
     lat = [r for r in rows if r["mode"] == "latency"]
     if lat:
         out += ["### All-reduce latency, W ranks as W streams of one GPU (bf16; us per call, median)", "",
-                "| W | size | one-shot eager | one-shot graph | two-shot eager | two-shot graph |",
-                "| ---: | ---: | ---: | ---: | ---: | ---: |"]
-        keys = sorted({(r["world"], r["bytes"]) for r in lat})
-        for w, b in keys:
-            cell = {r["algo"]: r for r in lat if r["world"] == w and r["bytes"] == b}
-            o, t = cell["one_shot"], cell["two_shot"]
-            out.append(f"| {w} | {_size(b)} | {o['eager_us']:.1f} | {o['graph_us']:.1f} | {t['eager_us']:.1f} | "
-                       f"{t['graph_us']:.1f} |")
+                "| W | size | kernel | eager | graph |", "| ---: | ---: | --- | ---: | ---: |"]
+        for r in sorted(lat, key=lambda r: (r["world"], r["bytes"])):
+            out.append(f"| {r['world']} | {_size(r['bytes'])} | {r['algo']} | {r['eager_us']:.1f} | {r['graph_us']:.1f} |")
         out.append("")
     host = [r for r in rows if r["mode"] == "host"]
     if host:
@@ -326,6 +337,7 @@ def main() -> None:
     ap.add_argument("--worlds", default=",".join(map(str, WORLDS)), help="latency mode: comma-separated W values")
     ap.add_argument("--nccl-envs", default=",".join(NCCL_ENVS), help=f"nccl mode: comma-separated subset of {','.join(NCCL_ENVS)}")
     ap.add_argument("--sizes", default="", help="latency and nccl modes: comma-separated sizes in KiB (default: all)")
+    ap.add_argument("--gather-graph", action="store_true", help="nccl mode: also capture gather_fold in a CUDA graph")
     args = ap.parse_args()
     modes = set(args.modes.split(","))
     if not modes <= {"fold", "latency", "nccl"}:
@@ -344,7 +356,7 @@ def main() -> None:
     if "latency" in modes:
         rows += bench_latency(args.quick, [int(w) for w in args.worlds.split(",")], sizes)
     if "nccl" in modes:
-        rows += bench_nccl(args.quick, out.parent, sizes, args.nccl_envs.split(","))
+        rows += bench_nccl(args.quick, out.parent, sizes, args.nccl_envs.split(","), gather_graph=args.gather_graph)
     md = to_markdown(rows, header)
     out.with_suffix(".md").write_text(md + "\n")
     out.with_suffix(".json").write_text(json.dumps({"header": header, "rows": rows}, indent=1))

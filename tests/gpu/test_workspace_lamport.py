@@ -30,7 +30,7 @@ CAPACITY = 1 << 20
 
 
 def _ranks(world: int, **kw) -> Ranks:
-    return cached_ranks(world, capacity=CAPACITY, **kw)
+    return cached_ranks(world, capacity=CAPACITY, timeout_s=20.0, **kw)
 
 
 def _fresh(world: int, **kw) -> Ranks:
