@@ -156,7 +156,7 @@ class Workspace:
         max_rows_armed: the most rows of the sites this workspace was armed for (reported to the router; calls
         with more rows still work, chunked). one_shot_max_bytes: messages above it take two-shot (None: from the
         topology, plan.one_shot_max_bytes). lamport_max_bytes: all-reduce launches up to this size take the one-store
-        kernel (None: plan.lamport_max_bytes; 0: never). timeout_s: the device-side deadline of every barrier (see
+        kernel (None: from the topology, plan.lamport_max_bytes; 0: never). timeout_s: the device-side deadline of every barrier (see
         DEFAULT_TIMEOUT_S for why 60 s). Raises ValueError for bad arguments and WorkspaceUnavailable (on every
         rank, with every rank's reason) when no kernel module, the symmetric memory or the peer-access proof
         fails. A dtype whose module cannot be built on some rank is refused alone on every rank (`refused`,
@@ -201,7 +201,7 @@ class Workspace:
         if one_shot_max_bytes is None:
             one_shot_max_bytes = plan.one_shot_max_bytes(world, shared_gpu=shared)
         if lamport_max_bytes is None:
-            lamport_max_bytes = plan.lamport_max_bytes(world)
+            lamport_max_bytes = plan.lamport_max_bytes(world, shared_gpu=shared)
         try:
             transport = IpcSymmetricBuffer.create(plan.buffer_bytes(capacity_bytes, world, grid, lamport_max_bytes),
                                                   group=group,
@@ -236,7 +236,7 @@ class Workspace:
         if not 1 <= world_size <= plan.MAX_WORLD:
             raise ValueError(f"world_size must be in 1..{plan.MAX_WORLD}, got {world_size}")
         if lamport_max_bytes is None:
-            lamport_max_bytes = plan.lamport_max_bytes(world_size)
+            lamport_max_bytes = plan.lamport_max_bytes(world_size, shared_gpu=True)
         sm_count = torch.cuda.get_device_properties(dev).multi_processor_count
         grid = plan.grid_blocks(world_size, sm_count, max_grid=max_grid)
         ks = kernel_set(dev.index, world_size, variant=_variant)

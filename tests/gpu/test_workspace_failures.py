@@ -43,7 +43,7 @@ def test_deadline_ends_the_kernel_without_a_trap_one_record_per_rank(algo):
         import torch
         from detcomm.workspace import Workspace
         from detcomm.errors import WorkspaceFailed
-        views = Workspace.in_process(3, device="cuda:0", capacity_bytes=1 << 16, timeout_s=0.3)
+        views = Workspace.in_process(3, device="cuda:0", capacity_bytes=1 << 16, timeout_s=0.3, lamport_max_bytes=1 << 16)
         streams = [torch.cuda.Stream() for _ in views]
         x = torch.ones(64, 256, device="cuda:0")  # 4096 packs: the 8 blocks that own them wait
         for r in (0, 1):
@@ -182,6 +182,8 @@ def test_init_sets_the_deadline_and_checks_every_variant_before_first_use():
 
 def _ranks(world: int, **kw) -> Ranks:
     from detcomm.workspace import Workspace
+
+    kw.setdefault("lamport_max_bytes", 1 << 18)  # the one-store kernel at every W (by default only W = 2 on one GPU)
 
     return Ranks(Workspace.in_process(world, device="cuda:0", **kw))
 

@@ -7,9 +7,9 @@ What is proven here, and the negative control of each:
   rotated-order build differs at W >= 3, so the oracle comparison can fail);
 - +0.0 inputs cannot look empty: an all-zero payload completes (control: the build that pushes +0.0 unmarked
   waits on the zero packs until its deadline);
-- the two buffers: long runs of back-to-back launches of changing sizes with one rank late to every call, mixed
-  with barrier kernels, and graph replays (control: the single-buffer build is caught by the same run, as wrong
-  bits or a failed workspace).
+- the two buffers: a peer a whole launch ahead, made deterministic by emulating one rank's push (control: the
+  single-buffer build is caught there, as wrong bits or a failed workspace); long runs of back-to-back launches
+  of changing sizes with one rank late to every call, mixed with barrier kernels; graph replays.
 """
 
 from __future__ import annotations
@@ -27,16 +27,18 @@ pytestmark = pytest.mark.gpu
 DTYPES = ["float32", "bfloat16", "float16"]
 TRAILING = 40
 CAPACITY = 1 << 20
+# Forced on for every W here: by default ranks sharing one GPU take it only at W = 2 (plan.lamport_max_bytes).
+LAMPORT = 256 << 10
 
 
 def _ranks(world: int, **kw) -> Ranks:
-    return cached_ranks(world, capacity=CAPACITY, timeout_s=20.0, **kw)
+    return cached_ranks(world, capacity=CAPACITY, timeout_s=20.0, lamport_max_bytes=LAMPORT, **kw)
 
 
 def _fresh(world: int, **kw) -> Ranks:
     from detcomm.workspace import Workspace
 
-    return Ranks(Workspace.in_process(world, device="cuda:0", capacity_bytes=CAPACITY, **kw))
+    return Ranks(Workspace.in_process(world, device="cuda:0", capacity_bytes=CAPACITY, lamport_max_bytes=LAMPORT, **kw))
 
 
 def _zeros(world: int, shape: tuple[int, ...], dtype: str, rng) -> list[np.ndarray]:
@@ -150,8 +152,9 @@ def _sequence(R: Ranks, rng, *, slow: int | None, sleep_cycles: int = 2_000_000,
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_back_to_back_launches_with_a_late_rank(world):
-    from detcomm.errors import WorkspaceFailed
-
+    """Real launches, no emulation: every result equals the oracle whichever rank is late (the deterministic
+    control of the buffer rotation is test_a_peer_one_launch_ahead, below: a late rank's timing alone does not
+    reliably open the window)."""
     rng = np.random.default_rng(world + 40)
     R = _fresh(world, timeout_s=30.0)
     for slow in (None, world - 1, 0):
@@ -159,22 +162,88 @@ def test_back_to_back_launches_with_a_late_rank(world):
         for v in R.views:
             v.check()
         assert bad == [], bad
-    # The control: one buffer for every launch. A rank a launch ahead stores into the buffer its late peer still
-    # reads (wrong bits), or the late peer empties a pack the fast one already stored for the next launch (a
-    # timeout).
-    One = _fresh(world, timeout_s=3.0, _variant="one_buffer")
-    failed: list[str] = []
-    try:
-        bad = _sequence(One, rng, slow=world - 1)
-    except WorkspaceFailed as e:
-        bad, failed = [], [str(e)]
+    R.close()
+
+
+def _mark(bits: np.ndarray, dtype: str) -> np.ndarray:
+    """What a rank pushes (lamport_common.cuh): its elements padded with +0.0 to whole 16-byte packs, every +0.0
+    rewritten as -0.0 (independent of the kernel's code: plain numpy)."""
+    t = BITS[dtype]
+    per = 16 // np.dtype(t).itemsize
+    flat = bits.reshape(-1)
+    padded = np.zeros(-(-flat.size // per) * per, dtype=t)
+    padded[:flat.size] = flat
+    neg = t(0x80000000) if dtype == "float32" else t(0x8000)
+    return np.where(padded == 0, neg, padded).astype(t)
+
+
+def _emulate_push(owner, src: int, buf: int, bits: np.ndarray, dtype: str, call: int) -> None:
+    """Store rank `src`'s one-store push of `bits` (its data and every owning block's call descriptor) into
+    `owner`'s region, buffer `buf`, exactly where rank src's kernel would (plan.LAM_* layout), without running it."""
+    from cupy.cuda import runtime
+
+    from detcomm.workspace import plan
+
+    base = owner._transport.ptrs[owner.rank] + plan.data_offset() + owner._lam_off
+    data = np.ascontiguousarray(_mark(bits, dtype))
+    area = base + plan.LAM_DATA_OFF + (buf * owner.world_size + src) * owner._lam_cap
+    runtime.memcpy(area, data.ctypes.data, data.nbytes, runtime.memcpyHostToDevice)
+    n = bits.size
+    what = (plan.KIND_LAMPORT << 8) | {"float32": 0, "bfloat16": 1, "float16": 2}[dtype]
+    desc = np.array([what, call, n & 0xFFFFFFFF, (n >> 32) | 0x80000000], dtype=np.uint32)
+    for b in range(-(-(data.nbytes // 16) // plan.BLOCK_THREADS)):  # the blocks that own a pack
+        at = base + plan.LAM_DESC_OFF + ((buf * plan.MAX_BLOCKS + b) * plan.MAX_WORLD + src) * 16
+        runtime.memcpy(at, desc.ctypes.data, 16, runtime.memcpyHostToDevice)
+    runtime.deviceSynchronize()
+
+
+@pytest.mark.parametrize("variant", ["canonical", "one_buffer"])
+def test_a_peer_one_launch_ahead(variant):
+    """Rank 1 runs a whole launch ahead of rank 0, deterministically: rank 0's push of launch 0 is emulated into
+    rank 1's region, so rank 1 finishes launch 0 and pushes launch 1 into rank 0's region before rank 0's kernel
+    of launch 0 has even started. Two buffers: rank 0 still reads launch 0's data, and both launches give the
+    oracle's bits. The single-buffer control: rank 1's launch-1 push overwrote the launch-0 data (and descriptor)
+    rank 0 had not read yet, which must show as wrong bits or a failed workspace."""
+    import time
+
+    from detcomm.errors import WorkspaceFailed
+
+    dtype, rows = "float32", 700  # 7000 packs: 14 blocks own packs
+    R = _fresh(2, timeout_s=5.0, _variant=variant)
+    p, q = R.views
+    rng = np.random.default_rng(11)
+    bits = [ill_conditioned(rng, 2, (rows, TRAILING), dtype) for _ in range(2)]  # [launch][rank]
+    xs = [[to_tensor(b, dtype, "cuda:0") for b in launch] for launch in bits]
+    outs = [[torch.empty_like(xs[0][0]) for _ in range(2)] for _ in range(2)]
     torch.cuda.synchronize()
-    for v in One.views:
+    _emulate_push(q, 0, 0, bits[0][0], dtype, call=q._calls + 1)
+    with torch.cuda.stream(R.streams[1]):
+        q.all_reduce(xs[0][1], out=outs[0][1], algo="lamport")  # completes on the emulated push
+        q.all_reduce(xs[1][1], out=outs[1][1], algo="lamport")  # pushes launch 1, then waits for rank 0
+    time.sleep(0.2)  # launch 1's pushes have landed long before rank 0's first kernel starts
+    failed = []
+    with torch.cuda.stream(R.streams[0]):
+        p.all_reduce(xs[0][0], out=outs[0][0], algo="lamport")
+        p.all_reduce(xs[1][0], out=outs[1][0], algo="lamport")
+    torch.cuda.synchronize()
+    for v in R.views:
         try:
             v.check()
         except WorkspaceFailed as e:
             failed.append(str(e))
-    assert bad or failed, "the single-buffer control passed: the test cannot see a buffer reused too early"
+    bad = []
+    for e in range(2):
+        want = fold_oracle(bits[e], dtype)
+        for r in range(2):
+            got = from_tensor(outs[e][r])
+            if not np.array_equal(got, want):
+                bad.append(f"launch {e} rank {r}: {first_mismatch(got, want)}")
+    if variant == "canonical":
+        assert failed == [] and bad == [], (failed, bad)
+    else:
+        assert failed or bad, "the single-buffer control passed: the test cannot see a buffer reused too early"
+        assert any(b.startswith("launch 0 rank 0") for b in bad) or any("different calls" in f for f in failed), (
+            bad, failed)
 
 
 @pytest.mark.parametrize("world", [2, 4])
