@@ -57,10 +57,12 @@ KERNEL_FILES = ("one_shot.cu", "two_shot.cu", "reduce_scatter.cu", "all_gather.c
                 "virtual_fold.cu")
 ROTATE_MACRO = "DETCOMM_ROTATE_RANK_ORDER"
 TRAP_ENV = "DETCOMM_WORKSPACE_TRAP"
-# Test-only builds: "rotated" folds in the wrong rank order, "stale_flags" lets a barrier pass on an earlier use's flag. Each is a
-# negative control that a test must catch; "canonical" is the only build a workspace serves with.
+# Test-only builds: "rotated" folds in the wrong rank order, "stale_flags" lets a barrier pass on an earlier use's flag,
+# "single_copy" keeps one copy of the slots, flags and descriptors (no parity). Each is a negative control that a test
+# must catch; "canonical" is the only build a workspace serves with.
 VARIANT_MACROS = {"canonical": (), "rotated": (f"-D{ROTATE_MACRO}=1",),
-                  "stale_flags": ("-DDETCOMM_TEST_STALE_FLAGS=1",)}
+                  "stale_flags": ("-DDETCOMM_TEST_STALE_FLAGS=1",),
+                  "single_copy": ("-DDETCOMM_TEST_SINGLE_COPY=1",)}
 # One module per dtype (csrc: DETCOMM_DTYPE) and one for the byte-moving all-gather.
 MODULE_DTYPE_CODES = {"float32": 0, "bfloat16": 1, "float16": 2, "bytes": 3}
 

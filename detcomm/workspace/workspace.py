@@ -109,14 +109,16 @@ class Workspace:
         self.rank = transport.rank
         self.world_size = transport.world_size
         self._slot_bytes = plan.slot_bytes(capacity_bytes, self.world_size, grid)
-        data_ptrs = [p + plan.data_offset() for p in transport.ptrs]
+        # data[p * W + k]: slot copy p of rank k (the kernels pick the copy by their use's parity).
+        data_ptrs = [p + plan.data_offset() + c * self._slot_bytes for c in range(plan.SLOT_COPIES)
+                     for p in transport.ptrs]
         sig_ptrs = list(transport.ptrs)
         # The kernels read the peer pointers from device memory (a kernel argument cannot hold W pointers
         # portably through the driver API); allocated once here, so calls never allocate.
         self._table = torch.tensor(data_ptrs + sig_ptrs, dtype=torch.int64, device=device)
         self._ctrl = _HostCtrl()
         # The Group arguments every kernel ends with: constant for the workspace's life, built once.
-        self._tail = [_u64(self._table.data_ptr()), _u64(self._table.data_ptr() + 8 * self.world_size),
+        self._tail = [_u64(self._table.data_ptr()), _u64(self._table.data_ptr() + 8 * len(data_ptrs)),
                       ctypes.c_int32(self.rank), _u64(self.timeout_ns), _u64(self._ctrl.ptr)]
         self._sig_ptrs = sig_ptrs
         self._lock = threading.Lock()

@@ -1,8 +1,8 @@
 """Workspace failure semantics (docs/spec.md §9) on one GPU, W ranks as W streams: a deadline, an abort, ranks
 making different calls or one rank running two kernels at once end the kernels of every rank with one record per
 rank and a WorkspaceFailed on the host; the CUDA context survives. Also the slow-rank barrier test of the real
-kernels (with its stale-flag negative control), overlapping out/x, the variants a site can reach and the
-capturable CUDA fold leaf.
+kernels (with its stale-flag negative control), the fast-rank test of the parity slots (with its single-copy
+negative control), overlapping out/x, the variants a site can reach and the capturable CUDA fold leaf.
 
 The tests whose kernels must hit a deadline run in a child process: if a regression brought the trap back, it
 would take only that child's context."""
@@ -287,17 +287,33 @@ def test_variants_forced_kernels_and_chunking_match_the_oracle(world):
         v.all_reduce(torch.ones(4, trailing, dtype=torch.bfloat16, device="cuda:0"), chunk_rows=38)
 
 
+# Consecutive calls through every kernel and barrier kind. Then the same calls reversed: 16 calls, so call i and call
+# 15 - i have opposite parities and every kernel runs in both slot copies (block 0 takes part in every launch, so on
+# a fresh workspace launch i is its use i + 1).
+_BASE = [("all_reduce", {"algo": "one_shot"}), ("all_reduce", {"algo": "two_shot"}), ("reduce_scatter", {}),
+         ("all_gather", {}), ("all_reduce", {"algo": "two_shot"}), ("all_reduce", {"algo": "one_shot"}),
+         ("reduce_scatter", {}), ("all_reduce", {"algo": "two_shot"})]
+_SEQUENCE = _BASE + _BASE[::-1]
+
+
+def _both_parities(sequence: list[tuple[str, dict]]) -> bool:
+    uses: dict[str, set[int]] = {}
+    for i, (op, kw) in enumerate(sequence):
+        uses.setdefault(f"{op} {kw}", set()).add((i + 1) & 1)
+    return all(v == {0, 1} for v in uses.values())
+
+
 def _slow_rank_sequence(R: Ranks, rng, *, slow: int, sleep_cycles: int) -> list[str]:
-    """Consecutive calls that use START, MID and END barriers in every order (one-shot, two-shot, reduce-scatter,
-    all-gather), launched back to back with rank `slow` sleeping on its stream before each. Returns mismatches.
+    """Consecutive calls that use START and MID barriers in every order (one-shot, two-shot, reduce-scatter,
+    all-gather), each kernel in both parities, launched back to back with rank `slow` sleeping on its stream before
+    each (so it is one use behind the others at every start barrier). Returns mismatches.
 
     Every input and output is allocated and uploaded first, and the sleep kernel is loaded first: between the
     launches the host issues nothing else, since in one process a device allocation or the lazy loading of a
     kernel may wait for the spinning kernels of the other ranks (this harness's limit, not the protocol's)."""
     world, dtype, trailing = R.world, "float32", 40
-    plan_ = [("all_reduce", {"algo": "one_shot"}), ("all_reduce", {"algo": "two_shot"}), ("reduce_scatter", {}),
-             ("all_gather", {}), ("all_reduce", {"algo": "two_shot"}), ("all_reduce", {"algo": "one_shot"}),
-             ("reduce_scatter", {}), ("all_reduce", {"algo": "two_shot"})] * 2
+    plan_ = _SEQUENCE
+    assert _both_parities(plan_)
     torch.cuda._sleep(1)
     staged = []
     for i, (op, kw) in enumerate(plan_):
@@ -356,6 +372,79 @@ def test_slow_rank_never_lets_a_flag_be_consumed_early(world):
             failed.append(str(e))
     assert bad or failed, "the stale-flag control passed: the slow-rank test cannot see a flag consumed early"
     assert not failed or any("made different calls" in f or "stopped" in f for f in failed), failed
+
+
+def _fast_rank_sequence(R: Ranks, rng, *, slow: int, first_sleep: int, sleep_cycles: int) -> list[str]:
+    """Every rank's host issues all of _SEQUENCE at once; rank `slow`'s stream first sleeps, so the other ranks'
+    hosts are the whole sequence ahead and their kernels run into each start barrier first. Rank `slow` also writes
+    every output one element past a 16-byte boundary (store_user's element-by-element path), so after each start
+    barrier it is still reading the fast ranks' slot copies while their next kernel fills the other copy, arrives at
+    the next START and stores its next descriptor: the fast ranks one use ahead on the device, as the parity proof
+    allows. bf16 payloads of ~2 MiB per launch; most calls are chunked into two or more launches, so consecutive
+    launches of one call alternate parity too. Returns mismatches with the oracle."""
+    world, dtype, trailing = R.world, "bfloat16", 1024
+    torch.cuda._sleep(1)
+    staged = []
+    for i, (op, kw) in enumerate(_SEQUENCE):
+        rows = world * (512 + 37 * i)
+        bits = ill_conditioned(rng, world, (rows, trailing), dtype)
+        xs = [to_tensor(b, dtype, "cuda:0") for b in bits]
+        out_rows = {"all_reduce": rows, "reduce_scatter": rows // world, "all_gather": world * rows}[op]
+        outs = []
+        for r in range(world):
+            if r == slow:  # one element (2 bytes) past the allocation's alignment
+                outs.append(torch.empty(out_rows * trailing + 1, dtype=torch.bfloat16, device="cuda:0")[1:]
+                            .view(out_rows, trailing))
+            else:
+                outs.append(torch.empty(out_rows, trailing, dtype=torch.bfloat16, device="cuda:0"))
+        staged.append((op, kw, bits, xs, outs))
+    torch.cuda.synchronize()
+    for i, (op, kw, _bits, xs, outs) in enumerate(staged):
+        for r in range(world):
+            with torch.cuda.stream(R.streams[r]):
+                if r == slow and (i == 0 or i % 3 == 2):
+                    torch.cuda._sleep(first_sleep if i == 0 else sleep_cycles)
+                getattr(R.views[r], op)(xs[r], out=outs[r], **kw)
+    torch.cuda.synchronize()
+    bad = []
+    for i, (op, kw, bits, _xs, outs) in enumerate(staged):
+        full = fold_oracle(bits, dtype) if op != "all_gather" else np.concatenate(bits)
+        shard = full.shape[0] // world
+        for r, o in enumerate(outs):
+            want = full[r * shard:(r + 1) * shard] if op == "reduce_scatter" else full
+            got = from_tensor(o.contiguous())
+            if not np.array_equal(got, want):
+                bad.append(f"call {i} {op} {kw} rank {r}: {first_mismatch(got, want)}")
+    return bad
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_fast_rank_ahead_never_overwrites_a_slot_in_use(world):
+    """Without an end barrier, ranks whose hosts run 16 calls ahead of a slow peer reach each next kernel while the
+    peer still reads the current one; the parity slots keep every result equal to the oracle, with no failure.
+    The negative control (a build with one copy of the slots, flags and descriptors) is caught by the same run:
+    wrong bits, a descriptor of the next call ("made different calls") or a flag overtaken (a deadline)."""
+    from detcomm.errors import WorkspaceFailed
+
+    rng = np.random.default_rng(100 + world)
+    R = _ranks(world, capacity_bytes=2 << 20, timeout_s=30.0)
+    bad = _fast_rank_sequence(R, rng, slow=world - 1, first_sleep=50_000_000, sleep_cycles=2_000_000)
+    for v in R.views:
+        v.check()
+    assert bad == []
+    Single = _ranks(world, capacity_bytes=2 << 20, timeout_s=5.0, _variant="single_copy")
+    failed = []
+    try:
+        bad = _fast_rank_sequence(Single, rng, slow=world - 1, first_sleep=50_000_000, sleep_cycles=2_000_000)
+    except WorkspaceFailed as e:
+        bad, failed = [], [str(e)]
+    torch.cuda.synchronize()
+    for v in Single.views:
+        try:
+            v.check()
+        except WorkspaceFailed as e:
+            failed.append(str(e))
+    assert bad or failed, "the single-copy control passed: the fast-rank test cannot see a slot overwritten in use"
 
 
 def test_cuda_fold_leaf_is_capturable_and_falls_back():
