@@ -490,7 +490,7 @@ def simulate_barrier_uses(start_epoch: int, mids: Sequence[bool], *, world: int,
     waiting: list[Callable[[], bool] | None] = [None] * world
     live = set(range(world))
     while live:
-        ready = sorted(r for r in live if waiting[r] is None or waiting[r]())
+        ready = sorted(r for r in live if (w := waiting[r]) is None or w())
         if not ready:
             return list(dict.fromkeys(problems)) + [f"deadlock: ranks {sorted(live)} all wait"]
         r = pick(ready)

@@ -155,7 +155,7 @@ class Workspace:
         DEFAULT_TIMEOUT_S for why 60 s). Raises ValueError for bad arguments and WorkspaceUnavailable (on every
         rank, with every rank's reason) when no kernel module, the symmetric memory or the peer-access proof
         fails. A dtype whose module cannot be built on some rank is refused alone on every rank (`refused`,
-        `variants`). `_variant` "rotated" / "stale_flags" build negative-control kernels (tests only).
+        `variants`). `_variant` "rotated" / "stale_flags" / "single_copy" build negative-control kernels (tests only).
         """
         import torch.distributed as dist  # noqa: PLC0415
 
