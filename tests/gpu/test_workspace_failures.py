@@ -303,32 +303,35 @@ def _both_parities(sequence: list[tuple[str, dict]]) -> bool:
     return all(v == {0, 1} for v in uses.values())
 
 
-def _slow_rank_sequence(R: Ranks, rng, *, slow: int, sleep_cycles: int) -> list[str]:
-    """Consecutive calls that use START and MID barriers in every order (one-shot, two-shot, reduce-scatter,
-    all-gather), each kernel in both parities, launched back to back with rank `slow` sleeping on its stream before
-    each (so it is one use behind the others at every start barrier). Returns mismatches.
+def _run_sequence(R: Ranks, rng, *, slow: int, dtype: str, trailing: int, rows0: int, sleeps: dict[int, int],
+                  misaligned: bool) -> list[str]:
+    """_SEQUENCE on every rank, launched back to back: call i carries world * (rows0 + 17 * i) rows (some calls
+    are chunked into several launches when they exceed the capacity), and rank `slow` sleeps sleeps[i] cycles on
+    its stream before call i. misaligned: rank `slow` writes every output one element past a 16-byte boundary
+    (store_user's element-by-element path), so it reads the slots more slowly than its peers after each start
+    barrier. Returns mismatches with the oracle.
 
     Every input and output is allocated and uploaded first, and the sleep kernel is loaded first: between the
     launches the host issues nothing else, since in one process a device allocation or the lazy loading of a
     kernel may wait for the spinning kernels of the other ranks (this harness's limit, not the protocol's)."""
-    world, dtype, trailing = R.world, "float32", 40
-    plan_ = _SEQUENCE
-    assert _both_parities(plan_)
+    world, tdtype = R.world, {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     torch.cuda._sleep(1)
     staged = []
-    for i, (op, kw) in enumerate(plan_):
-        rows = world * (64 + 17 * i)
+    for i, (op, kw) in enumerate(_SEQUENCE):
+        rows = world * (rows0 + 17 * i)
         bits = ill_conditioned(rng, world, (rows, trailing), dtype)
         xs = [to_tensor(b, dtype, "cuda:0") for b in bits]
         out_rows = {"all_reduce": rows, "reduce_scatter": rows // world, "all_gather": world * rows}[op]
-        outs = [torch.empty(out_rows, trailing, device="cuda:0") for _ in range(world)]
+        outs = [torch.empty(out_rows * trailing + 1, dtype=tdtype, device="cuda:0")[1:].view(out_rows, trailing)
+                if misaligned and r == slow else torch.empty(out_rows, trailing, dtype=tdtype, device="cuda:0")
+                for r in range(world)]
         staged.append((op, kw, bits, xs, outs))
     torch.cuda.synchronize()
-    for op, kw, _bits, xs, outs in staged:
+    for i, (op, kw, _bits, xs, outs) in enumerate(staged):
         for r in range(world):
             with torch.cuda.stream(R.streams[r]):
-                if r == slow:
-                    torch.cuda._sleep(sleep_cycles)
+                if r == slow and sleeps.get(i):
+                    torch.cuda._sleep(sleeps[i])
                 getattr(R.views[r], op)(xs[r], out=outs[r], **kw)
     torch.cuda.synchronize()
     bad = []
@@ -343,107 +346,74 @@ def _slow_rank_sequence(R: Ranks, rng, *, slow: int, sleep_cycles: int) -> list[
     return bad
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_slow_rank_never_lets_a_flag_be_consumed_early(world):
-    """The real kernels through consecutive uses of every barrier kind, one rank ~1 ms late to every call: every
-    result equals the oracle and nothing fails. The negative control (a build whose barriers accept an earlier
-    use's flag) is caught by the same sequence: wrong bits or a failed workspace."""
+def _control(R: Ranks, run) -> tuple[list[str], list[str]]:
+    """A negative control's run: (mismatches, failure messages). A failed workspace usually raises while the calls
+    are still being issued; every rank is checked after."""
     from detcomm.errors import WorkspaceFailed
 
-    rng = np.random.default_rng(world)
-    R = _ranks(world, capacity_bytes=1 << 20, timeout_s=30.0)
-    bad = _slow_rank_sequence(R, rng, slow=world - 1, sleep_cycles=2_000_000)
-    for v in R.views:
-        v.check()
-    assert bad == []
-    # The control: caught as wrong bits, or (usually) as a failed workspace, raised while the calls are still
-    # being issued (a rank passed a start barrier on an earlier call's flag and found that call's descriptor).
-    Stale = _ranks(world, capacity_bytes=1 << 20, timeout_s=5.0, _variant="stale_flags")
     failed = []
     try:
-        bad = _slow_rank_sequence(Stale, rng, slow=world - 1, sleep_cycles=2_000_000)
+        bad = run(R)
     except WorkspaceFailed as e:
         bad, failed = [], [str(e)]
     torch.cuda.synchronize()
-    for v in Stale.views:
+    for v in R.views:
         try:
             v.check()
         except WorkspaceFailed as e:
             failed.append(str(e))
+    return bad, failed
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_slow_rank_never_lets_a_flag_be_consumed_early(world):
+    """The real kernels through consecutive uses of every barrier kind, each kernel in both parities, one rank ~1 ms
+    late to every call (one use behind the others at every start barrier): every result equals the oracle and
+    nothing fails. The negative control (a build whose barriers accept an earlier use's flag) is caught by the same
+    sequence: wrong bits or a failed workspace."""
+    assert _both_parities(_SEQUENCE)
+    rng = np.random.default_rng(world)
+    late = dict.fromkeys(range(len(_SEQUENCE)), 2_000_000)
+
+    def run(R: Ranks) -> list[str]:
+        return _run_sequence(R, rng, slow=world - 1, dtype="float32", trailing=40, rows0=64, sleeps=late,
+                             misaligned=False)
+
+    R = _ranks(world, capacity_bytes=1 << 20, timeout_s=30.0)
+    bad = run(R)
+    for v in R.views:
+        v.check()
+    assert bad == []
+    # The control: caught as wrong bits, or (usually) as a failed workspace (a rank passed a start barrier on the
+    # previous use of its flag copy and found that use's descriptor).
+    bad, failed = _control(_ranks(world, capacity_bytes=1 << 20, timeout_s=5.0, _variant="stale_flags"), run)
     assert bad or failed, "the stale-flag control passed: the slow-rank test cannot see a flag consumed early"
     assert not failed or any("made different calls" in f or "stopped" in f for f in failed), failed
 
 
-def _fast_rank_sequence(R: Ranks, rng, *, slow: int, first_sleep: int, sleep_cycles: int) -> list[str]:
-    """Every rank's host issues all of _SEQUENCE at once; rank `slow`'s stream first sleeps, so the other ranks'
-    hosts are the whole sequence ahead and their kernels run into each start barrier first. Rank `slow` also writes
-    every output one element past a 16-byte boundary (store_user's element-by-element path), so after each start
-    barrier it is still reading the fast ranks' slot copies while their next kernel fills the other copy, arrives at
-    the next START and stores its next descriptor: the fast ranks one use ahead on the device, as the parity proof
-    allows. bf16 payloads of ~2 MiB per launch; most calls are chunked into two or more launches, so consecutive
-    launches of one call alternate parity too. Returns mismatches with the oracle."""
-    world, dtype, trailing = R.world, "bfloat16", 1024
-    torch.cuda._sleep(1)
-    staged = []
-    for i, (op, kw) in enumerate(_SEQUENCE):
-        rows = world * (512 + 37 * i)
-        bits = ill_conditioned(rng, world, (rows, trailing), dtype)
-        xs = [to_tensor(b, dtype, "cuda:0") for b in bits]
-        out_rows = {"all_reduce": rows, "reduce_scatter": rows // world, "all_gather": world * rows}[op]
-        outs = []
-        for r in range(world):
-            if r == slow:  # one element (2 bytes) past the allocation's alignment
-                outs.append(torch.empty(out_rows * trailing + 1, dtype=torch.bfloat16, device="cuda:0")[1:]
-                            .view(out_rows, trailing))
-            else:
-                outs.append(torch.empty(out_rows, trailing, dtype=torch.bfloat16, device="cuda:0"))
-        staged.append((op, kw, bits, xs, outs))
-    torch.cuda.synchronize()
-    for i, (op, kw, _bits, xs, outs) in enumerate(staged):
-        for r in range(world):
-            with torch.cuda.stream(R.streams[r]):
-                if r == slow and (i == 0 or i % 3 == 2):
-                    torch.cuda._sleep(first_sleep if i == 0 else sleep_cycles)
-                getattr(R.views[r], op)(xs[r], out=outs[r], **kw)
-    torch.cuda.synchronize()
-    bad = []
-    for i, (op, kw, bits, _xs, outs) in enumerate(staged):
-        full = fold_oracle(bits, dtype) if op != "all_gather" else np.concatenate(bits)
-        shard = full.shape[0] // world
-        for r, o in enumerate(outs):
-            want = full[r * shard:(r + 1) * shard] if op == "reduce_scatter" else full
-            got = from_tensor(o.contiguous())
-            if not np.array_equal(got, want):
-                bad.append(f"call {i} {op} {kw} rank {r}: {first_mismatch(got, want)}")
-    return bad
-
-
 @pytest.mark.parametrize("world", [2, 3])
 def test_fast_rank_ahead_never_overwrites_a_slot_in_use(world):
-    """Without an end barrier, ranks whose hosts run 16 calls ahead of a slow peer reach each next kernel while the
-    peer still reads the current one; the parity slots keep every result equal to the oracle, with no failure.
-    The negative control (a build with one copy of the slots, flags and descriptors) is caught by the same run:
-    wrong bits, a descriptor of the next call ("made different calls") or a flag overtaken (a deadline)."""
-    from detcomm.errors import WorkspaceFailed
-
+    """Without an end barrier, ranks whose streams already hold the whole sequence (16 calls, most of them chunked
+    into several launches) while a slow peer's stream sleeps reach each next kernel while the peer still reads the
+    current one: the slow rank's stream first sleeps ~25 ms and again before every third call, and it writes its outputs
+    misaligned, so after each start barrier it is still reading the fast ranks' slot copies while their next
+    kernel fills the other copy, arrives at the next START and stores its next descriptor (one use ahead on the
+    device, as far as the parity proof allows). bf16, ~2 MiB per launch. Every result equals the oracle, nothing
+    fails. The negative control (a build with one copy of the slots, flags and descriptors) is caught by the same
+    run: wrong bits, a descriptor of the next call ("made different calls") or a flag overtaken (a deadline)."""
     rng = np.random.default_rng(100 + world)
+    sleeps = {0: 50_000_000, **dict.fromkeys(range(2, len(_SEQUENCE), 3), 2_000_000)}
+
+    def run(R: Ranks) -> list[str]:
+        return _run_sequence(R, rng, slow=world - 1, dtype="bfloat16", trailing=1024, rows0=512, sleeps=sleeps,
+                             misaligned=True)
+
     R = _ranks(world, capacity_bytes=2 << 20, timeout_s=30.0)
-    bad = _fast_rank_sequence(R, rng, slow=world - 1, first_sleep=50_000_000, sleep_cycles=2_000_000)
+    bad = run(R)
     for v in R.views:
         v.check()
     assert bad == []
-    Single = _ranks(world, capacity_bytes=2 << 20, timeout_s=5.0, _variant="single_copy")
-    failed = []
-    try:
-        bad = _fast_rank_sequence(Single, rng, slow=world - 1, first_sleep=50_000_000, sleep_cycles=2_000_000)
-    except WorkspaceFailed as e:
-        bad, failed = [], [str(e)]
-    torch.cuda.synchronize()
-    for v in Single.views:
-        try:
-            v.check()
-        except WorkspaceFailed as e:
-            failed.append(str(e))
+    bad, failed = _control(_ranks(world, capacity_bytes=2 << 20, timeout_s=5.0, _variant="single_copy"), run)
     assert bad or failed, "the single-copy control passed: the fast-rank test cannot see a slot overwritten in use"
 
 
