@@ -346,11 +346,18 @@ def _run_sequence(R: Ranks, rng, *, slow: int, dtype: str, trailing: int, rows0:
     return bad
 
 
-def _control(R: Ranks, run) -> tuple[list[str], list[str]]:
-    """A negative control's run: (mismatches, failure messages). A failed workspace usually raises while the calls
-    are still being issued; every rank is checked after."""
+def _canonical_then_control(world: int, run, *, capacity: int, variant: str) -> tuple[list[str], list[str]]:
+    """`run` on canonical kernels must give the oracle's bits with no failure; then the same run on the negative
+    control build `variant` (5 s deadline). Returns the control's (mismatches, failure messages): a failed workspace
+    usually raises while the calls are still being issued; every rank is checked after."""
     from detcomm.errors import WorkspaceFailed
 
+    R = _ranks(world, capacity_bytes=capacity, timeout_s=30.0)
+    bad = run(R)
+    for v in R.views:
+        v.check()
+    assert bad == []
+    R = _ranks(world, capacity_bytes=capacity, timeout_s=5.0, _variant=variant)
     failed = []
     try:
         bad = run(R)
@@ -379,14 +386,9 @@ def test_slow_rank_never_lets_a_flag_be_consumed_early(world):
         return _run_sequence(R, rng, slow=world - 1, dtype="float32", trailing=40, rows0=64, sleeps=late,
                              misaligned=False)
 
-    R = _ranks(world, capacity_bytes=1 << 20, timeout_s=30.0)
-    bad = run(R)
-    for v in R.views:
-        v.check()
-    assert bad == []
     # The control: caught as wrong bits, or (usually) as a failed workspace (a rank passed a start barrier on the
     # previous use of its flag copy and found that use's descriptor).
-    bad, failed = _control(_ranks(world, capacity_bytes=1 << 20, timeout_s=5.0, _variant="stale_flags"), run)
+    bad, failed = _canonical_then_control(world, run, capacity=1 << 20, variant="stale_flags")
     assert bad or failed, "the stale-flag control passed: the slow-rank test cannot see a flag consumed early"
     assert not failed or any("made different calls" in f or "stopped" in f for f in failed), failed
 
@@ -395,8 +397,8 @@ def test_slow_rank_never_lets_a_flag_be_consumed_early(world):
 def test_fast_rank_ahead_never_overwrites_a_slot_in_use(world):
     """Without an end barrier, ranks whose streams already hold the whole sequence (16 calls, most of them chunked
     into several launches) while a slow peer's stream sleeps reach each next kernel while the peer still reads the
-    current one: the slow rank's stream first sleeps ~25 ms and again before every third call, and it writes its outputs
-    misaligned, so after each start barrier it is still reading the fast ranks' slot copies while their next
+    current one: the slow rank's stream first sleeps ~25 ms and again before every third call, and it writes its
+    outputs misaligned, so after each start barrier it is still reading the fast ranks' slot copies while their next
     kernel fills the other copy, arrives at the next START and stores its next descriptor (one use ahead on the
     device, as far as the parity proof allows). bf16, ~2 MiB per launch. Every result equals the oracle, nothing
     fails. The negative control (a build with one copy of the slots, flags and descriptors) is caught by the same
@@ -408,12 +410,7 @@ def test_fast_rank_ahead_never_overwrites_a_slot_in_use(world):
         return _run_sequence(R, rng, slow=world - 1, dtype="bfloat16", trailing=1024, rows0=512, sleeps=sleeps,
                              misaligned=True)
 
-    R = _ranks(world, capacity_bytes=2 << 20, timeout_s=30.0)
-    bad = run(R)
-    for v in R.views:
-        v.check()
-    assert bad == []
-    bad, failed = _control(_ranks(world, capacity_bytes=2 << 20, timeout_s=5.0, _variant="single_copy"), run)
+    bad, failed = _canonical_then_control(world, run, capacity=2 << 20, variant="single_copy")
     assert bad or failed, "the single-copy control passed: the fast-rank test cannot see a slot overwritten in use"
 
 
