@@ -305,9 +305,9 @@ def _both_parities(sequence: list[tuple[str, dict]]) -> bool:
 
 def _run_sequence(R: Ranks, rng, *, slow: int, dtype: str, trailing: int, rows0: int, sleeps: dict[int, int],
                   misaligned: bool) -> list[str]:
-    """_SEQUENCE on every rank, launched back to back: call i carries world * (rows0 + 17 * i) rows (some calls
-    are chunked into several launches when they exceed the capacity), and rank `slow` sleeps sleeps[i] cycles on
-    its stream before call i. misaligned: rank `slow` writes every output one element past a 16-byte boundary
+    """_SEQUENCE on every rank, launched back to back: call i carries world * (rows0 + 17 * i) rows (a window, at row
+    i, of one ill-conditioned payload per rank: every call's data differs; calls over the capacity are chunked into
+    several launches), and rank `slow` sleeps sleeps[i] cycles on its stream before call i. misaligned: rank `slow` writes every output one element past a 16-byte boundary
     (store_user's element-by-element path), so it reads the slots more slowly than its peers after each start
     barrier. Returns mismatches with the oracle.
 
@@ -316,10 +316,11 @@ def _run_sequence(R: Ranks, rng, *, slow: int, dtype: str, trailing: int, rows0:
     kernel may wait for the spinning kernels of the other ranks (this harness's limit, not the protocol's)."""
     world, tdtype = R.world, {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     torch.cuda._sleep(1)
+    pool = ill_conditioned(rng, world, (world * (rows0 + 17 * len(_SEQUENCE)) + len(_SEQUENCE), trailing), dtype)
     staged = []
     for i, (op, kw) in enumerate(_SEQUENCE):
         rows = world * (rows0 + 17 * i)
-        bits = ill_conditioned(rng, world, (rows, trailing), dtype)
+        bits = [b[i:i + rows] for b in pool]
         xs = [to_tensor(b, dtype, "cuda:0") for b in bits]
         out_rows = {"all_reduce": rows, "reduce_scatter": rows // world, "all_gather": world * rows}[op]
         outs = [torch.empty(out_rows * trailing + 1, dtype=tdtype, device="cuda:0")[1:].view(out_rows, trailing)
@@ -346,18 +347,19 @@ def _run_sequence(R: Ranks, rng, *, slow: int, dtype: str, trailing: int, rows0:
     return bad
 
 
-def _canonical_then_control(world: int, run, *, capacity: int, variant: str) -> tuple[list[str], list[str]]:
+def _canonical_then_control(world: int, run, *, capacity: int, variant: str,
+                            max_grid: int = 256) -> tuple[list[str], list[str]]:
     """`run` on canonical kernels must give the oracle's bits with no failure; then the same run on the negative
     control build `variant` (5 s deadline). Returns the control's (mismatches, failure messages): a failed workspace
     usually raises while the calls are still being issued; every rank is checked after."""
     from detcomm.errors import WorkspaceFailed
 
-    R = _ranks(world, capacity_bytes=capacity, timeout_s=30.0)
+    R = _ranks(world, capacity_bytes=capacity, timeout_s=30.0, max_grid=max_grid)
     bad = run(R)
     for v in R.views:
         v.check()
     assert bad == []
-    R = _ranks(world, capacity_bytes=capacity, timeout_s=5.0, _variant=variant)
+    R = _ranks(world, capacity_bytes=capacity, timeout_s=5.0, _variant=variant, max_grid=max_grid)
     failed = []
     try:
         bad = run(R)
@@ -400,7 +402,9 @@ def test_fast_rank_ahead_never_overwrites_a_slot_in_use(world):
     current one: the slow rank's stream first sleeps ~25 ms and again before every third call, and it writes its
     outputs misaligned, so after each start barrier it is still reading the fast ranks' slot copies while their next
     kernel fills the other copy, arrives at the next START and stores its next descriptor (one use ahead on the
-    device, as far as the parity proof allows). bf16, ~2 MiB per launch. Every result equals the oracle, nothing
+    device, as far as the parity proof allows). bf16, ~2 MiB per launch on an 8-block grid: each thread sweeps the
+    slot 8 (W = 2) to 16 (W = 3) times per launch, so the slow rank's stores delay its later loads (with the whole
+    launch in one sweep, every load would precede the slow stores). Every result equals the oracle, nothing
     fails. The negative control (a build with one copy of the slots, flags and descriptors) is caught by the same
     run: wrong bits, a descriptor of the next call ("made different calls") or a flag overtaken (a deadline)."""
     rng = np.random.default_rng(100 + world)
@@ -410,7 +414,7 @@ def test_fast_rank_ahead_never_overwrites_a_slot_in_use(world):
         return _run_sequence(R, rng, slow=world - 1, dtype="bfloat16", trailing=1024, rows0=512, sleeps=sleeps,
                              misaligned=True)
 
-    bad, failed = _canonical_then_control(world, run, capacity=2 << 20, variant="single_copy")
+    bad, failed = _canonical_then_control(world, run, capacity=2 << 20, variant="single_copy", max_grid=8)
     assert bad or failed, "the single-copy control passed: the fast-rank test cannot see a slot overwritten in use"
 
 
