@@ -376,8 +376,9 @@ class Workspace:
         or x itself. In place (``out`` is x) is exact: in every launch (one-shot, two-shot, each chunk) the
         thread that writes an element of ``out`` is the one that copied that element of x into the slot, and
         it copied it before the START barrier, while every write to ``out`` comes after it (the kernels'
-        pack ownership, csrc/detcomm_common.cuh "Work assignment"); chunks cover disjoint rows. A call that
-        fails midway leaves x partly overwritten."""
+        pack ownership, csrc/detcomm_common.cuh "Work assignment"); at W = 1 the kernels fold x straight into
+        out, each pack loaded and then stored by the same thread; chunks cover disjoint rows. A call that fails
+        midway leaves x partly overwritten."""
         if dtype not in FLOAT_DTYPES:
             raise ValueError(f"the workspace folds {list(FLOAT_NAMES)}, got {dtype}")
         name = name_of(dtype)
