@@ -1,21 +1,22 @@
 // detcomm: workspace all-gather (data movement only, no arithmetic, so one byte-level kernel serves every
 // dtype). Each rank copies its nbytes into its slot; after the START barrier every rank copies slot s to
-// out + s*out_stride bytes; the END barrier keeps slots stable until all ranks have read them.
+// out + s*out_stride bytes. No end barrier: a peer rewrites the slot copy of this use's parity only after this
+// rank has read it (detcomm_common.cuh, "Barriers").
 #include "detcomm_common.cuh"
 
 #if DETCOMM_WANT(DT_U8)
 extern "C" __global__ void __launch_bounds__(DETCOMM_BLOCK_THREADS)
     detcomm_all_gather(const u8* x, u8* out, i64 nbytes, i64 out_stride, u32 call, char* const* data,
                        u32* const* sigs, int rank, u64 timeout_ns, u32* ctrl) {
-  const Group g{data, sigs, rank, timeout_ns, ctrl, (DETCOMM_KIND_ALL_GATHER << 8) | DT_U8, call, (u64)nbytes, true};
+  const Group g0{data, sigs, rank, timeout_ns, ctrl, (DETCOMM_KIND_ALL_GATHER << 8) | DT_U8, call, (u64)nbytes, true};
   constexpr int kPer = Traits<DT_U8>::kPer;
   constexpr int U = DETCOMM_UNROLL;
   const i64 tid = thread_id();
   const i64 stride = grid_stride();
   const i64 npacks = (nbytes + kPer - 1) / kPer;
   if (!block_owns_packs(npacks)) return;
-  announce_call(g);
-  uint4* own = reinterpret_cast<uint4*>(g.data[g.rank]);
+  const Group g = open_use(g0);
+  uint4* own = slot(g, g.rank);
 
   copy_in<DT_U8>(x, nbytes, own, tid, stride);
   if (!block_barrier(g, BARRIER_START)) return;
@@ -27,7 +28,7 @@ extern "C" __global__ void __launch_bounds__(DETCOMM_BLOCK_THREADS)
       const i64 p = p0 + u * stride;
       if (p < npacks) {
 #pragma unroll
-        for (int s = 0; s < DETCOMM_W; ++s) v[u][s] = ld_ws(reinterpret_cast<const uint4*>(g.data[s]) + p);
+        for (int s = 0; s < DETCOMM_W; ++s) v[u][s] = ld_ws(slot(g, s) + p);
       }
     }
 #pragma unroll
@@ -39,6 +40,6 @@ extern "C" __global__ void __launch_bounds__(DETCOMM_BLOCK_THREADS)
       }
     }
   }
-  block_barrier(g, BARRIER_END);
+  close_use(g);
 }
 #endif

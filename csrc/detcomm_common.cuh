@@ -16,12 +16,15 @@
 //
 // Memory layout of one rank's symmetric buffer (mirrored in detcomm/workspace/plan.py, checked by a CPU
 // test that parses the #defines below):
-//   [0, DETCOMM_HEADER_BYTES)        barrier flags, epoch counters, start-barrier call descriptors, the abort
-//                                    word, the record claim and the per-block busy words (u32 words)
+//   [0, DETCOMM_HEADER_BYTES)        barrier flags and start-barrier call descriptors (two copies each, see
+//                                    "Barriers"), epoch counters, the abort word, the record claim and the
+//                                    per-block busy words (u32 words)
 //   [.., + DETCOMM_PROBE_BYTES)      scratch the startup peer-access proof writes through IPC handles
-//   [.., + slot bytes)               the data slot: this rank's rows (and the two-shot partial results)
+//   [.., + 2 x slot bytes)           the data slot, twice (copy 0, copy 1): this rank's rows (and the two-shot
+//                                    partial results); a block's use of parity p touches copy p only
 // Every rank writes only its own data slot; peers only read it. The only remote writes are barrier flags, the
 // call descriptors that travel with the start barrier, and the abort word.
+// The host's pointer table: data[p * W + k] = copy p of rank k's slot (Group::data), then sigs[k] = rank k's header.
 #pragma once
 
 #if !defined(__CUDACC_RTC__)
@@ -45,8 +48,9 @@ typedef long long i64;
 #define DETCOMM_MAX_BLOCKS 256
 #define DETCOMM_BLOCK_THREADS 512
 #define DETCOMM_PACK_BYTES 16
-#define DETCOMM_BARRIER_KINDS 3
-#define DETCOMM_HEADER_BYTES 65536
+#define DETCOMM_BARRIER_KINDS 2
+#define DETCOMM_PARITIES 2
+#define DETCOMM_HEADER_BYTES 131072
 #define DETCOMM_PROBE_BYTES 4096
 #define DETCOMM_DESC_WORDS 4
 // The host-mapped control block of one rank: one failure record, then the host's abort word.
@@ -72,25 +76,26 @@ typedef long long i64;
 #define DETCOMM_KIND_VIRTUAL_1SHOT 7  // csrc/virtual_fold.cu
 #define DETCOMM_KIND_VIRTUAL_2SHOT 8
 
+// Barrier kinds (the `kind` of a failure record). There is no end barrier: see "Barriers".
 #define BARRIER_START 0
 #define BARRIER_MID 1
-#define BARRIER_END 2
 
-// flags[kind][block][source rank]: written by the source rank (remote store), read by the owner.
-__device__ __forceinline__ u32 flag_index(int kind, int block, int src) {
-  return (u32)((kind * DETCOMM_MAX_BLOCKS + block) * DETCOMM_MAX_W + src);
+// flags[kind][parity][block][source rank]: written by the source rank (remote store), read by the owner.
+__device__ __forceinline__ u32 flag_index(int kind, u32 par, int block, int src) {
+  return (u32)(((kind * DETCOMM_PARITIES + (int)par) * DETCOMM_MAX_BLOCKS + block) * DETCOMM_MAX_W + src);
 }
+#define DETCOMM_EPOCH_BASE (DETCOMM_BARRIER_KINDS * DETCOMM_PARITIES * DETCOMM_MAX_BLOCKS * DETCOMM_MAX_W)
 // epochs[kind][block]: the owner's own count of completed barriers of that kind for that block.
 __device__ __forceinline__ u32 epoch_index(int kind, int block) {
-  return (u32)(DETCOMM_BARRIER_KINDS * DETCOMM_MAX_BLOCKS * DETCOMM_MAX_W + kind * DETCOMM_MAX_BLOCKS + block);
+  return (u32)(DETCOMM_EPOCH_BASE + kind * DETCOMM_MAX_BLOCKS + block);
 }
-#define DETCOMM_DESC_BASE (DETCOMM_BARRIER_KINDS * DETCOMM_MAX_BLOCKS * (DETCOMM_MAX_W + 1))
-// desc[block][source rank][4]: the call the source rank's block is making (what, call, count lo, count hi),
-// stored by the source before its start-barrier flag (at kernel entry: announce_call), read by the owner after it.
-__device__ __forceinline__ u32 desc_index(int block, int src) {
-  return (u32)(DETCOMM_DESC_BASE + (block * DETCOMM_MAX_W + src) * DETCOMM_DESC_WORDS);
+#define DETCOMM_DESC_BASE (DETCOMM_EPOCH_BASE + DETCOMM_BARRIER_KINDS * DETCOMM_MAX_BLOCKS)
+// desc[parity][block][source rank][4]: the call the source rank's block is making (what, call, count lo, count
+// hi), stored by the source before its start-barrier flag (at kernel entry: open_use), read by the owner after it.
+__device__ __forceinline__ u32 desc_index(u32 par, int block, int src) {
+  return (u32)(DETCOMM_DESC_BASE + (((int)par * DETCOMM_MAX_BLOCKS + block) * DETCOMM_MAX_W + src) * DETCOMM_DESC_WORDS);
 }
-#define DETCOMM_CTRL_BASE (DETCOMM_DESC_BASE + DETCOMM_MAX_BLOCKS * DETCOMM_MAX_W * DETCOMM_DESC_WORDS)
+#define DETCOMM_CTRL_BASE (DETCOMM_DESC_BASE + DETCOMM_PARITIES * DETCOMM_MAX_BLOCKS * DETCOMM_MAX_W * DETCOMM_DESC_WORDS)
 #define DETCOMM_ABORT_INDEX DETCOMM_CTRL_BASE        // nonzero: the workspace failed (sticky until re-created)
 #define DETCOMM_CLAIM_INDEX (DETCOMM_CTRL_BASE + 1)  // the first failing thread of this rank claims the record
 // busy[block]: set while a kernel of this rank runs that block (two kernels at once on one rank are an error).
@@ -279,31 +284,81 @@ __device__ __forceinline__ uint4 fold_pack(const uint4 (&in)[DETCOMM_W], int ran
   return o.v;
 }
 
+#if DETCOMM_W == 1
+// W = 1: the canonical fold of one rank is round(+0.0 + widen(x)) with the canonical NaN (fold_pack), and it is
+// computed straight from x into out: no slot, no barrier, no descriptor (the same bits as through the slot; one
+// read and one write of each element, as a copy). No busy word either: it guards the barriers and the slot
+// against a second kernel of the same rank, and this path touches neither; two of them at once are as
+// independent as two copy kernels. Pack p is loaded and stored by the same thread, so out == x is safe.
+template <int DT>
+__device__ __forceinline__ void fold_direct(const typename Traits<DT>::T* x, typename Traits<DT>::T* out, i64 n) {
+  constexpr int kPer = Traits<DT>::kPer;
+  constexpr int U = DETCOMM_UNROLL;
+  const i64 stride = (i64)gridDim.x * blockDim.x;
+  const i64 np = (n + kPer - 1) / kPer;
+  for (i64 p0 = (i64)blockIdx.x * blockDim.x + threadIdx.x; p0 < np; p0 += U * stride) {
+    uint4 in[U][1];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const i64 p = p0 + u * stride;
+      if (p < np) in[u][0] = load_user<DT>(x + p * kPer, n - p * kPer);
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const i64 p = p0 + u * stride;
+      if (p < np) store_user<DT>(out + p * kPer, n - p * kPer, fold_pack<DT>(in[u], 0));
+    }
+  }
+}
+#endif
+
 // ----------------------------------------------------------------------------------------------------
 // Barriers
 // ----------------------------------------------------------------------------------------------------
 // One barrier is a W-way rendezvous of block b on every rank. Rank r arrives by a system-scope release
-// store of the barrier's epoch into flags[kind][b][r] of every peer, and waits until every peer p has
-// stored the same epoch into its own flags[kind][b][p].
+// store of the barrier's epoch into flags[kind][parity][b][r] of every peer, and waits until every peer p has
+// stored the same epoch into its own flags[kind][parity][b][p].
 //
-// Epochs: each (kind, block) has its own uint32 counter in the owner's header, advanced once per use and
-// wrapping modulo 2^32. Because a barrier is a full rendezvous, a peer can never be a whole use ahead: when
-// rank r waits for use e, the flag holds e-1 (peer not arrived) or e (arrived). So an equality test is
-// exact forever, across the wrap, and needs no ordering comparison (plan.py mirrors this; a CPU test drives
-// the mirror across 2^32). Separate counters per kind keep that true even when kernels that use the MID
-// barrier (two-shot) are interleaved with kernels that do not.
+// Uses and parities. Each (kind, block) has its own uint32 epoch counter in the owner's header, advanced once per
+// use, wrapping modulo 2^32. A block's use of the workspace is numbered by its START epoch e: per block, not per
+// call, because a block that owns no pack of a launch skips it on every rank alike ("Work assignment"). Its
+// parity p = e & 1, read at kernel entry from the block's own START counter (open_use: e = counter + 1), selects
+// one of two copies of everything the use shares: the data slot (copy p of every rank's slot), the call
+// descriptors and the START flags. MID flags take the parity of their own (MID) epoch. There is no end barrier:
+// a block leaves the kernel as soon as its own last access is done, and the next launch overlaps the peers' tail.
+//
+// Why two copies suffice. Claim: no peer is ever a whole use ahead of this rank on block b. Peer t writes copy p of
+// what this rank reads during use e (t's slot copy p, desc[p][b][t] and flags[START][p][b][t] in this rank's
+// header) again only for use e+2, and before use e+2 it must pass START of use e+1. That needs this rank's block b
+// to arrive at START e+1, which it does only in its next kernel (stream order), after its last read of use e,
+// with a release store. So when t can overwrite copy p, this rank has finished with it; one use ahead, t writes
+// only copy 1-p. The same holds for this rank's own slot: it rewrites copy p in use e+2's copy-in, after passing
+// START e+1, i.e. after every peer arrived there, i.e. after every peer's last read of use e.
+// MID (two-shot, fused two-shot): a block has at most one MID per START use, so MID use m lies in some START use
+// e and MID use m+2 (the next write of MID copy m & 1) in a START use >= e+2: the same argument, START e+1 in
+// between. MID keeps its own counter and parity (not START's) so that its flags stay exact: with START's parity,
+// kernels without MID interleaved with two-shot ones could leave one MID copy unwritten for 2^32 MID uses, after
+// which its stale epoch would alias the awaited one.
+//
+// Epoch test. When this rank waits for use e on copy p, a peer's flag holds e (arrived) or the epoch of the
+// previous use of copy p, e-2 (0, the initial value, before the first): never a later use (the claim). So an
+// equality test is exact forever, across the wrap, and needs no ordering comparison (plan.py mirrors this; a CPU
+// test drives the mirror with a peer one use ahead, shows one copy would be overtaken, and crosses 2^32).
 //
 // Ordering: __syncthreads() makes every thread's prior data stores precede the release (release is
 // cumulative over what bar.sync ordered before it); the acquire load plus __syncthreads_or() makes the
 // peers' data visible to all threads of the block before they read it.
 //
 // The call descriptor (docs/spec.md §9, failure semantics): before its START flag every rank also stores its
-// (kernel kind | dtype, call number, element count) into desc[b][r] of every peer (at kernel entry, see
-// announce_call, or inside START for a kernel that does not announce); after the acquire each rank compares
-// every peer's descriptor with its own. A mismatch (one rank in another call, another dtype or count) fails the
-// workspace on every rank, whatever the host-side checking says. The slot desc[b][p] is rewritten only when
-// peer p starts a later kernel whose block b runs, which needs this rank's block b to have passed this call's
-// END: the comparison never reads a later call's descriptor.
+// (kernel kind | dtype, call number, element count) into desc[p][b][r] of every peer (at kernel entry, see
+// open_use, or inside START for a kernel that does not announce); after the acquire each rank compares every
+// peer's descriptor with its own. A mismatch (one rank in another call, another dtype or count) fails the
+// workspace on every rank, whatever the host-side checking says. desc[p][b][t] is rewritten only in t's use e+2
+// (the claim), after this rank's comparison of use e: the comparison never reads a later call's descriptor.
+//
+// The busy word (one kernel per rank at a time): claimed at START by each block that passes it, released by that
+// block at kernel exit (close_use) after its last access. A block that fails returns without releasing it: the
+// workspace has failed and refuses every later call anyway (as before).
 //
 // Failure instead of a hang: every spin polls the abort word in its own header (peers and the host store
 // there) and, every 256 iterations, the host's abort word in mapped pinned memory, and gives up after
@@ -335,7 +390,7 @@ __device__ __forceinline__ u64 global_timer_ns() {
 }
 
 struct Group {
-  char* const* data;  // [W] data-slot base of every rank, as mapped in this process
+  char* const* data;  // [2 * W] data[p * W + k]: copy p of rank k's data slot, as mapped in this process
   u32* const* sigs;   // [W] header base of every rank, as mapped in this process
   int rank;
   u64 timeout_ns;
@@ -346,6 +401,7 @@ struct Group {
   // true: the kernel stored its call descriptor at entry (announce_call), so the START barrier does not store it
   // again. A kernel that leaves it out (aggregate initialization: false) gets the descriptor stored by START.
   bool announced;
+  u32 par;  // this block's use parity (set by open_use; left out of the kernels' aggregate initialization)
 };
 
 // The failure path, out of line so the spin loop stays small. `peer_desc` is the peer's descriptor on a mismatch.
@@ -389,31 +445,67 @@ __device__ __noinline__ void fail_workspace(const Group& g, u32 tag, int kind, i
 // The call descriptor of this rank's block into peer t's header: strong (relaxed, system-scope) stores, ordered
 // before the peer reads them by the START flag's release/acquire, never a data race.
 __device__ __forceinline__ void store_call_descriptor(const Group& g, int t) {
-  u32* d = g.sigs[t] + desc_index(blockIdx.x, g.rank);
+  u32* d = g.sigs[t] + desc_index(g.par, blockIdx.x, g.rank);
   st_relaxed_sys(d + 0, g.what);
   st_relaxed_sys(d + 1, g.call);
   st_relaxed_sys(d + 2, (u32)g.count);
   st_relaxed_sys(d + 3, (u32)(g.count >> 32));
 }
 
-// At kernel entry (after the block's ownership test, before its copy-in): store the call descriptor into every
-// peer's header now, so the remote stores are acknowledged while the block copies its input in, and the START
-// flag's release (which must wait for every prior store of the thread) does not pay an NVLink round trip for
-// them. Kernels that call this build their Group with announced = true.
+// The copy a use of parity p works in. The negative control (tests only, DETCOMM_TEST_SINGLE_COPY) keeps one copy
+// of everything, as a scheme without the end barrier and without parity would: a peer one use ahead then
+// overwrites what this rank still reads, which the fast-rank test must catch.
+__device__ __forceinline__ u32 parity_of(u32 epoch) {
+#ifdef DETCOMM_TEST_SINGLE_COPY
+  return 0u;
+#else
+  return epoch & 1u;
+#endif
+}
+
+// The call descriptor into every peer's header (threads 0..W-1): at kernel entry, so the remote stores are
+// acknowledged while the block copies its input in, and the START flag's release (which must wait for every prior
+// store of the thread) does not pay an NVLink round trip for them. Kernels that call this build their Group with
+// announced = true.
 //
-// Why storing this early is safe: peer p reads desc[b][r] only between its acquire of r's START flag for block
-// b and its own arrival at that call's END barrier (the comparison happens right after the acquire). Rank r
-// starts this kernel only after its previous kernel finished, in which block b either passed END (so p had
-// arrived at END, its read long done) or owned no pack (then no rank's block b ran that kernel's barriers, and
-// the argument applies to the last kernel in which it did). So the store never overtakes a read of the
-// previous call's descriptor. If the workspace already failed, the stores land in headers nobody trusts any
-// more (every call is refused until the workspace is re-created).
+// Why storing this early is safe: peer p reads desc[par][b][r] only between its acquire of r's START flag for
+// block b's use e and its own arrival at START e+1 (the comparison happens right after the acquire). This rank
+// stores copy par again only for use e+2, at the entry of a kernel that starts after its previous kernel finished,
+// in which block b passed START e+1 (or owned no pack: then no rank's block b ran that kernel's barriers, and the
+// argument applies to the last kernel in which it did). Passing START e+1 needs peer p's arrival there, after its
+// comparison of use e. So the store never overtakes a read of the previous use of that copy. If the workspace
+// already failed, the stores land in headers nobody trusts any more (every call is refused until re-created).
 __device__ __forceinline__ void announce_call(const Group& g) {
   if (threadIdx.x < DETCOMM_W) store_call_descriptor(g, threadIdx.x);
 }
 
+// At kernel entry, after the block's ownership test and before its copy-in: this use's parity from the block's own
+// START counter (only this block of this rank writes it, at its START barriers, and the previous kernel of the
+// rank has finished: a plain read is race-free), then the descriptor (announced kernels). Returns the Group the
+// rest of the kernel uses; every slot address goes through slot() with it.
+__device__ __forceinline__ Group open_use(Group g) {
+  g.par = parity_of(g.sigs[g.rank][epoch_index(BARRIER_START, blockIdx.x)] + 1u);
+  if (g.announced) announce_call(g);
+  return g;
+}
+
+// Copy g.par of rank k's data slot. Both table entries are loaded and one is selected, so the loads need not wait
+// for the parity (itself a load of the epoch word) and the kernel's start pays one dependent load, not two.
+__device__ __forceinline__ uint4* slot(const Group& g, int k) {
+  char* const c0 = g.data[k];
+  char* const c1 = g.data[DETCOMM_W + k];
+  return reinterpret_cast<uint4*>(g.par ? c1 : c0);
+}
+
+// At kernel exit, on the success path only: release this block's busy word after every thread's last access.
+__device__ __forceinline__ void close_use(const Group& g) {
+  __syncthreads();
+  if (threadIdx.x == 32) atomicExch(g.sigs[g.rank] + busy_index(blockIdx.x), 0u);
+}
+
 // The arrival test. The negative control (tests only, DETCOMM_TEST_STALE_FLAGS) accepts any earlier use's flag,
-// so from the second use on a barrier passes before the peer arrives: the slow-rank test must catch it.
+// so once both copies of a flag were written (from the third use on) a barrier passes on the previous use of its
+// copy before the peer arrives: the slow-rank test must catch it.
 __device__ __forceinline__ bool has_arrived(u32 seen, u32 epoch) {
 #ifdef DETCOMM_TEST_STALE_FLAGS
   return seen != 0u;
@@ -457,31 +549,32 @@ __device__ __forceinline__ bool block_barrier(const Group& g, int kind) {
   u32* own = g.sigs[g.rank];
   int failed = 0;
   if (t < DETCOMM_W) {
-    // Only this block of this rank ever touches its epoch word, and only between the two barriers of one
-    // use: a plain read is race-free.
+    // Only this block of this rank ever touches its epoch word (written below, after this read): a plain read
+    // is race-free. START's parity is g.par by construction (open_use read the same counter).
     const u32 epoch = own[epoch_index(kind, blockIdx.x)] + 1u;
+    const u32 par = parity_of(epoch);
     const u32 ab = ld_relaxed_sys(own + DETCOMM_ABORT_INDEX);
     if (ab != 0u) {
       failed = 1;  // the workspace already failed: arrive nowhere, touch nothing
       fail_workspace(g, DETCOMM_ERR_PEER_FAILED, kind, (int)(ab & 0xFFu), epoch, ab, 0, nullptr);
     } else {
       if (kind == BARRIER_START && !g.announced) store_call_descriptor(g, t);
-      st_release_sys(g.sigs[t] + flag_index(kind, blockIdx.x, g.rank), epoch);
-      failed = wait_flag(g, own + flag_index(kind, blockIdx.x, t), epoch, kind, t) != 0u;
+      st_release_sys(g.sigs[t] + flag_index(kind, par, blockIdx.x, g.rank), epoch);
+      failed = wait_flag(g, own + flag_index(kind, par, blockIdx.x, t), epoch, kind, t) != 0u;
       if (!failed && kind == BARRIER_START) {
-        const u32* d = own + desc_index(blockIdx.x, t);
+        const u32* d = own + desc_index(g.par, blockIdx.x, t);
         u32 pd[DETCOMM_DESC_WORDS] = {ld_relaxed_sys(d + 0), ld_relaxed_sys(d + 1), ld_relaxed_sys(d + 2),
                                       ld_relaxed_sys(d + 3)};
         if (pd[0] != g.what || pd[1] != g.call || pd[2] != (u32)g.count || pd[3] != (u32)(g.count >> 32)) {
           failed = 1;
-          const u32 seen = ld_relaxed_sys(own + flag_index(kind, blockIdx.x, t));
+          const u32 seen = ld_relaxed_sys(own + flag_index(kind, par, blockIdx.x, t));
           fail_workspace(g, DETCOMM_ERR_MISMATCH, kind, t, epoch, seen, 0, pd);
         }
       }
     }
   } else if (t == 32 && kind == BARRIER_START) {
     // One kernel per rank at a time (a graph replay and an eager call on two streams would interleave their
-    // barriers): claim this block's busy word; END releases it.
+    // barriers): claim this block's busy word; close_use releases it at kernel exit.
     if (atomicCAS(own + busy_index(blockIdx.x), 0u, g.call | 0x80000000u) != 0u) {
       failed = 1;
       fail_workspace(g, DETCOMM_ERR_OVERLAP, kind, g.rank, 0, own[busy_index(blockIdx.x)], 0, nullptr);
@@ -489,7 +582,6 @@ __device__ __forceinline__ bool block_barrier(const Group& g, int kind) {
   }
   if (__syncthreads_or(failed)) return false;
   if (t == 0) own[epoch_index(kind, blockIdx.x)] += 1u;
-  if (t == 32 && kind == BARRIER_END) atomicExch(own + busy_index(blockIdx.x), 0u);
   return true;
 }
 
@@ -503,8 +595,8 @@ __device__ __forceinline__ bool block_barrier(const Group& g, int kind) {
 //
 // A block that owns no pack of a launch returns at once, before any barrier: it touches no slot in this launch,
 // every rank's block b makes the same decision (the count is the same on every rank, and block 0, which always
-// owns a pack, compares the counts at its start barrier), so block b's epochs stay equal on all ranks and its
-// barriers in the launches around this one still order its slot accesses. Small messages then pay barriers
+// owns a pack, compares the counts at its start barrier), so block b's epochs (and so its parities) stay equal on
+// all ranks and its barriers in the launches around this one still order its slot accesses. Small messages then pay barriers
 // only in the few blocks that carry data, instead of in every block of the grid.
 __device__ __forceinline__ bool block_owns_packs(i64 packs) { return (i64)blockIdx.x * DETCOMM_BLOCK_THREADS < packs; }
 __device__ __forceinline__ i64 thread_id() { return (i64)blockIdx.x * DETCOMM_BLOCK_THREADS + threadIdx.x; }

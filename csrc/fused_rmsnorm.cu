@@ -15,7 +15,9 @@
 // of iterations so the block-wide __syncthreads of the tree stay uniform.
 //
 // One-shot (latency): copy my rows into my slot; START; each half folds whole rows from the W slots into
-// registers, adds the residual, writes r and sums the squares; tree; writes y; END.
+// registers, adds the residual, writes r and sums the squares; tree; writes y. No end barrier: every slot access
+// goes to the copy of this use's parity (detcomm_common.cuh, "Barriers"), which no peer rewrites before this rank
+// has arrived at its next START.
 // Two-shot (bandwidth): the norm needs the whole row's sum of squares, so the reduce-scatter cuts every row
 // into W pack ranges instead of cutting the message: rank q folds range q of each of its blocks' rows and writes
 // the rounded s in place into its own slot (that range of that slot is read by no other rank in this phase);
@@ -299,7 +301,7 @@ __device__ __forceinline__ void fused_rmsnorm(const typename Traits<DT>::T* __re
                                               const typename Traits<DT>::T* __restrict__ residual,
                                               const typename Traits<WDT>::T* __restrict__ weight,
                                               typename Traits<DT>::T* __restrict__ y, typename Traits<DT>::T* r_out,
-                                              i64 rows, i64 H, float eps, const Group& g) {
+                                              i64 rows, i64 H, float eps, const Group& g0) {
   __shared__ float warp_sum[FN_HALVES][NORM_WARPS];
   __shared__ float inv_shared[FN_HALVES];
   constexpr int kPer = Traits<DT>::kPer;
@@ -307,14 +309,15 @@ __device__ __forceinline__ void fused_rmsnorm(const typename Traits<DT>::T* __re
   // Returns before any barrier when this block has no row: every rank's block b decides the same (rows is
   // compared at block 0's start barrier, and block 0 always has a row), see "Work assignment".
   if (rows_b == 0) return;
+  const Group g = open_use(g0);
   const i64 P = (H + kPer - 1) / kPer;
   const i64 R = (P + DETCOMM_BLOCK_THREADS - 1) / DETCOMM_BLOCK_THREADS;
   const i64 stride = grid_stride();
   const i64 Lq = (P + DETCOMM_W - 1) / DETCOMM_W;  // two-shot: packs of each row folded by one rank
-  uint4* own = reinterpret_cast<uint4*>(g.data[g.rank]);
+  uint4* own = slot(g, g.rank);
   const uint4* src[DETCOMM_W];
 #pragma unroll
-  for (int k = 0; k < DETCOMM_W; ++k) src[k] = reinterpret_cast<const uint4*>(g.data[k]);
+  for (int k = 0; k < DETCOMM_W; ++k) src[k] = slot(g, k);
 
   const int half = threadIdx.x / NORM_THREADS;
   // Uniform over the block (H is the same for every thread), so both paths keep the barriers uniform.
@@ -338,8 +341,7 @@ __device__ __forceinline__ void fused_rmsnorm(const typename Traits<DT>::T* __re
                                 warp_sum[half], &inv_shared[half], m < rows_b);
     }
   }
-  // END keeps peers from overwriting their slots (next collective) while this rank still reads them.
-  block_barrier(g, BARRIER_END);
+  close_use(g);
 }
 
 #define DETCOMM_FUSED_NORM_KERNEL(ALGO, KIND, TWO, SFX, DT, WSFX, WDT)                                             \
@@ -347,7 +349,7 @@ __device__ __forceinline__ void fused_rmsnorm(const typename Traits<DT>::T* __re
       const Traits<DT>::T* x, const Traits<DT>::T* residual, const Traits<WDT>::T* weight, Traits<DT>::T* y,          \
       Traits<DT>::T* r_out, i64 rows, i64 H, float eps, u32 call, char* const* data, u32* const* sigs, int rank,      \
       u64 timeout_ns, u32* ctrl) {                                                                                    \
-    const Group g{data, sigs, rank, timeout_ns, ctrl, (KIND << 8) | DT, call, (u64)(rows * H)};                       \
+    const Group g{data, sigs, rank, timeout_ns, ctrl, (KIND << 8) | DT, call, (u64)(rows * H), false};                \
     fused_rmsnorm<DT, WDT, TWO>(x, residual, weight, y, r_out, rows, H, eps, g);                                      \
   }
 

@@ -1,24 +1,30 @@
 // detcomm: one-shot all-reduce. Every rank copies its rows into its own workspace slot, then reads all W
 // peers' slots and folds them (docs/spec.md §1) into its output. Latency-optimal for small messages: one barrier
-// round before the fold, and every rank computes the whole result itself (W x read traffic per rank).
+// round before the fold, and every rank computes the whole result itself (W x read traffic per rank). No end
+// barrier: the slot copy of this use's parity stays untouched until every rank is done with it (detcomm_common.cuh,
+// "Barriers"). At W = 1 the fold goes straight from x to out (fold_direct).
 //
 // Launch: grid = the workspace's static block count, block = DETCOMM_BLOCK_THREADS, identical on every rank.
 #include "detcomm_common.cuh"
 
 template <int DT>
 __device__ __forceinline__ void one_shot(const typename Traits<DT>::T* __restrict__ x,
-                                         typename Traits<DT>::T* __restrict__ out, i64 n, const Group& g) {
+                                         typename Traits<DT>::T* __restrict__ out, i64 n, const Group& g0) {
+#if DETCOMM_W == 1
+  (void)g0;
+  fold_direct<DT>(x, out, n);
+#else
   constexpr int kPer = Traits<DT>::kPer;
   constexpr int U = DETCOMM_UNROLL;
   const i64 tid = thread_id();
   const i64 stride = grid_stride();
   const i64 npacks = (n + kPer - 1) / kPer;
   if (!block_owns_packs(npacks)) return;
-  announce_call(g);
-  uint4* own = reinterpret_cast<uint4*>(g.data[g.rank]);
+  const Group g = open_use(g0);
+  uint4* own = slot(g, g.rank);
   const uint4* src[DETCOMM_W];
 #pragma unroll
-  for (int k = 0; k < DETCOMM_W; ++k) src[k] = reinterpret_cast<const uint4*>(g.data[k]);
+  for (int k = 0; k < DETCOMM_W; ++k) src[k] = slot(g, k);
 
   copy_in<DT>(x, n, own, tid, stride);
   if (!block_barrier(g, BARRIER_START)) return;
@@ -39,8 +45,8 @@ __device__ __forceinline__ void one_shot(const typename Traits<DT>::T* __restric
       if (p < npacks) store_user<DT>(out + p * kPer, n - p * kPer, fold_pack<DT>(in[u], g.rank));
     }
   }
-  // END keeps peers from overwriting their slots (next collective) while this rank still reads them.
-  block_barrier(g, BARRIER_END);
+  close_use(g);
+#endif
 }
 
 #define DETCOMM_ONE_SHOT(NAME, DT)                                                                        \

@@ -5,7 +5,8 @@
 // detcomm_common.cuh, "Work assignment"). Rank r folds slice r from all W slots (docs/spec.md §1, rank order
 // 0..W-1). Two-shot then writes the folded slice back into its own slot and, after a MID barrier, gathers
 // the other ranks' folded slices (all peers' packs of one sweep loaded before any is stored); reduce-scatter
-// stops after the fold.
+// stops after the fold. Slots are addressed in copy g.par (detcomm_common.cuh, "Barriers"); no end barrier. At W = 1
+// the one slice is the whole message: folded straight from x into out_self (fold_direct).
 #pragma once
 #include "detcomm_common.cuh"
 
@@ -17,18 +18,22 @@ __device__ __forceinline__ i64 slice_len(int s, i64 n, i64 L) {
 template <int DT, bool kGather>
 __device__ __forceinline__ void slice_fold(const typename Traits<DT>::T* __restrict__ x, i64 x_stride, i64 n,
                                            i64 L, i64 Lp, typename Traits<DT>::T* __restrict__ out_self,
-                                           typename Traits<DT>::T* __restrict__ out, const Group& g) {
+                                           typename Traits<DT>::T* __restrict__ out, const Group& g0) {
+#if DETCOMM_W == 1
+  (void)x_stride, (void)Lp, (void)out, (void)g0;
+  fold_direct<DT>(x, out_self, slice_len(0, n, L));
+#else
   constexpr int kPer = Traits<DT>::kPer;
   constexpr int U = DETCOMM_UNROLL;
   const i64 tid = thread_id();
   const i64 stride = grid_stride();
-  const int r = g.rank;
   if (!block_owns_packs((L + kPer - 1) / kPer)) return;  // slice 0 is the longest: L elements
-  announce_call(g);
-  uint4* own = reinterpret_cast<uint4*>(g.data[r]);
+  const Group g = open_use(g0);
+  const int r = g.rank;
+  uint4* own = slot(g, r);
   const uint4* src[DETCOMM_W];
 #pragma unroll
-  for (int k = 0; k < DETCOMM_W; ++k) src[k] = reinterpret_cast<const uint4*>(g.data[k]);
+  for (int k = 0; k < DETCOMM_W; ++k) src[k] = slot(g, k);
 
   // Phase 0: this rank's W slices into its slot (slice s at s*Lp).
 #pragma unroll 1
@@ -88,5 +93,6 @@ __device__ __forceinline__ void slice_fold(const typename Traits<DT>::T* __restr
       }
     }
   }
-  block_barrier(g, BARRIER_END);
+  close_use(g);
+#endif
 }

@@ -20,9 +20,10 @@
 //             verbatim (bits moved, nothing compared: a rounded -0.0 is a value, docs/spec.md §9.4).
 // Why dense slabs keep the barrier contract (detcomm_common.cuh "Work assignment"): inside a launch every slot
 // unit is written and read by the same (block, thread) index on every rank, so the per-block START / MID
-// barriers order each write before each read; across launches a rank's next kernel starts only after every block
-// of this one finished on its stream, and each of those passed END, which waits for the same block of every peer
-// to finish reading. Blocks that own no unit return before any barrier, on every rank alike (same n, L).
+// barriers order each write before each read; across launches every access goes to the slot copy of the block's
+// use parity, which no peer rewrites before this rank's block arrives at its next START, after its last read
+// (detcomm_common.cuh, "Barriers"). Blocks that own no unit return before any barrier, on every rank alike (same
+// n, L), so their uses and parities stay equal on every rank.
 //
 // The descriptor's count is the fp32 input element count S * n: ranks that disagree on the slabs or the rows
 // fail at the START barrier like any mismatched call.
@@ -84,44 +85,43 @@ __device__ __forceinline__ uint4 fold_unit(const uint4* const (&src)[DETCOMM_W],
 
 template <int DT>
 __device__ __forceinline__ void virtual_one_shot(const u32* __restrict__ x, i64 x_stride, int S,
-                                                 typename Traits<DT>::T* __restrict__ out, i64 n, const Group& g) {
+                                                 typename Traits<DT>::T* __restrict__ out, i64 n, const Group& g0) {
   constexpr int E = VUnit<DT>::kElems;
   constexpr int P = VUnit<DT>::kPacks;
   const i64 tid = thread_id();
   const i64 stride = grid_stride();
   const i64 nu = (n + E - 1) / E;
   if (!block_owns_packs(nu)) return;
-  announce_call(g);
-  uint4* own = reinterpret_cast<uint4*>(g.data[g.rank]);
+  const Group g = open_use(g0);
+  uint4* own = slot(g, g.rank);
   const uint4* src[DETCOMM_W];
 #pragma unroll
-  for (int k = 0; k < DETCOMM_W; ++k) src[k] = reinterpret_cast<const uint4*>(g.data[k]);
+  for (int k = 0; k < DETCOMM_W; ++k) src[k] = slot(g, k);
 
 #pragma unroll 1
   for (int j = 0; j < S; ++j) copy_units<DT>(x + (i64)j * x_stride, n, own + (i64)j * nu * P, tid, stride);
   if (!block_barrier(g, BARRIER_START)) return;
 
   for (i64 t = tid; t < nu; t += stride) store_user<DT>(out + t * E, n - t * E, fold_unit<DT>(src, t, nu, S, g.rank));
-  // END keeps peers from overwriting their slots (next collective) while this rank still reads them.
-  block_barrier(g, BARRIER_END);
+  close_use(g);
 }
 
 template <int DT>
 __device__ __forceinline__ void virtual_two_shot(const u32* __restrict__ x, i64 x_stride, int S,
                                                  typename Traits<DT>::T* __restrict__ out, i64 n, i64 L,
-                                                 const Group& g) {
+                                                 const Group& g0) {
   constexpr int E = VUnit<DT>::kElems;
   constexpr int P = VUnit<DT>::kPacks;
   const i64 tid = thread_id();
   const i64 stride = grid_stride();
-  const int r = g.rank;
   const i64 Lu = L / E;
   if (!block_owns_packs(Lu)) return;  // slice 0 is the longest: Lu units
-  announce_call(g);
-  uint4* own = reinterpret_cast<uint4*>(g.data[r]);
+  const Group g = open_use(g0);
+  const int r = g.rank;
+  uint4* own = slot(g, r);
   const uint4* src[DETCOMM_W];
 #pragma unroll
-  for (int k = 0; k < DETCOMM_W; ++k) src[k] = reinterpret_cast<const uint4*>(g.data[k]);
+  for (int k = 0; k < DETCOMM_W; ++k) src[k] = slot(g, k);
   const i64 slab_units = (i64)DETCOMM_W * Lu;
 
   // Phase 0: every slice of every slab into this rank's slot (slab j slice s at unit j*W*Lu + s*Lu).
@@ -159,7 +159,7 @@ __device__ __forceinline__ void virtual_two_shot(const u32* __restrict__ x, i64 
       if (s != r && t * E < len) store_user<DT>(out + (i64)s * L + t * E, len - t * E, v[s]);
     }
   }
-  block_barrier(g, BARRIER_END);
+  close_use(g);
 }
 
 // x: this rank's S fp32 slabs, slab j at x + j*x_stride (elements); out: n elements of T.

@@ -164,6 +164,12 @@ MUTATIONS: tuple[Mutation, ...] = (
       "  return seen == epoch;",
       "  return seen != 0u;  // mutant: an earlier use's flag passes",
       (f"{FAILURES}::test_slow_rank_never_lets_a_flag_be_consumed_early[2]",), gpu=True, limit_s=180, hang_ok=True),
+    # 10: no end barrier: a use of parity p works in copy p of the slots, descriptors and flags.
+    M("10-parity", "10", "a use works in the slot, descriptor and flag copies of its START epoch's parity",
+      "csrc/detcomm_common.cuh",
+      "  return epoch & 1u;",
+      "  return 0u;  // mutant: one copy of everything, a peer one use ahead overwrites what this rank still reads",
+      (f"{FAILURES}::test_fast_rank_ahead_never_overwrites_a_slot_in_use[2]",), gpu=True, limit_s=240, hang_ok=True),
 )
 
 

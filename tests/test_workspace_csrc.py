@@ -115,6 +115,30 @@ def test_rotated_negative_control_compiles_differently(cu, tmp_path):
     assert ptx["canonical"] != ptx["rotated"]
 
 
+def _ptx(tmp_path, cu, world, *extra):
+    out = tmp_path / f"{cu}.{world}.{len(extra)}.ptx"
+    p = subprocess.run([NVCC, *FLAGS, f"-DDETCOMM_W={world}", *extra, "-ptx", str(CSRC / cu), "-o", str(out)],
+                       capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    return out.read_text()
+
+
+@needs_nvcc
+@pytest.mark.parametrize("cu", ["one_shot.cu", "two_shot.cu", "reduce_scatter.cu"])
+def test_one_rank_folds_without_slot_or_barrier(cu, tmp_path):
+    """W = 1: the fold goes straight from x to out: no flag store, no acquire, no busy word (atomic), no deadline
+    clock. The control: the same kernel at W = 2 has all of them."""
+    one, two = _ptx(tmp_path, cu, 1), _ptx(tmp_path, cu, 2)
+    for marker in ("st.release.sys", "ld.acquire.sys", "%globaltimer", "atom."):
+        assert marker not in one and marker in two, marker
+    assert "add.rn.f32" in one and "cvt.rn.bf16.f32" in one
+
+
+@needs_nvcc
+def test_single_copy_negative_control_compiles_differently(tmp_path):
+    assert _ptx(tmp_path, "two_shot.cu", 3) != _ptx(tmp_path, "two_shot.cu", 3, "-DDETCOMM_TEST_SINGLE_COPY=1")
+
+
 @needs_nvcc
 def test_virtual_fold_entry_points_per_dtype_module(tmp_path):
     """Each dtype module of csrc/virtual_fold.cu defines exactly the two virtual kernels module_functions lists."""
@@ -136,6 +160,7 @@ def test_nvrtc_options_are_exact():
     assert kernels.ROTATE_MACRO not in " ".join(opts) and "DETCOMM_DTYPE" not in " ".join(opts)
     assert f"-D{kernels.ROTATE_MACRO}=1" in kernels.nvrtc_options(4, "sm_90", variant="rotated")
     assert "-DDETCOMM_TEST_STALE_FLAGS=1" in kernels.nvrtc_options(4, "sm_90", variant="stale_flags")
+    assert "-DDETCOMM_TEST_SINGLE_COPY=1" in kernels.nvrtc_options(4, "sm_90", variant="single_copy")
     assert "-DDETCOMM_DTYPE=1" in kernels.nvrtc_options(4, "sm_90", module="bfloat16")
     with pytest.raises(ValueError):
         kernels.nvrtc_options(4, "sm_90", variant="fast")

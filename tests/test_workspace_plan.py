@@ -135,12 +135,92 @@ def test_slices_fit_the_slot_and_keep_block_ownership(dtype):
             assert rs.slot_bytes_used(w) <= slot
 
 
+def _c_value(expr: str, defines: dict[str, str], env: dict[str, int]) -> int:
+    """Evaluate one of the header's integer expressions (casts dropped, DETCOMM_ names and parameters bound)."""
+    py = re.sub(r"\((?:u32|int)\)", "", expr).replace("/", "//")
+    names = {n: _c_value(defines[n], defines, env) for n in set(re.findall(r"DETCOMM_\w+", py))}
+    return int(eval(py, {"__builtins__": {}}, {**names, **env}))  # noqa: S307 - the repository's own header
+
+
+def test_header_layout_matches_the_device_formulas():
+    """plan's header indices (used by the host and the tests) equal the device's flag_index, epoch_index,
+    desc_index and busy_index, evaluated from the header's own text, and the doubled layout fits the header."""
+    text = CUH.read_text()
+    defines = dict(re.findall(r"^#define (DETCOMM_\w+) (.+?)(?:\s*//.*)?$", text, re.M))
+    assert int(defines["DETCOMM_PARITIES"]) == plan.PARITIES == plan.SLOT_COPIES == 2
+    bodies = {name: body for name, body in re.findall(
+        r"__device__ __forceinline__ u32 (\w+_index)\([^)]*\) \{\s*return (.+?);\s*\}", text, re.S)}
+    assert set(bodies) >= {"flag_index", "epoch_index", "desc_index", "busy_index"}
+    rng = random.Random(5)
+    for _ in range(200):
+        kind, par = rng.randrange(plan.BARRIER_KINDS), rng.randrange(plan.PARITIES)
+        block, src = rng.randrange(plan.MAX_BLOCKS), rng.randrange(plan.MAX_WORLD)
+        env = {"kind": kind, "par": par, "block": block, "src": src}
+        assert _c_value(bodies["flag_index"], defines, env) == plan.flag_index(kind, par, block, src)
+        assert _c_value(bodies["epoch_index"], defines, env) == plan.epoch_index(kind, block)
+        assert _c_value(bodies["desc_index"], defines, env) == plan.desc_index(par, block, src)
+        assert _c_value(bodies["busy_index"], defines, env) == plan.busy_index(block)
+    for name in ("EPOCH_BASE", "DESC_BASE", "CTRL_BASE", "HEADER_WORDS_USED"):
+        assert _c_value(defines[f"DETCOMM_{name}"], defines, {}) == getattr(plan, name)
+    assert _c_value(defines["DETCOMM_ABORT_INDEX"], defines, {}) == plan.ABORT_INDEX
+    assert _c_value(defines["DETCOMM_CLAIM_INDEX"], defines, {}) == plan.CLAIM_INDEX
+    # regions in order, disjoint, inside the header
+    last = (plan.flag_index(plan.BARRIER_KINDS - 1, plan.PARITIES - 1, plan.MAX_BLOCKS - 1, plan.MAX_WORLD - 1),
+            plan.epoch_index(plan.BARRIER_KINDS - 1, plan.MAX_BLOCKS - 1),
+            plan.desc_index(plan.PARITIES - 1, plan.MAX_BLOCKS - 1, plan.MAX_WORLD - 1) + plan.DESC_WORDS - 1)
+    assert last[0] < plan.EPOCH_BASE and last[1] < plan.DESC_BASE and last[2] < plan.CTRL_BASE
+    assert plan.busy_index(plan.MAX_BLOCKS - 1) < plan.HEADER_WORDS_USED <= plan.HEADER_BYTES // 4
+    # the barrier kinds the device names, decoded by name; there is no end barrier any more
+    kinds = dict(re.findall(r"^#define (BARRIER_\w+) (\d+)", text, re.M))
+    assert kinds == {"BARRIER_START": "0", "BARRIER_MID": "1"} and len(plan.BARRIER_NAMES) == plan.BARRIER_KINDS
+    assert (plan.BARRIER_START, plan.BARRIER_MID) == (0, 1)
+
+
+def test_buffer_holds_two_slot_copies():
+    for cap, w, grid in ((1 << 20, 2, 132), (16, 8, 16), (37 * 48, 3, 44)):
+        slot = plan.slot_bytes(cap, w, grid)
+        assert plan.buffer_bytes(cap, w, grid) == plan.data_offset() + plan.SLOT_COPIES * slot
+        assert plan.data_offset() == plan.HEADER_BYTES + plan.PROBE_BYTES and plan.data_offset() % plan.PACK_BYTES == 0
+        assert slot % plan.PACK_BYTES == 0  # copy 1 starts pack-aligned
+
+
+# Uses of one block: one-shot-like (START only) and two-shot-like (START and MID) interleaved.
+MIDS = [False, True, False, False, True, True, False, True, True, False, False, False, True]
+
+
+def test_parity_scheme_never_lets_a_peer_overtake_a_use():
+    """The protocol as the device runs it (no end barrier, two copies selected by the use's parity), one shared
+    access per step: with the fast rank always stepping first, and under 400 random interleavings at W = 2..4
+    (counters started just below the wrap), no rank ever reads a later use's slot data or descriptor, a waiting
+    rank's flag only ever shows this use or the previous use of its copy, and nothing deadlocks."""
+    assert plan.simulate_barrier_uses(0, MIDS, world=2, pick=min) == []
+    assert plan.simulate_barrier_uses(0, MIDS, world=4, pick=max) == []
+    rng = random.Random(12)
+    for _ in range(400):
+        world = rng.randint(2, 4)
+        start, mid = rng.choice([0, 7, 2**31, 2**32 - 4]), rng.choice([0, 2**32 - 3])
+        assert plan.simulate_barrier_uses(start, MIDS, world=world, pick=rng.choice, mid_start=mid) == []
+
+
+def test_single_copy_scheme_is_overtaken():
+    """The negative control of the test above: the same protocol with one copy of everything (the end barrier
+    removed without parity). A peer one use ahead (the fast rank first) overwrites the flag this rank waits for
+    (then nothing can ever pass); random interleavings also show it reading a later use's slot data and
+    descriptor."""
+    got = plan.simulate_barrier_uses(0, MIDS, world=2, pick=min, copies=1)
+    assert "rank 1: start use 1: rank 0's flag shows use 2" in got and got[-1].startswith("deadlock")
+    seen = set()
+    rng = random.Random(13)
+    for _ in range(200):
+        for line in plan.simulate_barrier_uses(0, MIDS, world=rng.randint(2, 4), pick=rng.choice, copies=1):
+            seen.add(next(k for k in ("flag shows", "descriptor", "read rank", "gathered", "deadlock") if k in line))
+    assert {"flag shows", "descriptor", "read rank", "deadlock"} <= seen, seen
+
+
 def test_epoch_rule_is_exact_across_the_wrap():
-    for start in (0, 1, 2**31 - 2, 2**31, 2**32 - 3, 2**32 - 1):
-        epochs = plan.simulate_barrier_uses(start, 6, arrival_order=[2, 0, 3, 1])
-        assert epochs == [(start + k + 1) % 2**32 for k in range(6)]
     assert plan.next_epoch(2**32 - 1) == 0
-    assert plan.arrived(0, 0) and not plan.arrived(2**32 - 1, 0)  # a stale flag one use behind, across the wrap
+    assert [plan.parity(plan.next_epoch(e)) for e in (2**32 - 2, 2**32 - 1, 0)] == [1, 0, 1]
+    assert plan.arrived(0, 0) and not plan.arrived(2**32 - 2, 0)  # the previous use of the copy, across the wrap
     # An ordering comparison would be fooled by a flag 2^31 uses old; equality is not.
     assert not plan.arrived((5 - 2**31) % 2**32, 5)
 

@@ -59,9 +59,11 @@ ROTATE_MACRO = "DETCOMM_ROTATE_RANK_ORDER"
 TRAP_ENV = "DETCOMM_WORKSPACE_TRAP"
 # Test-only builds: "rotated" folds in the wrong rank order, "stale_flags" lets a barrier pass on an earlier use's flag,
 # "one_buffer" gives the one-store kernel a single buffer, "unmarked" pushes +0.0 unchanged (indistinguishable from an
-# empty word). Each is a negative control that a test must catch; "canonical" is the only build a workspace serves with.
+# empty word), "single_copy" keeps one copy of the slots, flags and descriptors (no parity). Each is a negative
+# control that a test must catch; "canonical" is the only build a workspace serves with.
 VARIANT_MACROS = {"canonical": (), "rotated": (f"-D{ROTATE_MACRO}=1",),
                   "stale_flags": ("-DDETCOMM_TEST_STALE_FLAGS=1",),
+                  "single_copy": ("-DDETCOMM_TEST_SINGLE_COPY=1",),
                   "one_buffer": ("-DDETCOMM_TEST_ONE_BUFFER=1",),
                   "unmarked": ("-DDETCOMM_TEST_UNMARKED=1",)}
 # One module per dtype (csrc: DETCOMM_DTYPE) and one for the byte-moving all-gather.

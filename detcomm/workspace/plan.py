@@ -7,7 +7,7 @@ and fails if the two drift apart.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from ..dtypes import TABLE
@@ -17,8 +17,9 @@ MAX_WORLD = 8
 MAX_BLOCKS = 256
 BLOCK_THREADS = 512
 PACK_BYTES = 16
-BARRIER_KINDS = 3
-HEADER_BYTES = 65536
+BARRIER_KINDS = 2
+PARITIES = 2
+HEADER_BYTES = 131072
 PROBE_BYTES = 4096
 DESC_WORDS = 4
 ERR_WORDS = 16
@@ -35,14 +36,34 @@ KIND_CODES = {1: "one_shot", 2: "two_shot", 3: "reduce_scatter", 4: "all_gather"
               6: "fused_norm_2shot", 7: "virtual_1shot", 8: "virtual_2shot", 9: "lamport",
               10: "fused_norm_lamport"}
 DTYPE_CODES = {0: "float32", 1: "bfloat16", 2: "float16", 3: "bytes"}
-BARRIER_NAMES = ("start", "mid", "end")
+# The `kind` word of a failure record (BARRIER_START, BARRIER_MID); there is no end barrier.
+BARRIER_NAMES = ("start", "mid")
 
-# Header words: flags[kind][block][rank], epochs[kind][block], desc[block][rank][4], abort, claim, busy[block].
-DESC_BASE = BARRIER_KINDS * MAX_BLOCKS * (MAX_WORLD + 1)
-CTRL_BASE = DESC_BASE + MAX_BLOCKS * MAX_WORLD * DESC_WORDS
+# Header words: flags[kind][parity][block][rank], epochs[kind][block], desc[parity][block][rank][4], abort, claim,
+# busy[block].
+EPOCH_BASE = BARRIER_KINDS * PARITIES * MAX_BLOCKS * MAX_WORLD
+DESC_BASE = EPOCH_BASE + BARRIER_KINDS * MAX_BLOCKS
+CTRL_BASE = DESC_BASE + PARITIES * MAX_BLOCKS * MAX_WORLD * DESC_WORDS
 ABORT_INDEX = CTRL_BASE
+CLAIM_INDEX = CTRL_BASE + 1
 HEADER_WORDS_USED = CTRL_BASE + 2 + MAX_BLOCKS
 assert HEADER_WORDS_USED * 4 <= HEADER_BYTES
+
+
+def flag_index(kind: int, parity: int, block: int, src: int) -> int:
+    return ((kind * PARITIES + parity) * MAX_BLOCKS + block) * MAX_WORLD + src
+
+
+def epoch_index(kind: int, block: int) -> int:
+    return EPOCH_BASE + kind * MAX_BLOCKS + block
+
+
+def desc_index(parity: int, block: int, src: int) -> int:
+    return DESC_BASE + ((parity * MAX_BLOCKS + block) * MAX_WORLD + src) * DESC_WORDS
+
+
+def busy_index(block: int) -> int:
+    return CTRL_BASE + 2 + block
 
 # The float dtypes the kernels fold, by name (detcomm.dtypes): element bytes and kernel-name suffix.
 ELEM_SIZES = {d.name: d.size for d in TABLE if d.is_float}
@@ -169,28 +190,36 @@ def pack_elems(dtype: str) -> int:
 
 
 # --- buffer layout ------------------------------------------------------------------------------------------
+# Copies of the data slot in each rank's buffer: a block's use of parity p (its START epoch & 1) works in copy p,
+# so the next launch can fill the other copy while a peer still reads this one (csrc/detcomm_common.cuh,
+# "Barriers").
+SLOT_COPIES = 2
+
+
 def slot_bytes(capacity_bytes: int, world_size: int, grid: int) -> int:
-    """Bytes of one rank's data slot: the capacity plus the padding two-shot and reduce-scatter slices need
-    (each slice starts at a multiple of the grid stride, so W slices can overrun the capacity by up to
-    W * (stride + one pack))."""
+    """Bytes of one copy of one rank's data slot (what one launch can use): the capacity plus the padding
+    two-shot and reduce-scatter slices need (each slice starts at a multiple of the grid stride, so W slices can
+    overrun the capacity by up to W * (stride + one pack))."""
     if capacity_bytes <= 0:
         raise ValueError(f"capacity_bytes must be > 0, got {capacity_bytes}")
     return _round_up(capacity_bytes, PACK_BYTES) + world_size * (stride_packs(grid) + 1) * PACK_BYTES
 
 
 def buffer_bytes(capacity_bytes: int, world_size: int, grid: int, lamport_max: int = 0) -> int:
-    """Total bytes of one rank's symmetric buffer: header (flags, epochs) + probe scratch + data slot + the
-    one-store region (lamport_region_bytes)."""
+    """Total bytes of one rank's symmetric buffer: header (flags, epochs) + probe scratch + SLOT_COPIES data slot
+    copies + the one-store region (lamport_region_bytes)."""
     return (HEADER_BYTES + PROBE_BYTES + lamport_offset(capacity_bytes, world_size, grid)
             + lamport_region_bytes(world_size, lamport_max))
 
 
 def lamport_offset(capacity_bytes: int, world_size: int, grid: int) -> int:
-    """Where the one-store region starts, in bytes from the data slot's start (the kernels' `off` argument)."""
-    return slot_bytes(capacity_bytes, world_size, grid)
+    """Where the one-store region starts, in bytes from the start of slot copy 0 (the kernels' `off` argument):
+    after both slot copies."""
+    return SLOT_COPIES * slot_bytes(capacity_bytes, world_size, grid)
 
 
 def data_offset() -> int:
+    """Offset of data slot copy 0 in a rank's buffer; copy c starts c * slot_bytes(...) after it."""
     return HEADER_BYTES + PROBE_BYTES
 
 
@@ -418,8 +447,10 @@ def decode_record(rec: Sequence[int], labels: dict[int, str] | None = None) -> s
     return f"rank {rank}: unknown failure record {tag:#x} at {where}"
 
 
-# --- barrier epochs (mirror of block_barrier in csrc/detcomm_common.cuh) -----------------------------------
+# --- barrier epochs and parities (mirror of block_barrier / open_use in csrc/detcomm_common.cuh) ---------------
 EPOCH_MOD = 1 << 32
+BARRIER_START = 0
+BARRIER_MID = 1
 
 
 def next_epoch(previous: int) -> int:
@@ -427,31 +458,111 @@ def next_epoch(previous: int) -> int:
     return (previous + 1) % EPOCH_MOD
 
 
+def parity(epoch: int) -> int:
+    """The copy (of the data slot, the call descriptors and the flags) a use of this epoch works in."""
+    return epoch & 1
+
+
 def arrived(seen: int, expected: int) -> bool:
-    """Device rule: a peer has arrived when its flag equals this use's epoch. Exact across the wrap because a
-    peer's flag is always the previous use's epoch or this one's (a barrier is a full rendezvous, so no peer
-    can be a whole use ahead)."""
+    """Device rule: a peer has arrived when its flag (in the copy of this use's parity) equals this use's epoch.
+    Exact across the wrap because that flag holds either this use's epoch or the previous use of the same copy's,
+    expected - 2 (no peer can be a whole use ahead: simulate_barrier_uses checks it)."""
     return seen == expected
 
 
-def simulate_barrier_uses(start_epoch: int, uses: int, *, arrival_order: Sequence[int]) -> list[int]:
-    """Drive the epoch rule for `uses` consecutive uses of one barrier by len(arrival_order) ranks, starting
-    from counters and flags at start_epoch, arriving in the given order each use. Returns the epoch of each use.
-    Raises AssertionError if any rank would pass before every rank arrived, or would stall after all did."""
-    world = len(arrival_order)
-    counters = [start_epoch % EPOCH_MOD] * world
-    flags = [[start_epoch % EPOCH_MOD] * world for _ in range(world)]  # flags[owner][src]
-    epochs = []
-    for _ in range(uses):
-        e = next_epoch(counters[0])
-        arrived_so_far: list[int] = []
-        for r in arrival_order:
-            for p in range(world):
-                flags[p][r] = next_epoch(counters[r])
-            arrived_so_far.append(r)
-            for owner in range(world):
-                passes = all(arrived(flags[owner][src], next_epoch(counters[owner])) for src in range(world))
-                assert passes == (len(arrived_so_far) == world), (owner, arrived_so_far, e)
-        counters = [next_epoch(c) for c in counters]
-        epochs.append(e)
-    return epochs
+class _Shared:
+    """The memory the simulated ranks share for one block: per rank header (flags, descriptors, counters) and data
+    slot copies, each slot copy cut into W slices (the two-shot layout)."""
+
+    def __init__(self, world: int, copies: int, start_epoch: int, mid_start: int) -> None:
+        def last(copy: int, counter: int) -> int:  # the epoch copy `copy` last held when the counter is `counter`
+            return counter if copies == 1 or parity(counter) == copy else (counter - 1) % EPOCH_MOD
+        self.counters = [[start_epoch, mid_start] for _ in range(world)]
+        # flags[owner][kind][copy][src], desc[owner][copy][src], slot[rank][copy][slice] = (use epoch, stage)
+        self.flags = [[[[last(c, start) for _ in range(world)] for c in range(copies)]
+                       for start in (start_epoch, mid_start)] for _ in range(world)]
+        self.desc = [[[last(c, start_epoch) for _ in range(world)] for c in range(copies)] for _ in range(world)]
+        self.slot = [[[(last(c, start_epoch), 1) for _ in range(world)] for c in range(copies)] for _ in range(world)]
+
+
+def _rank_program(r: int, sh: _Shared, world: int, mids: Sequence[bool], copies: int,
+                  problems: list[str]) -> Iterator[Callable[[], bool] | None]:
+    """One rank's block through consecutive uses, one shared-memory access per step. Yields None after a step, or
+    a predicate while it waits at a barrier (the scheduler runs it only once the predicate holds)."""
+    def par(e: int) -> int:
+        return parity(e) if copies == 2 else 0
+
+    def barrier(kind: int) -> Iterator[Callable[[], bool] | None]:
+        e = next_epoch(sh.counters[r][kind])
+        q = par(e)
+        for t in range(world):  # arrive: one release store into every peer's header
+            sh.flags[t][kind][q][r] = e
+            yield None
+        # What the flag may hold while this rank waits: this use's epoch or the previous use of the same copy's.
+        allowed = (e, (e - copies) % EPOCH_MOD)
+        for t in range(world):  # wait for every peer's flag; every poll is a read the claim must hold for
+            def poll(t: int = t) -> bool:
+                seen = sh.flags[r][kind][q][t]
+                if seen not in allowed:
+                    problems.append(f"rank {r}: {BARRIER_NAMES[kind]} use {e}: rank {t}'s flag shows use {seen}")
+                return arrived(seen, e)
+            yield poll
+        sh.counters[r][kind] = e
+
+    for two_shot in mids:
+        e = next_epoch(sh.counters[r][BARRIER_START])
+        p = par(e)  # open_use: the parity of the coming START
+        for t in range(world):
+            sh.desc[t][p][r] = e  # announce_call
+            yield None
+        for s in range(world):
+            sh.slot[r][p][s] = (e, 0)  # copy-in
+            yield None
+        yield from barrier(BARRIER_START)
+        for t in range(world):  # the descriptor comparison
+            if sh.desc[r][p][t] != e:
+                problems.append(f"rank {r}: use {e}: rank {t}'s descriptor is use {sh.desc[r][p][t]}'s")
+        yield None
+        reads = [(t, r) for t in range(world)] if two_shot else [(t, s) for t in range(world) for s in range(world)]
+        for t, s in reads:  # one-shot: every slice of every slot; two-shot phase 1: slice r of every slot
+            if sh.slot[t][p][s] != (e, 0):
+                problems.append(f"rank {r}: use {e}: read rank {t}'s slice {s} of use/stage {sh.slot[t][p][s]}")
+            yield None
+        if two_shot:
+            sh.slot[r][p][r] = (e, 1)  # the folded slice, in place
+            yield None
+            yield from barrier(BARRIER_MID)
+            for t in range(world):  # phase 2: every rank's folded slice
+                if sh.slot[t][p][t] != (e, 1):
+                    problems.append(f"rank {r}: use {e}: gathered rank {t}'s slice of use/stage {sh.slot[t][p][t]}")
+                yield None
+        # no end barrier: the next use starts at once
+
+
+def simulate_barrier_uses(start_epoch: int, mids: Sequence[bool], *, world: int, pick: Callable[[list[int]], int],
+                          copies: int = 2, mid_start: int = 0) -> list[str]:
+    """Drive W ranks' block b through consecutive uses (mids[u]: use u has a MID barrier, as two-shot does), one
+    shared-memory access per step, in the order `pick` chooses among the ranks that can step (e.g. always the
+    fastest rank first, or at random). Counters start at start_epoch (START) and mid_start (MID); every copy holds
+    the previous use of that copy. copies=2 is the device's parity scheme; copies=1 the same protocol with one copy
+    of everything (what dropping the end barrier without parity would give).
+
+    Returns what went wrong, [] when nothing did: a read of a later use's slot data or descriptor ("overtaken"), a
+    flag showing a later use than the awaited one, or a deadlock (no rank can step, some not done)."""
+    if copies not in (1, 2):
+        raise ValueError(f"copies must be 1 or 2, got {copies}")
+    sh = _Shared(world, copies, start_epoch % EPOCH_MOD, mid_start % EPOCH_MOD)
+    problems: list[str] = []
+    progs = [_rank_program(r, sh, world, mids, copies, problems) for r in range(world)]
+    waiting: list[Callable[[], bool] | None] = [None] * world
+    live = set(range(world))
+    while live:
+        ready = sorted(r for r in live if (w := waiting[r]) is None or w())
+        if not ready:
+            return list(dict.fromkeys(problems)) + [f"deadlock: ranks {sorted(live)} all wait"]
+        r = pick(ready)
+        try:
+            waiting[r] = next(progs[r])
+        except StopIteration:
+            live.discard(r)
+    return list(dict.fromkeys(problems))  # a wait polls many times: each finding once

@@ -111,17 +111,20 @@ class Workspace:
         self.rank = transport.rank
         self.world_size = transport.world_size
         self._slot_bytes = plan.slot_bytes(capacity_bytes, self.world_size, grid)
-        # The one-store region: where it starts from each data slot, and the bytes of one of its areas.
+        # The one-store region: where it starts from slot copy 0 of each rank, and the bytes of one of its areas.
         self._lam_off = plan.lamport_offset(capacity_bytes, self.world_size, grid)
         self._lam_cap = plan.lamport_area_bytes(lamport_max_bytes)
-        data_ptrs = [p + plan.data_offset() for p in transport.ptrs]
+        # data[p * W + k]: slot copy p of rank k (the kernels pick the copy by their use's parity; the one-store
+        # kernels use data[k] + _lam_off).
+        data_ptrs = [p + plan.data_offset() + c * self._slot_bytes for c in range(plan.SLOT_COPIES)
+                     for p in transport.ptrs]
         sig_ptrs = list(transport.ptrs)
         # The kernels read the peer pointers from device memory (a kernel argument cannot hold W pointers
         # portably through the driver API); allocated once here, so calls never allocate.
         self._table = torch.tensor(data_ptrs + sig_ptrs, dtype=torch.int64, device=device)
         self._ctrl = _HostCtrl()
         # The Group arguments every kernel ends with: constant for the workspace's life, built once.
-        self._tail = [_u64(self._table.data_ptr()), _u64(self._table.data_ptr() + 8 * self.world_size),
+        self._tail = [_u64(self._table.data_ptr()), _u64(self._table.data_ptr() + 8 * len(data_ptrs)),
                       ctypes.c_int32(self.rank), _u64(self.timeout_ns), _u64(self._ctrl.ptr)]
         self._sig_ptrs = sig_ptrs
         self._lock = threading.Lock()
@@ -160,8 +163,8 @@ class Workspace:
         DEFAULT_TIMEOUT_S for why 60 s). Raises ValueError for bad arguments and WorkspaceUnavailable (on every
         rank, with every rank's reason) when no kernel module, the symmetric memory or the peer-access proof
         fails. A dtype whose module cannot be built on some rank is refused alone on every rank (`refused`,
-        `variants`). `_variant` "rotated" / "stale_flags" / "one_buffer" / "unmarked" build negative-control
-        kernels (tests only; kernels.VARIANT_MACROS).
+        `variants`). `_variant` "rotated" / "stale_flags" / "single_copy" / "one_buffer" / "unmarked" build
+        negative-control kernels (tests only; kernels.VARIANT_MACROS).
         """
         import torch.distributed as dist  # noqa: PLC0415
 
@@ -403,9 +406,9 @@ class Workspace:
         or x itself. In place (``out`` is x) is exact: in every launch (one-store, one-shot, two-shot, each
         chunk) the thread that writes an element of ``out`` is the one that copied (or pushed) that element of x,
         and it did so before the START barrier (one-store: before its first wait), while every write to ``out``
-        comes after it (the kernels'
-        pack ownership, csrc/detcomm_common.cuh "Work assignment"); chunks cover disjoint rows. A call that
-        fails midway leaves x partly overwritten."""
+        comes after it (the kernels' pack ownership, csrc/detcomm_common.cuh "Work assignment"); at W = 1 the
+        kernels fold x straight into out, each pack loaded and then stored by the same thread; chunks cover
+        disjoint rows. A call that fails midway leaves x partly overwritten."""
         if dtype not in FLOAT_DTYPES:
             raise ValueError(f"the workspace folds {list(FLOAT_NAMES)}, got {dtype}")
         name = name_of(dtype)

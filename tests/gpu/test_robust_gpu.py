@@ -201,8 +201,9 @@ def test_gpu_soak_every_route() -> None:
 @pytest.mark.parametrize("world", [2, 3])
 def test_barrier_epochs_across_the_wrap(world: int) -> None:
     """Item 6: start every barrier flag and epoch counter of every rank a few uses before 2**32 (a consistent
-    state, as a fresh workspace's zeros are) and run collectives across the wrap: no hang (a hang would trap at
-    the deadline), no stale flag consumed (every result equals the oracle)."""
+    state, as a fresh workspace's zeros are: both parity copies of a flag then hold an epoch no coming use waits for)
+    and run collectives across the wrap: no hang (a hang would trap at the deadline), no stale flag consumed (every
+    result equals the oracle)."""
     import cupy
     from harness import Ranks
 
@@ -210,9 +211,10 @@ def test_barrier_epochs_across_the_wrap(world: int) -> None:
 
     start = (1 << 32) - 5
     views = Workspace.in_process(world, device="cuda:0", capacity_bytes=1 << 16, timeout_s=10.0)
-    words = plan.BARRIER_KINDS * plan.MAX_BLOCKS * plan.MAX_WORLD + plan.BARRIER_KINDS * plan.MAX_BLOCKS
+    words = plan.DESC_BASE  # each rank's header: flags[kind][parity][block][src], then epochs[kind][block]
+    assert plan.epoch_index(plan.BARRIER_KINDS - 1, plan.MAX_BLOCKS - 1) == words - 1
     torch.cuda.synchronize()
-    for base in views[0]._transport.ptrs:  # each rank's header: flags[kind][block][src], then epochs[kind][block]
+    for base in views[0]._transport.ptrs:
         mem = cupy.cuda.UnownedMemory(base, words * 4, owner=None)
         cupy.ndarray((words,), dtype=cupy.uint32, memptr=cupy.cuda.MemoryPointer(mem, 0)).fill(start)
     cupy.cuda.runtime.deviceSynchronize()

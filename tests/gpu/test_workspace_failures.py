@@ -1,8 +1,8 @@
 """Workspace failure semantics (docs/spec.md §9) on one GPU, W ranks as W streams: a deadline, an abort, ranks
 making different calls or one rank running two kernels at once end the kernels of every rank with one record per
 rank and a WorkspaceFailed on the host; the CUDA context survives. Also the slow-rank barrier test of the real
-kernels (with its stale-flag negative control), overlapping out/x, the variants a site can reach and the
-capturable CUDA fold leaf.
+kernels (with its stale-flag negative control), the fast-rank test of the parity slots (with its single-copy
+negative control), overlapping out/x, the variants a site can reach and the capturable CUDA fold leaf.
 
 The tests whose kernels must hit a deadline run in a child process: if a regression brought the trap back, it
 would take only that child's context."""
@@ -296,33 +296,52 @@ def test_variants_forced_kernels_and_chunking_match_the_oracle(world):
         v.all_reduce(torch.ones(4, trailing, dtype=torch.bfloat16, device="cuda:0"), algo="lamport", chunk_rows=4)
 
 
-def _slow_rank_sequence(R: Ranks, rng, *, slow: int, sleep_cycles: int) -> list[str]:
-    """Consecutive calls that use START, MID and END barriers in every order (one-shot, two-shot, reduce-scatter,
-    all-gather) and one-store launches between them (both of its buffers, back to back too), launched back to back with rank `slow` sleeping on its stream before each. Returns mismatches.
+# Consecutive calls through every kernel and barrier kind. Then the same calls reversed: 16 calls, so call i and call
+# 15 - i have opposite parities and every kernel runs in both slot copies (block 0 takes part in every launch, so on
+# a fresh workspace launch i is its use i + 1).
+_BASE = [("all_reduce", {"algo": "one_shot"}), ("all_reduce", {"algo": "two_shot"}), ("reduce_scatter", {}),
+         ("all_gather", {}), ("all_reduce", {"algo": "two_shot"}), ("all_reduce", {"algo": "one_shot"}),
+         ("reduce_scatter", {}), ("all_reduce", {"algo": "two_shot"})]
+_SEQUENCE = _BASE + _BASE[::-1]
+
+
+def _both_parities(sequence: list[tuple[str, dict]]) -> bool:
+    uses: dict[str, set[int]] = {}
+    for i, (op, kw) in enumerate(sequence):
+        uses.setdefault(f"{op} {kw}", set()).add((i + 1) & 1)
+    return all(v == {0, 1} for v in uses.values())
+
+
+def _run_sequence(R: Ranks, rng, *, slow: int, dtype: str, trailing: int, rows0: int, sleeps: dict[int, int],
+                  misaligned: bool) -> list[str]:
+    """_SEQUENCE on every rank, launched back to back: call i carries world * (rows0 + 17 * i) rows (a window, at row
+    i, of one ill-conditioned payload per rank: every call's data differs; calls over the capacity are chunked into
+    several launches), and rank `slow` sleeps sleeps[i] cycles on its stream before call i. misaligned: rank `slow` writes every output one element past a 16-byte boundary
+    (store_user's element-by-element path), so it reads the slots more slowly than its peers after each start
+    barrier. Returns mismatches with the oracle.
 
     Every input and output is allocated and uploaded first, and the sleep kernel is loaded first: between the
     launches the host issues nothing else, since in one process a device allocation or the lazy loading of a
     kernel may wait for the spinning kernels of the other ranks (this harness's limit, not the protocol's)."""
-    world, dtype, trailing = R.world, "float32", 40
-    plan_ = [("all_reduce", {"algo": "one_shot"}), ("all_reduce", {"algo": "two_shot"}), ("reduce_scatter", {}),
-             ("all_gather", {}), ("all_reduce", {"algo": "lamport"}), ("all_reduce", {"algo": "two_shot"}),
-             ("all_reduce", {"algo": "one_shot"}), ("all_reduce", {"algo": "lamport"}),
-             ("all_reduce", {"algo": "lamport"}), ("reduce_scatter", {}), ("all_reduce", {"algo": "two_shot"})] * 2
+    world, tdtype = R.world, {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     torch.cuda._sleep(1)
+    pool = ill_conditioned(rng, world, (world * (rows0 + 17 * len(_SEQUENCE)) + len(_SEQUENCE), trailing), dtype)
     staged = []
-    for i, (op, kw) in enumerate(plan_):
-        rows = world * (64 + 17 * i)
-        bits = ill_conditioned(rng, world, (rows, trailing), dtype)
+    for i, (op, kw) in enumerate(_SEQUENCE):
+        rows = world * (rows0 + 17 * i)
+        bits = [b[i:i + rows] for b in pool]
         xs = [to_tensor(b, dtype, "cuda:0") for b in bits]
         out_rows = {"all_reduce": rows, "reduce_scatter": rows // world, "all_gather": world * rows}[op]
-        outs = [torch.empty(out_rows, trailing, device="cuda:0") for _ in range(world)]
+        outs = [torch.empty(out_rows * trailing + 1, dtype=tdtype, device="cuda:0")[1:].view(out_rows, trailing)
+                if misaligned and r == slow else torch.empty(out_rows, trailing, dtype=tdtype, device="cuda:0")
+                for r in range(world)]
         staged.append((op, kw, bits, xs, outs))
     torch.cuda.synchronize()
-    for op, kw, _bits, xs, outs in staged:
+    for i, (op, kw, _bits, xs, outs) in enumerate(staged):
         for r in range(world):
             with torch.cuda.stream(R.streams[r]):
-                if r == slow:
-                    torch.cuda._sleep(sleep_cycles)
+                if r == slow and sleeps.get(i):
+                    torch.cuda._sleep(sleeps[i])
                 getattr(R.views[r], op)(xs[r], out=outs[r], **kw)
     torch.cuda.synchronize()
     bad = []
@@ -337,35 +356,75 @@ def _slow_rank_sequence(R: Ranks, rng, *, slow: int, sleep_cycles: int) -> list[
     return bad
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_slow_rank_never_lets_a_flag_be_consumed_early(world):
-    """The real kernels through consecutive uses of every barrier kind, one rank ~1 ms late to every call: every
-    result equals the oracle and nothing fails. The negative control (a build whose barriers accept an earlier
-    use's flag) is caught by the same sequence: wrong bits or a failed workspace."""
+def _canonical_then_control(world: int, run, *, capacity: int, variant: str,
+                            max_grid: int = 256) -> tuple[list[str], list[str]]:
+    """`run` on canonical kernels must give the oracle's bits with no failure; then the same run on the negative
+    control build `variant` (5 s deadline). Returns the control's (mismatches, failure messages): a failed workspace
+    usually raises while the calls are still being issued; every rank is checked after."""
     from detcomm.errors import WorkspaceFailed
 
-    rng = np.random.default_rng(world)
-    R = _ranks(world, capacity_bytes=1 << 20, timeout_s=30.0)
-    bad = _slow_rank_sequence(R, rng, slow=world - 1, sleep_cycles=2_000_000)
+    R = _ranks(world, capacity_bytes=capacity, timeout_s=30.0, max_grid=max_grid)
+    bad = run(R)
     for v in R.views:
         v.check()
     assert bad == []
-    # The control: caught as wrong bits, or (usually) as a failed workspace, raised while the calls are still
-    # being issued (a rank passed a start barrier on an earlier call's flag and found that call's descriptor).
-    Stale = _ranks(world, capacity_bytes=1 << 20, timeout_s=5.0, _variant="stale_flags")
+    R = _ranks(world, capacity_bytes=capacity, timeout_s=5.0, _variant=variant, max_grid=max_grid)
     failed = []
     try:
-        bad = _slow_rank_sequence(Stale, rng, slow=world - 1, sleep_cycles=2_000_000)
+        bad = run(R)
     except WorkspaceFailed as e:
         bad, failed = [], [str(e)]
     torch.cuda.synchronize()
-    for v in Stale.views:
+    for v in R.views:
         try:
             v.check()
         except WorkspaceFailed as e:
             failed.append(str(e))
+    return bad, failed
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_slow_rank_never_lets_a_flag_be_consumed_early(world):
+    """The real kernels through consecutive uses of every barrier kind, each kernel in both parities, one rank ~1 ms
+    late to every call (one use behind the others at every start barrier): every result equals the oracle and
+    nothing fails. The negative control (a build whose barriers accept an earlier use's flag) is caught by the same
+    sequence: wrong bits or a failed workspace."""
+    assert _both_parities(_SEQUENCE)
+    rng = np.random.default_rng(world)
+    late = dict.fromkeys(range(len(_SEQUENCE)), 2_000_000)
+
+    def run(R: Ranks) -> list[str]:
+        return _run_sequence(R, rng, slow=world - 1, dtype="float32", trailing=40, rows0=64, sleeps=late,
+                             misaligned=False)
+
+    # The control: caught as wrong bits, or (usually) as a failed workspace (a rank passed a start barrier on the
+    # previous use of its flag copy and found that use's descriptor).
+    bad, failed = _canonical_then_control(world, run, capacity=1 << 20, variant="stale_flags")
     assert bad or failed, "the stale-flag control passed: the slow-rank test cannot see a flag consumed early"
     assert not failed or any("made different calls" in f or "stopped" in f for f in failed), failed
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_fast_rank_ahead_never_overwrites_a_slot_in_use(world):
+    """Without an end barrier, ranks whose streams already hold the whole sequence (16 calls, most of them chunked
+    into several launches) while a slow peer's stream sleeps reach each next kernel while the peer still reads the
+    current one: the slow rank's stream first sleeps ~25 ms and again before every third call, and it writes its
+    outputs misaligned, so after each start barrier it is still reading the fast ranks' slot copies while their next
+    kernel fills the other copy, arrives at the next START and stores its next descriptor (one use ahead on the
+    device, as far as the parity proof allows). bf16, ~2 MiB per launch on an 8-block grid: each thread sweeps the
+    slot 8 (W = 2) to 16 (W = 3) times per launch, so the slow rank's stores delay its later loads (with the whole
+    launch in one sweep, every load would precede the slow stores). Every result equals the oracle, nothing
+    fails. The negative control (a build with one copy of the slots, flags and descriptors) is caught by the same
+    run: wrong bits, a descriptor of the next call ("made different calls") or a flag overtaken (a deadline)."""
+    rng = np.random.default_rng(100 + world)
+    sleeps = {0: 50_000_000, **dict.fromkeys(range(2, len(_SEQUENCE), 3), 2_000_000)}
+
+    def run(R: Ranks) -> list[str]:
+        return _run_sequence(R, rng, slow=world - 1, dtype="bfloat16", trailing=1024, rows0=512, sleeps=sleeps,
+                             misaligned=True)
+
+    bad, failed = _canonical_then_control(world, run, capacity=2 << 20, variant="single_copy", max_grid=8)
+    assert bad or failed, "the single-copy control passed: the fast-rank test cannot see a slot overwritten in use"
 
 
 def test_cuda_fold_leaf_is_capturable_and_falls_back():

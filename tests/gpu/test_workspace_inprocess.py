@@ -284,3 +284,28 @@ def test_site_bound_all_reduce_equals_oracle(world, dtype):
                                                 f"{first_mismatch(g, want)}"
     assert ("all_reduce", dtype, "chunked") in R.views[0].variants_run
     assert ("all_reduce", dtype, "two_shot") in R.views[0].variants_run
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_one_rank_folds_straight_into_out(dtype):
+    """W = 1: one-shot, two-shot and reduce-scatter fold x straight into out (no slot, no barrier): the oracle's bits
+    (+0.0 + x, one rounding, the canonical NaN) for every row count, from and into tensors that start one element
+    past a 16-byte boundary, and chunked. The payloads hold -0.0 and NaNs with payloads, so a kernel that copied x
+    instead of folding it would differ (checked: the control)."""
+    R = ranks(1)
+    rng = np.random.default_rng(7 + DTYPES.index(dtype))
+    tdtype = getattr(torch, dtype)
+    for rows in ROWS:
+        bits = ill_conditioned(rng, 1, (rows, TRAILING), dtype)
+        want = fold_oracle(bits, dtype)
+        if rows >= 61:
+            assert not np.array_equal(bits[0], want), "the payload cannot tell a copy from the fold"
+        for kw in ({"algo": "one_shot"}, {"algo": "two_shot"}, {"algo": "one_shot", "chunk_rows": 7}):
+            check_all(R.run_bits("all_reduce", bits, dtype, **kw), want, f"W=1 {kw} {dtype} rows={rows}")
+        check_all(R.run_bits("reduce_scatter", bits, dtype), want, f"W=1 reduce_scatter {dtype} rows={rows}")
+        x = torch.empty(rows * TRAILING + 1, dtype=tdtype, device="cuda:0")[1:].view(rows, TRAILING)
+        x.copy_(to_tensor(bits[0], dtype, "cuda:0"))
+        out = torch.empty(rows * TRAILING + 1, dtype=tdtype, device="cuda:0")[1:].view(rows, TRAILING)
+        R.views[0].all_reduce(x, out=out)
+        torch.cuda.synchronize()
+        check_all([from_tensor(out)], want, f"W=1 unaligned {dtype} rows={rows}")
