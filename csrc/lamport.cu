@@ -23,7 +23,6 @@ __device__ __forceinline__ void lamport_all_reduce(const typename Traits<DT>::T*
   const i64 npacks = (n + kPer - 1) / kPer;
   const bool owns = block_owns_packs(npacks);
   if (owns) {
-    lam_claim(g, w);
     lam_announce(g, l);
     // Push: U packs of one sweep loaded before any is stored, then each stored to all W regions.
     for (i64 j0 = tid; j0 < npacks; j0 += U * stride) {
@@ -44,6 +43,9 @@ __device__ __forceinline__ void lamport_all_reduce(const typename Traits<DT>::T*
         }
       }
     }
+    // The busy word after the pushes, so its atomic round trip does not delay thread 32's stores; a second kernel
+    // of this rank on these areas is caught all the same (the workspace fails before anyone trusts its results).
+    lam_claim(g, w);
     lam_check_call(g, l, w);
     // Poll, fold, write, empty.
     const uint4* src[DETCOMM_W];

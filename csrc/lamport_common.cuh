@@ -31,8 +31,12 @@
 // rank (record DETCOMM_ERR_MISMATCH). A rank that runs a barrier kernel while its peers run a one-store kernel
 // (counts that pick different kernels) is caught by the deadline instead: neither side ever sees the other.
 //
-// Failure: every spin polls this rank's abort word and the host's, and gives up after the deadline, through
-// fail_workspace like the barriers (record "lamport" instead of a barrier kind). A block never returns early
+// Failure: every spin polls this rank's abort word (every 16th poll) and gives up after the deadline, through
+// fail_workspace like the barriers (record "one-store wait" instead of a barrier kind). Only thread 0 of a block
+// polls the host's abort word (every 256th poll): unlike a barrier, where W threads per block spin, every thread
+// of a one-store launch may spin, and one read of mapped host memory over PCIe per 256 polls from each of ~67K
+// threads saturated the bus (a 1 MiB launch took 0.8 ms on 2x H200). The host's abort() also stores this rank's
+// header abort word, which every spinning thread sees; the host word is the fallback when that copy cannot run. A block never returns early
 // on failure: it stops waiting and meets its other threads at the end, so no __syncthreads is skipped.
 #pragma once
 #include "detcomm_common.cuh"
@@ -155,6 +159,7 @@ __device__ __forceinline__ bool lam_wait(const Group& g, const Lam& l, const uin
     v = ld_poll(p);
     if (lam_ready<kDesc>(v)) return true;
     ++w.polls;
+    if ((w.polls & 15u) != 0u) continue;
     const u32 ab = ld_relaxed_sys(abort_word);
     if (ab != 0u) {
       fail_workspace(g, DETCOMM_ERR_PEER_FAILED, DETCOMM_WAIT_LAMPORT, (int)(ab & 0xFFu), l.launch, ab,
@@ -162,7 +167,7 @@ __device__ __forceinline__ bool lam_wait(const Group& g, const Lam& l, const uin
       w.failed = DETCOMM_ERR_PEER_FAILED;
       return false;
     }
-    if ((w.polls & 255u) == 0u && *host_abort != 0u) {  // over PCIe: polled rarely
+    if (threadIdx.x == 0 && (w.polls & 255u) == 0u && *host_abort != 0u) {  // over PCIe: one thread, rarely
       fail_workspace(g, DETCOMM_ERR_ABORTED, DETCOMM_WAIT_LAMPORT, peer, l.launch, 0u, global_timer_ns() - w.start,
                      nullptr);
       w.failed = DETCOMM_ERR_ABORTED;
