@@ -39,7 +39,8 @@ def test_site_bound_all_reduce_in_place_every_kernel(world: int, dtype: str) -> 
             v.variants_run.clear()
         rng = np.random.default_rng(7 * world)
         row_bytes = TRAILING * torch.empty((), dtype=tdt).element_size()
-        for rows in (1, 7, 4096 // row_bytes + 5, 3 * (64 * 1024 // row_bytes) + 11):
+        # one-store (<= 1 KiB), one-shot (<= 4 KiB), two-shot (one launch) and chunked launches
+        for rows in (1, 7, 2048 // row_bytes + 1, 4096 // row_bytes + 5, 3 * (64 * 1024 // row_bytes) + 11):
             bits = ill_conditioned(rng, world, (rows, TRAILING), dtype)
             want = oracle.fold_oracle(bits, dtype)
             xs = [to_tensor(b, dtype, "cuda:0") for b in bits]
