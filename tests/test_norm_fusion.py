@@ -86,14 +86,21 @@ def test_fused_launch_geometry() -> None:
                                     one_shot_max_bytes=512 * 1024)[-1] == "fused_chunked"
     assert plan.fused_norm_variants(hidden=1 << 20, dtype="float32", max_rows=4, grid=grid, slot_bytes=1 << 20,
                                     one_shot_max_bytes=512 * 1024) == []
+    # With the one-store kernel (W >= 2): decode launches (up to 32 rows of 8 KiB in 256 KiB) take it.
+    lam = plan.lamport_max_bytes(2)
+    assert plan.fused_norm_lamport_rows(4096, "bfloat16", lam) == 32
+    assert plan.fused_norm_variants(hidden=4096, dtype="bfloat16", max_rows=256, grid=grid, slot_bytes=slot,
+                                    one_shot_max_bytes=512 * 1024, lamport_max=lam) == [
+        "fused_lamport", "fused_one_shot", "fused_two_shot"]
 
 
 def test_module_loads_every_fused_kernel() -> None:
     names = kernels.module_functions("bfloat16")
-    for algo in ("1shot", "2shot"):
+    for algo in ("1shot", "2shot", "lamport"):
         for w in ("f32", "bf16", "f16"):
             assert f"detcomm_fused_rmsnorm_{algo}_bf16_w{w}" in names
     assert plan.fused_norm_kernel("two_shot", "float16", "float32") == "detcomm_fused_rmsnorm_2shot_f16_wf32"
-    assert "fused_rmsnorm.cu" in kernels.KERNEL_FILES
+    assert plan.fused_norm_kernel("lamport", "bfloat16", "float32") == "detcomm_fused_rmsnorm_lamport_bf16_wf32"
+    assert "fused_rmsnorm.cu" in kernels.KERNEL_FILES and "fused_rmsnorm_lamport.cu" in kernels.KERNEL_FILES
     src = kernels.flatten_source()
     assert "detcomm_fused_rmsnorm_" in src and "norm_inv_rms" in src and '#include "' not in src
