@@ -250,16 +250,27 @@ def test_fused_cuda_graph_replays_new_values(algo: str | None) -> None:
 
 
 # ---- the one-store fused kernel's own mechanisms (csrc/fused_rmsnorm_lamport.cu) -----------------------------------
+def _failures(views) -> list[str]:
+    """The WorkspaceFailed message of every rank view whose check() raises."""
+    from detcomm.errors import WorkspaceFailed
+
+    out = []
+    for v in views:
+        try:
+            v.check()
+        except WorkspaceFailed as e:
+            out.append(str(e))
+    return out
+
+
 def test_fused_one_store_zero_rows_and_unmarked_negative_control() -> None:
     """x of +0.0 on every rank (whole packs of +0.0) completes with the oracle's bits: pushed packs are marked
     (+0.0 -> -0.0), which no fold can see. Control: the build that pushes +0.0 unmarked leaves those packs
     indistinguishable from empty ones, and the readers wait until the deadline."""
-    from detcomm.errors import WorkspaceFailed
-
     world, rows, hidden, dtype = 2, 4, 4096, "bfloat16"
     _, res, w = _fused_inputs(world, rows, hidden, dtype, seed=51)
     xs = [np.zeros((rows, hidden), dtype=np.uint16) for _ in range(world)]
-    got, comp = _run_fused(_fused_ranks(world), xs, res, w, dtype, dtype, 1e-6, algo="lamport")
+    got, _ = _run_fused(_fused_ranks(world), xs, res, w, dtype, dtype, 1e-6, algo="lamport")
     for k in range(world):
         y_exp, r_exp = norm_oracle.composition_oracle(xs, res[k], w, dtype, dtype, 1e-6)
         assert np.array_equal(got[k][0], y_exp) and np.array_equal(got[k][1], r_exp), k
@@ -269,31 +280,19 @@ def test_fused_one_store_zero_rows_and_unmarked_negative_control() -> None:
     xt = [torch.zeros(rows, hidden, dtype=torch.bfloat16, device="cuda:0") for _ in range(world)]
     rt = [to_torch(r, dtype).cuda() for r in res]
     _on_ranks(bad, lambda k, v: v.all_reduce_rmsnorm(xt[k], rt[k], wt, norm.eps_fp32(1e-6), algo="lamport"))
-    raised = []
-    for v in bad:
-        try:
-            v.check()
-        except WorkspaceFailed as e:
-            raised.append(str(e))
+    raised = _failures(bad)
     assert raised and any("timed out" in e and "one-store wait" in e for e in raised), raised
 
 
 def test_fused_one_store_descriptor_catches_other_shapes() -> None:
     """Ranks whose launches carry the same rows * hidden in other shapes (2 x 4096 vs 1 x 8192) fail with a
     mismatch that names both shapes: the descriptor's count is rows << 32 | hidden, not rows * hidden."""
-    from detcomm.errors import WorkspaceFailed
-
     views = _fused_ranks(2, fresh=True, timeout_s=5.0)
     shapes = [(2, 4096), (1, 8192)]
     xt = [torch.ones(s, dtype=torch.bfloat16, device="cuda:0") for s in shapes]
     wt = [torch.ones(s[1], dtype=torch.bfloat16, device="cuda:0") for s in shapes]
     _on_ranks(views, lambda k, v: v.all_reduce_rmsnorm(xt[k], xt[k], wt[k], 1e-6, algo="lamport"))
-    raised = []
-    for v in views:
-        try:
-            v.check()
-        except WorkspaceFailed as e:
-            raised.append(str(e))
+    raised = _failures(views)
     assert any("different calls" in e and "rows 2 x hidden 4096" in e and "rows 1 x hidden 8192" in e
                for e in raised), raised
 
@@ -369,9 +368,5 @@ def test_fused_one_store_back_to_back_with_one_store_all_reduces_and_a_late_rank
     except WorkspaceFailed as e:
         bad, failed = [], [str(e)]
     torch.cuda.synchronize()
-    for v in one:
-        try:
-            v.check()
-        except WorkspaceFailed as e:
-            failed.append(str(e))
+    failed += _failures(one)
     assert bad or failed, "the single-buffer control passed: the test cannot see a buffer reused too early"
