@@ -3,8 +3,9 @@
 // The bits are the composition's: s = canonical fold of x over the ranks (§1, fold_pack), rounded to the dtype;
 // r = round(fp32(residual) + fp32(s)); y = the canonical RMSNorm of r (§9.2 steps 3-7, exactly the arithmetic of
 // csrc/rms_norm.cu: 256 lanes of 8-element chunks, the warp shuffle tree, then the tree over the 8 warp results,
-// correctly rounded division and square root). The self-checks prove every variant against the composition
-// before a site uses it.
+// correctly rounded division and square root; the row code is csrc/fused_norm_row.cuh, shared with the one-store
+// variant csrc/fused_rmsnorm_lamport.cu). The self-checks prove every variant against the composition before a
+// site uses it.
 //
 // Rows, blocks and slots. Row i is handled by block b = i mod gridDim.x as that block's local row m = i / grid.
 // Its P packs live in the slot in R = ceil(P / BLOCK_THREADS) regions of BLOCK_THREADS packs, region k of the
@@ -28,20 +29,12 @@
 // (the residual's tail is loaded as +0.0 too) and its square adds nothing: no tail branch (docs/spec.md §9.2).
 //
 // Launch: grid = the workspace's block count, block = DETCOMM_BLOCK_THREADS, identical on every rank.
-#include "rms_norm_common.cuh"
-
-#define FN_HALVES (DETCOMM_BLOCK_THREADS / NORM_THREADS)
+#include "fused_norm_row.cuh"
 
 // Where pack j of local row m of this block lives in a slot (in packs).
 __device__ __forceinline__ i64 fn_pos(i64 m, i64 j, i64 R, i64 stride) {
   return (m * R + j / DETCOMM_BLOCK_THREADS) * stride + (i64)blockIdx.x * DETCOMM_BLOCK_THREADS +
          j % DETCOMM_BLOCK_THREADS;
-}
-
-// Rows of this launch handled by this block.
-__device__ __forceinline__ i64 fn_block_rows(i64 rows) {
-  const i64 b = blockIdx.x, G = gridDim.x;
-  return rows > b ? (rows - b + G - 1) / G : 0;
 }
 
 // Phase 0: this block's rows of x into this rank's slot (DETCOMM_UNROLL packs in flight per thread).
@@ -97,32 +90,6 @@ __device__ __forceinline__ void fn_fold_range(i64 rows_b, i64 P, i64 R, i64 stri
   }
 }
 
-// Packs per 8-element chunk: 1 for 16-bit dtypes, 2 for fp32.
-template <int DT> struct FnChunk {
-  static constexpr int kPacks = NORM_CHUNK / Traits<DT>::kPer;
-  // Chunks whose loads one lane issues before folding any (all W peers each): the workspace's unroll budget.
-  static constexpr int kBatch = DETCOMM_UNROLL / kPacks > 0 ? DETCOMM_UNROLL / kPacks : 1;
-};
-
-// One 8-element chunk of a caller's tensor as packs (missing elements read as +0.0), and back to fp32.
-template <int DT>
-__device__ __forceinline__ void load_packs(const typename Traits<DT>::T* p, i64 valid,
-                                           uint4 (&v)[FnChunk<DT>::kPacks]) {
-#pragma unroll
-  for (int h = 0; h < FnChunk<DT>::kPacks; ++h) v[h] = load_user<DT>(p + h * Traits<DT>::kPer, valid - h * Traits<DT>::kPer);
-}
-template <int DT>
-__device__ __forceinline__ void widen_packs(const uint4 (&v)[FnChunk<DT>::kPacks], float (&a)[NORM_CHUNK]) {
-  constexpr int kPer = Traits<DT>::kPer;
-#pragma unroll
-  for (int h = 0; h < FnChunk<DT>::kPacks; ++h) {
-    PackU<DT> u;
-    u.v = v[h];
-#pragma unroll
-    for (int e = 0; e < kPer; ++e) a[h * kPer + e] = Traits<DT>::widen(u.e[e]);
-  }
-}
-
 // The slot loads of one batch: NB chunks c0, c0+256, ... of local row m, every load in flight before any fold.
 // One-shot: the pack from every rank's slot; two-shot: the folded pack from the rank that folded its range.
 template <int DT, bool TWO> struct FnIn {
@@ -170,131 +137,17 @@ __device__ __forceinline__ void fn_s_chunk(const FnIn<DT, TWO>& in, int u, int r
   widen_packs<DT>(packs, sv);
 }
 
-// Steps 1-7 for local row m (global row `row`) on one half-block, any H: r is stored, then read back for step 7.
-// Inactive halves (no row left) only take part in the block barriers of the tree.
-template <int DT, int WDT, bool TWO>
-__device__ __forceinline__ void fn_norm_row(i64 row, i64 m, i64 H, i64 P, i64 R, i64 stride, i64 Lq,
-                                            const uint4* const* src, int rank,
-                                            const typename Traits<DT>::T* __restrict__ residual,
-                                            const typename Traits<WDT>::T* __restrict__ weight,
-                                            typename Traits<DT>::T* __restrict__ y, typename Traits<DT>::T* r_out,
-                                            float eps, float* warp_sum, float* inv_shared, bool active) {
-  constexpr int NB = FnChunk<DT>::kBatch;
-  const int t = threadIdx.x % NORM_THREADS;  // lane t of the definition
-  const i64 base = row * H;
-  float p = 0.0f;  // +0.0 start of this lane's partial
-  if (active) {
-    for (i64 c0 = t; c0 * NORM_CHUNK < H; c0 += NB * NORM_THREADS) {
-      FnIn<DT, TWO> in;
-      fn_load_batch<DT, TWO>(c0, m, H, P, R, stride, Lq, src, in);
-#pragma unroll
-      for (int u = 0; u < NB; ++u) {  // chunk after chunk: the lane's summation order
-        const i64 c = c0 + u * NORM_THREADS;
-        if (c * NORM_CHUNK < H) {
-          const i64 off = c * NORM_CHUNK, valid = H - off;
-          float sv[NORM_CHUNK], res[NORM_CHUNK], a[NORM_CHUNK];
-          fn_s_chunk<DT, TWO>(in, u, rank, sv);
-          load_chunk<DT>(residual + base + off, valid, res);
-          residual_add<DT>(res, sv, a);                   // step 2
-          store_chunk<DT>(r_out + base + off, valid, a);  // a holds rounded values: narrow() is exact here
-#pragma unroll
-          for (int e = 0; e < NORM_CHUNK; ++e) p = __fadd_rn(p, __fmul_rn(a[e], a[e]));  // steps 3-4
-        }
-      }
-    }
+// The s-packs of local row m of this block from the workspace slots (the Src of csrc/fused_norm_row.cuh).
+template <int DT, bool TWO> struct FnSlotSrc {
+  typedef FnIn<DT, TWO> In;
+  i64 m, H, P, R, stride, Lq;
+  const uint4* const* src;
+  int rank;
+  __device__ __forceinline__ void load(i64 c0, In& in) const { fn_load_batch<DT, TWO>(c0, m, H, P, R, stride, Lq, src, in); }
+  __device__ __forceinline__ void s_chunk(const In& in, int u, float (&sv)[NORM_CHUNK]) const {
+    fn_s_chunk<DT, TWO>(in, u, rank, sv);
   }
-  const float inv = norm_inv_rms(p, warp_sum, inv_shared, H, eps);  // steps 5-6
-  if (active) {
-    for (i64 c = t; c * NORM_CHUNK < H; c += NORM_THREADS) {  // step 7
-      const i64 off = c * NORM_CHUNK, valid = H - off;
-      float a[NORM_CHUNK], w[NORM_CHUNK];
-      load_chunk<DT>(r_out + base + off, valid, a);  // this thread stored these r elements above: ordered
-      load_chunk<WDT>(weight + off, valid, w);
-#pragma unroll
-      for (int e = 0; e < NORM_CHUNK; ++e) a[e] = __fmul_rn(__fmul_rn(a[e], inv), w[e]);
-      store_chunk<DT>(y + base + off, valid, a);
-    }
-  }
-}
-
-// The latency path, for rows a lane covers in one batch (H <= NB * 256 * 8: the decode shapes): the lane's
-// residual and weight chunks are loaded before the slot loads (for a block's first row, before the start barrier,
-// so their latency hides behind the peers' arrival), and r stays in registers for step 7 (packed: 4 registers
-// per 16 bytes).
-template <int DT, int WDT> struct FnPre {
-  uint4 res[FnChunk<DT>::kBatch][FnChunk<DT>::kPacks];
-  uint4 w[FnChunk<DT>::kBatch][FnChunk<WDT>::kPacks];
 };
-
-template <int DT, int WDT>
-__device__ __forceinline__ void fn_prefetch(i64 row, i64 H, const typename Traits<DT>::T* __restrict__ residual,
-                                            const typename Traits<WDT>::T* __restrict__ weight, FnPre<DT, WDT>& pre,
-                                            bool active) {
-  const int t = threadIdx.x % NORM_THREADS;
-  if (!active) return;
-#pragma unroll
-  for (int u = 0; u < FnChunk<DT>::kBatch; ++u) {
-    const i64 off = (t + (i64)u * NORM_THREADS) * NORM_CHUNK;
-    if (off < H) {
-      load_packs<DT>(residual + row * H + off, H - off, pre.res[u]);
-      load_packs<WDT>(weight + off, H - off, pre.w[u]);
-    }
-  }
-}
-
-template <int DT, int WDT, bool TWO>
-__device__ __forceinline__ void fn_norm_row_regs(i64 row, i64 m, i64 H, i64 P, i64 R, i64 stride, i64 Lq,
-                                                 const uint4* const* src, int rank, const FnPre<DT, WDT>& pre,
-                                                 typename Traits<DT>::T* __restrict__ y,
-                                                 typename Traits<DT>::T* __restrict__ r_out, float eps,
-                                                 float* warp_sum, float* inv_shared, bool active) {
-  constexpr int NB = FnChunk<DT>::kBatch;
-  constexpr int NP = FnChunk<DT>::kPacks;
-  constexpr int kPer = Traits<DT>::kPer;
-  const int t = threadIdx.x % NORM_THREADS;
-  const i64 base = row * H;
-  float p = 0.0f;
-  uint4 rp[NB][NP];
-  if (active) {
-    FnIn<DT, TWO> in;
-    fn_load_batch<DT, TWO>(t, m, H, P, R, stride, Lq, src, in);
-#pragma unroll
-    for (int u = 0; u < NB; ++u) {  // chunk after chunk: the lane's summation order
-      const i64 off = (t + (i64)u * NORM_THREADS) * NORM_CHUNK;
-      if (off < H) {
-        float sv[NORM_CHUNK], res[NORM_CHUNK], a[NORM_CHUNK];
-        fn_s_chunk<DT, TWO>(in, u, rank, sv);
-        widen_packs<DT>(pre.res[u], res);
-        residual_add<DT>(res, sv, a);  // step 2
-#pragma unroll
-        for (int h = 0; h < NP; ++h) {
-          PackU<DT> r;
-#pragma unroll
-          for (int e = 0; e < kPer; ++e) r.e[e] = Traits<DT>::narrow(a[h * kPer + e]);  // exact: a is rounded
-          rp[u][h] = r.v;
-          store_user<DT>(r_out + base + off + h * kPer, H - off - h * kPer, r.v);
-        }
-#pragma unroll
-        for (int e = 0; e < NORM_CHUNK; ++e) p = __fadd_rn(p, __fmul_rn(a[e], a[e]));  // steps 3-4
-      }
-    }
-  }
-  const float inv = norm_inv_rms(p, warp_sum, inv_shared, H, eps);  // steps 5-6
-  if (active) {
-#pragma unroll
-    for (int u = 0; u < NB; ++u) {  // step 7
-      const i64 off = (t + (i64)u * NORM_THREADS) * NORM_CHUNK;
-      if (off < H) {
-        float a[NORM_CHUNK], w[NORM_CHUNK];
-        widen_packs<DT>(rp[u], a);
-        widen_packs<WDT>(pre.w[u], w);
-#pragma unroll
-        for (int e = 0; e < NORM_CHUNK; ++e) a[e] = __fmul_rn(__fmul_rn(a[e], inv), w[e]);
-        store_chunk<DT>(y + base + off, H - off, a);
-      }
-    }
-  }
-}
 
 template <int DT, int WDT, bool TWO>
 __device__ __forceinline__ void fused_rmsnorm(const typename Traits<DT>::T* __restrict__ x,
@@ -321,7 +174,7 @@ __device__ __forceinline__ void fused_rmsnorm(const typename Traits<DT>::T* __re
 
   const int half = threadIdx.x / NORM_THREADS;
   // Uniform over the block (H is the same for every thread), so both paths keep the barriers uniform.
-  const bool regs = H <= (i64)FnChunk<DT>::kBatch * NORM_THREADS * NORM_CHUNK;
+  const bool regs = fn_rows_in_registers<DT>(H);
   FnPre<DT, WDT> pre;
   if (regs) fn_prefetch<DT, WDT>((i64)half * gridDim.x + blockIdx.x, H, residual, weight, pre, half < rows_b);
   fn_copy_in<DT>(x, rows_b, H, P, R, stride, own);
@@ -332,13 +185,13 @@ __device__ __forceinline__ void fused_rmsnorm(const typename Traits<DT>::T* __re
   }
   for (i64 m0 = 0; m0 < rows_b; m0 += FN_HALVES) {  // the same trip count for both halves
     const i64 m = m0 + half, row = m * gridDim.x + blockIdx.x;
+    FnSlotSrc<DT, TWO> slots{m, H, P, R, stride, Lq, src, g.rank};
     if (regs) {
       if (m0 > 0) fn_prefetch<DT, WDT>(row, H, residual, weight, pre, m < rows_b);
-      fn_norm_row_regs<DT, WDT, TWO>(row, m, H, P, R, stride, Lq, src, g.rank, pre, y, r_out, eps, warp_sum[half],
-                                     &inv_shared[half], m < rows_b);
+      fn_norm_row_regs<DT, WDT>(row, H, slots, pre, y, r_out, eps, warp_sum[half], &inv_shared[half], m < rows_b);
     } else {
-      fn_norm_row<DT, WDT, TWO>(row, m, H, P, R, stride, Lq, src, g.rank, residual, weight, y, r_out, eps,
-                                warp_sum[half], &inv_shared[half], m < rows_b);
+      fn_norm_row<DT, WDT>(row, H, slots, residual, weight, y, r_out, eps, warp_sum[half], &inv_shared[half],
+                           m < rows_b);
     }
   }
   close_use(g);

@@ -61,3 +61,27 @@ def test_fused_kernel_ptx_keeps_the_canonical_arithmetic(tmp_path: Path, world: 
     names = set(re.findall(r"\.entry (detcomm_\w+)\(", ptx))
     assert names == {f"detcomm_fused_rmsnorm_{k}_{a}_w{b}" for k in ("1shot", "2shot")
                      for a in ("f32", "bf16", "f16") for b in ("f32", "bf16", "f16")}
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not on PATH")
+@pytest.mark.parametrize("world", [2, 8])
+def test_fused_one_store_kernel_ptx_keeps_the_canonical_arithmetic(tmp_path: Path, world: int) -> None:
+    """The one-store fused kernel: the same arithmetic rules, no barrier (no release/acquire flag), volatile polls
+    of its own region, the deadline and abort checks."""
+    out = tmp_path / "fused_lamport.ptx"
+    flags = [f for f in FLAGS if not f.startswith("-DDETCOMM_W=")] + [f"-DDETCOMM_W={world}"]
+    p = subprocess.run([NVCC, *flags, "-ptx", str(CU.parent / "fused_rmsnorm_lamport.cu"), "-o", str(out)],
+                       capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    ptx = out.read_text()
+    assert not re.search(r"\bfma\.", ptx) and ".ftz" not in ptx
+    assert not re.search(r"\b(rsqrt|rcp|ex2|lg2)\.", ptx)
+    assert not re.search(r"\b(add|mul|div|sqrt)\.(approx\.)?f32", ptx)
+    for op in ("add.rn.f32", "mul.rn.f32", "div.rn.f32", "sqrt.rn.f32", "ld.volatile.global.v4.u32", "%globaltimer",
+               "ld.relaxed.sys"):
+        assert op in ptx, op
+    assert "st.release.sys" not in ptx and "ld.acquire.sys" not in ptx  # no barrier
+    assert "trap;" not in ptx
+    names = set(re.findall(r"\.entry (detcomm_\w+)\(", ptx))
+    assert names == {f"detcomm_fused_rmsnorm_lamport_{a}_w{b}" for a in ("f32", "bf16", "f16")
+                     for b in ("f32", "bf16", "f16")}

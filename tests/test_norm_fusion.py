@@ -86,14 +86,74 @@ def test_fused_launch_geometry() -> None:
                                     one_shot_max_bytes=512 * 1024)[-1] == "fused_chunked"
     assert plan.fused_norm_variants(hidden=1 << 20, dtype="float32", max_rows=4, grid=grid, slot_bytes=1 << 20,
                                     one_shot_max_bytes=512 * 1024) == []
+    # With the one-store kernel (W >= 2): decode launches (up to 32 rows of 8 KiB in 256 KiB) take it.
+    lam = plan.lamport_max_bytes(2)
+    assert plan.fused_norm_lamport_rows(4096, "bfloat16", lam) == 32
+    assert plan.fused_norm_variants(hidden=4096, dtype="bfloat16", max_rows=256, grid=grid, slot_bytes=slot,
+                                    one_shot_max_bytes=512 * 1024, lamport_max=lam) == [
+        "fused_lamport", "fused_one_shot", "fused_two_shot"]
 
 
 def test_module_loads_every_fused_kernel() -> None:
     names = kernels.module_functions("bfloat16")
-    for algo in ("1shot", "2shot"):
+    for algo in ("1shot", "2shot", "lamport"):
         for w in ("f32", "bf16", "f16"):
             assert f"detcomm_fused_rmsnorm_{algo}_bf16_w{w}" in names
     assert plan.fused_norm_kernel("two_shot", "float16", "float32") == "detcomm_fused_rmsnorm_2shot_f16_wf32"
-    assert "fused_rmsnorm.cu" in kernels.KERNEL_FILES
+    assert plan.fused_norm_kernel("lamport", "bfloat16", "float32") == "detcomm_fused_rmsnorm_lamport_bf16_wf32"
+    assert "fused_rmsnorm.cu" in kernels.KERNEL_FILES and "fused_rmsnorm_lamport.cu" in kernels.KERNEL_FILES
     src = kernels.flatten_source()
     assert "detcomm_fused_rmsnorm_" in src and "norm_inv_rms" in src and '#include "' not in src
+
+
+def _stand_in_workspace(lamport_max: int) -> tuple[object, list[tuple[str, list[float]]]]:
+    """A Workspace with no device (object.__new__): the host logic of all_reduce_rmsnorm runs on CPU tensors and
+    its launches are recorded (kernel name, argument values) instead of run."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from detcomm.workspace import Workspace
+
+    ws = object.__new__(Workspace)
+    ws.device, ws._dead, ws.refused, ws.variants_run = torch.device("cpu"), None, {}, set()
+    ws._ctrl = SimpleNamespace(tagged=lambda: False)
+    ws.grid, ws.world_size = 132, 2
+    ws._slot_bytes = plan.slot_bytes(4 << 20, 2, ws.grid)
+    ws.one_shot_max_bytes, ws.lamport_max_bytes = 512 << 10, lamport_max
+    ws._lam_off, ws._lam_cap = 777, plan.lamport_area_bytes(lamport_max)
+    launches: list[tuple[str, list[float]]] = []
+    ws._launch = lambda name, args, stream, label: launches.append((name, [a.value for a in args]))
+    ws._collective = lambda: contextlib.nullcontext(0)
+    return ws, launches
+
+
+def test_fused_launches_take_the_one_store_kernel_per_launch() -> None:
+    """all_reduce_rmsnorm's host side: launches of up to fused_norm_lamport_rows rows take the one-store kernel
+    (with the region's offset and area bytes as its two extra arguments), larger ones one-shot; a forced 'lamport'
+    chunks to what the areas hold; chunk_rows above that, or the one-store path off, raise."""
+    ws, launches = _stand_in_workspace(64 << 10)  # 8 rows of bf16 x 4096
+    x = torch.zeros(20, 4096, dtype=torch.bfloat16)
+    w = torch.ones(4096, dtype=torch.bfloat16)
+    lam, one = "detcomm_fused_rmsnorm_lamport_bf16_wbf16", "detcomm_fused_rmsnorm_1shot_bf16_wbf16"
+
+    def run(rows: int, **kw: object) -> list[tuple[str, int, int]]:
+        launches.clear()
+        ws.all_reduce_rmsnorm(x[:rows], x[:rows], w, 1e-6, **kw)
+        # (kernel, rows, x offset in rows); the one-store launches end with the region's offset and area bytes
+        for name, args in launches:
+            assert (args[-2:] == [777, 64 << 10]) == (name == lam), (name, args)
+        return [(name, int(args[5]), int(args[0] - x.data_ptr()) // (4096 * 2)) for name, args in launches]
+
+    assert run(8) == [(lam, 8, 0)]
+    assert run(9) == [(one, 9, 0)]
+    assert run(20, algo="lamport") == [(lam, 8, 0), (lam, 8, 8), (lam, 4, 16)]
+    assert run(20, chunk_rows=6) == [(lam, 6, 0), (lam, 6, 6), (lam, 6, 12), (lam, 2, 18)]
+    assert run(3, algo="one_shot") == [(one, 3, 0)]
+    assert ("all_reduce_rmsnorm", "bfloat16", "fused_lamport") in ws.variants_run
+    with pytest.raises(ValueError, match="algo='lamport'"):
+        run(20, algo="lamport", chunk_rows=9)
+    off, launches = _stand_in_workspace(0)  # W = 1: no one-store region
+    with pytest.raises(ValueError, match="algo='lamport'"):
+        off.all_reduce_rmsnorm(x, x, w, 1e-6, algo="lamport")
+    off.all_reduce_rmsnorm(x[:1], x[:1], w, 1e-6)
+    assert [name for name, _ in launches] == [one]

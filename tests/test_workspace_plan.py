@@ -262,6 +262,53 @@ def test_variants_with_the_one_store_kernel():
     assert plan.variants("all_reduce", row_bytes=16384, max_rows=64, **kw) == ["one_shot", "two_shot"]
 
 
+def test_fused_norm_variants_with_the_one_store_kernel():
+    """The fused all-reduce + RMSNorm picks its kernel per launch exactly as all_reduce does (_by_launch_bytes): the
+    one-store kernel up to fused_norm_lamport_rows rows, one-shot up to one_shot_max_bytes, two-shot above."""
+    grid = 132
+    slot = plan.slot_bytes(32 << 20, 4, grid)
+    kw = {"grid": grid, "slot_bytes": slot, "one_shot_max_bytes": 512 << 10, "lamport_max": 64 << 10}
+    # bf16 x 4096 = 8 KiB rows: 1..8 rows per launch take the one-store kernel, 9..64 one-shot, 65+ two-shot.
+    assert plan.fused_norm_lamport_rows(4096, "bfloat16", 64 << 10) == 8
+    assert plan.fused_norm_variants(hidden=4096, dtype="bfloat16", max_rows=8, **kw) == ["fused_lamport"]
+    assert plan.fused_norm_variants(hidden=4096, dtype="bfloat16", max_rows=9, **kw) == ["fused_lamport",
+                                                                                          "fused_one_shot"]
+    assert plan.fused_norm_variants(hidden=4096, dtype="bfloat16", max_rows=65, **kw) == [
+        "fused_lamport", "fused_one_shot", "fused_two_shot"]
+    # The same answers as the all-reduce's rule for the same launches (whole-pack rows: no padding).
+    for max_rows in (1, 8, 9, 64, 65, 300):
+        ar = plan._by_launch_bytes(plan.fused_norm_rows_per_launch(4096, "bfloat16", grid=grid, slot_bytes=slot),
+                                   8192, max_rows, 512 << 10, 64 << 10)
+        assert plan.fused_norm_variants(hidden=4096, dtype="bfloat16", max_rows=max_rows, **kw) == [
+            f"fused_{v}" for v in ar]
+    # Rows that end mid-pack take whole packs in the area: 9 bf16 elements are 18 bytes but 32 in the area, so a
+    # 64 KiB area holds 2048 rows (not 3640), and the launch's bytes stay within lamport_max either way.
+    assert plan.fused_norm_lamport_rows(9, "bfloat16", 64 << 10) == 2048
+    assert plan.fused_norm_lamport_rows(9, "bfloat16", 100) == 3  # 100 bytes: 5 rows of 18 bytes, 3 areas' packs
+    assert plan.fused_norm_lamport_rows(3, "float32", 100) == 7  # 12-byte rows, 16-byte packs in 112 bytes
+    assert plan.fused_norm_variants(hidden=9, dtype="bfloat16", max_rows=2049, **kw) == ["fused_lamport",
+                                                                                        "fused_one_shot"]
+    # A row larger than the one-store limit never takes it; off (0, and W = 1) is the old behaviour.
+    assert plan.fused_norm_lamport_rows(65536, "bfloat16", 64 << 10) == 0
+    assert plan.fused_norm_variants(hidden=65536, dtype="bfloat16", max_rows=2, **kw) == ["fused_one_shot"]
+    kw["lamport_max"] = plan.lamport_max_bytes(1)
+    assert plan.fused_norm_variants(hidden=4096, dtype="bfloat16", max_rows=64, **kw) == ["fused_one_shot"]
+    assert plan.fused_norm_variants(hidden=1 << 20, dtype="float32", max_rows=4, grid=grid, slot_bytes=1 << 20,
+                                    one_shot_max_bytes=512 << 10, lamport_max=64 << 10) == []
+    with pytest.raises(ValueError):
+        plan.fused_norm_lamport_rows(0, "bfloat16", 64 << 10)
+
+
+def test_fused_one_store_descriptor_names_rows_and_hidden():
+    """The fused one-store kernel's descriptor count is rows << 32 | hidden: a mismatch names both."""
+    rec = [0] * plan.ERR_WORDS
+    what = (plan.KIND_FUSED_NORM_LAMPORT << 8) | 1
+    rec[:16] = [plan.ERR_MISMATCH, 0, 1, plan.WAIT_LAMPORT, 7, 0, 0, 0, what, 12, 4096, 2, what, 12, 8192, 1]
+    line = plan.decode_record(rec)
+    assert "fused_norm_lamport bfloat16 rows 2 x hidden 4096" in line, line
+    assert "rows 1 x hidden 8192" in line and "one-store wait" in line, line
+
+
 def test_failure_records_decode_to_one_line():
     rec = [0] * plan.ERR_WORDS
     assert plan.decode_record(rec) is None

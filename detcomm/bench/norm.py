@@ -19,14 +19,18 @@ many of the first row's elements change bits when torch's rms_norm runs it alone
 ``--fused`` times the all-reduce + residual add + RMSNorm of docs/spec.md §9.2 on W ranks (NCCL group, one GPU
 each, the CUDA-IPC workspace armed), every method captured in a CUDA graph on every rank (rank 0's medians):
 
-- ``fused``: detcomm.all_reduce_residual_rmsnorm on its site (the fused workspace kernel);
+- ``fused``: detcomm.all_reduce_residual_rmsnorm on its site (the fused workspace kernel the site chooses
+  per launch: the one-store kernel, no barrier, at decode sizes; one-shot / two-shot above);
+- ``fused_one_shot``: the workspace's fused one-shot kernel forced (its start and end barriers), beside ``fused``
+  to show what the one-store kernel saves;
 - ``unfused``: detcomm.all_reduce on an all-reduce site (the workspace's fold kernel), then
   detcomm.norm.add_rms_norm (the composition: two kernels);
 - ``nccl_torch``: torch.distributed.all_reduce (NCCL, in place) then torch's rms_norm of residual + s (what an
   engine runs without batch invariance; three kernels).
 
-Beside the times: whether fused and unfused give the same bits on every row and rank, and whether the first
-row's fused bits change when it runs alone. Writes fused.json and fused.md.
+Beside the times: which fused kernel the automatic choice takes for the shape, whether fused, fused_one_shot and
+unfused give the same bits on every row and rank, and whether the first row's fused bits change when it runs alone
+(one row takes the one-store kernel, the batch may not). Writes fused.json and fused.md.
 """
 
 from __future__ import annotations
@@ -139,7 +143,7 @@ def _row_md(rec: dict[str, object]) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
-_FUSED_COLS = ("fused", "unfused", "nccl_torch")
+_FUSED_COLS = ("fused", "fused_one_shot", "unfused", "nccl_torch")
 
 
 def _fused_job(rank: int, world: int, rows: Sequence[int], hidden: Sequence[int], dtype_name: str,
@@ -153,6 +157,10 @@ def _fused_job(rank: int, world: int, rows: Sequence[int], hidden: Sequence[int]
     detcomm.shutdown()
     comm = detcomm.init(numerics="rl-bitwise")
     dev = comm.device
+    ws = comm._workspace  # the forced one-shot column calls the armed workspace directly
+    if ws is None:
+        raise RuntimeError("--fused needs the CUDA-IPC workspace armed (one GPU per rank, peer access)")
+    eps32 = norm.eps_fp32(EPS)
     out: list[dict[str, object]] = []
     for h in hidden:
         fused_site = detcomm.site(f"bench.norm.fused.{h}", collective="all_reduce_rmsnorm", dtype=dtype, shape=(h,),
@@ -169,6 +177,9 @@ def _fused_job(rank: int, world: int, rows: Sequence[int], hidden: Sequence[int]
             def fused(x: torch.Tensor = x, res: torch.Tensor = res) -> tuple[torch.Tensor, torch.Tensor]:
                 return detcomm.all_reduce_residual_rmsnorm(x, res, w, eps=EPS, site=fused_site)
 
+            def fused_one_shot(x: torch.Tensor = x, res: torch.Tensor = res) -> tuple[torch.Tensor, torch.Tensor]:
+                return ws.all_reduce_rmsnorm(x, res, w, eps32, algo="one_shot", label=f"bench.norm.fused_1shot.{h}")
+
             def unfused(x: torch.Tensor = x, res: torch.Tensor = res) -> tuple[torch.Tensor, torch.Tensor]:
                 return norm.add_rms_norm(detcomm.all_reduce(x, ar_site), res, w, eps=EPS)
 
@@ -178,15 +189,22 @@ def _fused_job(rank: int, world: int, rows: Sequence[int], hidden: Sequence[int]
 
             y_f, r_f = fused()
             y_u, r_u = unfused()
-            same = bool(torch.equal(_bits(y_f), _bits(y_u)) and torch.equal(_bits(r_f), _bits(r_u)))
+            y_o, r_o = fused_one_shot()
+            same = bool(torch.equal(_bits(y_f), _bits(y_u)) and torch.equal(_bits(r_f), _bits(r_u))
+                        and torch.equal(_bits(y_o), _bits(y_u)) and torch.equal(_bits(r_o), _bits(r_u)))
             y_1, _ = detcomm.all_reduce_residual_rmsnorm(x[:1].contiguous(), res[:1].contiguous(), w, eps=EPS,
                                                          site=fused_site)
             flags = torch.tensor([0 if same else 1, int((_bits(y_1) != _bits(y_f[:1])).sum())], device=dev)
             dist.all_reduce(flags)
+            # The kernel the site's automatic choice takes for these rows (none: the site composes, not fused).
+            ws.variants_run.clear()
+            fused()
+            auto = sorted(v for c, _, v in ws.variants_run if c == "all_reduce_rmsnorm") or ["composition"]
             rec: dict[str, object] = {"hidden": h, "rows": n, "world_size": world, "dtype": dtype_name,
                                       "fused_equals_unfused": int(flags[0]) == 0,
-                                      "fused_row0_changed": int(flags[1])}
-            for name, fn in (("fused", fused), ("unfused", unfused), ("nccl_torch", nccl_torch)):
+                                      "fused_row0_changed": int(flags[1]), "fused_kernel": ",".join(auto)}
+            for name, fn in (("fused", fused), ("fused_one_shot", fused_one_shot), ("unfused", unfused),
+                             ("nccl_torch", nccl_torch)):
                 rec[name] = _graph_us(fn, calls_per_graph=calls_per_graph, iters=iters, barrier=dist.barrier)
             out.append(rec)
             if rank == 0:
@@ -197,15 +215,16 @@ def _fused_job(rank: int, world: int, rows: Sequence[int], hidden: Sequence[int]
 
 
 def _fused_header_md() -> str:
-    head = ["hidden", "rows", *[f"{c} us" for c in _FUSED_COLS], "fused/unfused", "fused/nccl_torch",
-            "fused == unfused", "fused row0 changed"]
+    head = ["hidden", "rows", "fused kernel", *[f"{c} us" for c in _FUSED_COLS], "fused/unfused",
+            "fused/fused_one_shot", "fused/nccl_torch", "fused == unfused", "fused row0 changed"]
     return "| " + " | ".join(head) + " |\n|" + "---|" * len(head)
 
 
 def _fused_row_md(rec: dict[str, object]) -> str:
     med = {c: rec[c]["median_us"] for c in _FUSED_COLS}  # type: ignore[index]
-    cells = [str(rec["hidden"]), str(rec["rows"]), *[f"{med[c]:.2f}" for c in _FUSED_COLS],
-             f"{med['fused'] / med['unfused']:.2f}", f"{med['fused'] / med['nccl_torch']:.2f}",
+    cells = [str(rec["hidden"]), str(rec["rows"]), str(rec["fused_kernel"]), *[f"{med[c]:.2f}" for c in _FUSED_COLS],
+             f"{med['fused'] / med['unfused']:.2f}", f"{med['fused'] / med['fused_one_shot']:.2f}",
+             f"{med['fused'] / med['nccl_torch']:.2f}",
              "yes" if rec["fused_equals_unfused"] else "NO", str(rec["fused_row0_changed"])]
     return "| " + " | ".join(cells) + " |"
 

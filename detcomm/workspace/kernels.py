@@ -54,7 +54,7 @@ def _kernel_source_dir() -> Path:
 
 CSRC = _kernel_source_dir()
 KERNEL_FILES = ("one_shot.cu", "two_shot.cu", "reduce_scatter.cu", "all_gather.cu", "fold_local.cu", "fused_rmsnorm.cu",
-                "virtual_fold.cu", "lamport.cu")
+                "virtual_fold.cu", "lamport.cu", "fused_rmsnorm_lamport.cu")
 ROTATE_MACRO = "DETCOMM_ROTATE_RANK_ORDER"
 TRAP_ENV = "DETCOMM_WORKSPACE_TRAP"
 # Test-only builds: "rotated" folds in the wrong rank order, "stale_flags" lets a barrier pass on an earlier use's flag,

@@ -75,6 +75,7 @@ LAM_DESC_OFF = LAM_COUNTER_BYTES
 LAM_DESC_BYTES = 2 * MAX_BLOCKS * MAX_WORLD * PACK_BYTES
 LAM_DATA_OFF = LAM_DESC_OFF + LAM_DESC_BYTES
 KIND_LAMPORT = 9
+KIND_FUSED_NORM_LAMPORT = 10
 WAIT_LAMPORT = 3
 
 DEFAULT_MAX_ROWS_ARMED = 2048
@@ -372,8 +373,8 @@ def virtual_variants(*, row_numel: int, shards_per_rank: int, max_rows: int, wor
 
 
 # --- fused all-reduce + residual add + RMSNorm (csrc/fused_rmsnorm.cu) ---------------------------------------
-FUSED_NORM_ALGOS = ("one_shot", "two_shot")
-_FUSED_NORM_TAG = {"one_shot": "1shot", "two_shot": "2shot"}
+FUSED_NORM_ALGOS = ("one_shot", "two_shot", "lamport")  # lamport: csrc/fused_rmsnorm_lamport.cu
+_FUSED_NORM_TAG = {"one_shot": "1shot", "two_shot": "2shot", "lamport": "lamport"}
 
 
 def fused_norm_kernel(algo: str, dtype: str, weight_dtype: str) -> str:
@@ -391,26 +392,36 @@ def fused_norm_rows_per_launch(hidden: int, dtype: str, *, grid: int, slot_bytes
     return (slot_bytes // PACK_BYTES) // (regions * stride_packs(grid)) * grid
 
 
+def fused_norm_lamport_rows(hidden: int, dtype: str, lamport_max: int) -> int:
+    """Rows one fused one-store launch (csrc/fused_rmsnorm_lamport.cu) carries at most: its bytes stay within
+    lamport_max, and its rows in whole packs (each row's last pack zero-filled) fit one area of the one-store
+    region (lamport_area_bytes). 0 when the one-store path is off or one row does not fit."""
+    if hidden < 1:
+        raise ValueError(f"hidden must be >= 1, got {hidden}")
+    if lamport_max < 0:
+        raise ValueError(f"lamport_max must be >= 0, got {lamport_max}")
+    packs = _ceil_div(hidden, pack_elems(dtype))
+    return min(lamport_max // (hidden * elem_size(dtype)), lamport_area_bytes(lamport_max) // (packs * PACK_BYTES))
+
+
 def fused_norm_variants(*, hidden: int, dtype: str, max_rows: int, grid: int, slot_bytes: int,
-                        one_shot_max_bytes: int) -> list[str]:
-    """The fused kernel's code paths calls of 1..max_rows rows can take ("fused_one_shot", "fused_two_shot",
-    "fused_chunked"), chosen per launch by its bytes like all_reduce's; [] when one row does not fit a launch."""
+                        one_shot_max_bytes: int, lamport_max: int = 0) -> list[str]:
+    """The fused kernel's code paths calls of 1..max_rows rows can take ("fused_lamport", "fused_one_shot",
+    "fused_two_shot", "fused_chunked"), chosen per launch like all_reduce's (_by_launch_bytes): the one-store kernel
+    for launches of up to fused_norm_lamport_rows rows, one-shot up to one_shot_max_bytes, two-shot above; [] when
+    one row does not fit a launch."""
     per = fused_norm_rows_per_launch(hidden, dtype, grid=grid, slot_bytes=slot_bytes)
-    if per < 1:
-        return []
     row_bytes = hidden * elem_size(dtype)
-    out = []
-    if row_bytes <= one_shot_max_bytes:
-        out.append("fused_one_shot")
-    if min(max_rows, per) * row_bytes > one_shot_max_bytes:
-        out.append("fused_two_shot")
-    return out + (["fused_chunked"] if max_rows > per else [])
+    lam = fused_norm_lamport_rows(hidden, dtype, lamport_max)
+    return [f"fused_{v}" for v in _by_launch_bytes(per, row_bytes, max_rows, one_shot_max_bytes, lam * row_bytes)]
 
 
 # --- failure records (written by fail_workspace in csrc/detcomm_common.cuh) ----------------------------------
 def describe_call(what: int, call: int, count: int) -> str:
     kind = KIND_CODES.get(what >> 8, f"kind {what >> 8}")
     dtype = DTYPE_CODES.get(what & 0xFF, f"dtype {what & 0xFF}")
+    if what >> 8 == KIND_FUSED_NORM_LAMPORT:  # its count is rows << 32 | hidden (csrc/fused_rmsnorm_lamport.cu)
+        return f"call {call}: {kind} {dtype} rows {count >> 32} x hidden {count & 0xFFFFFFFF}"
     return f"call {call}: {kind} {dtype} count {count}"
 
 

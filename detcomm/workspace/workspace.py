@@ -492,7 +492,8 @@ class Workspace:
         if dtype not in FLOAT_DTYPES or name_of(dtype) in self.refused:
             return []
         return plan.fused_norm_variants(hidden=hidden, dtype=name_of(dtype), max_rows=max_rows, grid=self.grid,
-                                        slot_bytes=self._slot_bytes, one_shot_max_bytes=self.one_shot_max_bytes)
+                                        slot_bytes=self._slot_bytes, one_shot_max_bytes=self.one_shot_max_bytes,
+                                        lamport_max=self.lamport_max_bytes)
 
     def all_reduce_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps32: float, *,
                            algo: str | None = None, chunk_rows: int | None = None,
@@ -500,10 +501,15 @@ class Workspace:
         """COLLECTIVE. (y, r) of docs/spec.md §9.2 in one kernel per launch: s = the canonical fold of x, r =
         round(residual + s), y = the canonical RMSNorm of r; the same bits as all_reduce then
         detcomm.norm.add_rms_norm. x, residual: contiguous [rows, H] of one float dtype; weight: [H] of any float
-        dtype; eps32: eps already rounded to fp32 (detcomm.norm validates all of it). algo / chunk_rows force a
-        kernel or chunking as in all_reduce (self-checks, tests, bench)."""
-        if algo not in (None, "one_shot", "two_shot"):
-            raise ValueError(f"algo must be None, 'one_shot' or 'two_shot', got {algo!r}")
+        dtype; eps32: eps already rounded to fp32 (detcomm.norm validates all of it).
+
+        algo: None chooses per launch: the one-store kernel (csrc/fused_rmsnorm_lamport.cu, no barrier) for launches
+        of up to plan.fused_norm_lamport_rows rows (at most lamport_max_bytes), one-shot up to one_shot_max_bytes,
+        two-shot above; "lamport" / "one_shot" / "two_shot" force one (self-checks, tests, bench; a forced
+        "lamport" launch carries at most fused_norm_lamport_rows rows, and a row larger than that raises).
+        chunk_rows forces chunking as in all_reduce. Every choice gives the same bits."""
+        if algo not in (None, "lamport", "one_shot", "two_shot"):
+            raise ValueError(f"algo must be None, 'lamport', 'one_shot' or 'two_shot', got {algo!r}")
         dtype = self._fold_dtype(x)
         assert x.dim() == 2 and residual.shape == x.shape and weight.shape == x.shape[1:], (x.shape, weight.shape)
         rows, hidden = x.shape
@@ -513,21 +519,33 @@ class Workspace:
         per = plan.fused_norm_rows_per_launch(hidden, dtype, grid=self.grid, slot_bytes=self._slot_bytes)
         if per < 1:
             raise WorkspaceUnavailable(f"a row of {hidden} elements does not fit one fused launch of this workspace")
+        lam = plan.fused_norm_lamport_rows(hidden, dtype, self.lamport_max_bytes)
+        if chunk_rows is not None and not 1 <= chunk_rows <= per:
+            raise ValueError(f"chunk_rows must be in 1..{per} (rows one launch carries), got {chunk_rows}")
+        if algo == "lamport":
+            if lam < 1 or (chunk_rows is not None and chunk_rows > lam):
+                raise ValueError(f"algo='lamport' serves fused launches of at most {lam} row(s) of {hidden} elements "
+                                 f"(lamport_max_bytes={self.lamport_max_bytes}); asked for {chunk_rows or 1}")
+            per = min(per, lam)  # forced: as many rows per launch as the one-store areas hold
         if chunk_rows is not None:
-            if not 1 <= chunk_rows <= per:
-                raise ValueError(f"chunk_rows must be in 1..{per} (rows one launch carries), got {chunk_rows}")
             per = chunk_rows
         row_bytes = hidden * x.element_size()
         wname = name_of(weight.dtype)
         with self._collective() as stream_ptr:
             for a, b in plan.chunks(rows, per):
-                one = algo == "one_shot" or (algo is None and (b - a) * row_bytes <= self.one_shot_max_bytes)
-                kind = "one_shot" if one else "two_shot"
+                if algo == "lamport" or (algo is None and b - a <= lam):
+                    kind = "lamport"
+                elif algo == "one_shot" or (algo is None and (b - a) * row_bytes <= self.one_shot_max_bytes):
+                    kind = "one_shot"
+                else:
+                    kind = "two_shot"
                 off = a * row_bytes
-                self._launch(plan.fused_norm_kernel(kind, dtype, wname),
-                             [_u64(x.data_ptr() + off), _u64(residual.data_ptr() + off), _u64(weight.data_ptr()),
-                              _u64(y.data_ptr() + off), _u64(r.data_ptr() + off), _i64(b - a), _i64(hidden),
-                              ctypes.c_float(eps32)], stream_ptr, label)
+                args = [_u64(x.data_ptr() + off), _u64(residual.data_ptr() + off), _u64(weight.data_ptr()),
+                        _u64(y.data_ptr() + off), _u64(r.data_ptr() + off), _i64(b - a), _i64(hidden),
+                        ctypes.c_float(eps32)]
+                if kind == "lamport":  # where this rank's one-store region starts, and one area's bytes
+                    args += [_i64(self._lam_off), _i64(self._lam_cap)]
+                self._launch(plan.fused_norm_kernel(kind, dtype, wname), args, stream_ptr, label)
                 self.variants_run.add(("all_reduce_rmsnorm", dtype, f"fused_{kind}"))
             if rows > per:
                 self.variants_run.add(("all_reduce_rmsnorm", dtype, "fused_chunked"))

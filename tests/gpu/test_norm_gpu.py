@@ -99,24 +99,30 @@ def test_negative_control_torch_rms_norm_on_cuda_is_caught(dtype: str) -> None:
     assert not np.array_equal(theirs, norm_oracle.rms_norm_oracle(r, w, dtype, dtype, 1e-6))
 
 
-# ---- the fused all-reduce + residual add + RMSNorm workspace kernel (csrc/fused_rmsnorm.cu) ------------------
-# W ranks as W streams of one GPU (Workspace.in_process); every path (one-shot, two-shot, chunked) against the
-# numpy composition oracle and against the composition on the device (the workspace's all-reduce, then
-# detcomm.norm.add_rms_norm), with adversarial rows, rows alone vs inside batches at other offsets.
+# ---- the fused all-reduce + residual add + RMSNorm workspace kernels (csrc/fused_rmsnorm.cu, and the one-store
+# csrc/fused_rmsnorm_lamport.cu) ---------------------------------------------------------------------------------
+# W ranks as W streams of one GPU (Workspace.in_process); every path (one-store, one-shot, two-shot, chunked, the
+# automatic choice) against the numpy composition oracle and against the composition on the device (the
+# workspace's all-reduce, then detcomm.norm.add_rms_norm), with adversarial rows, rows alone vs inside batches at
+# other offsets.
 from oracle import fold_oracle  # noqa: E402
 
 _FUSED: dict = {}
 FUSED_PATHS = ({"algo": "one_shot"}, {"algo": "two_shot"}, {"algo": "one_shot", "chunk_rows": 1},
-               {"algo": "two_shot", "chunk_rows": 2})
+               {"algo": "two_shot", "chunk_rows": 2}, {"algo": "lamport"}, {"algo": "lamport", "chunk_rows": 1}, {})
 
 
-def _fused_ranks(world: int, variant: str = "canonical"):
+def _fused_ranks(world: int, variant: str = "canonical", *, fresh: bool = False, timeout_s: float = 60.0):
+    """W in-process rank views (cached per build; fresh=True: a new workspace, for tests that fail it)."""
     from detcomm.workspace import Workspace
 
     key = (world, variant)
-    if key not in _FUSED:
-        _FUSED[key] = Workspace.in_process(world, device="cuda:0", capacity_bytes=4 << 20, max_rows_armed=4096,
-                                           _variant=variant)
+    if fresh or key not in _FUSED:
+        views = Workspace.in_process(world, device="cuda:0", capacity_bytes=4 << 20, max_rows_armed=4096,
+                                     timeout_s=timeout_s, _variant=variant)
+        if fresh:
+            return views
+        _FUSED[key] = views
     return _FUSED[key]
 
 
@@ -174,7 +180,7 @@ def test_fused_equals_oracle_and_composition_on_every_path(world: int, dtype: st
                     assert np.array_equal(got[k][0], y_exp), (hidden, w_dtype, kw, k, "y")
                     assert np.array_equal(got[k][0], comp[k][0]) and np.array_equal(got[k][1], comp[k][1])
     assert {v for c, _, v in views[0].variants_run if c == "all_reduce_rmsnorm"} >= {
-        "fused_one_shot", "fused_two_shot", "fused_chunked"}
+        "fused_lamport", "fused_one_shot", "fused_two_shot", "fused_chunked"}
 
 
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
@@ -184,7 +190,8 @@ def test_fused_row_alone_equals_row_in_any_batch_and_offset(dtype: str) -> None:
     xs, res, w = _fused_inputs(world, len(KINDS), hidden, dtype, seed=21)
     y_alone = norm_oracle.composition_oracle(xs, res[0], w, dtype, dtype, 1e-6)[0]
     for total, off, kw in ((len(KINDS) + 1, 1, {}), (300, 133, {}), (300, 7, {"algo": "two_shot"}),
-                           (1100, 1000, {"algo": "one_shot"})):
+                           (1100, 1000, {"algo": "one_shot"}), (20, 3, {}), (300, 133, {"algo": "lamport"}),
+                           (300, 30, {"algo": "lamport", "chunk_rows": 7})):
         bx = [random_bits(total, hidden, dtype, seed=total, rank=k).copy() for k in range(world)]
         br = [random_bits(total, hidden, dtype, seed=total + 1, rank=k).copy() for k in range(world)]
         for k in range(world):
@@ -194,7 +201,8 @@ def test_fused_row_alone_equals_row_in_any_batch_and_offset(dtype: str) -> None:
         assert np.array_equal(got[0][0][off : off + len(KINDS)], y_alone), (total, off, kw)
 
 
-def test_fused_unaligned_rows_and_fold_order_negative_control() -> None:
+@pytest.mark.parametrize("algo", ["lamport", "one_shot"])
+def test_fused_unaligned_rows_and_fold_order_negative_control(algo: str) -> None:
     """Odd hidden sizes put rows mid-pack (scalar loads); the rotated-order build must differ from the oracle at
     W = 3 on the ill-conditioned payload (the check can fail)."""
     from datagen import ill_bits
@@ -203,14 +211,15 @@ def test_fused_unaligned_rows_and_fold_order_negative_control() -> None:
     _, res, w = _fused_inputs(3, 40, hidden, dtype, seed=31)
     xs = [ill_bits(40, hidden, dtype, seed=31, rank=k) for k in range(3)]
     want = norm_oracle.composition_oracle(xs, res[1], w, dtype, dtype, 1e-6)
-    got, _ = _run_fused(_fused_ranks(3), xs, res, w, dtype, dtype, 1e-6)
+    got, _ = _run_fused(_fused_ranks(3), xs, res, w, dtype, dtype, 1e-6, algo=algo)
     assert np.array_equal(got[1][0], want[0]) and np.array_equal(got[1][1], want[1])
-    bad, _ = _run_fused(_fused_ranks(3, "rotated"), xs, res, w, dtype, dtype, 1e-6)
+    bad, _ = _run_fused(_fused_ranks(3, "rotated"), xs, res, w, dtype, dtype, 1e-6, algo=algo)
     assert not np.array_equal(bad[1][1], want[1])
     assert not np.array_equal(fold_oracle(xs, dtype), fold_oracle(xs[1:] + xs[:1], dtype))
 
 
-def test_fused_cuda_graph_replays_new_values() -> None:
+@pytest.mark.parametrize("algo", [None, "one_shot"])  # None: 8 rows of 8 KiB take the one-store kernel
+def test_fused_cuda_graph_replays_new_values(algo: str | None) -> None:
     world, hidden, dtype = 2, 4096, "bfloat16"
     views = _fused_ranks(world)
     xs, res, w = _fused_inputs(world, 8, hidden, dtype, seed=41)
@@ -218,17 +227,146 @@ def test_fused_cuda_graph_replays_new_values() -> None:
     rt = [to_torch(r, dtype).cuda() for r in res]
     wt = to_torch(w, dtype).cuda()
     eps32 = norm.eps_fp32(1e-6)
-    _on_ranks(views, lambda k, v: v.all_reduce_rmsnorm(xt[k], rt[k], wt, eps32))  # loads everything
+    _on_ranks(views, lambda k, v: v.all_reduce_rmsnorm(xt[k], rt[k], wt, eps32, algo=algo))  # loads everything
     graphs, outs = [], []
     for k, v in enumerate(views):  # one graph per rank, each captured on its own stream
         g, s = torch.cuda.CUDAGraph(), torch.cuda.Stream()
         with torch.cuda.stream(s), torch.cuda.graph(g, stream=s):
-            outs.append(v.all_reduce_rmsnorm(xt[k], rt[k], wt, eps32))
+            outs.append(v.all_reduce_rmsnorm(xt[k], rt[k], wt, eps32, algo=algo))
         graphs.append(g)
-    xs2, res2, _ = _fused_inputs(world, 8, hidden, dtype, seed=42)
+    # Three replays: a one-store launch picks its buffer on the device (the blocks' launch counters), so replays
+    # alternate buffers like eager calls do.
+    for seed in (42, 43, 44):
+        xs2, res2, _ = _fused_inputs(world, 8, hidden, dtype, seed=seed)
+        for k in range(world):
+            xt[k].copy_(to_torch(xs2[k], dtype).cuda())
+            rt[k].copy_(to_torch(res2[k], dtype).cuda())
+        _on_ranks(views, lambda k, v: graphs[k].replay())
+        for k in range(world):
+            y_exp, r_exp = norm_oracle.composition_oracle(xs2, res2[k], w, dtype, dtype, 1e-6)
+            assert np.array_equal(to_bits(outs[k][0]), y_exp) and np.array_equal(to_bits(outs[k][1]), r_exp), (seed, k)
+    for v in views:
+        v.check()
+
+
+# ---- the one-store fused kernel's own mechanisms (csrc/fused_rmsnorm_lamport.cu) -----------------------------------
+def _failures(views) -> list[str]:
+    """The WorkspaceFailed message of every rank view whose check() raises."""
+    from detcomm.errors import WorkspaceFailed
+
+    out = []
+    for v in views:
+        try:
+            v.check()
+        except WorkspaceFailed as e:
+            out.append(str(e))
+    return out
+
+
+def test_fused_one_store_zero_rows_and_unmarked_negative_control() -> None:
+    """x of +0.0 on every rank (whole packs of +0.0) completes with the oracle's bits: pushed packs are marked
+    (+0.0 -> -0.0), which no fold can see. Control: the build that pushes +0.0 unmarked leaves those packs
+    indistinguishable from empty ones, and the readers wait until the deadline."""
+    world, rows, hidden, dtype = 2, 4, 4096, "bfloat16"
+    _, res, w = _fused_inputs(world, rows, hidden, dtype, seed=51)
+    xs = [np.zeros((rows, hidden), dtype=np.uint16) for _ in range(world)]
+    got, _ = _run_fused(_fused_ranks(world), xs, res, w, dtype, dtype, 1e-6, algo="lamport")
     for k in range(world):
-        xt[k].copy_(to_torch(xs2[k], dtype).cuda())
-        rt[k].copy_(to_torch(res2[k], dtype).cuda())
-    _on_ranks(views, lambda k, v: graphs[k].replay())
-    y_exp, r_exp = norm_oracle.composition_oracle(xs2, res2[0], w, dtype, dtype, 1e-6)
-    assert np.array_equal(to_bits(outs[0][0]), y_exp) and np.array_equal(to_bits(outs[0][1]), r_exp)
+        y_exp, r_exp = norm_oracle.composition_oracle(xs, res[k], w, dtype, dtype, 1e-6)
+        assert np.array_equal(got[k][0], y_exp) and np.array_equal(got[k][1], r_exp), k
+        assert np.array_equal(got[k][1], res[k])  # r = residual + (+0.0): the residual's bits (no -0.0 here)
+    bad = _fused_ranks(world, "unmarked", fresh=True, timeout_s=0.5)
+    wt = to_torch(w, dtype).cuda()
+    xt = [torch.zeros(rows, hidden, dtype=torch.bfloat16, device="cuda:0") for _ in range(world)]
+    rt = [to_torch(r, dtype).cuda() for r in res]
+    _on_ranks(bad, lambda k, v: v.all_reduce_rmsnorm(xt[k], rt[k], wt, norm.eps_fp32(1e-6), algo="lamport"))
+    raised = _failures(bad)
+    assert raised and any("timed out" in e and "one-store wait" in e for e in raised), raised
+
+
+def test_fused_one_store_descriptor_catches_other_shapes() -> None:
+    """Ranks whose launches carry the same rows * hidden in other shapes (2 x 4096 vs 1 x 8192) fail with a
+    mismatch that names both shapes: the descriptor's count is rows << 32 | hidden, not rows * hidden."""
+    views = _fused_ranks(2, fresh=True, timeout_s=5.0)
+    shapes = [(2, 4096), (1, 8192)]
+    xt = [torch.ones(s, dtype=torch.bfloat16, device="cuda:0") for s in shapes]
+    wt = [torch.ones(s[1], dtype=torch.bfloat16, device="cuda:0") for s in shapes]
+    _on_ranks(views, lambda k, v: v.all_reduce_rmsnorm(xt[k], xt[k], wt[k], 1e-6, algo="lamport"))
+    raised = _failures(views)
+    assert any("different calls" in e and "rows 2 x hidden 4096" in e and "rows 1 x hidden 8192" in e
+               for e in raised), raised
+
+
+def _fused_sequence(views, *, slow: int | None, seed: int, n: int = 24) -> list[str]:
+    """n back-to-back calls on W ranks, fused one-store calls of changing row counts interleaved with one-store
+    all-reduces (csrc/lamport.cu) and a few barrier calls, all on the same one-store buffers and launch counters;
+    rank `slow` sleeps on its stream before each call, so the others run up to a launch ahead. Returns the
+    mismatches against the oracles (composition for the fused calls, the fold for the all-reduces)."""
+    from datagen import ill_bits
+
+    world, hidden, dtype = len(views), 4096, "bfloat16"
+    lam_rows = views[0].lamport_max_bytes // (hidden * 2)
+    sizes = [lam_rows, 1, 3, lam_rows - 1, 2, 17, 5, lam_rows]
+    kinds = [("fused", "lamport"), ("all_reduce", "lamport"), ("fused", None), ("fused", "lamport"),
+             ("all_reduce", None), ("fused", "one_shot"), ("all_reduce", "one_shot"), ("fused", "lamport")]
+    wt = to_torch(weight_bits(hidden, dtype, seed=seed), dtype).cuda()
+    eps32 = norm.eps_fp32(1e-6)
+    staged = []
+    for i in range(n):
+        rows, (op, algo) = sizes[i % len(sizes)], kinds[(i * 3) % len(kinds)]
+        xs = [ill_bits(rows, hidden, dtype, seed=seed + i, rank=k) for k in range(world)]
+        res = [random_bits(rows, hidden, dtype, seed=seed + i, rank=k) for k in range(world)]
+        staged.append((op, algo, xs, res, [to_torch(x, dtype).cuda() for x in xs],
+                       [to_torch(r, dtype).cuda() for r in res]))
+    torch.cuda.synchronize()
+    streams = [torch.cuda.Stream() for _ in views]
+    outs: list[list] = []
+    for op, algo, _xs, _res, xt, rt in staged:
+        outs.append([])
+        for k, (v, s) in enumerate(zip(views, streams)):
+            with torch.cuda.stream(s):
+                if k == slow:
+                    torch.cuda._sleep(2_000_000)
+                if op == "fused":
+                    outs[-1].append(v.all_reduce_rmsnorm(xt[k], rt[k], wt, eps32, algo=algo))
+                else:
+                    outs[-1].append(v.all_reduce(xt[k], algo=algo))
+    torch.cuda.synchronize()
+    bad = []
+    w = to_bits(wt)
+    for i, ((op, algo, xs, res, _xt, _rt), got) in enumerate(zip(staged, outs)):
+        for k in range(world):
+            if op == "fused":
+                y_exp, r_exp = norm_oracle.composition_oracle(xs, res[k], w, dtype, dtype, 1e-6)
+                ok = np.array_equal(to_bits(got[k][0]), y_exp) and np.array_equal(to_bits(got[k][1]), r_exp)
+            else:
+                ok = np.array_equal(to_bits(got[k]), fold_oracle(xs, dtype))
+            if not ok:
+                bad.append(f"call {i} {op} {algo} rows={len(xs[0])} rank {k}")
+    return bad
+
+
+def test_fused_one_store_back_to_back_with_one_store_all_reduces_and_a_late_rank() -> None:
+    """W = 3: the fused and the plain one-store kernels share the region's two buffers and the blocks' launch
+    counters (every block of every one-store launch advances its counter, whatever it carries). Long runs of
+    back-to-back calls with changing row counts, one rank late to every call, give the oracles' bits. Control: the
+    single-buffer build is caught by the same run (wrong bits, or a failed workspace)."""
+    from detcomm.errors import WorkspaceFailed
+
+    views = _fused_ranks(3, fresh=True, timeout_s=30.0)
+    for slow in (None, 2, 0):
+        bad = _fused_sequence(views, slow=slow, seed=60 + (slow or 0))
+        for v in views:
+            v.check()
+        assert bad == [], bad
+    assert {x for c, _, x in views[0].variants_run if c == "all_reduce_rmsnorm"} >= {"fused_lamport",
+                                                                                      "fused_one_shot"}
+    one = _fused_ranks(3, "one_buffer", fresh=True, timeout_s=3.0)
+    failed: list[str] = []
+    try:
+        bad = _fused_sequence(one, slow=2, seed=70)
+    except WorkspaceFailed as e:
+        bad, failed = [], [str(e)]
+    torch.cuda.synchronize()
+    failed += _failures(one)
+    assert bad or failed, "the single-buffer control passed: the test cannot see a buffer reused too early"
