@@ -291,7 +291,7 @@ def test_fused_norm_variants_with_the_one_store_kernel():
     # A row larger than the one-store limit never takes it; off (0, and W = 1) is the old behaviour.
     assert plan.fused_norm_lamport_rows(65536, "bfloat16", 64 << 10) == 0
     assert plan.fused_norm_variants(hidden=65536, dtype="bfloat16", max_rows=2, **kw) == ["fused_one_shot"]
-    kw["lamport_max"] = plan.lamport_max_bytes(1)
+    kw["lamport_max"] = plan.lamport_max_bytes(1, shared_gpu=False)
     assert plan.fused_norm_variants(hidden=4096, dtype="bfloat16", max_rows=64, **kw) == ["fused_one_shot"]
     assert plan.fused_norm_variants(hidden=1 << 20, dtype="float32", max_rows=4, grid=grid, slot_bytes=1 << 20,
                                     one_shot_max_bytes=512 << 10, lamport_max=64 << 10) == []
