@@ -170,9 +170,9 @@ __device__ __forceinline__ void fused_rmsnorm_lamport(const typename Traits<DT>:
     FnPre<DT, WDT> pre;
     // The first row's residual and weight are loaded before the push, so their latency hides behind the peers'.
     if (regs) fn_prefetch<DT, WDT>((i64)half * gridDim.x + blockIdx.x, H, residual, weight, pre, half < rows_b);
-    lam_claim(g, w);
     lam_announce(g, l);
     fn_lam_push<DT>(x, rows_b, H, P, g, l);
+    lam_claim(g, w);  // after the pushes: its atomic round trip would delay thread 32's stores (as in lamport.cu)
     lam_check_call(g, l, w);
     const uint4* area[DETCOMM_W];
 #pragma unroll
