@@ -1,0 +1,112 @@
+"""Fused all-reduce + residual + RMSNorm vs the unfused composition, W ranks as W CUDA streams of ONE GPU.
+
+    PYTHONPATH=. python launch/fused_streams.py [--world 2] [--hidden 4096,8192] [--rows 1,8,64,256]
+
+For a machine with one GPU (the multi-GPU bench is `python -m detcomm.bench.norm --fused`). Each rank view of an
+in-process workspace captures its calls in its own CUDA graph (10 calls per graph) and the W graphs are replayed
+together; median of 20 replays, us per call. Columns: fused (the workspace's automatic kernel: one-store at decode
+sizes), fused_one_shot (forced barrier kernel), unfused (the workspace all-reduce, automatic kernel, then
+detcomm.norm.add_rms_norm). Bits: fused == unfused checked on every shape and rank before timing.
+"""
+
+# ruff: noqa: B023  (the per-shape closures run only inside their own loop iteration)
+from __future__ import annotations
+
+import argparse
+import os
+
+os.environ.update({"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"})
+
+import torch  # noqa: E402
+
+from detcomm import norm  # noqa: E402
+from detcomm.workspace import Workspace  # noqa: E402
+
+EPS = 1e-6
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--hidden", default="4096,8192")
+    ap.add_argument("--rows", default="1,8,64,256")
+    args = ap.parse_args()
+    w = args.world
+    dev = torch.device("cuda", 0)
+    views = Workspace.in_process(w, device=dev, capacity_bytes=8 << 20, lamport_max_bytes=256 << 10, timeout_s=30.0)
+    streams = [torch.cuda.Stream(dev) for _ in range(w)]
+    main_s = torch.cuda.current_stream(dev)
+    eps32 = norm.eps_fp32(EPS)
+    print(f"W={w} streams of one {torch.cuda.get_device_name(0)}, bf16, graphs of 10 calls, median of 20 replays")
+    print("| hidden | rows | fused kernel | fused us | fused_one_shot us | unfused us | fused/unfused | bits equal |")
+    print("| ---: | ---: | --- | ---: | ---: | ---: | ---: | --- |")
+    for h in (int(v) for v in args.hidden.split(",")):
+        weight = (1.0 + 0.1 * torch.randn(h, device=dev)).to(torch.bfloat16)
+        for n in (int(v) for v in args.rows.split(",")):
+            xs = [torch.randn(n, h, device=dev).to(torch.bfloat16) for _ in range(w)]
+            res = [torch.randn(n, h, device=dev).to(torch.bfloat16) for _ in range(w)]
+            outs = [torch.empty_like(xs[0]) for _ in range(w)]
+            fns = {
+                "fused": lambda r: views[r].all_reduce_rmsnorm(xs[r], res[r], weight, eps32, label="f"),
+                "fused_one_shot": lambda r: views[r].all_reduce_rmsnorm(xs[r], res[r], weight, eps32, algo="one_shot",
+                                                                        label="f1"),
+                "unfused": lambda r: norm.add_rms_norm(views[r].all_reduce(xs[r], out=outs[r], label="u"), res[r],
+                                                       weight, eps=EPS),
+            }
+
+            def all_ranks(name: str) -> list:
+                got = []
+                for r in range(w):
+                    streams[r].wait_stream(main_s)
+                    with torch.cuda.stream(streams[r]):
+                        got.append(fns[name](r))
+                for s in streams:
+                    main_s.wait_stream(s)
+                torch.cuda.synchronize()
+                return got
+
+            ref = all_ranks("unfused")
+            same = True
+            for name in ("fused", "fused_one_shot"):
+                for (y, r_), (yu, ru) in zip(all_ranks(name), ref):
+                    same &= bool(torch.equal(y.view(torch.int16), yu.view(torch.int16))
+                                 and torch.equal(r_.view(torch.int16), ru.view(torch.int16)))
+            for v in views:
+                v.variants_run.clear()
+            all_ranks("fused")
+            kernel = ",".join(sorted(k for c, _, k in views[0].variants_run if c == "all_reduce_rmsnorm"))
+            times = {}
+            for name in fns:
+                graphs = []
+                for r in range(w):
+                    g = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(g, stream=streams[r]):
+                        for _ in range(10):
+                            fns[name](r)
+                    graphs.append(g)
+                samples = []
+                for it in range(21):
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record(main_s)
+                    for r in range(w):
+                        streams[r].wait_stream(main_s)
+                        with torch.cuda.stream(streams[r]):
+                            graphs[r].replay()
+                    for s in streams:
+                        main_s.wait_stream(s)
+                    end.record(main_s)
+                    torch.cuda.synchronize()
+                    if it:
+                        samples.append(start.elapsed_time(end) * 1e3 / 10)
+                samples.sort()
+                times[name] = samples[len(samples) // 2]
+                del graphs
+            print(f"| {h} | {n} | {kernel} | {times['fused']:.2f} | {times['fused_one_shot']:.2f} | "
+                  f"{times['unfused']:.2f} | {times['fused'] / times['unfused']:.2f} | {'yes' if same else 'NO'} |",
+                  flush=True)
+    for v in views:
+        v.check()
+
+
+if __name__ == "__main__":
+    main()
