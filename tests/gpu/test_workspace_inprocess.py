@@ -260,12 +260,13 @@ def test_site_bound_all_reduce_equals_oracle(world, dtype):
     parameter blocks reused by every call and chunk), with an output buffer and without, across one-shot,
     two-shot and chunked row counts, against the oracle."""
     elem = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
-    R = ranks(world, capacity=64 * TRAILING * elem, one_shot_max_bytes=16 * TRAILING * elem)
+    R = ranks(world, capacity=64 * TRAILING * elem, one_shot_max_bytes=16 * TRAILING * elem,
+              lamport_max_bytes=4 * TRAILING * elem)
     tdt = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
     calls = [v.bind_all_reduce(tdt, TRAILING, label="test.site") for v in R.views]
     rng = np.random.default_rng(7 + world)
     main = torch.cuda.current_stream()
-    for rows in (1, 5, 16, 17, 63, 64, 65, 200):  # one-shot, two-shot, chunked (64 rows per launch)
+    for rows in (1, 5, 16, 17, 63, 64, 65, 200):  # one-store, one-shot, two-shot, chunked (64 rows per launch)
         for with_out in (False, True):
             bits = ill_conditioned(rng, world, (rows, TRAILING), dtype)
             want = fold_oracle(bits, dtype)
@@ -284,6 +285,8 @@ def test_site_bound_all_reduce_equals_oracle(world, dtype):
                                                 f"{first_mismatch(g, want)}"
     assert ("all_reduce", dtype, "chunked") in R.views[0].variants_run
     assert ("all_reduce", dtype, "two_shot") in R.views[0].variants_run
+    assert ("all_reduce", dtype, "one_shot") in R.views[0].variants_run
+    assert ("all_reduce", dtype, "lamport") in R.views[0].variants_run
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
