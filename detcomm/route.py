@@ -7,7 +7,7 @@ capabilities found at startup (``candidates``), runs the startup self-check of e
 exact bits, remembers refusals (a route that failed a check for a collective serves that collective for no
 dtype or shape), falls back only to another route with the same claim, and returns a ``BoundRoute`` that the
 communicator calls. It has no tensor argument and never sees a row count, so a site cannot change route with
-the batch. Inside a canonical-fold route the row count may still pick the kernel (one-shot, two-shot,
+the batch. Inside a canonical-fold route the row count may still pick the kernel (one-store, one-shot, two-shot,
 chunked): every kernel produces the canonical fold's bits.
 
 ``decide(site)`` is the same policy without self-checks: ``detcomm routes`` prints it for a group that does not
@@ -125,7 +125,7 @@ ROUTE_INFO: Mapping[Route, RouteInfo] = {
     Route.NATIVE: RouteInfo("the library's collective (NCCL on GPU, gloo on CPU)", canonical_sum=False),
     Route.GATHER_FOLD: RouteInfo("all-gather of the W inputs, canonical fold locally", canonical_sum=True),
     Route.A2A_FOLD: RouteInfo("all-to-all of the shards, canonical fold of each shard", canonical_sum=True),
-    Route.IPC_FOLD: RouteInfo("CUDA-IPC workspace, one-shot or two-shot fold kernels", canonical_sum=True),
+    Route.IPC_FOLD: RouteInfo("CUDA-IPC workspace, one-store, one-shot or two-shot fold kernels", canonical_sum=True),
     Route.MULTICAST_GATHER: RouteInfo("NVLS multimem stores (gathers only)", canonical_sum=False),
     Route.IN_SWITCH: RouteInfo("NVLS in-switch reduction, order follows the buffer offset", canonical_sum=False),
 }

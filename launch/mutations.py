@@ -45,8 +45,14 @@ MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1
 FAILURES = "tests/gpu/test_workspace_failures.py"
 GUARDS = "tests/test_robust_guards.py"
 CSRC_TESTS = "tests/test_workspace_csrc.py"
-DEADLINE_TEST = f"{FAILURES}::test_deadline_ends_the_kernel_without_a_trap_one_record_per_rank"
-ABORT_TEST = f"{FAILURES}::test_abort_releases_a_spinning_kernel_and_tells_the_peer"
+# The failure tests run a barrier kernel ([one_shot]) and the one-store kernel ([lamport]); each mutant names the one
+# whose guard it removes.
+DEADLINE_TEST = f"{FAILURES}::test_deadline_ends_the_kernel_without_a_trap_one_record_per_rank[one_shot]"
+ABORT_TEST = f"{FAILURES}::test_abort_releases_a_spinning_kernel_and_tells_the_peer[one_shot]"
+DEADLINE_LAMPORT = DEADLINE_TEST.replace("[one_shot]", "[lamport]")
+ABORT_LAMPORT = ABORT_TEST.replace("[one_shot]", "[lamport]")
+REPLAY_TEST = f"{FAILURES}::test_graph_replay_beside_an_eager_call_fails_the_workspace[one_shot]"
+MISMATCH_TEST = f"{FAILURES}::test_different_calls_raise_on_every_rank[one_shot]"
 INIT_TEST = f"{FAILURES}::test_init_sets_the_deadline_and_checks_every_variant_before_first_use"
 VARIANTS_TEST = f"{GUARDS}::test_selfchecks_run_every_variant_a_site_can_reach[W2]"
 
@@ -108,7 +114,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     M("3-busy", "3", "device busy word: a second kernel on a rank fails the workspace", "csrc/detcomm_common.cuh",
       "if (atomicCAS(own + busy_index(blockIdx.x), 0u, g.call | 0x80000000u) != 0u) {",
       "if (false) {  // mutant: a second kernel of this rank is not detected",
-      (f"{FAILURES}::test_graph_replay_beside_an_eager_call_fails_the_workspace",), gpu=True, limit_s=150,
+      (REPLAY_TEST,), gpu=True, limit_s=150,
       hang_ok=True),
     M("3-host", "3", "host in-flight guard: a call from another stream raises", "detcomm/workspace/workspace.py",
       "last != stream and not self.capturing and",
@@ -158,7 +164,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     M("8-desc", "8", "peers' call descriptors are compared at the start barrier", "csrc/detcomm_common.cuh",
       "if (pd[0] != g.what || pd[1] != g.call || pd[2] != (u32)g.count || pd[3] != (u32)(g.count >> 32)) {",
       "if (false) {  // mutant: descriptors are not compared",
-      (f"{FAILURES}::test_different_calls_raise_on_every_rank",), gpu=True, limit_s=150),
+      (MISMATCH_TEST,), gpu=True, limit_s=150),
     # 9: a barrier passes only on this use's epoch, never on an earlier use's flag.
     M("9-epoch", "9", "a flag counts only when it equals this use's epoch", "csrc/detcomm_common.cuh",
       "  return seen == epoch;",
@@ -170,6 +176,29 @@ MUTATIONS: tuple[Mutation, ...] = (
       "  return epoch & 1u;",
       "  return 0u;  // mutant: one copy of everything, a peer one use ahead overwrites what this rank still reads",
       (f"{FAILURES}::test_fast_rank_ahead_never_overwrites_a_slot_in_use[2]",), gpu=True, limit_s=240, hang_ok=True),
+    # The one-store kernel (csrc/lamport_common.cuh) has its own spin, descriptors and busy claim: items 1, 1b, 3, 8.
+    M("1-deadline-lamport", "1", "a one-store wait gives up at the deadline and records it",
+      "csrc/lamport_common.cuh",
+      "    if (waited > g.timeout_ns) {",
+      "    if (false) {  // mutant: a one-store wait never gives up",
+      (DEADLINE_LAMPORT,), gpu=True, limit_s=150, hang_ok=True),
+    M("1-entry-lamport", "1", "a one-store kernel refuses to run in a workspace a peer already failed",
+      "csrc/lamport_common.cuh",
+      "  const u32 ab = ld_relaxed_sys(g.sigs[g.rank] + DETCOMM_ABORT_INDEX);\n  if (ab != 0u) {",
+      "  const u32 ab = 0u;  // mutant: no look at the abort word before waiting\n  if (ab != 0u) {",
+      (DEADLINE_LAMPORT,), gpu=True, limit_s=150),
+    M("1b-spin-lamport", "1b", "a one-store wait polls the host's abort word", "csrc/lamport_common.cuh",
+      "if (threadIdx.x == 0 && (w.polls & 255u) == 0u && *host_abort != 0u) {",
+      "if (false && *host_abort != 0u) {  // mutant: the host's abort word is never polled",
+      (ABORT_LAMPORT,), gpu=True, limit_s=150, hang_ok=True),
+    M("3-busy-lamport", "3", "a one-store launch claims the busy word", "csrc/lamport_common.cuh",
+      "  if (atomicCAS(own + busy_index(blockIdx.x), 0u, g.call | 0x80000000u) != 0u) {",
+      "  if (false) {  // mutant: a second kernel of this rank is not detected",
+      (REPLAY_TEST.replace("[one_shot]", "[lamport]"),), gpu=True, limit_s=150, hang_ok=True),
+    M("8-desc-lamport", "8", "peers' one-store call descriptors are compared", "csrc/lamport_common.cuh",
+      "  if (v.x != mine.x || v.y != mine.y || v.z != mine.z || v.w != mine.w) {",
+      "  if (false) {  // mutant: descriptors are never compared",
+      (MISMATCH_TEST.replace("[one_shot]", "[lamport]"),), gpu=True, limit_s=150, hang_ok=True),
 )
 
 

@@ -108,38 +108,39 @@ def test_debug_switch_traps():
     assert "ABORTED" in out, out
 
 
-def test_abort_releases_a_spinning_kernel_and_tells_the_peer():
-    """Rank 0 spins on rank 1 with an 8 s deadline and its abort() cannot copy into any header (as in a context a
+@pytest.mark.parametrize("algo", ["lamport", "one_shot"])
+def test_abort_releases_a_spinning_kernel_and_tells_the_peer(algo):
+    """The one-store kernel and a barrier kernel. Rank 0 spins on rank 1 with an 8 s deadline and its abort() cannot copy into any header (as in a context a
     debug trap destroyed): the host's abort word alone must end the spin (the record says aborted, not timed out),
     and the failing kernel tells rank 1, whose next kernel stops at once. Then, on a fresh workspace, abort() while
     no kernel of rank 0 runs: only the host's copy into the peers' headers can tell rank 1, whose next kernel must
     stop at once, naming the abort, instead of timing out."""
-    out = _child("""
+    out = _child(f"""
         import time, torch
         from detcomm.workspace import Workspace
         from detcomm.errors import WorkspaceFailed
-        views = Workspace.in_process(2, device="cuda:0", capacity_bytes=4096, timeout_s=8.0)
+        views = Workspace.in_process(2, device="cuda:0", capacity_bytes=4096, timeout_s=8.0, lamport_max_bytes=4096)
         s0, s1 = torch.cuda.Stream(), torch.cuda.Stream()
         x = torch.ones(4, 8, device="cuda:0")
         with torch.cuda.stream(s0):
-            views[0].all_reduce(x)
+            views[0].all_reduce(x, algo="{algo}")
         time.sleep(0.3)
         views[0]._sig_ptrs = []  # no header copies: only the host abort word can reach the spin
         views[0].abort()
         s0.synchronize()
         print("RECORD0", views[0].error_record())
         with torch.cuda.stream(s1):
-            views[1].all_reduce(x)
+            views[1].all_reduce(x, algo="{algo}")
         try:
             views[1].synchronize()
             print("NO-RAISE")
         except WorkspaceFailed as e:
             print("RAISED1", e)
-        idle = Workspace.in_process(2, device="cuda:0", capacity_bytes=4096, timeout_s=8.0)
+        idle = Workspace.in_process(2, device="cuda:0", capacity_bytes=4096, timeout_s=8.0, lamport_max_bytes=4096)
         idle[0].abort()  # no kernel of rank 0 in flight
         torch.cuda.synchronize()
         with torch.cuda.stream(s1):
-            idle[1].all_reduce(x)
+            idle[1].all_reduce(x, algo="{algo}")
         try:
             idle[1].synchronize()
             print("IDLE-NO-RAISE")
@@ -188,9 +189,11 @@ def _ranks(world: int, **kw) -> Ranks:
     return Ranks(Workspace.in_process(world, device="cuda:0", **kw))
 
 
-def test_different_calls_raise_on_every_rank():
-    """Rank 1 sends one more row than rank 0 (then another dtype; then another call number): the start-barrier
-    descriptors differ, every rank's kernel stops and every rank raises, with no host-side checking involved."""
+@pytest.mark.parametrize("algo", ["lamport", "one_shot"])
+def test_different_calls_raise_on_every_rank(algo):
+    """Rank 1 sends one more row than rank 0 (then another dtype; then another call number): the call descriptors
+    (compared at the start barrier, or beside the one-store data) differ, every rank's kernel stops and every rank
+    raises, with no host-side checking involved."""
     from detcomm.errors import WorkspaceFailed
 
     cases = [
@@ -199,24 +202,25 @@ def test_different_calls_raise_on_every_rank():
     ]
     for xs in cases:
         R = _ranks(2, capacity_bytes=1 << 16, timeout_s=30.0)
-        R.run("all_reduce", list(xs))
+        R.run("all_reduce", list(xs), algo=algo)
         for r, v in enumerate(R.views):
             with pytest.raises(WorkspaceFailed, match="made different calls"):
                 v.check()
     # call numbers: same kernel, dtype and count, but rank 0's host has counted five launches more
     R = _ranks(2, capacity_bytes=1 << 16, timeout_s=30.0)
     x = [torch.ones(8, 16, device="cuda:0") for _ in range(2)]
-    R.run("all_reduce", x)
+    R.run("all_reduce", x, algo=algo)
     for v in R.views:
         v.check()
     R.views[0]._calls += 5
-    R.run("all_reduce", x)
+    R.run("all_reduce", x, algo=algo)
     for v in R.views:
         with pytest.raises(WorkspaceFailed, match="made different calls"):
             v.check()
 
 
-def test_graph_replay_beside_an_eager_call_fails_the_workspace():
+@pytest.mark.parametrize("algo", ["lamport", "one_shot"])
+def test_graph_replay_beside_an_eager_call_fails_the_workspace(algo):
     """The host's in-flight guard cannot see replays: a replay of rank 0's graph on one stream and an eager call of
     rank 0 on another run two kernels at once. The busy words catch it on the device and the rank raises."""
     from detcomm.errors import WorkspaceFailed
@@ -224,18 +228,18 @@ def test_graph_replay_beside_an_eager_call_fails_the_workspace():
     # A short deadline: without the busy words the two kernels would spin on rank 1 until it passes.
     R = _ranks(2, capacity_bytes=1 << 16, timeout_s=5.0)
     x = [torch.ones(8, 16, device="cuda:0") for _ in range(2)]
-    R.run("all_reduce", x)  # warm-up
+    R.run("all_reduce", x, algo=algo)  # warm-up
     graphs = []
     for r in range(2):
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, stream=R.streams[r]):
-            R.views[r].all_reduce(x[r])
+            R.views[r].all_reduce(x[r], algo=algo)
         graphs.append(g)
     other = torch.cuda.Stream()
     with torch.cuda.stream(R.streams[0]):
         graphs[0].replay()  # spins: rank 1 has not replayed
     with torch.cuda.stream(other):
-        R.views[0].all_reduce(x[0])  # not seen by the host guard (the replay is not a host call)
+        R.views[0].all_reduce(x[0], algo=algo)  # not seen by the host guard (the replay is not a host call)
     torch.cuda.synchronize()
     with pytest.raises(WorkspaceFailed, match="two workspace kernels at once"):
         R.views[0].check()
