@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
-# One device call: GPU tests, then the bench, logs under $OUT.
-#   bash launch/gpu_run.sh            (on the GPU machine, from the repository root; OUT defaults to ./gpu-out)
+# One device call: the GPU tests, the failure-guard mutants, the benches and the soak, with full logs under $OUT and
+# a short summary of each stage on stdout (a remote runner often returns only the tail of stdout).
+#   bash launch/gpu_run.sh                          (from the repository root; OUT defaults to ./gpu-out)
+#   STAGES=tests,bench bash launch/gpu_run.sh       (a subset; stages: tests, mutants, bench, fused, soak)
+# On one GPU the multi-GPU parts skip themselves: the NCCL bench (needs >= 2 GPUs), the soak, and the fused bench
+# falls back to W streams of the one GPU (launch/fused_streams.py).
 set -u -o pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # docs/spec.md §8, children inherit
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -8,26 +12,64 @@ export DETCOMM_CACHE_DIR=${DETCOMM_CACHE_DIR:-/tmp/detcomm-kernels}
 OUT=${OUT:-./gpu-out}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
-{
-  date -u; nvidia-smi -L; $PY -c 'import torch, cupy; print("torch", torch.__version__, "cuda", torch.version.cuda, "cupy", cupy.__version__)'
-} 2>&1 | tee "$OUT/env.log"
+STAGES=${STAGES:-tests,mutants,bench,fused,soak}
+T0=$(date +%s)
+say() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
+NGPU=$($PY -c 'import torch; print(torch.cuda.device_count())')
+{ date -u; nvidia-smi -L; $PY -c 'import torch, cupy; print("torch", torch.__version__, "cuda", torch.version.cuda, "cupy", cupy.__version__)'; } > "$OUT/env.log" 2>&1
+say "$NGPU GPU(s): $(grep -m1 GPU "$OUT/env.log")"
 
-STAGES=${STAGES:-core,inprocess,bench,multiproc}
-# 0. the core on CUDA: fold leaf vs oracle, one-rank NCCL, the workspace route through init/routing/self-checks,
-#    the fold leaf's bandwidth, and the demo (NCCL when there is a GPU per rank)
-if [[ $STAGES == *core* ]]; then
-  timeout 420 $PY -m pytest -q -rs -p no:cacheprovider --timeout=400 tests/gpu/test_core_cuda.py tests/gpu/test_core_workspace.py \
-    --junitxml="$OUT/junit_core.xml" 2>&1 | tee "$OUT/pytest_core.log"
-  timeout 120 $PY -m detcomm.bench.fold_leaves --device cuda --rows 4096 --hidden 8192 --out "$OUT/fold_leaf.json" 2>&1 | tee "$OUT/fold_leaf.log"
-  NGPU=$($PY -c 'import torch; print(torch.cuda.device_count())')
-  timeout 180 $PY -m detcomm demo --nproc "$(( NGPU >= 2 ? NGPU : 4 ))" 2>&1 | tee "$OUT/demo.log"
+# pytest group NAME LIMIT_S FILES...: one line of counts, then the failures (never the whole log).
+group() {
+  local name=$1 limit=$2; shift 2
+  timeout "$limit" $PY -m pytest -q --tb=line -rfE -p no:cacheprovider --timeout=150 --durations=5 -m gpu "$@" \
+    > "$OUT/pytest_$name.log" 2>&1
+  local rc=$?
+  say "tests $name rc=$rc: $(grep -E '(passed|failed|error)' "$OUT/pytest_$name.log" | tail -1)"
+  [ $rc -eq 124 ] && echo "  (timed out; last progress line: $(grep -E '^[.FEsx]+' "$OUT/pytest_$name.log" | tail -1))"
+  grep -E '^(FAILED|ERROR)|^E  ' "$OUT/pytest_$name.log" | head -12
+}
+
+if [[ $STAGES == *tests* ]]; then
+  group lamport 240 tests/gpu/test_workspace_lamport.py
+  group failures 300 tests/gpu/test_workspace_failures.py
+  group inprocess 240 tests/gpu/test_workspace_inprocess.py tests/gpu/test_workspace_in_place.py
+  group norm 240 tests/gpu/test_norm_gpu.py
+  group core 300 tests/gpu/test_core_cuda.py tests/gpu/test_core_workspace.py tests/gpu/test_fold_capture.py \
+    tests/gpu/test_workspace_virtual.py tests/gpu/test_dist_backend_gpu.py
+  group robust 300 tests/gpu/test_robust_gpu.py tests/gpu/test_workspace_multiproc.py -k "not soak"
 fi
-# 1. in-process W-stream tests + CPU host-logic tests (fast, most informative first)
-[[ $STAGES == *inprocess* ]] && timeout 300 $PY -m pytest -q -rs -p no:cacheprovider --timeout=240 \
-  tests/gpu/test_workspace_inprocess.py tests/gpu/test_workspace_failures.py tests/test_workspace_plan.py \
-  --junitxml="$OUT/junit_inprocess.xml" 2>&1 | tee "$OUT/pytest_inprocess.log"
-# 2. bench (fold bandwidth vs copy, in-process latency; the nccl mode runs only where >= 2 GPUs exist)
-[[ $STAGES == *bench* ]] && timeout 200 $PY -m detcomm.bench.ipc_kernels --out "$OUT/bench" --modes "${BENCH_MODES:-fold,latency,nccl}" 2>&1 | tee "$OUT/bench.log"
-# 3. W processes sharing one GPU (time-sliced: slow), and one GPU each where several GPUs exist
-[[ $STAGES == *multiproc* ]] && timeout 240 $PY -m pytest -q -rs -p no:cacheprovider --timeout=200 tests/gpu/test_workspace_multiproc.py \
-  --junitxml="$OUT/junit_multiproc.xml" 2>&1 | tee "$OUT/pytest_multiproc.log"
+if [[ $STAGES == *mutants* ]]; then
+  timeout 600 $PY launch/mutations.py --gpu-only --jobs 6 ${MUTANTS:+--only $MUTANTS} > "$OUT/mutations.log" 2>&1
+  say "mutants rc=$?: $(grep -E 'mutant/test pairs caught' "$OUT/mutations.log" | tail -1)"
+  grep -E '^\| [0-9]' "$OUT/mutations.log" | grep -v ' caught ' | head -12
+fi
+if [[ $STAGES == *bench* ]]; then
+  # W ranks as W streams of one GPU: W = 1 against a copy, W = 2 and 8 (one-store, one-shot, two-shot)
+  timeout 300 $PY -m detcomm.bench.ipc_kernels --out "$OUT/bench_streams" --modes latency --worlds 1,2,8 \
+    --sizes 16,256,1024,65536 > "$OUT/bench_streams.log" 2>&1
+  say "bench streams rc=$?"; grep -E '^\| [0-9]' "$OUT/bench_streams.log" | head -40
+  if [ "$NGPU" -ge 2 ]; then
+    timeout 300 $PY -m detcomm.bench.ipc_kernels --out "$OUT/bench_nccl" --modes nccl --nccl-envs default \
+      --sizes 16,64,256,1024,65536 > "$OUT/bench_nccl.log" 2>&1
+    say "bench nccl rc=$?"; grep -E '^\| [0-9]' "$OUT/bench_nccl.log" | head -60
+    # gather_fold captured in a CUDA graph, alone and last (a capture that wedges NCCL cannot spoil the rest)
+    timeout 120 $PY -m detcomm.bench.ipc_kernels --out "$OUT/bench_gather_graph" --modes nccl --nccl-envs default \
+      --sizes 16 --gather-graph > "$OUT/bench_gather_graph.log" 2>&1
+    say "bench gather_fold graph rc=$?"; grep -E '^\| [0-9].*(gather_fold|nccl) ' "$OUT/bench_gather_graph.log" | head -6
+  fi
+fi
+if [[ $STAGES == *fused* ]]; then
+  if [ "$NGPU" -ge 2 ]; then
+    timeout 300 $PY -m detcomm.bench.norm --fused --iters 30 --calls-per-graph 10 --out "$OUT/fused" > "$OUT/fused.log" 2>&1
+  else
+    timeout 200 $PY launch/fused_streams.py --world 2 > "$OUT/fused.log" 2>&1
+  fi
+  say "fused bench rc=$?"; grep -E '^\| [0-9]' "$OUT/fused.log" | head -20
+fi
+if [[ $STAGES == *soak* && "$NGPU" -ge 2 ]]; then
+  DETCOMM_GPU_SOAK_S=${SOAK_S:-40} timeout 400 $PY -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu/test_robust_gpu.py \
+    -k soak > "$OUT/soak.log" 2>&1
+  say "soak rc=$?: $(grep -E 'GPU soak|passed|failed' "$OUT/soak.log" | tail -2 | tr '\n' ' ')"
+fi
+say done
