@@ -54,3 +54,23 @@ def cached_ranks(world: int, *, capacity: int, variant: str = "canonical", **kw:
         _CACHED[key] = Ranks(Workspace.in_process(world, device="cuda:0", capacity_bytes=capacity,
                                                   max_rows_armed=4096, _variant=variant, **kw))
     return _CACHED[key]
+
+
+def run_collecting_failures(views: Sequence[Any], run: Any, *, default: Any) -> tuple[Any, list[str]]:
+    """run() on a workspace that may fail (a negative control): returns (run()'s result, or `default` when a call
+    already raised WorkspaceFailed while the calls were being issued; every rank's failure message). Every rank is
+    checked after the device is idle."""
+    from detcomm.errors import WorkspaceFailed
+
+    failed: list[str] = []
+    try:
+        out = run()
+    except WorkspaceFailed as e:
+        out, failed = default, [str(e)]
+    torch.cuda.synchronize()
+    for v in views:
+        try:
+            v.check()
+        except WorkspaceFailed as e:
+            failed.append(str(e))
+    return out, failed

@@ -17,7 +17,7 @@ import textwrap
 import numpy as np
 import pytest
 import torch
-from harness import Ranks
+from harness import Ranks, run_collecting_failures
 from payloads import first_mismatch, from_tensor, ill_conditioned, to_tensor
 
 from oracle import fold_oracle
@@ -365,26 +365,13 @@ def _canonical_then_control(world: int, run, *, capacity: int, variant: str,
     """`run` on canonical kernels must give the oracle's bits with no failure; then the same run on the negative
     control build `variant` (5 s deadline). Returns the control's (mismatches, failure messages): a failed workspace
     usually raises while the calls are still being issued; every rank is checked after."""
-    from detcomm.errors import WorkspaceFailed
-
     R = _ranks(world, capacity_bytes=capacity, timeout_s=30.0, max_grid=max_grid)
     bad = run(R)
     for v in R.views:
         v.check()
     assert bad == []
     R = _ranks(world, capacity_bytes=capacity, timeout_s=5.0, _variant=variant, max_grid=max_grid)
-    failed = []
-    try:
-        bad = run(R)
-    except WorkspaceFailed as e:
-        bad, failed = [], [str(e)]
-    torch.cuda.synchronize()
-    for v in R.views:
-        try:
-            v.check()
-        except WorkspaceFailed as e:
-            failed.append(str(e))
-    return bad, failed
+    return run_collecting_failures(R.views, lambda: run(R), default=[])
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from harness import Ranks, cached_ranks
+from harness import Ranks, cached_ranks, run_collecting_failures
 from payloads import BITS, first_mismatch, from_tensor, ill_conditioned, random_bits, to_tensor
 
 from oracle import fold_oracle
@@ -206,8 +206,6 @@ def test_a_peer_one_launch_ahead(variant):
     rank 0 had not read yet, which must show as wrong bits or a failed workspace."""
     import time
 
-    from detcomm.errors import WorkspaceFailed
-
     dtype, rows = "float32", 700  # 7000 packs: 14 blocks own packs
     R = _fresh(2, timeout_s=5.0, _variant=variant)
     p, q = R.views
@@ -217,8 +215,8 @@ def test_a_peer_one_launch_ahead(variant):
     outs = [[torch.empty_like(xs[0][0]) for _ in range(2)] for _ in range(2)]
     torch.cuda.synchronize()
     _emulate_push(q, 0, 0, bits[0][0], dtype, call=q._calls + 1)
-    failed: list[str] = []
-    try:
+
+    def calls() -> None:
         with torch.cuda.stream(R.streams[1]):
             q.all_reduce(xs[0][1], out=outs[0][1], algo="lamport")  # completes on the emulated push
             q.all_reduce(xs[1][1], out=outs[1][1], algo="lamport")  # pushes launch 1, then waits for rank 0
@@ -226,14 +224,9 @@ def test_a_peer_one_launch_ahead(variant):
         with torch.cuda.stream(R.streams[0]):
             p.all_reduce(xs[0][0], out=outs[0][0], algo="lamport")
             p.all_reduce(xs[1][0], out=outs[1][0], algo="lamport")
-    except WorkspaceFailed as e:  # the control: a later call already refuses (its kernel failed meanwhile)
-        failed.append(str(e))
-    torch.cuda.synchronize()
-    for v in R.views:
-        try:
-            v.check()
-        except WorkspaceFailed as e:
-            failed.append(str(e))
+
+    # The control may already refuse a later call (its kernel failed meanwhile).
+    _, failed = run_collecting_failures(R.views, calls, default=None)
     bad = []
     for e in range(2):
         want = fold_oracle(bits[e], dtype)
