@@ -392,3 +392,56 @@ def test_virtual_variants():
                                  one_shot_max_bytes=1 << 19, **kw) == []
     with pytest.raises(ValueError):
         plan.virtual_rows_per_launch(100, 0, 3, world_size=1, dtype="float32", grid=1)
+
+
+# --- the one-store protocol's mirror (csrc/lamport_common.cuh) ---------------------------------------------------
+def _one_store_schedule(world: int, launches: int, buffers: int, rng: random.Random) -> str | None:
+    """One random interleaving of the one-store protocol at the level of launches: in launch e every rank issues a
+    store of its tag e into area [e mod buffers][its rank] of every rank's region (stores land later, in any
+    order), waits until its own region's W areas of that buffer are all full, reads them, empties them, and only
+    then starts launch e+1 (a kernel boundary). Returns what went wrong (a read of another launch's data, or no
+    rank able to move), None when every launch read exactly its own data."""
+    empty = None
+    region = [[[empty] * world for _ in range(buffers)] for _ in range(world)]  # [owner][buffer][source]
+    launch = [0] * world          # each rank's current launch
+    pushed = [False] * world      # has the rank issued its stores of the current launch
+    flight: list[tuple[int, int, int, int]] = []  # stores issued, not landed: (owner, buffer, source, tag)
+    while min(launch) < launches:
+        moves: list[tuple[str, int]] = []
+        for r in range(world):
+            if launch[r] < launches:
+                b = launch[r] % buffers
+                if not pushed[r] or all(region[r][b][k] is not empty for k in range(world)):
+                    moves.append(("rank", r))
+        moves += [("land", i) for i in range(len(flight))]
+        if not moves:
+            return f"no rank can move (launches {launch}): a store was lost"
+        kind, i = rng.choice(moves)
+        if kind == "land":
+            owner, b, src, tag = flight.pop(i)
+            region[owner][b][src] = tag
+            continue
+        r = i
+        b = launch[r] % buffers
+        if not pushed[r]:
+            flight += [(t, b, r, launch[r]) for t in range(world)]
+            pushed[r] = True
+            continue
+        got = [region[r][b][k] for k in range(world)]
+        if got != [launch[r]] * world:
+            return f"rank {r} read {got} in launch {launch[r]}"
+        region[r][b] = [empty] * world  # empties what it read, before its next kernel starts
+        launch[r] += 1
+        pushed[r] = False
+    return None
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_one_store_protocol_two_buffers_are_enough(world):
+    """docs/spec.md §9.3's argument, checked on the protocol's mirror: with two buffers no schedule lets a rank read
+    another launch's data or lose a store; with one buffer (the `one_buffer` control build's protocol) some
+    schedules do, so the mirror can tell the two apart."""
+    rng = random.Random(world)
+    assert all(_one_store_schedule(world, 8, 2, rng) is None for _ in range(400))
+    bad = [p for p in (_one_store_schedule(world, 8, 1, rng) for _ in range(400)) if p is not None]
+    assert bad, "the single-buffer mirror never went wrong: the check is blind"
