@@ -1,10 +1,16 @@
 #!/usr/bin/env bash
 # One device call: the GPU tests, the failure-guard mutants, the benches and the soak, with full logs under $OUT and
 # a short summary of each stage on stdout (a remote runner often returns only the tail of stdout).
-#   bash launch/gpu_run.sh                          (from the repository root; OUT defaults to ./gpu-out)
-#   STAGES=tests,bench bash launch/gpu_run.sh       (a subset; stages: tests, mutants, bench, fused, soak)
-# On one GPU the multi-GPU parts skip themselves: the NCCL bench (needs >= 2 GPUs), the soak, and the fused bench
-# falls back to W streams of the one GPU (launch/fused_streams.py).
+#   STAGES=kernels bash launch/gpu_run.sh        (from the repository root; OUT defaults to ./gpu-out)
+# Stages, each sized to fit one 10-minute device call on its own (all of them take about 30 minutes):
+#   kernels   the workspace kernels' GPU tests (one-store, failures and their negative controls)
+#   tests     the in-process and in-place workspace tests and the fused norm tests
+#   core      the CUDA core, fold capture, virtual shards, the trainer backend, robustness, processes per GPU
+#   mutants   the failure-guard mutants (launch/mutations.py --gpu-only; MUTANTS=1,1b,... for a subset)
+#   bench     the stream and NCCL benches, gather_fold captured, the fused bench
+#   soak      the 40 s soak over every route (>= 2 GPUs)
+# On one GPU the multi-GPU parts skip themselves: the NCCL bench, the soak, and the fused bench falls back to W
+# streams of the one GPU (launch/fused_streams.py).
 set -u -o pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # docs/spec.md §8, children inherit
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -12,7 +18,7 @@ export DETCOMM_CACHE_DIR=${DETCOMM_CACHE_DIR:-/tmp/detcomm-kernels}
 OUT=${OUT:-./gpu-out}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
-STAGES=${STAGES:-tests,mutants,bench,fused,soak}
+STAGES=${STAGES:-kernels}
 T0=$(date +%s)
 say() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
 NGPU=$($PY -c 'import torch; print(torch.cuda.device_count())')
@@ -30,40 +36,44 @@ group() {
   grep -E '^(FAILED|ERROR)|^E  ' "$OUT/pytest_$name.log" | head -12
 }
 
+if [[ $STAGES == *kernels* ]]; then
+  group lamport 220 tests/gpu/test_workspace_lamport.py
+  group failures 330 tests/gpu/test_workspace_failures.py
+fi
 if [[ $STAGES == *tests* ]]; then
-  group lamport 240 tests/gpu/test_workspace_lamport.py
-  group failures 300 tests/gpu/test_workspace_failures.py
-  group inprocess 240 tests/gpu/test_workspace_inprocess.py tests/gpu/test_workspace_in_place.py
-  group norm 240 tests/gpu/test_norm_gpu.py
-  group core 300 tests/gpu/test_core_cuda.py tests/gpu/test_core_workspace.py tests/gpu/test_fold_capture.py \
+  group inprocess 300 tests/gpu/test_workspace_inprocess.py tests/gpu/test_workspace_in_place.py
+  group norm 250 tests/gpu/test_norm_gpu.py
+fi
+if [[ $STAGES == *core* ]]; then
+  group core 260 tests/gpu/test_core_cuda.py tests/gpu/test_core_workspace.py tests/gpu/test_fold_capture.py \
     tests/gpu/test_workspace_virtual.py tests/gpu/test_dist_backend_gpu.py
   group robust 300 tests/gpu/test_robust_gpu.py tests/gpu/test_workspace_multiproc.py -k "not soak"
 fi
 if [[ $STAGES == *mutants* ]]; then
-  timeout 600 $PY launch/mutations.py --gpu-only --jobs 6 ${MUTANTS:+--only $MUTANTS} > "$OUT/mutations.log" 2>&1
+  timeout 560 $PY launch/mutations.py --gpu-only --jobs 6 ${MUTANTS:+--only $MUTANTS} > "$OUT/mutations.log" 2>&1
   say "mutants rc=$?: $(grep -E 'mutant/test pairs caught' "$OUT/mutations.log" | tail -1)"
   grep -E '^\| [0-9]' "$OUT/mutations.log" | grep -v ' caught ' | head -12
 fi
 if [[ $STAGES == *bench* ]]; then
   # W ranks as W streams of one GPU: W = 1 against a copy, W = 2 and 8 (one-store, one-shot, two-shot)
-  timeout 300 $PY -m detcomm.bench.ipc_kernels --out "$OUT/bench_streams" --modes latency --worlds 1,2,8 \
-    --sizes 16,256,1024,65536 > "$OUT/bench_streams.log" 2>&1
+  timeout 150 $PY -m detcomm.bench.ipc_kernels --out "$OUT/bench_streams" --modes latency --worlds 1,2,8 \
+    --sizes 16,256,65536 > "$OUT/bench_streams.log" 2>&1
   say "bench streams rc=$?"; grep -E '^\| [0-9]' "$OUT/bench_streams.log" | head -40
   if [ "$NGPU" -ge 2 ]; then
-    timeout 300 $PY -m detcomm.bench.ipc_kernels --out "$OUT/bench_nccl" --modes nccl --nccl-envs default \
+    timeout 150 $PY -m detcomm.bench.ipc_kernels --out "$OUT/bench_nccl" --modes nccl --nccl-envs default \
       --sizes 16,64,256,1024,65536 > "$OUT/bench_nccl.log" 2>&1
     say "bench nccl rc=$?"; grep -E '^\| [0-9]' "$OUT/bench_nccl.log" | head -60
     # gather_fold captured in a CUDA graph, alone and last (a capture that wedges NCCL cannot spoil the rest)
-    timeout 120 $PY -m detcomm.bench.ipc_kernels --out "$OUT/bench_gather_graph" --modes nccl --nccl-envs default \
+    timeout 80 $PY -m detcomm.bench.ipc_kernels --out "$OUT/bench_gather_graph" --modes nccl --nccl-envs default \
       --sizes 16 --gather-graph > "$OUT/bench_gather_graph.log" 2>&1
     say "bench gather_fold graph rc=$?"; grep -E '^\| [0-9].*(gather_fold|nccl) ' "$OUT/bench_gather_graph.log" | head -6
   fi
 fi
-if [[ $STAGES == *fused* ]]; then
+if [[ $STAGES == *bench* ]]; then
   if [ "$NGPU" -ge 2 ]; then
-    timeout 300 $PY -m detcomm.bench.norm --fused --iters 30 --calls-per-graph 10 --out "$OUT/fused" > "$OUT/fused.log" 2>&1
+    timeout 180 $PY -m detcomm.bench.norm --fused --iters 30 --calls-per-graph 10 --out "$OUT/fused" > "$OUT/fused.log" 2>&1
   else
-    timeout 200 $PY launch/fused_streams.py --world 2 > "$OUT/fused.log" 2>&1
+    timeout 180 $PY launch/fused_streams.py --world 2 > "$OUT/fused.log" 2>&1
   fi
   say "fused bench rc=$?"; grep -E '^\| [0-9]' "$OUT/fused.log" | head -20
 fi
