@@ -77,7 +77,13 @@ if not where.startswith(venv + os.sep) or where.startswith(repo + os.sep):
     sys.exit(f"detcomm imported from {where}, not from the venv {venv}")
 kernels = importlib.resources.files("detcomm.csrc")
 assert kernels.joinpath("one_shot.cu").is_file(), "the kernel sources are not reachable through importlib.resources"
-print(f"detcomm {detcomm.__version__} from {os.path.dirname(where)}")
+# Every kernel file and every header it includes, as the GPU run-time compile will read them from the wheel.
+from detcomm.workspace import kernels as runtime_kernels
+
+source = runtime_kernels.flatten_source()
+missing = [f for f in runtime_kernels.KERNEL_FILES if f"// ---- {f}" not in source]
+assert not missing, f"kernel files missing from the flattened source: {missing}"
+print(f"detcomm {detcomm.__version__} from {os.path.dirname(where)}; {len(source.splitlines())} kernel source lines")
 EOF
 step "model probe at W=4 (rl-bitwise) from the wheel" \
   "$VENV/bin/detcomm-launch" --nproc 4 --numerics rl-bitwise -m detcomm.probe model
