@@ -7,8 +7,9 @@ GPU). Both measure one point the same way and return the same dict:
 
 Routes by label: native and native_ring_simple (detcomm site with route="native"; the Ring/Simple one runs in a
 cluster created with NCCL_ALGO=Ring NCCL_PROTO=Simple), gather_fold and a2a_fold (detcomm sites forced to those
-routes, numerics="auto"), ipc_one_shot / ipc_two_shot / workspace (the CUDA-IPC workspace's public
-API, which is the only way to force one-shot or two-shot: detcomm's workspace route picks by size).
+routes, numerics="auto"), ipc_lamport / ipc_one_shot / ipc_two_shot / workspace (the CUDA-IPC workspace's
+public API, which is the only way to force one kernel: detcomm's workspace route picks by size; a forced one-store
+launch is chunked to the workspace's one-store limit).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 import torch
 
 from detcomm.dtypes import FLOAT_NAMES, from_name
+from detcomm.workspace import plan
 
 from . import divergence as div
 from . import timing
@@ -29,6 +31,7 @@ DTYPES = {name: from_name(name) for name in FLOAT_NAMES}
 
 # Workspace route label -> (Workspace method, keyword arguments).
 _WS_CALLS = {
+    ("all_reduce", "ipc_lamport"): ("all_reduce", {"algo": "lamport"}),
     ("all_reduce", "ipc_one_shot"): ("all_reduce", {"algo": "one_shot"}),
     ("all_reduce", "ipc_two_shot"): ("all_reduce", {"algo": "two_shot"}),
     ("reduce_scatter", "ipc_fold"): ("reduce_scatter", {}),
@@ -222,8 +225,11 @@ class StreamsHarness:
 
         self.world_size = world_size
         self.device = device
+        # The one-store kernel on at every W, so that ipc_lamport can be measured where the default threshold turns
+        # it off (more than two ranks on one GPU: plan.lamport_max_bytes says why, this bench shows it).
         self.views = Workspace.in_process(world_size, device=device, capacity_bytes=capacity_bytes,
-                                          max_rows_armed=max_rows_armed, timeout_s=30.0)
+                                          max_rows_armed=max_rows_armed, timeout_s=30.0,
+                                          lamport_max_bytes=0 if world_size == 1 else plan.SHARED_GPU_LAMPORT_MAX_BYTES)
         self.streams = [torch.cuda.Stream(device) for _ in range(world_size)]
         self.main = torch.cuda.current_stream(device)
         self._pools: dict[tuple[torch.dtype, int], tuple[dict[int, torch.Tensor], torch.Tensor]] = {}
