@@ -208,7 +208,9 @@ class Communicator:
             return False, f"workspace unavailable: {e}"
         self._workspace = ws
         self._backends[Route.IPC_FOLD] = IpcFoldBackend(ws, resolved=self.resolved)
-        return True, f"armed: {capacity // 1024} KiB per launch, sites up to {max_rows} rows"
+        store = (f"one-store kernel up to {ws.lamport_max_bytes // 1024} KiB" if ws.lamport_max_bytes
+                 else "no one-store kernel (one rank, or more than two ranks on one GPU)")
+        return True, f"armed: {capacity // 1024} KiB per launch, sites up to {max_rows} rows, {store}"
 
     def _startup_checks(self) -> None:
         """Check, on a small payload of each float dtype, the SUM routes this group would use for a bitwise
