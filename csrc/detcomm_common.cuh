@@ -497,10 +497,56 @@ __device__ __forceinline__ uint4* slot(const Group& g, int k) {
   return reinterpret_cast<uint4*>(g.par ? c1 : c0);
 }
 
+// The guards every workspace kernel shares (barrier kernels here, the one-store kernels in lamport_common.cuh).
+// One kernel per rank at a time (a graph replay and an eager call on two streams would interleave their
+// accesses): claim this block's busy word; false (and the workspace failed) when another kernel holds it.
+__device__ __forceinline__ bool claim_busy(const Group& g, int kind) {
+  u32* own = g.sigs[g.rank];
+  if (atomicCAS(own + busy_index(blockIdx.x), 0u, g.call | 0x80000000u) != 0u) {
+    fail_workspace(g, DETCOMM_ERR_OVERLAP, kind, g.rank, 0, own[busy_index(blockIdx.x)], 0, nullptr);
+    return false;
+  }
+  return true;
+}
+__device__ __forceinline__ void release_busy(const Group& g) {
+  atomicExch(g.sigs[g.rank] + busy_index(blockIdx.x), 0u);
+}
+
+// Before a kernel starts waiting on its peers: true (and this thread's failure recorded) when the workspace already
+// failed, i.e. a peer's kernel or host raised this rank's abort word while this rank was between kernels.
+__device__ __forceinline__ bool failed_before(const Group& g, int kind, u32 epoch) {
+  const u32 ab = ld_relaxed_sys(g.sigs[g.rank] + DETCOMM_ABORT_INDEX);
+  if (ab == 0u) return false;
+  fail_workspace(g, DETCOMM_ERR_PEER_FAILED, kind, (int)(ab & 0xFFu), epoch, ab, 0, nullptr);
+  return true;
+}
+
+// One check of a spin that has waited since `start` for `peer`: this rank's abort word (peers and the host store
+// there), the host's abort word in mapped memory when `poll_host` (over PCIe: callers ask rarely), then the
+// deadline. Returns 0, or the record tag of the failure it reported.
+__device__ __forceinline__ u32 spin_failure(const Group& g, int kind, int peer, u32 epoch, u32 seen, u64 start,
+                                            bool poll_host) {
+  const u32 ab = ld_relaxed_sys(g.sigs[g.rank] + DETCOMM_ABORT_INDEX);
+  if (ab != 0u) {
+    fail_workspace(g, DETCOMM_ERR_PEER_FAILED, kind, (int)(ab & 0xFFu), epoch, ab, global_timer_ns() - start, nullptr);
+    return DETCOMM_ERR_PEER_FAILED;
+  }
+  if (poll_host && *(const volatile u32*)(g.ctrl + DETCOMM_HOST_ABORT_WORD) != 0u) {
+    fail_workspace(g, DETCOMM_ERR_ABORTED, kind, peer, epoch, seen, global_timer_ns() - start, nullptr);
+    return DETCOMM_ERR_ABORTED;
+  }
+  const u64 waited = global_timer_ns() - start;
+  if (waited > g.timeout_ns) {
+    fail_workspace(g, DETCOMM_ERR_TIMEOUT, kind, peer, epoch, seen, waited, nullptr);
+    return DETCOMM_ERR_TIMEOUT;
+  }
+  return 0u;
+}
+
 // At kernel exit, on the success path only: release this block's busy word after every thread's last access.
 __device__ __forceinline__ void close_use(const Group& g) {
   __syncthreads();
-  if (threadIdx.x == 32) atomicExch(g.sigs[g.rank] + busy_index(blockIdx.x), 0u);
+  if (threadIdx.x == 32) release_busy(g);
 }
 
 // The arrival test. The negative control (tests only, DETCOMM_TEST_STALE_FLAGS) accepts any earlier use's flag,
@@ -518,26 +564,13 @@ __device__ __forceinline__ bool has_arrived(u32 seen, u32 epoch) {
 __device__ __forceinline__ u32 wait_flag(const Group& g, const u32* flag, u32 epoch, int kind, int peer) {
   u32 seen = ld_acquire_sys(flag);
   if (has_arrived(seen, epoch)) return 0;
-  const u32* abort_word = g.sigs[g.rank] + DETCOMM_ABORT_INDEX;
-  const volatile u32* host_abort = g.ctrl + DETCOMM_HOST_ABORT_WORD;
   const u64 start = global_timer_ns();
   for (u32 it = 1;; ++it) {
     seen = ld_acquire_sys(flag);
     if (has_arrived(seen, epoch)) return 0;
-    const u32 ab = ld_relaxed_sys(abort_word);
-    if (ab != 0u) {
-      fail_workspace(g, DETCOMM_ERR_PEER_FAILED, kind, (int)(ab & 0xFFu), epoch, ab, global_timer_ns() - start, nullptr);
-      return DETCOMM_ERR_PEER_FAILED;
-    }
-    if ((it & 255u) == 0u && *host_abort != 0u) {  // over PCIe: polled rarely
-      fail_workspace(g, DETCOMM_ERR_ABORTED, kind, peer, epoch, seen, global_timer_ns() - start, nullptr);
-      return DETCOMM_ERR_ABORTED;
-    }
-    const u64 waited = global_timer_ns() - start;
-    if (waited > g.timeout_ns) {
-      fail_workspace(g, DETCOMM_ERR_TIMEOUT, kind, peer, epoch, seen, waited, nullptr);
-      return DETCOMM_ERR_TIMEOUT;
-    }
+    // W threads per block spin here: each checks its abort word every poll and the host's every 256th.
+    const u32 tag = spin_failure(g, kind, peer, epoch, seen, start, (it & 255u) == 0u);
+    if (tag != 0u) return tag;
   }
 }
 
@@ -553,10 +586,8 @@ __device__ __forceinline__ bool block_barrier(const Group& g, int kind) {
     // is race-free. START's parity is g.par by construction (open_use read the same counter).
     const u32 epoch = own[epoch_index(kind, blockIdx.x)] + 1u;
     const u32 par = parity_of(epoch);
-    const u32 ab = ld_relaxed_sys(own + DETCOMM_ABORT_INDEX);
-    if (ab != 0u) {
+    if (failed_before(g, kind, epoch)) {
       failed = 1;  // the workspace already failed: arrive nowhere, touch nothing
-      fail_workspace(g, DETCOMM_ERR_PEER_FAILED, kind, (int)(ab & 0xFFu), epoch, ab, 0, nullptr);
     } else {
       if (kind == BARRIER_START && !g.announced) store_call_descriptor(g, t);
       st_release_sys(g.sigs[t] + flag_index(kind, par, blockIdx.x, g.rank), epoch);
@@ -573,12 +604,8 @@ __device__ __forceinline__ bool block_barrier(const Group& g, int kind) {
       }
     }
   } else if (t == 32 && kind == BARRIER_START) {
-    // One kernel per rank at a time (a graph replay and an eager call on two streams would interleave their
-    // barriers): claim this block's busy word; close_use releases it at kernel exit.
-    if (atomicCAS(own + busy_index(blockIdx.x), 0u, g.call | 0x80000000u) != 0u) {
-      failed = 1;
-      fail_workspace(g, DETCOMM_ERR_OVERLAP, kind, g.rank, 0, own[busy_index(blockIdx.x)], 0, nullptr);
-    }
+    // One kernel per rank at a time: claim this block's busy word; close_use releases it at kernel exit.
+    failed = !claim_busy(g, kind);
   }
   if (__syncthreads_or(failed)) return false;
   if (t == 0) own[epoch_index(kind, blockIdx.x)] += 1u;

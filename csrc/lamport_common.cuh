@@ -152,33 +152,16 @@ template <bool kDesc = false>
 __device__ __forceinline__ bool lam_wait(const Group& g, const Lam& l, const uint4* p, uint4& v, int peer, LamWait& w) {
   if (lam_ready<kDesc>(v)) return true;
   if (w.failed) return false;
-  const u32* abort_word = g.sigs[g.rank] + DETCOMM_ABORT_INDEX;
-  const volatile u32* host_abort = g.ctrl + DETCOMM_HOST_ABORT_WORD;
   if (w.start == 0) w.start = global_timer_ns();
   for (;;) {
     v = ld_poll(p);
     if (lam_ready<kDesc>(v)) return true;
     ++w.polls;
     if ((w.polls & 15u) != 0u) continue;
-    const u32 ab = ld_relaxed_sys(abort_word);
-    if (ab != 0u) {
-      fail_workspace(g, DETCOMM_ERR_PEER_FAILED, DETCOMM_WAIT_LAMPORT, (int)(ab & 0xFFu), l.launch, ab,
-                     global_timer_ns() - w.start, nullptr);
-      w.failed = DETCOMM_ERR_PEER_FAILED;
-      return false;
-    }
-    if (threadIdx.x == 0 && (w.polls & 255u) == 0u && *host_abort != 0u) {  // over PCIe: one thread, rarely
-      fail_workspace(g, DETCOMM_ERR_ABORTED, DETCOMM_WAIT_LAMPORT, peer, l.launch, 0u, global_timer_ns() - w.start,
-                     nullptr);
-      w.failed = DETCOMM_ERR_ABORTED;
-      return false;
-    }
-    const u64 waited = global_timer_ns() - w.start;
-    if (waited > g.timeout_ns) {
-      fail_workspace(g, DETCOMM_ERR_TIMEOUT, DETCOMM_WAIT_LAMPORT, peer, l.launch, 0u, waited, nullptr);
-      w.failed = DETCOMM_ERR_TIMEOUT;
-      return false;
-    }
+    // Every thread may spin here (see the header comment): only thread 0 reads the host's word, every 256th poll.
+    w.failed = spin_failure(g, DETCOMM_WAIT_LAMPORT, peer, l.launch, 0u, w.start,
+                            threadIdx.x == 0 && (w.polls & 255u) == 0u);
+    if (w.failed != 0u) return false;
   }
 }
 
@@ -195,9 +178,7 @@ __device__ __forceinline__ void lam_announce(const Group& g, const Lam& l) {
 __device__ __forceinline__ bool lam_check_call(const Group& g, const Lam& l, LamWait& w) {
   const int t = threadIdx.x;
   if (t >= DETCOMM_W) return true;
-  const u32 ab = ld_relaxed_sys(g.sigs[g.rank] + DETCOMM_ABORT_INDEX);
-  if (ab != 0u) {
-    fail_workspace(g, DETCOMM_ERR_PEER_FAILED, DETCOMM_WAIT_LAMPORT, (int)(ab & 0xFFu), l.launch, ab, 0, nullptr);
+  if (failed_before(g, DETCOMM_WAIT_LAMPORT, l.launch)) {
     w.failed = DETCOMM_ERR_PEER_FAILED;
     return false;
   }
@@ -217,14 +198,9 @@ __device__ __forceinline__ bool lam_check_call(const Group& g, const Lam& l, Lam
 
 // One kernel per rank at a time, also for one-store launches: claim this block's busy word (thread 32).
 __device__ __forceinline__ bool lam_claim(const Group& g, LamWait& w) {
-  if (threadIdx.x != 32) return true;
-  u32* own = g.sigs[g.rank];
-  if (atomicCAS(own + busy_index(blockIdx.x), 0u, g.call | 0x80000000u) != 0u) {
-    fail_workspace(g, DETCOMM_ERR_OVERLAP, DETCOMM_WAIT_LAMPORT, g.rank, 0, own[busy_index(blockIdx.x)], 0, nullptr);
-    w.failed = DETCOMM_ERR_OVERLAP;
-    return false;
-  }
-  return true;
+  if (threadIdx.x != 32 || claim_busy(g, DETCOMM_WAIT_LAMPORT)) return true;
+  w.failed = DETCOMM_ERR_OVERLAP;
+  return false;
 }
 
 // End of a block's launch: every thread meets here (none returned early). Unless the workspace failed, advance
@@ -233,5 +209,5 @@ __device__ __forceinline__ bool lam_claim(const Group& g, LamWait& w) {
 __device__ __forceinline__ void lam_close(const Group& g, const Lam& l, const LamWait& w, bool claimed) {
   if (__syncthreads_or(w.failed != 0u)) return;
   if (threadIdx.x == 0) *l.counter = l.launch + 1u;
-  if (claimed && threadIdx.x == 32) atomicExch(g.sigs[g.rank] + busy_index(blockIdx.x), 0u);
+  if (claimed && threadIdx.x == 32) release_busy(g);
 }
