@@ -2,12 +2,29 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 from payloads import from_tensor, to_tensor
+
+
+def on_ranks(streams: Sequence[torch.cuda.Stream], fn: Callable[[int], Any]) -> list[Any]:
+    """fn(r) on rank r's stream for every rank, all launched before any is waited on (a rank's kernel spins until
+    every other rank's arrives); the streams start after the current stream's work and the current stream waits
+    for them; then the device is synchronized. Returns fn's results in rank order."""
+    device = streams[0].device
+    main = torch.cuda.current_stream(device)
+    outs = []
+    for r, s in enumerate(streams):
+        s.wait_stream(main)
+        with torch.cuda.stream(s):
+            outs.append(fn(r))
+    for s in streams:
+        main.wait_stream(s)
+    torch.cuda.synchronize(device)
+    return outs
 
 
 class Ranks:
@@ -21,16 +38,7 @@ class Ranks:
         self.streams = [torch.cuda.Stream(self.device) for _ in self.views]
 
     def run(self, op: str, xs: Sequence[torch.Tensor], **kw: Any) -> list[torch.Tensor]:
-        main = torch.cuda.current_stream(self.device)
-        outs = []
-        for v, s, x in zip(self.views, self.streams, xs):
-            s.wait_stream(main)
-            with torch.cuda.stream(s):
-                outs.append(getattr(v, op)(x, **kw))
-        for s in self.streams:
-            main.wait_stream(s)
-        torch.cuda.synchronize(self.device)
-        return outs
+        return on_ranks(self.streams, lambda r: getattr(self.views[r], op)(xs[r], **kw))
 
     def run_bits(self, op: str, bits: Sequence[np.ndarray], dtype: str, **kw: Any) -> list[np.ndarray]:
         xs = [to_tensor(b, dtype, str(self.device)) for b in bits]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from harness import on_ranks
 
 import norm_oracle
 from datagen import DTYPES, random_bits, to_bits, to_torch
@@ -129,17 +130,7 @@ def _fused_ranks(world: int, variant: str = "canonical", *, fresh: bool = False,
 
 def _on_ranks(views, fn):
     """fn(rank, view) on every rank's own stream, all launched before any is waited on."""
-    main = torch.cuda.current_stream()
-    streams = [torch.cuda.Stream() for _ in views]
-    outs = []
-    for rank, (v, s) in enumerate(zip(views, streams)):
-        s.wait_stream(main)
-        with torch.cuda.stream(s):
-            outs.append(fn(rank, v))
-    for s in streams:
-        main.wait_stream(s)
-    torch.cuda.synchronize()
-    return outs
+    return on_ranks([torch.cuda.Stream() for _ in views], lambda r: fn(r, views[r]))
 
 
 def _fused_inputs(world: int, rows: int, hidden: int, dtype: str, seed: int):

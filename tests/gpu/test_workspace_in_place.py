@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from harness import on_ranks
 from payloads import first_mismatch, from_tensor, ill_conditioned, to_tensor
 
 import oracle
@@ -45,15 +46,7 @@ def test_site_bound_all_reduce_in_place_every_kernel(world: int, dtype: str) -> 
             want = oracle.fold_oracle(bits, dtype)
             xs = [to_tensor(b, dtype, "cuda:0") for b in bits]
             ptrs = [x.data_ptr() for x in xs]
-            main = torch.cuda.current_stream()
-            outs = []
-            for call, s, x in zip(calls, streams, xs):
-                s.wait_stream(main)
-                with torch.cuda.stream(s):
-                    outs.append(call(x, x))
-            for s in streams:
-                main.wait_stream(s)
-            torch.cuda.synchronize()
+            outs = on_ranks(streams, lambda r: calls[r](xs[r], xs[r]))
             for r, (x, out) in enumerate(zip(xs, outs)):
                 assert out is x and x.data_ptr() == ptrs[r]
                 got = from_tensor(x)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from harness import Ranks, cached_ranks
+from harness import Ranks, cached_ranks, on_ranks
 from payloads import first_mismatch, from_tensor, ill_conditioned, random_bits, to_tensor
 
 from oracle import fold_oracle
@@ -197,10 +197,7 @@ def test_cuda_graph_capture_and_replay_new_values(world):
             static[r].copy_(to_tensor(bits[r], dtype, "cuda:0"))
             static_rs[r].copy_(to_tensor(bits_rs[r], dtype, "cuda:0"))
         torch.cuda.synchronize()
-        for r in range(world):
-            with torch.cuda.stream(R.streams[r]):
-                graphs[r].replay()
-        torch.cuda.synchronize()
+        on_ranks(R.streams, lambda r: graphs[r].replay())
         want, full_rs = fold_oracle(bits, dtype), fold_oracle(bits_rs, dtype)
         for r in range(world):
             o1, o2, o3 = (from_tensor(o) for o in outs[r])

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from harness import Ranks, cached_ranks, run_collecting_failures
+from harness import Ranks, cached_ranks, on_ranks, run_collecting_failures
 from payloads import BITS, first_mismatch, from_tensor, ill_conditioned, random_bits, to_tensor
 
 from oracle import fold_oracle
@@ -266,10 +266,7 @@ def test_graph_replays_alternate_buffers(world):
             for r in range(world):
                 st[r].copy_(to_tensor(b[r], dtype, "cuda:0"))
         torch.cuda.synchronize()
-        for r in range(world):
-            with torch.cuda.stream(R.streams[r]):
-                graphs[r].replay()
-        torch.cuda.synchronize()
+        on_ranks(R.streams, lambda r: graphs[r].replay())
         for k, b in enumerate(bits):
             want = fold_oracle(b, dtype)
             for r in range(world):
