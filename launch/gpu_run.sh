@@ -63,19 +63,18 @@ if [[ $STAGES == *bench* ]]; then
     timeout 150 $PY -m detcomm.bench.ipc_kernels --out "$OUT/bench_nccl" --modes nccl --nccl-envs default \
       --sizes 16,64,256,1024,65536 > "$OUT/bench_nccl.log" 2>&1
     say "bench nccl rc=$?"; grep -E '^\| [0-9]' "$OUT/bench_nccl.log" | head -60
-    # gather_fold captured in a CUDA graph, alone and last (a capture that wedges NCCL cannot spoil the rest)
-    timeout 80 $PY -m detcomm.bench.ipc_kernels --out "$OUT/bench_gather_graph" --modes nccl --nccl-envs default \
-      --sizes 16 --gather-graph > "$OUT/bench_gather_graph.log" 2>&1
-    say "bench gather_fold graph rc=$?"; grep -E '^\| [0-9].*(gather_fold|nccl) ' "$OUT/bench_gather_graph.log" | head -6
-  fi
-fi
-if [[ $STAGES == *bench* ]]; then
-  if [ "$NGPU" -ge 2 ]; then
     timeout 180 $PY -m detcomm.bench.norm --fused --iters 30 --calls-per-graph 10 --out "$OUT/fused" > "$OUT/fused.log" 2>&1
   else
     timeout 180 $PY launch/fused_streams.py --world 2 > "$OUT/fused.log" 2>&1
   fi
   say "fused bench rc=$?"; grep -E '^\| [0-9]' "$OUT/fused.log" | head -20
+  if [ "$NGPU" -ge 2 ]; then
+    # gather_fold captured in a CUDA graph, in its own processes and last (a capture that wedges NCCL cannot spoil
+    # the rest)
+    timeout 80 $PY -m detcomm.bench.ipc_kernels --out "$OUT/bench_gather_graph" --modes nccl --nccl-envs default \
+      --sizes 16 --gather-graph > "$OUT/bench_gather_graph.log" 2>&1
+    say "bench gather_fold graph rc=$?"; grep -E '^\| [0-9].*(gather_fold|nccl) ' "$OUT/bench_gather_graph.log" | head -6
+  fi
 fi
 if [[ $STAGES == *soak* && "$NGPU" -ge 2 ]]; then
   DETCOMM_GPU_SOAK_S=${SOAK_S:-40} timeout 400 $PY -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu/test_robust_gpu.py \
