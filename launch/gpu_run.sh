@@ -2,14 +2,15 @@
 # One device call: the GPU tests, the failure-guard mutants, the benches and the soak, with full logs under $OUT and
 # a short summary of each stage on stdout (a remote runner often returns only the tail of stdout).
 #   STAGES=kernels bash launch/gpu_run.sh        (from the repository root; OUT defaults to ./gpu-out)
+#   LANES="lamport,inprocess failures,norm" bash launch/gpu_run.sh    (two lanes at once; see LANES below)
 # Stages, each sized to fit one 10-minute device call on its own (all of them take about 30 minutes):
 #   kernels   the workspace kernels' GPU tests (one-store, failures and their negative controls)
 #   tests     the in-process and in-place workspace tests and the fused norm tests
 #   core      the CUDA core, fold capture, virtual shards, the trainer backend, robustness, processes per GPU
 #   mutants   the failure-guard mutants (launch/mutations.py --gpu-only; MUTANTS=1,1b,... for a subset)
 #   bench     the stream and NCCL benches, gather_fold captured, the fused bench
-#   soak      the 40 s soak over every route (>= 2 GPUs)
-# On one GPU the multi-GPU parts skip themselves: the NCCL bench, the soak, and the fused bench falls back to W
+#   soak      the 40 s soak over every route: processes sharing one GPU, and one GPU per rank where >= 2
+# On one GPU the multi-GPU parts skip themselves: the NCCL bench, the NCCL soak, and the fused bench falls back to W
 # streams of the one GPU (launch/fused_streams.py).
 set -u -o pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # docs/spec.md §8, children inherit
@@ -19,6 +20,28 @@ OUT=${OUT:-./gpu-out}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 STAGES=${STAGES:-kernels}
+# LANES="a,b c,d": run the stage lists a,b and c,d at once on the same machine (each lane in its own copy of this
+# script, printing its summary when done), so a 10-minute device call covers more. The GPU time-slices the lanes'
+# contexts, so every test still sees its ranks' grids co-resident; only the wall times stretch.
+if [ -n "${LANES:-}" ]; then
+  i=0
+  for lane in $LANES; do
+    i=$((i + 1))
+    STAGES=$lane LANES= bash "$0" > "$OUT/lane$i.txt" 2>&1 &
+  done
+  wait
+  i=0
+  for lane in $LANES; do i=$((i + 1)); echo "== lane $i: $lane"; grep -v '^\[0 s\] [0-9]* GPU' "$OUT/lane$i.txt"; done
+  exit 0
+fi
+# Stage names: the groups below, or kernels (= lamport,failures), tests (= inprocess,norm), core (= corecuda,robust).
+expanded=
+for t in ${STAGES//,/ }; do
+  case $t in kernels) t=lamport,failures ;; tests) t=inprocess,norm ;; core) t=corecuda,robust ;; esac
+  expanded+="$t,"
+done
+STAGES=$expanded
+has() { [[ ",$STAGES," == *",$1,"* ]]; }
 T0=$(date +%s)
 say() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
 NGPU=$($PY -c 'import torch; print(torch.cuda.device_count())')
@@ -28,7 +51,7 @@ say "$NGPU GPU(s): $(grep -m1 GPU "$OUT/env.log")"
 # pytest group NAME LIMIT_S FILES...: one line of counts, then the failures (never the whole log).
 group() {
   local name=$1 limit=$2; shift 2
-  timeout "$limit" $PY -m pytest -q --tb=line -rfE -p no:cacheprovider --timeout=150 --durations=5 -m gpu "$@" \
+  timeout "$limit" $PY -m pytest -q --tb=line -rfE -p no:cacheprovider --timeout=$((150 * LIMIT / 100)) --durations=5 -m gpu "$@" \
     > "$OUT/pytest_$name.log" 2>&1
   local rc=$?
   say "tests $name rc=$rc: $(grep -E '(passed|failed|error)' "$OUT/pytest_$name.log" | tail -1)"
@@ -36,25 +59,21 @@ group() {
   grep -E '^(FAILED|ERROR)|^E  ' "$OUT/pytest_$name.log" | head -12
 }
 
-if [[ $STAGES == *kernels* ]]; then
-  group lamport 220 tests/gpu/test_workspace_lamport.py
-  group failures 330 tests/gpu/test_workspace_failures.py
-fi
-if [[ $STAGES == *tests* ]]; then
-  group inprocess 300 tests/gpu/test_workspace_inprocess.py tests/gpu/test_workspace_in_place.py
-  group norm 250 tests/gpu/test_norm_gpu.py
-fi
-if [[ $STAGES == *core* ]]; then
-  group core 260 tests/gpu/test_core_cuda.py tests/gpu/test_core_workspace.py tests/gpu/test_fold_capture.py \
-    tests/gpu/test_workspace_virtual.py tests/gpu/test_dist_backend_gpu.py
-  group robust 300 tests/gpu/test_robust_gpu.py tests/gpu/test_workspace_multiproc.py -k "not soak"
-fi
-if [[ $STAGES == *mutants* ]]; then
+LIMIT=${LIMIT:-100}  # percent: scales every group's time limits (lanes run slower than a stage alone)
+lim() { echo $(( $1 * LIMIT / 100 )); }
+has lamport && group lamport "$(lim 220)" tests/gpu/test_workspace_lamport.py
+has failures && group failures "$(lim 330)" tests/gpu/test_workspace_failures.py
+has inprocess && group inprocess "$(lim 300)" tests/gpu/test_workspace_inprocess.py tests/gpu/test_workspace_in_place.py
+has norm && group norm "$(lim 250)" tests/gpu/test_norm_gpu.py
+has corecuda && group core "$(lim 260)" tests/gpu/test_core_cuda.py tests/gpu/test_core_workspace.py \
+  tests/gpu/test_fold_capture.py tests/gpu/test_workspace_virtual.py tests/gpu/test_dist_backend_gpu.py
+has robust && group robust "$(lim 300)" tests/gpu/test_robust_gpu.py tests/gpu/test_workspace_multiproc.py -k "not soak"
+if has mutants; then
   timeout 560 $PY launch/mutations.py --gpu-only --jobs 6 ${MUTANTS:+--only $MUTANTS} > "$OUT/mutations.log" 2>&1
   say "mutants rc=$?: $(grep -E 'mutant/test pairs caught' "$OUT/mutations.log" | tail -1)"
   grep -E '^\| [0-9]' "$OUT/mutations.log" | grep -v ' caught ' | head -12
 fi
-if [[ $STAGES == *bench* ]]; then
+if has bench; then
   # W ranks as W streams of one GPU: W = 1 against a copy, W = 2 and 8 (one-store, one-shot, two-shot)
   timeout 150 $PY -m detcomm.bench.ipc_kernels --out "$OUT/bench_streams" --modes latency --worlds 1,2,8 \
     --sizes 16,256,65536 > "$OUT/bench_streams.log" 2>&1
@@ -76,9 +95,11 @@ if [[ $STAGES == *bench* ]]; then
     say "bench gather_fold graph rc=$?"; grep -E '^\| [0-9].*(gather_fold|nccl) ' "$OUT/bench_gather_graph.log" | head -6
   fi
 fi
-if [[ $STAGES == *soak* && "$NGPU" -ge 2 ]]; then
-  DETCOMM_GPU_SOAK_S=${SOAK_S:-40} timeout 400 $PY -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu/test_robust_gpu.py \
+if has soak; then
+  # processes sharing one GPU (W = 2 for SOAK_S seconds, W = 3 for half of it), then one GPU per rank where >= 2
+  DETCOMM_GPU_SOAK_S=${SOAK_S:-40} timeout 420 $PY -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu/test_robust_gpu.py \
     -k soak > "$OUT/soak.log" 2>&1
-  say "soak rc=$?: $(grep -E 'GPU soak|passed|failed' "$OUT/soak.log" | tail -2 | tr '\n' ' ')"
+  say "soak rc=$?: $(grep -E 'passed|failed' "$OUT/soak.log" | tail -1)"
+  grep -E 'GPU soak|^E  |^FAILED' "$OUT/soak.log" | head -12
 fi
 say done

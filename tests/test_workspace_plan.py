@@ -257,6 +257,12 @@ def test_variants_with_the_one_store_kernel():
     # Capped by the capacity: a launch never carries more than it.
     kw.update(capacity_bytes=32 << 10, lamport_max=64 << 10)
     assert plan.variants("all_reduce", row_bytes=16384, max_rows=3, **kw) == ["lamport", "chunked"]
+    # A one-store size above one-shot's (one GPU per rank at W >= 3: 1 MiB vs 512 KiB): launches up to it never take
+    # one-shot or two-shot, so a 1 MiB capacity reaches neither (two-shot was listed once, and self-checked for nothing).
+    kw.update(capacity_bytes=1 << 20, lamport_max=1 << 20)
+    assert plan.variants("all_reduce", row_bytes=1024, max_rows=8192, **kw) == ["lamport", "chunked"]
+    kw.update(capacity_bytes=2 << 20)
+    assert plan.variants("all_reduce", row_bytes=1024, max_rows=8192, **kw) == ["lamport", "two_shot", "chunked"]
     # Off (0) is the old behaviour.
     kw.update(capacity_bytes=16 << 20, lamport_max=0)
     assert plan.variants("all_reduce", row_bytes=16384, max_rows=64, **kw) == ["one_shot", "two_shot"]

@@ -290,7 +290,7 @@ def _by_launch_bytes(per: int, row_bytes: int, max_rows: int, one_shot_max_bytes
     k0 = lamport_max // row_bytes + 1  # the fewest rows a launch above the one-store size carries
     if k0 <= top and k0 * row_bytes <= one_shot_max_bytes:
         out.append("one_shot")
-    if top * row_bytes > one_shot_max_bytes:
+    if top * row_bytes > max(one_shot_max_bytes, lamport_max):  # launches up to lamport_max take the one-store kernel
         out.append("two_shot")
     return out + (["chunked"] if max_rows > per else [])
 

@@ -137,6 +137,9 @@ class Workspace:
 
         with torch.cuda.device(device):
             self._done = runtime.eventCreateWithFlags(2)  # cudaEventDisableTiming
+        # Bound once: a function-level import costs a lookup in sys.modules on every call of the hot path.
+        self._event_record = runtime.eventRecord
+        self._event_query = runtime.eventQuery
         self._all_reduce_cache: dict[tuple[str, int], _AllReduceLauncher] = {}
         self._dead: str | None = None
         self._failure: str | None = None
@@ -727,9 +730,9 @@ class _InFlight:
             raise RuntimeError(f"detcomm workspace (rank {ws.rank}): another thread is issuing a collective on it")
         self.guard = None
         try:
-            self.capturing = torch.cuda.is_current_stream_capturing()
+            self.capturing = _is_capturing()
             # Launches go to the current context: switch devices only when the caller is on another one.
-            if torch.cuda.current_device() != ws._device_index:
+            if _current_device() != ws._device_index:
                 self.guard = torch.cuda.device(ws.device)
                 self.guard.__enter__()
             # The raw handle of the current stream (what torch.cuda.current_stream().cuda_stream returns, without
@@ -737,7 +740,7 @@ class _InFlight:
             stream = torch._C._cuda_getCurrentRawStream(ws._device_index)
             last = ws._last_stream
             # Event queries are not allowed during capture; a captured launch does not run now anyway.
-            if last is not None and last != stream and not self.capturing and _event_pending(ws._done):
+            if last is not None and last != stream and not self.capturing and _event_pending(ws):
                 raise RuntimeError(
                     f"detcomm workspace (rank {ws.rank}): a collective issued on stream {last:#x} is still "
                     f"in flight; one collective per workspace at a time (this call came from stream "
@@ -754,9 +757,7 @@ class _InFlight:
         ws = self.ws
         try:
             if not self.capturing:
-                from cupy.cuda import runtime  # noqa: PLC0415
-
-                runtime.eventRecord(ws._done, self.stream)
+                ws._event_record(ws._done, self.stream)
                 ws._last_stream = self.stream
         finally:
             if self.guard is not None:
@@ -764,11 +765,16 @@ class _InFlight:
             ws._lock.release()
 
 
-def _event_pending(event: int) -> bool:
-    """Whether the work before `event`'s last record is still running (cudaEventQuery: 0 done, 600 not ready)."""
-    from cupy.cuda import runtime  # noqa: PLC0415
+# The hot path's queries, without the torch.cuda wrappers' own calls (current_device() runs _lazy_init() each time;
+# a workspace exists only after CUDA was initialised). A CPU-only torch has neither binding and never reaches them.
+_is_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", torch.cuda.is_current_stream_capturing)
+_current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
 
-    status = runtime.eventQuery(event)
+
+def _event_pending(ws: Workspace) -> bool:
+    """Whether the work before the in-flight event's last record is still running (cudaEventQuery: 0 done, 600 not
+    ready)."""
+    status = ws._event_query(ws._done)
     if status not in (0, 600):
         raise RuntimeError(f"detcomm workspace: cudaEventQuery failed with CUDA error {status}")
     return status == 600

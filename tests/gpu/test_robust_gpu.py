@@ -120,82 +120,130 @@ def test_peer_death_on_the_workspace_route_hits_the_deadline(tmp_path) -> None: 
     assert "ALIVE 8.0 REFUSED" in text, text
 
 
-def _soak_job(rank: int, w: int, seconds: float) -> dict[str, object]:
+# The soak's sites: every route a user meets (the workspace's one-store, one-shot, two-shot and chunked kernels
+# through ipc_fold; gather_fold and a2a_fold forced where the rule would pick the workspace; native for MAX and the
+# all-gather), declared in the same order on every rank.
+_SOAK_ROUTES = {"soak.ws": "ipc_fold", "soak.big": "ipc_fold", "soak.rs": "ipc_fold", "soak.gf": "gather_fold",
+                "soak.a2a": "a2a_fold", "soak.max": "native", "soak.gather": "native"}
+
+
+def _soak_job(rank: int, w: int, seconds: float, device: str | None) -> dict[str, object]:
     import random
 
     import detcomm
 
-    comm = detcomm.init(numerics="rl-bitwise")
+    # 1 MiB per launch: the larger calls of soak.ws and soak.big are chunked.
+    comm = detcomm.init(numerics="rl-bitwise", device=device, workspace_bytes=1 << 20)
     comm.site("soak.ws", collective="all_reduce", dtype=torch.bfloat16, shape=(512,), max_rows=2048)
     comm.site("soak.big", collective="all_reduce", dtype=torch.float32, shape=(256,), max_rows=8192)
     comm.site("soak.rs", collective="reduce_scatter", dtype=torch.float16, shape=(128,), max_rows=64 * w)
-    comm.site("soak.rs_big", collective="reduce_scatter", dtype=torch.bfloat16, shape=(128,), max_rows=4096 * w)
+    comm.site("soak.gf", collective="all_reduce", dtype=torch.bfloat16, shape=(256,), max_rows=512,
+              route="gather_fold")
+    comm.site("soak.a2a", collective="reduce_scatter", dtype=torch.float32, shape=(128,), max_rows=64 * w,
+              route="a2a_fold")
     comm.site("soak.max", collective="all_reduce", dtype=torch.float32, shape=(64,), max_rows=512, op="max")
     comm.site("soak.gather", collective="all_gather", dtype=torch.bfloat16, shape=(64,), max_rows=512)
+    dev = comm.device
     routes = {e["site"]: e["route"] for e in comm.routes().as_dicts()}
+    ws = comm._workspace
+    assert ws is not None, comm.caps.workspace_reason
+    # Every kernel variant the ipc_fold sites can reach (the self-checks ran each once at declaration).
+    reach = {v for args in (("all_reduce", torch.bfloat16, 512, 2048), ("all_reduce", torch.float32, 256, 8192),
+                            ("reduce_scatter", torch.float16, 128, 64 * w)) for v in ws.variants(*args)}
+    ws.variants_run.clear()
     rng = random.Random(1234)  # the same sequence on every rank
     torch.cuda.synchronize()
     gc.collect()
     mem0 = torch.cuda.memory_allocated()
     fds0, threads0 = len(os.listdir("/proc/self/fd")), threading.active_count()
     calls = mismatches = 0
+    per_site = dict.fromkeys(_SOAK_ROUTES, 0)
     end = time.monotonic() + seconds
-    while time.monotonic() < end or calls < 20:
-        site = rng.choice(["soak.ws", "soak.big", "soak.rs", "soak.rs_big", "soak.max", "soak.gather"])
+    while time.monotonic() < end or min(per_site.values()) < 3:
+        site = rng.choice(sorted(_SOAK_ROUTES))
         seed = rng.randrange(1 << 30)
         time.sleep(rng.random() * 0.002 * (rank + 1))  # injected host delay, different per rank
-        if site == "soak.ws":
-            rows = rng.choice([1, 3, 64, 777, 2048])
-            allb = [ill_bits(rows, 512, "bfloat16", seed=seed, rank=r) for r in range(w)]
-            got = comm.all_reduce(to_torch(allb[rank], "bfloat16").cuda(), site=site)
+        if site in ("soak.ws", "soak.gf"):
+            rows = rng.choice([1, 3, 64, 400, 777, 2048] if site == "soak.ws" else [1, 5, 512])
+            allb = [ill_bits(rows, 512 if site == "soak.ws" else 256, "bfloat16", seed=seed, rank=r)
+                    for r in range(w)]
+            got = comm.all_reduce(to_torch(allb[rank], "bfloat16").to(dev), site=site)
             want = oracle.fold_oracle(allb, "bfloat16")
         elif site == "soak.big":
-            rows = rng.choice([1, 100, 4000, 8192])
+            rows = rng.choice([1, 100, 1500, 4000, 8192])
             allb = [random_bits(rows, 256, "float32", seed=seed, rank=r) for r in range(w)]
-            got = comm.all_reduce(to_torch(allb[rank], "float32").cuda(), site=site)
+            got = comm.all_reduce(to_torch(allb[rank], "float32").to(dev), site=site)
             want = oracle.fold_oracle(allb, "float32")
-        elif site in ("soak.rs", "soak.rs_big"):
-            per = rng.choice([1, 5, 64] if site == "soak.rs" else [100, 4096])
-            dt = "float16" if site == "soak.rs" else "bfloat16"
+        elif site in ("soak.rs", "soak.a2a"):
+            per = rng.choice([1, 5, 64] if site == "soak.rs" else [1, 7, 64])
+            dt = "float16" if site == "soak.rs" else "float32"
             allb = [ill_bits(per * w, 128, dt, seed=seed, rank=r) for r in range(w)]
-            got = comm.reduce_scatter(to_torch(allb[rank], dt).cuda(), site=site)
+            got = comm.reduce_scatter(to_torch(allb[rank], dt).to(dev), site=site)
             want = oracle.fold_oracle(allb, dt)[rank * per : (rank + 1) * per]
         elif site == "soak.max":
             rows = rng.choice([1, 9, 512])
             allb = [ill_bits(rows, 64, "float32", seed=seed, rank=r) for r in range(w)]
-            got = comm.all_reduce(to_torch(allb[rank], "float32").cuda(), site=site, op="max")
+            got = comm.all_reduce(to_torch(allb[rank], "float32").to(dev), site=site, op="max")
             want = oracle.ordered_key_extreme_oracle(allb, "float32", "max")
         else:
             rows = rng.choice([1, 17, 512])
             allb = [random_bits(rows, 64, "bfloat16", seed=seed, rank=r) for r in range(w)]
-            got = comm.all_gather(to_torch(allb[rank], "bfloat16").cuda(), site=site)
+            got = comm.all_gather(to_torch(allb[rank], "bfloat16").to(dev), site=site)
             want = np.concatenate(allb)
         calls += 1
+        per_site[site] += 1
         mismatches += int(not np.array_equal(to_bits(got), want))
         del got
     torch.cuda.synchronize()
     gc.collect()
-    out = {"calls": calls, "mismatches": mismatches, "routes": routes,
+    out = {"calls": calls, "mismatches": mismatches, "routes": routes, "per_site": per_site,
+           "variants": sorted({v for _, _, v in ws.variants_run}), "reach": sorted(reach),
            "mem_growth": torch.cuda.memory_allocated() - mem0,
            "fd_growth": len(os.listdir("/proc/self/fd")) - fds0, "thread_growth": threading.active_count() - threads0}
     detcomm.shutdown()
     return out
 
 
+def _check_soak(res: list[dict], w: int, seconds: float, where: str) -> None:
+    for r in res:
+        assert {k: r["routes"].get(k) for k in _SOAK_ROUTES} == _SOAK_ROUTES, r["routes"]
+        assert r["mismatches"] == 0 and min(r["per_site"].values()) >= 3, r
+        # Every workspace kernel these sites can reach ran during the soak, not only in the self-checks.
+        assert "chunked" in r["reach"] and set(r["reach"]) <= set(r["variants"]), r
+        assert r["mem_growth"] <= 256 * 1024 and r["fd_growth"] <= 2 and r["thread_growth"] <= 1, r
+    print(f"GPU soak ({where}): W={w}, {res[0]['calls']} calls per rank in {seconds:.0f} s, 0 mismatches, "
+          f"calls per site {res[0]['per_site']}, workspace kernels {res[0]['variants']}")
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_gpu_soak_every_route() -> None:
+    """W processes on W GPUs over NCCL: random sites, sizes and host delays for DETCOMM_GPU_SOAK_S seconds,
+    every result against the oracle, no growth in device memory, files or threads."""
     from detcomm._spawn import LocalCluster
     from detcomm.envelope import envelope_environment
 
     seconds = float(os.environ.get("DETCOMM_GPU_SOAK_S", "45"))
     w = min(torch.cuda.device_count(), 8)
     with LocalCluster(w, backend="nccl", pg_timeout_s=120, env=envelope_environment("rl-bitwise")) as c:
-        res = c.run(_soak_job, seconds, timeout_s=seconds + 300)
-    for r in res:
-        assert set(r["routes"].values()) >= {"ipc_fold", "gather_fold", "a2a_fold", "native"}, r["routes"]
-        assert r["calls"] >= 20 and r["mismatches"] == 0, r
-        assert r["mem_growth"] <= 256 * 1024 and r["fd_growth"] <= 2 and r["thread_growth"] <= 1, r
-    print(f"GPU soak: W={w}, {res[0]['calls']} calls per rank in {seconds:.0f} s, 0 mismatches, routes {res[0]['routes']}")
+        res = c.run(_soak_job, seconds, None, timeout_s=seconds + 300)
+    _check_soak(res, w, seconds, "one GPU per rank, NCCL")
+    assert "lamport" in res[0]["variants"], res[0]["variants"]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_gpu_soak_processes_sharing_one_gpu(world: int) -> None:
+    """The same soak with W processes sharing cuda:0 over a gloo group (the workspace by CUDA IPC on one device,
+    native collectives staged through host memory). Each workspace call costs milliseconds here (the processes
+    time-slice the GPU), so the soak runs fewer, but the same, calls. W = 2 reaches the one-store kernel (on for two
+    ranks per GPU); W = 3 has it off and catches ordering faults."""
+    from detcomm._spawn import LocalCluster
+    from detcomm.envelope import envelope_environment
+
+    seconds = float(os.environ.get("DETCOMM_GPU_SOAK_S", "45")) / (1 if world == 2 else 2)
+    with LocalCluster(world, backend="gloo", pg_timeout_s=120, env=envelope_environment("rl-bitwise")) as c:
+        res = c.run(_soak_job, seconds, "cuda:0", timeout_s=seconds + 300)
+    _check_soak(res, world, seconds, "processes sharing one GPU, gloo")
+    assert ("lamport" in res[0]["variants"]) == (world == 2), res[0]["variants"]
 
 
 @pytest.mark.parametrize("world", [2, 3])
