@@ -67,7 +67,7 @@ from torch._C._distributed_c10d import (
     Work,
 )
 
-from .fold import FLOAT_DTYPES, canonical_nan, reference_fold
+from .fold import FLOAT_DTYPES, canonical_nan, divide_exactly, reference_fold
 
 __all__ = ["BACKEND_NAME", "DetcommProcessGroup", "register", "folds"]
 
@@ -171,12 +171,12 @@ def _fold(stacked: torch.Tensor, op: Any, world: int) -> torch.Tensor:
     dtype, op = stacked.dtype, _kind(op)
     if dtype in FLOAT_DTYPES:
         if op == _R.AVG:
-            return (reference_fold(stacked, torch.float32) / world).to(dtype)
+            return divide_exactly(reference_fold(stacked, torch.float32), world).to(dtype)
         return reference_fold(stacked, dtype)
     acc = torch.zeros(stacked.shape[1:], dtype=dtype, device=stacked.device)
     for r in range(world):
         acc.add_(stacked[r])
-    return acc / world if op == _R.AVG else acc
+    return divide_exactly(acc, world) if op == _R.AVG else acc
 
 
 class DetcommProcessGroup(dist.ProcessGroup):

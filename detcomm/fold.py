@@ -92,7 +92,15 @@ def average(folded_fp32: torch.Tensor, world_size: int, out_dtype: torch.dtype) 
     IEEE fp32 division by the world size, then one round-to-nearest-even to ``out_dtype`` (none for fp32).
     NaN results are the canonical NaN, as for every fold."""
     assert folded_fp32.dtype == torch.float32
-    return canonicalize_nan(torch.div(folded_fp32, float(world_size)).to(out_dtype))
+    return canonicalize_nan(divide_exactly(folded_fp32, world_size).to(out_dtype))
+
+
+def divide_exactly(t: torch.Tensor, divisor: int) -> torch.Tensor:
+    """``t / divisor``, one correctly rounded IEEE division per element, on every device. The divisor is a tensor
+    on t's device: given a Python or CPU scalar, torch's CUDA kernel multiplies by the rounded reciprocal instead,
+    which differs from the division in the last bit for some inputs (seen on an H200: fp16 averages of 3 ranks off
+    the CPU's bits). A 0-dim fill is capturable in a CUDA graph; a host-to-device copy of the divisor would not be."""
+    return torch.div(t, torch.full((), divisor, dtype=t.dtype, device=t.device))
 
 
 # The most inputs one leaf call folds in fold_shards: every registered leaf folds at least this many (the CUDA

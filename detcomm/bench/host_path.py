@@ -5,7 +5,7 @@ returns its input (or the caller's ``out``), so what is timed is exactly what de
 of the route: the module-level dispatch, the site lookup, the tensor and output checks, the route call and the
 result handling. ``python -m detcomm.bench.host_path`` prints microseconds per call (median of repeats) for
 ``detcomm.all_reduce`` with a new output, ``out=buf``, ``out=x``, a Site object and a reduce_scatter; ``--profile`` adds a cProfile
-of the first case.
+of the first case. ``--cuda`` times the real workspace route on one GPU instead (host time of eager calls).
 """
 
 from __future__ import annotations
@@ -53,7 +53,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--calls", type=int, default=20000)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--cuda", action="store_true",
+                   help="time the real workspace route on cuda:0 (one rank) instead of a do-nothing route")
     a = p.parse_args(argv)
+    if a.cuda:
+        _main_cuda(a.repeats, a.profile)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 'store')}", rank=0, world_size=1)
         try:
@@ -85,6 +90,60 @@ def main(argv: list[str] | None = None) -> None:
                     fn()
                 prof.disable()
                 pstats.Stats(prof).sort_stats("tottime").print_stats(15)
+            detcomm.shutdown()
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+def _host_us(fn: Callable[[], object], calls: int, repeats: int) -> float:
+    """Host time per call of `calls` back-to-back eager calls, the device idle at the start of each repeat: few
+    enough calls that the launch queue never fills, so the host never waits for the device."""
+    fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        samples.append((time.perf_counter() - t0) / calls * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(samples)
+
+
+def _main_cuda(repeats: int, profile: bool) -> None:
+    """The workspace route for real on one GPU: a one-rank group (the W = 1 kernel folds x straight into out),
+    16 KiB bf16 per call. The host path is the one every W takes (site lookup, checks, the bound launcher, the
+    in-flight guard, cuLaunchKernel, the event record); torch's own one-kernel op is timed beside it."""
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 'store')}", rank=0, world_size=1)
+        try:
+            comm = detcomm.init(numerics="rl-bitwise", device="cuda:0")
+            detcomm.site("bench.host", collective="all_reduce", dtype=torch.bfloat16, shape=(8192,), max_rows=8)
+            route = {e["site"]: e["route"] for e in comm.routes().as_dicts()}["bench.host"]
+            x = torch.randn(1, 8192, device="cuda:0").to(torch.bfloat16)
+            buf = torch.empty_like(x)
+            cases: dict[str, Callable[[], object]] = {
+                "detcomm.all_reduce(x, name)": lambda: detcomm.all_reduce(x, "bench.host"),
+                "detcomm.all_reduce(x, name, out=buf)": lambda: detcomm.all_reduce(x, "bench.host", out=buf),
+                "detcomm.all_reduce(x, name, out=x)": lambda: detcomm.all_reduce(x, "bench.host", out=x),
+                "torch.add(x, x, out=buf) (one torch kernel)": lambda: torch.add(x, x, out=buf),
+            }
+            print(f"route {route}; one rank on {torch.cuda.get_device_name(0)}; 200 back-to-back calls, median of "
+                  f"{repeats} repeats")
+            for label, fn in cases.items():
+                print(f"{label:44s} {_host_us(fn, 200, repeats):7.2f} us/call")
+            if profile:
+                prof = cProfile.Profile()
+                fn = cases["detcomm.all_reduce(x, name, out=buf)"]
+                prof.enable()
+                for _ in range(10):
+                    for _ in range(200):
+                        fn()
+                    torch.cuda.synchronize()
+                prof.disable()
+                pstats.Stats(prof).sort_stats("tottime").print_stats(14)
             detcomm.shutdown()
         finally:
             if dist.is_initialized():

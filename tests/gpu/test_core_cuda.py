@@ -57,7 +57,7 @@ def test_portable_leaf_on_cuda_equals_oracle(dtype: str, w: int) -> None:
 def test_cuda_leaf_keeps_a_narrow_fold_in_fp32_for_avg(dtype: str) -> None:
     """op="avg" divides the fold's unrounded fp32 accumulator: the CUDA leaf takes a bf16/fp16 stack with an fp32
     output (gather_fold and a2a_fold ask for that), and the average's bits are the oracle's."""
-    from detcomm.fold import BATCH_INVARIANT, average, select_leaf
+    from detcomm.fold import BATCH_INVARIANT, average, canonicalize_nan, select_leaf
 
     leaf = select_leaf(device_type="cuda", required=frozenset({BATCH_INVARIANT}))
     w = 3
@@ -68,6 +68,11 @@ def test_cuda_leaf_keeps_a_narrow_fold_in_fp32_for_avg(dtype: str) -> None:
     # negative control: rounding the fold to the dtype before the division gives other bits
     rounded_first = average(leaf.fold(stacked, DTYPES[dtype]).float(), w, DTYPES[dtype])
     assert not np.array_equal(to_bits(rounded_first), expected)
+    if dtype == "float16":
+        # negative control: dividing by a Python scalar lets torch's CUDA kernel multiply by the reciprocal, which
+        # these fp16 averages expose (bf16's coarser rounding happens to hide it on this payload)
+        by_reciprocal = canonicalize_nan((leaf.fold(stacked, torch.float32) / float(w)).to(DTYPES[dtype]))
+        assert not np.array_equal(to_bits(by_reciprocal), expected)
 
 
 def test_subnormals_survive_on_cuda() -> None:

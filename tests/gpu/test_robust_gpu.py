@@ -130,6 +130,8 @@ _SOAK_ROUTES = {"soak.ws": "ipc_fold", "soak.big": "ipc_fold", "soak.rs": "ipc_f
 def _soak_job(rank: int, w: int, seconds: float, device: str | None) -> dict[str, object]:
     import random
 
+    import torch.distributed as dist
+
     import detcomm
 
     # 1 MiB per launch: the larger calls of soak.ws and soak.big are chunked.
@@ -159,7 +161,15 @@ def _soak_job(rank: int, w: int, seconds: float, device: str | None) -> dict[str
     calls = mismatches = 0
     per_site = dict.fromkeys(_SOAK_ROUTES, 0)
     end = time.monotonic() + seconds
-    while time.monotonic() < end or min(per_site.values()) < 3:
+    # The ranks stop together: every 16 calls they agree (MAX over ranks) on whether any rank's time is up. Each
+    # rank's own clock alone would let one rank make a call its peers never join.
+    flag = torch.zeros(1, device="cpu" if dist.get_backend() == "gloo" else dev)
+    while True:
+        if calls % 16 == 0:
+            flag.fill_(float(time.monotonic() >= end and min(per_site.values()) >= 3))
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            if flag.item():
+                break
         site = rng.choice(sorted(_SOAK_ROUTES))
         seed = rng.randrange(1 << 30)
         time.sleep(rng.random() * 0.002 * (rank + 1))  # injected host delay, different per rank

@@ -59,12 +59,22 @@ def test_deadline_ends_the_kernel_without_a_trap_one_record_per_rank(algo):
                 print("RAISED", r, e)
         print("CONTEXT-OK", float(torch.ones(4, device="cuda:0").sum()))
         with torch.cuda.stream(streams[2]):
-            views[2].all_reduce(x)  # its kernel sees the abort word and stops at once
+            views[2].all_reduce(x, algo="{algo}")  # its kernel sees the abort word and stops at once
         try:
             views[2].synchronize()
             print("NO-RAISE 2")
         except WorkspaceFailed as e:
             print("RAISED", 2, e)
+        # A kernel that finds the workspace failed arrives nowhere: no START flag of rank 2 in the peers' headers
+        # (a barrier kernel looks before arriving; a one-store kernel pushes first and looks before it waits).
+        import cupy
+        from detcomm.workspace import plan
+        words = plan.flag_index(1, 1, plan.MAX_BLOCKS - 1, plan.MAX_WORLD - 1) + 1
+        for r in (0, 1):
+            mem = cupy.cuda.UnownedMemory(views[r]._transport.ptrs[r], words * 4, owner=None)
+            flags = cupy.ndarray((words,), dtype=cupy.uint32, memptr=cupy.cuda.MemoryPointer(mem, 0)).get()
+            from2 = [int(flags[plan.flag_index(0, p, b, 2)]) for p in range(2) for b in range(plan.MAX_BLOCKS)]
+            print("FLAGS-FROM-2", r, max(from2))
         for r in range(3):
             try:
                 views[r].all_reduce(x)
@@ -84,6 +94,8 @@ def test_deadline_ends_the_kernel_without_a_trap_one_record_per_rank(algo):
         # one printed line per rank, although all 44 blocks (and 2 threads each) hit the deadline
         assert sum(l.startswith(f"detcomm: rank {r}: workspace failed") for l in out.splitlines()) == 1, out
     assert "rank 2 stopped" in out and "kernel failed first" in out, out
+    if algo == "one_shot":
+        assert "FLAGS-FROM-2 0 0" in out and "FLAGS-FROM-2 1 0" in out, out
     assert all(f"REFUSED {r}" in out for r in range(3)), out
 
 
