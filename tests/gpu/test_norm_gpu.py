@@ -310,6 +310,9 @@ def _fused_sequence(views, *, slow: int | None, seed: int, n: int = 24) -> list[
         res = [random_bits(rows, hidden, dtype, seed=seed + i, rank=k) for k in range(world)]
         staged.append((op, algo, xs, res, [to_torch(x, dtype).cuda() for x in xs],
                        [to_torch(r, dtype).cuda() for r in res]))
+    # Load torch's sleep kernel now: CUDA loads a module at its first launch, and a load while the other ranks'
+    # kernels spin waits for them, so the late rank would never launch (seen: a 30 s deadline at W = 3).
+    torch.cuda._sleep(1)
     torch.cuda.synchronize()
     streams = [torch.cuda.Stream() for _ in views]
     outs: list[list] = []
