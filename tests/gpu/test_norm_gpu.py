@@ -344,10 +344,13 @@ def _fused_sequence(views, *, slow: int | None, seed: int, n: int = 24) -> list[
 def test_fused_one_store_back_to_back_with_one_store_all_reduces_and_a_late_rank() -> None:
     """W = 3: the fused and the plain one-store kernels share the region's two buffers and the blocks' launch
     counters (every block of every one-store launch advances its counter, whatever it carries). Long runs of
-    back-to-back calls with changing row counts, one rank late to every call, give the oracles' bits. Control: the
-    single-buffer build is caught by the same run (wrong bits, or a failed workspace)."""
-    from detcomm.errors import WorkspaceFailed
+    back-to-back calls with changing row counts, one rank late to every call, give the oracles' bits.
 
+    No negative control here: on one H200 the single-buffer build ran this sequence without a wrong bit (a late
+    rank on a shared GPU never lets a peer get a whole launch ahead inside one buffer's lifetime), so a control
+    here could not fail. The buffer choice is one function (lam_open in csrc/lamport_common.cuh) that both kernels
+    call; its control is the deterministic one, test_workspace_lamport.py::test_a_peer_one_launch_ahead[one_buffer],
+    which emulates a peer a whole launch ahead and is caught. The bits here are checked against the oracles."""
     views = _fused_ranks(3, fresh=True, timeout_s=30.0)
     for slow in (None, 2, 0):
         bad = _fused_sequence(views, slow=slow, seed=60 + (slow or 0))
@@ -356,12 +359,3 @@ def test_fused_one_store_back_to_back_with_one_store_all_reduces_and_a_late_rank
         assert bad == [], bad
     assert {x for c, _, x in views[0].variants_run if c == "all_reduce_rmsnorm"} >= {"fused_lamport",
                                                                                       "fused_one_shot"}
-    one = _fused_ranks(3, "one_buffer", fresh=True, timeout_s=3.0)
-    failed: list[str] = []
-    try:
-        bad = _fused_sequence(one, slow=2, seed=70)
-    except WorkspaceFailed as e:
-        bad, failed = [], [str(e)]
-    torch.cuda.synchronize()
-    failed += _failures(one)
-    assert bad or failed, "the single-buffer control passed: the test cannot see a buffer reused too early"
