@@ -680,7 +680,8 @@ class _HotSite:
     one comparison, and whether its route writes in place. Only sites without cross-rank call checking are
     cached (init(check=True) checks every call in full)."""
 
-    __slots__ = ("site", "collective", "op", "dtype", "ndim", "tail", "max_rows", "device", "in_place", "mul", "div")
+    __slots__ = ("site", "collective", "op", "dtype", "ndim", "tail", "width", "max_rows", "device", "in_place", "mul",
+                 "div")
 
     def __init__(self, site: Site, in_place: bool, device: torch.device, world_size: int) -> None:
         self.site = site
@@ -689,6 +690,9 @@ class _HotSite:
         self.dtype = site.dtype
         self.ndim = 1 + len(site.shape)
         self.tail = site.shape
+        # One trailing dimension (a hidden size: the usual site) is compared as an int: slicing a torch.Size builds
+        # a new one on every call. None: compare the whole trailing shape.
+        self.width = site.shape[0] if len(site.shape) == 1 else None
         self.max_rows = site.max_rows
         self.device = device
         self.in_place = in_place
@@ -702,7 +706,8 @@ class _HotSite:
         if type(x) is not torch.Tensor:
             return _REFUSED
         sh = x.shape
-        if (len(sh) != self.ndim or sh[0] > self.max_rows or x.dtype is not self.dtype or sh[1:] != self.tail
+        if (len(sh) != self.ndim or sh[0] > self.max_rows or x.dtype is not self.dtype
+                or (sh[1] != self.width if self.width is not None else sh[1:] != self.tail)
                 or x.device != self.device or not x.is_contiguous() or sh[0] % self.div):
             return _REFUSED
         if out is None:
@@ -715,7 +720,7 @@ class _HotSite:
         if self.mul == self.div == 1:
             if osh != sh:
                 return _REFUSED
-        elif len(osh) != self.ndim or osh[0] != sh[0] * self.mul // self.div or osh[1:] != self.tail:
+        elif len(osh) != self.ndim or osh[0] != sh[0] * self.mul // self.div or osh[1:] != sh[1:]:
             return _REFUSED
         if not out.is_contiguous():
             return _REFUSED
