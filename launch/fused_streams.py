@@ -6,7 +6,8 @@ For a machine with one GPU (the multi-GPU bench is `python -m detcomm.bench.norm
 in-process workspace captures its calls in its own CUDA graph (10 calls per graph) and the W graphs are replayed
 together; median of 20 replays, us per call. Columns: fused (the workspace's automatic kernel: one-store at decode
 sizes), fused_one_shot (forced barrier kernel), unfused (the workspace all-reduce, automatic kernel, then
-detcomm.norm.add_rms_norm). Bits: fused == unfused checked on every shape and rank before timing.
+detcomm.norm.add_rms_norm), and the two parts of unfused alone (all_reduce; add + norm), so fused - all_reduce is the
+fused kernel's norm tail. Bits: fused == unfused checked on every shape and rank before timing.
 """
 
 # ruff: noqa: B023  (the per-shape closures run only inside their own loop iteration)
@@ -38,8 +39,9 @@ def main() -> None:
     main_s = torch.cuda.current_stream(dev)
     eps32 = norm.eps_fp32(EPS)
     print(f"W={w} streams of one {torch.cuda.get_device_name(0)}, bf16, graphs of 10 calls, median of 20 replays")
-    print("| hidden | rows | fused kernel | fused us | fused_one_shot us | unfused us | fused/unfused | bits equal |")
-    print("| ---: | ---: | --- | ---: | ---: | ---: | ---: | --- |")
+    print("| hidden | rows | fused kernel | fused us | fused_one_shot us | unfused us | all_reduce us | add + norm us | "
+          "fused - all_reduce us | fused/unfused | bits equal |")
+    print("| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     for h in (int(v) for v in args.hidden.split(",")):
         weight = (1.0 + 0.1 * torch.randn(h, device=dev)).to(torch.bfloat16)
         # Load the norm kernel before any rank spins: in one process a module load waits for the running kernels.
@@ -56,6 +58,9 @@ def main() -> None:
                                                                         label="f1"),
                 "unfused": lambda r: norm.add_rms_norm(views[r].all_reduce(xs[r], out=outs[r], label="u"), res[r],
                                                        weight, eps=EPS),
+                # the unfused composition's two parts alone: what the fused kernel's norm tail is measured against
+                "all_reduce": lambda r: views[r].all_reduce(xs[r], out=outs[r], label="a"),
+                "norm": lambda r: norm.add_rms_norm(outs[r], res[r], weight, eps=EPS),
             }
 
             def all_ranks(name: str) -> list:
@@ -106,8 +111,9 @@ def main() -> None:
                 times[name] = samples[len(samples) // 2]
                 del graphs
             print(f"| {h} | {n} | {kernel} | {times['fused']:.2f} | {times['fused_one_shot']:.2f} | "
-                  f"{times['unfused']:.2f} | {times['fused'] / times['unfused']:.2f} | {'yes' if same else 'NO'} |",
-                  flush=True)
+                  f"{times['unfused']:.2f} | {times['all_reduce']:.2f} | {times['norm']:.2f} | "
+                  f"{times['fused'] - times['all_reduce']:.2f} | {times['fused'] / times['unfused']:.2f} | "
+                  f"{'yes' if same else 'NO'} |", flush=True)
     for v in views:
         v.check()
 
