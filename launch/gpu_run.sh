@@ -101,6 +101,11 @@ if has bench; then
     say "bench gather_fold graph rc=$?"; grep -E '^\| [0-9].*(gather_fold|nccl) ' "$OUT/bench_gather_graph.log" | head -6
   fi
 fi
+if has bench; then
+  # The goals table of docs/performance.md from this call's JSON (rows this machine cannot measure: "not measured")
+  $PY launch/goals_table.py "$OUT/bench_streams.json" "$OUT/bench_nccl.json" "$OUT/bench_gather_graph.json" \
+    2>&1 | tee "$OUT/goals.md"
+fi
 if has soak; then
   # processes sharing one GPU (W = 2 for SOAK_S seconds, W = 3 for half of it), then one GPU per rank where >= 2
   DETCOMM_GPU_SOAK_S=${SOAK_S:-40} timeout 420 $PY -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu/test_robust_gpu.py \
