@@ -11,13 +11,14 @@ of the first case. ``--cuda`` times the real workspace route on one GPU instead 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import os
 import pstats
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -48,6 +49,33 @@ def _per_call_us(fn: Callable[[], object], calls: int, repeats: int) -> float:
     return statistics.median(samples)
 
 
+@contextlib.contextmanager
+def _one_rank_group() -> Iterator[None]:
+    """A one-rank gloo group for the body; detcomm is shut down after a body that returns, the group destroyed
+    in any case."""
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 'store')}", rank=0, world_size=1)
+        try:
+            yield
+            detcomm.shutdown()
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+def _profile(fn: Callable[[], object], *, rounds: int, calls: int, lines: int, sync: bool = False) -> None:
+    """A cProfile of `rounds` x `calls` calls of fn (sync: the device drained after each round), by own time."""
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(rounds):
+        for _ in range(calls):
+            fn()
+        if sync:
+            torch.cuda.synchronize()
+    prof.disable()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--calls", type=int, default=20000)
@@ -59,41 +87,28 @@ def main(argv: list[str] | None = None) -> None:
     if a.cuda:
         _main_cuda(a.repeats, a.profile)
         return
-    with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 'store')}", rank=0, world_size=1)
-        try:
-            comm = detcomm.init(numerics="auto", selfcheck=False)
-            # The native route's binding, swapped before the site is declared, so the site is bound to it the
-            # way every route is (the communicator's caches included).
-            comm.auto._backends[Route.NATIVE] = _NopBackend()
-            site = detcomm.site("bench.host", collective="all_reduce", dtype=torch.bfloat16, shape=(8192,),
-                                max_rows=8)
-            detcomm.site("bench.rs", collective="reduce_scatter", dtype=torch.bfloat16, shape=(8192,), max_rows=8)
-            assert {e.decision.route for e in comm.routes().entries} == {Route.NATIVE}
-            x = torch.zeros(1, 8192, dtype=torch.bfloat16)
-            buf = torch.empty_like(x)
-            cases: dict[str, Callable[[], object]] = {
-                "all_reduce(x, name)": lambda: detcomm.all_reduce(x, "bench.host"),
-                "all_reduce(x, name, out=buf)": lambda: detcomm.all_reduce(x, "bench.host", out=buf),
-                "all_reduce(x, name, out=x)": lambda: detcomm.all_reduce(x, "bench.host", out=x),
-                "all_reduce(x, site)": lambda: detcomm.all_reduce(x, site),
-                "comm.all_reduce(x, name)": lambda: comm.all_reduce(x, "bench.host"),
-                "reduce_scatter(x, name, out=buf)": lambda: detcomm.reduce_scatter(x, "bench.rs", out=buf),
-            }
-            for label, fn in cases.items():
-                print(f"{label:34s} {_per_call_us(fn, a.calls, a.repeats):7.2f} us/call")
-            if a.profile:
-                prof = cProfile.Profile()
-                fn = cases["all_reduce(x, name, out=buf)"]
-                prof.enable()
-                for _ in range(a.calls):
-                    fn()
-                prof.disable()
-                pstats.Stats(prof).sort_stats("tottime").print_stats(15)
-            detcomm.shutdown()
-        finally:
-            if dist.is_initialized():
-                dist.destroy_process_group()
+    with _one_rank_group():
+        comm = detcomm.init(numerics="auto", selfcheck=False)
+        # The native route's binding, swapped before the site is declared, so the site is bound to it the way
+        # every route is (the communicator's caches included).
+        comm.auto._backends[Route.NATIVE] = _NopBackend()
+        site = detcomm.site("bench.host", collective="all_reduce", dtype=torch.bfloat16, shape=(8192,), max_rows=8)
+        detcomm.site("bench.rs", collective="reduce_scatter", dtype=torch.bfloat16, shape=(8192,), max_rows=8)
+        assert {e.decision.route for e in comm.routes().entries} == {Route.NATIVE}
+        x = torch.zeros(1, 8192, dtype=torch.bfloat16)
+        buf = torch.empty_like(x)
+        cases: dict[str, Callable[[], object]] = {
+            "all_reduce(x, name)": lambda: detcomm.all_reduce(x, "bench.host"),
+            "all_reduce(x, name, out=buf)": lambda: detcomm.all_reduce(x, "bench.host", out=buf),
+            "all_reduce(x, name, out=x)": lambda: detcomm.all_reduce(x, "bench.host", out=x),
+            "all_reduce(x, site)": lambda: detcomm.all_reduce(x, site),
+            "comm.all_reduce(x, name)": lambda: comm.all_reduce(x, "bench.host"),
+            "reduce_scatter(x, name, out=buf)": lambda: detcomm.reduce_scatter(x, "bench.rs", out=buf),
+        }
+        for label, fn in cases.items():
+            print(f"{label:34s} {_per_call_us(fn, a.calls, a.repeats):7.2f} us/call")
+        if a.profile:
+            _profile(cases["all_reduce(x, name, out=buf)"], rounds=1, calls=a.calls, lines=15)
 
 
 def _host_us(fn: Callable[[], object], calls: int, repeats: int) -> float:
@@ -116,38 +131,24 @@ def _main_cuda(repeats: int, profile: bool) -> None:
     """The workspace route for real on one GPU: a one-rank group (the W = 1 kernel folds x straight into out),
     16 KiB bf16 per call. The host path is the one every W takes (site lookup, checks, the bound launcher, the
     in-flight guard, cuLaunchKernel, the event record); torch's own one-kernel op is timed beside it."""
-    with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 'store')}", rank=0, world_size=1)
-        try:
-            comm = detcomm.init(numerics="rl-bitwise", device="cuda:0")
-            detcomm.site("bench.host", collective="all_reduce", dtype=torch.bfloat16, shape=(8192,), max_rows=8)
-            route = {e["site"]: e["route"] for e in comm.routes().as_dicts()}["bench.host"]
-            x = torch.randn(1, 8192, device="cuda:0").to(torch.bfloat16)
-            buf = torch.empty_like(x)
-            cases: dict[str, Callable[[], object]] = {
-                "detcomm.all_reduce(x, name)": lambda: detcomm.all_reduce(x, "bench.host"),
-                "detcomm.all_reduce(x, name, out=buf)": lambda: detcomm.all_reduce(x, "bench.host", out=buf),
-                "detcomm.all_reduce(x, name, out=x)": lambda: detcomm.all_reduce(x, "bench.host", out=x),
-                "torch.add(x, x, out=buf) (one torch kernel)": lambda: torch.add(x, x, out=buf),
-            }
-            print(f"route {route}; one rank on {torch.cuda.get_device_name(0)}; 200 back-to-back calls, median of "
-                  f"{repeats} repeats")
-            for label, fn in cases.items():
-                print(f"{label:44s} {_host_us(fn, 200, repeats):7.2f} us/call")
-            if profile:
-                prof = cProfile.Profile()
-                fn = cases["detcomm.all_reduce(x, name, out=buf)"]
-                prof.enable()
-                for _ in range(10):
-                    for _ in range(200):
-                        fn()
-                    torch.cuda.synchronize()
-                prof.disable()
-                pstats.Stats(prof).sort_stats("tottime").print_stats(14)
-            detcomm.shutdown()
-        finally:
-            if dist.is_initialized():
-                dist.destroy_process_group()
+    with _one_rank_group():
+        comm = detcomm.init(numerics="rl-bitwise", device="cuda:0")
+        detcomm.site("bench.host", collective="all_reduce", dtype=torch.bfloat16, shape=(8192,), max_rows=8)
+        route = {e["site"]: e["route"] for e in comm.routes().as_dicts()}["bench.host"]
+        x = torch.randn(1, 8192, device="cuda:0").to(torch.bfloat16)
+        buf = torch.empty_like(x)
+        cases: dict[str, Callable[[], object]] = {
+            "detcomm.all_reduce(x, name)": lambda: detcomm.all_reduce(x, "bench.host"),
+            "detcomm.all_reduce(x, name, out=buf)": lambda: detcomm.all_reduce(x, "bench.host", out=buf),
+            "detcomm.all_reduce(x, name, out=x)": lambda: detcomm.all_reduce(x, "bench.host", out=x),
+            "torch.add(x, x, out=buf) (one torch kernel)": lambda: torch.add(x, x, out=buf),
+        }
+        print(f"route {route}; one rank on {torch.cuda.get_device_name(0)}; 200 back-to-back calls, median of "
+              f"{repeats} repeats")
+        for label, fn in cases.items():
+            print(f"{label:44s} {_host_us(fn, 200, repeats):7.2f} us/call")
+        if profile:
+            _profile(cases["detcomm.all_reduce(x, name, out=buf)"], rounds=10, calls=200, lines=14, sync=True)
 
 
 if __name__ == "__main__":
