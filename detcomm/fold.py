@@ -96,11 +96,11 @@ def average(folded_fp32: torch.Tensor, world_size: int, out_dtype: torch.dtype) 
 
 
 def divide_exactly(t: torch.Tensor, divisor: int) -> torch.Tensor:
-    """``t / divisor``, one correctly rounded IEEE division per element, on every device. The divisor is a tensor
-    on t's device: given a Python or CPU scalar, torch's CUDA kernel multiplies by the rounded reciprocal instead,
+    """``t / divisor``, one correctly rounded IEEE division per element, on every device. The divisor is a full
+    tensor like t: given a Python or CPU scalar, torch's CUDA kernel multiplies by the rounded reciprocal instead,
     which differs from the division in the last bit for some inputs (seen on an H200: fp16 averages of 3 ranks off
-    the CPU's bits). A 0-dim fill is capturable in a CUDA graph; a host-to-device copy of the divisor would not be."""
-    return torch.div(t, torch.full((), divisor, dtype=t.dtype, device=t.device))
+    the CPU's bits). A fill is capturable in a CUDA graph; a host-to-device copy of the divisor would not be."""
+    return torch.div(t, torch.full_like(t, divisor))
 
 
 # The most inputs one leaf call folds in fold_shards: every registered leaf folds at least this many (the CUDA

@@ -32,7 +32,7 @@ import torch
 
 from . import norm_cuda
 from .envelope import Resolved
-from .fold import BATCH_INVARIANT, FLOAT_DTYPES, canonicalize_nan
+from .fold import BATCH_INVARIANT, FLOAT_DTYPES, canonicalize_nan, divide_exactly
 from .route import Site
 
 __all__ = [
@@ -153,10 +153,10 @@ def sqrt_rn(v: torch.Tensor) -> torch.Tensor:
 def inv_rms(sum_sq: torch.Tensor, hidden: int, eps32: float) -> torch.Tensor:
     """1 / sqrt(S / H + eps) with every step one correctly rounded fp32 operation.
 
-    Both operands of each division are full tensors: torch turns a division by a scalar into a multiplication by
-    its reciprocal on some devices and dtypes, which is a different rounding."""
+    Both operands of each division are full tensors (fold.divide_exactly): torch turns a division by a scalar into
+    a multiplication by its reciprocal on some devices and dtypes, which is a different rounding."""
     assert sum_sq.dtype == torch.float32
-    mean = torch.div(sum_sq, torch.full_like(sum_sq, float(hidden)))
+    mean = divide_exactly(sum_sq, hidden)
     var = torch.add(mean, torch.full_like(mean, eps32))
     return torch.div(torch.ones_like(var), sqrt_rn(var))
 
