@@ -100,8 +100,6 @@ if has bench; then
       --sizes 16 --gather-graph > "$OUT/bench_gather_graph.log" 2>&1
     say "bench gather_fold graph rc=$?"; grep -E '^\| [0-9].*(gather_fold|nccl) ' "$OUT/bench_gather_graph.log" | head -6
   fi
-fi
-if has bench; then
   # The goals table of docs/performance.md from this call's JSON (rows this machine cannot measure: "not measured")
   $PY launch/goals_table.py "$OUT/bench_streams.json" "$OUT/bench_nccl.json" "$OUT/bench_gather_graph.json" \
     2>&1 | tee "$OUT/goals.md"
