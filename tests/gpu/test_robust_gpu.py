@@ -265,6 +265,7 @@ def test_barrier_epochs_across_the_wrap(world: int) -> None:
     import cupy
     from harness import Ranks
 
+    from detcomm.symm_mem.ipc import _u32_view
     from detcomm.workspace import Workspace, plan
 
     start = (1 << 32) - 5
@@ -273,8 +274,7 @@ def test_barrier_epochs_across_the_wrap(world: int) -> None:
     assert plan.epoch_index(plan.BARRIER_KINDS - 1, plan.MAX_BLOCKS - 1) == words - 1
     torch.cuda.synchronize()
     for base in views[0]._transport.ptrs:
-        mem = cupy.cuda.UnownedMemory(base, words * 4, owner=None)
-        cupy.ndarray((words,), dtype=cupy.uint32, memptr=cupy.cuda.MemoryPointer(mem, 0)).fill(start)
+        _u32_view(cupy, base, words, 0).fill(start)
     cupy.cuda.runtime.deviceSynchronize()
     R = Ranks(views)
     for it in range(12):

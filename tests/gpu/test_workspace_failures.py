@@ -68,11 +68,11 @@ def test_deadline_ends_the_kernel_without_a_trap_one_record_per_rank(algo):
         # A kernel that finds the workspace failed arrives nowhere: no START flag of rank 2 in the peers' headers
         # (a barrier kernel looks before arriving; a one-store kernel pushes first and looks before it waits).
         import cupy
+        from detcomm.symm_mem.ipc import _u32_view
         from detcomm.workspace import plan
         words = plan.flag_index(1, 1, plan.MAX_BLOCKS - 1, plan.MAX_WORLD - 1) + 1
         for r in (0, 1):
-            mem = cupy.cuda.UnownedMemory(views[r]._transport.ptrs[r], words * 4, owner=None)
-            flags = cupy.ndarray((words,), dtype=cupy.uint32, memptr=cupy.cuda.MemoryPointer(mem, 0)).get()
+            flags = _u32_view(cupy, views[r]._transport.ptrs[r], words, 0).get()
             from2 = [int(flags[plan.flag_index(0, p, b, 2)]) for p in range(2) for b in range(plan.MAX_BLOCKS)]
             print("FLAGS-FROM-2", r, max(from2))
         for r in range(3):
