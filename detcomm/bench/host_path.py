@@ -27,6 +27,8 @@ import detcomm
 from detcomm.backends.base import Bound
 from detcomm.route import Route, Site
 
+from .timing import host_us_per_call
+
 
 class _NopBackend:
     """The native route doing nothing: returns the caller's ``out`` (in place included) or the input."""
@@ -111,22 +113,6 @@ def main(argv: list[str] | None = None) -> None:
             _profile(cases["all_reduce(x, name, out=buf)"], rounds=1, calls=a.calls, lines=15)
 
 
-def _host_us(fn: Callable[[], object], calls: int, repeats: int) -> float:
-    """Host time per call of `calls` back-to-back eager calls, the device idle at the start of each repeat: few
-    enough calls that the launch queue never fills, so the host never waits for the device."""
-    fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        samples.append((time.perf_counter() - t0) / calls * 1e6)
-    torch.cuda.synchronize()
-    return statistics.median(samples)
-
-
 def _main_cuda(repeats: int, profile: bool) -> None:
     """The workspace route for real on one GPU: a one-rank group (the W = 1 kernel folds x straight into out),
     16 KiB bf16 per call. The host path is the one every W takes (site lookup, checks, the bound launcher, the
@@ -146,7 +132,7 @@ def _main_cuda(repeats: int, profile: bool) -> None:
         print(f"route {route}; one rank on {torch.cuda.get_device_name(0)}; 200 back-to-back calls, median of "
               f"{repeats} repeats")
         for label, fn in cases.items():
-            print(f"{label:44s} {_host_us(fn, 200, repeats):7.2f} us/call")
+            print(f"{label:44s} {host_us_per_call(fn, calls=200, repeats=repeats):7.2f} us/call")
         if profile:
             _profile(cases["detcomm.all_reduce(x, name, out=buf)"], rounds=10, calls=200, lines=14, sync=True)
 

@@ -41,6 +41,7 @@ import torch
 
 from detcomm.dtypes import info
 
+from .timing import host_us_per_call
 from .timing import median_ms_back_to_back as _median_ms
 
 SIZES = [16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
@@ -241,28 +242,12 @@ def _progress(rank: int, row: dict) -> None:
         print("ROW " + json.dumps(row), flush=True)
 
 
-def _host_times(world: int, size: int, cands: dict, gloo: Any, *, calls: int = 200, repeats: int = 15) -> list[dict]:
-    """Host time per eager call: `calls` back-to-back calls timed by the host clock with the device idle when
-    they start (synchronized before), median over repeats. 200 small launches stay far below the launch queue's
-    depth, so the host never waits for the device: this is the Python + driver cost of one call."""
+def _host_times(world: int, size: int, cands: dict, gloo: Any) -> list[dict]:
+    """Host time per eager call of each candidate (timing.host_us_per_call), every repeat started together."""
     import torch.distributed as dist
 
-    rows = []
-    for name, fn in cands.items():
-        fn()
-        torch.cuda.synchronize()
-        samples = []
-        for _ in range(repeats):
-            dist.barrier(group=gloo)
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            samples.append((time.perf_counter() - t) / calls)
-            torch.cuda.synchronize()
-        samples.sort()
-        rows.append({"mode": "host", "world": world, "bytes": size, "impl": name, "host_us": samples[len(samples) // 2] * 1e6})
-    return rows
+    return [{"mode": "host", "world": world, "bytes": size, "impl": name,
+             "host_us": host_us_per_call(fn, barrier=lambda: dist.barrier(group=gloo))} for name, fn in cands.items()]
 
 
 NCCL_ENVS = {"default": {}, "ring_simple": {"NCCL_ALGO": "Ring", "NCCL_PROTO": "Simple"}}

@@ -15,7 +15,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["synced", "time_cpu", "time_cuda_eager", "time_cuda_graph", "median_ms_back_to_back", "summarize", "bandwidth"]
+__all__ = ["synced", "time_cpu", "time_cuda_eager", "time_cuda_graph", "median_ms_back_to_back", "host_us_per_call",
+           "summarize", "bandwidth"]
 
 
 def synced(fn: Callable[[], object], *, cuda: bool) -> Callable[[], None]:
@@ -46,6 +47,27 @@ def time_cuda_eager(fn: Callable[[], object], *, iters: int, warmup: int,
     for _ in range(warmup):
         fn()
     return _event_intervals(fn, iters=iters, barrier=barrier)
+
+
+def host_us_per_call(fn: Callable[[], object], *, calls: int = 200, repeats: int = 15,
+                     barrier: Callable[[], None] | None = None) -> float:
+    """Host time per eager call, in microseconds: ``calls`` back-to-back calls timed by the host clock with the
+    device idle when they start (after ``barrier()`` where ranks must start together), the median over
+    ``repeats``. 200 small launches stay far below the launch queue's depth, so the host never waits for the
+    device: this is the Python + driver cost of one call."""
+    fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(repeats):
+        if barrier is not None:
+            barrier()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        samples.append((time.perf_counter() - t) / calls * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(samples)
 
 
 def median_ms_back_to_back(fn: Callable[[], object], *, repeats: int, iters: int, cuda: bool = True) -> float:
