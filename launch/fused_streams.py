@@ -3,11 +3,13 @@
     PYTHONPATH=. python launch/fused_streams.py [--world 2] [--hidden 4096,8192] [--rows 1,8,64,256]
 
 For a machine with one GPU (the multi-GPU bench is `python -m detcomm.bench.norm --fused`). Each rank view of an
-in-process workspace captures its calls in its own CUDA graph (10 calls per graph) and the W graphs are replayed
-together; median of 20 replays, us per call. Columns: fused (the workspace's automatic kernel: one-store at decode
-sizes), fused_one_shot (forced barrier kernel), unfused (the workspace all-reduce, automatic kernel, then
-detcomm.norm.add_rms_norm), and the two parts of unfused alone (all_reduce; add + norm), so fused - all_reduce is the
-fused kernel's norm tail. Bits: fused == unfused checked on every shape and rank before timing.
+in-process workspace captures its calls in its own CUDA graph (--calls per graph) and the W graphs are replayed
+together: --warmup replays first (clocks and caches settle), then the median of --iters replays, us per call.
+Columns: fused and unfused on the default route (ranks sharing a GPU never take the one-store kernel:
+plan.lamport_max_bytes), unfused = the workspace all-reduce then detcomm.norm.add_rms_norm; the two parts of unfused
+alone (all_reduce; add + norm), so fused - all_reduce is the fused kernel's norm tail; and the one-store kernels
+forced (a second workspace with 256 KiB one-store areas; "-" where the launch does not fit them). Bits: every fused
+variant == unfused on every shape and rank, checked before timing.
 """
 
 # ruff: noqa: B023  (the per-shape closures run only inside their own loop iteration)
@@ -31,17 +33,23 @@ def main() -> None:
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--hidden", default="4096,8192")
     ap.add_argument("--rows", default="1,8,64,256")
+    ap.add_argument("--calls", type=int, default=20, help="calls per graph")
+    ap.add_argument("--warmup", type=int, default=5, help="replays before timing")
+    ap.add_argument("--iters", type=int, default=40, help="timed replays (median)")
     args = ap.parse_args()
     w = args.world
     dev = torch.device("cuda", 0)
-    views = Workspace.in_process(w, device=dev, capacity_bytes=8 << 20, lamport_max_bytes=256 << 10, timeout_s=30.0)
+    views = Workspace.in_process(w, device=dev, capacity_bytes=8 << 20, timeout_s=30.0)
+    lam_views = Workspace.in_process(w, device=dev, capacity_bytes=8 << 20, lamport_max_bytes=256 << 10,
+                                     timeout_s=30.0) if w > 1 else None
     streams = [torch.cuda.Stream(dev) for _ in range(w)]
     main_s = torch.cuda.current_stream(dev)
     eps32 = norm.eps_fp32(EPS)
-    print(f"W={w} streams of one {torch.cuda.get_device_name(0)}, bf16, graphs of 10 calls, median of 20 replays")
-    print("| hidden | rows | fused kernel | fused us | fused_one_shot us | unfused us | all_reduce us | add + norm us | "
-          "fused - all_reduce us | fused/unfused | bits equal |")
-    print("| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    print(f"W={w} streams of one {torch.cuda.get_device_name(0)}, bf16, graphs of {args.calls} calls, "
+          f"{args.warmup} warm-up replays, median of {args.iters}")
+    print("| hidden | rows | fused kernel | fused us | unfused us | all_reduce us | add + norm us | "
+          "fused - all_reduce us | fused/unfused | one-store fused us | one-store all_reduce us | bits equal |")
+    print("| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     for h in (int(v) for v in args.hidden.split(",")):
         weight = (1.0 + 0.1 * torch.randn(h, device=dev)).to(torch.bfloat16)
         # Load the norm kernel before any rank spins: in one process a module load waits for the running kernels.
@@ -54,14 +62,17 @@ def main() -> None:
             outs = [torch.empty_like(xs[0]) for _ in range(w)]
             fns = {
                 "fused": lambda r: views[r].all_reduce_rmsnorm(xs[r], res[r], weight, eps32, label="f"),
-                "fused_one_shot": lambda r: views[r].all_reduce_rmsnorm(xs[r], res[r], weight, eps32, algo="one_shot",
-                                                                        label="f1"),
                 "unfused": lambda r: norm.add_rms_norm(views[r].all_reduce(xs[r], out=outs[r], label="u"), res[r],
                                                        weight, eps=EPS),
                 # the unfused composition's two parts alone: what the fused kernel's norm tail is measured against
                 "all_reduce": lambda r: views[r].all_reduce(xs[r], out=outs[r], label="a"),
                 "norm": lambda r: norm.add_rms_norm(outs[r], res[r], weight, eps=EPS),
             }
+            if lam_views is not None and n * h * 2 <= lam_views[0].lamport_max_bytes:
+                fns["fused_lamport"] = lambda r: lam_views[r].all_reduce_rmsnorm(xs[r], res[r], weight, eps32,
+                                                                                algo="lamport", label="fl")
+                fns["all_reduce_lamport"] = lambda r: lam_views[r].all_reduce(xs[r], out=outs[r], algo="lamport",
+                                                                              label="al")
 
             def all_ranks(name: str) -> list:
                 got = []
@@ -76,10 +87,15 @@ def main() -> None:
 
             ref = all_ranks("unfused")
             same = True
-            for name in ("fused", "fused_one_shot"):
-                for (y, r_), (yu, ru) in zip(all_ranks(name), ref):
-                    same &= bool(torch.equal(y.view(torch.int16), yu.view(torch.int16))
-                                 and torch.equal(r_.view(torch.int16), ru.view(torch.int16)))
+            for name in ("fused", "fused_lamport"):
+                if name in fns:
+                    for (y, r_), (yu, ru) in zip(all_ranks(name), ref):
+                        same &= bool(torch.equal(y.view(torch.int16), yu.view(torch.int16))
+                                     and torch.equal(r_.view(torch.int16), ru.view(torch.int16)))
+            all_ranks("all_reduce")
+            all_ranks("norm")
+            if "all_reduce_lamport" in fns:
+                all_ranks("all_reduce_lamport")
             for v in views:
                 v.variants_run.clear()
             all_ranks("fused")
@@ -90,11 +106,11 @@ def main() -> None:
                 for r in range(w):
                     g = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(g, stream=streams[r]):
-                        for _ in range(10):
+                        for _ in range(args.calls):
                             fns[name](r)
                     graphs.append(g)
                 samples = []
-                for it in range(21):
+                for it in range(args.warmup + args.iters):
                     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                     start.record(main_s)
                     for r in range(w):
@@ -105,16 +121,17 @@ def main() -> None:
                         main_s.wait_stream(s)
                     end.record(main_s)
                     torch.cuda.synchronize()
-                    if it:
-                        samples.append(start.elapsed_time(end) * 1e3 / 10)
+                    if it >= args.warmup:
+                        samples.append(start.elapsed_time(end) * 1e3 / args.calls)
                 samples.sort()
                 times[name] = samples[len(samples) // 2]
                 del graphs
-            print(f"| {h} | {n} | {kernel} | {times['fused']:.2f} | {times['fused_one_shot']:.2f} | "
-                  f"{times['unfused']:.2f} | {times['all_reduce']:.2f} | {times['norm']:.2f} | "
-                  f"{times['fused'] - times['all_reduce']:.2f} | {times['fused'] / times['unfused']:.2f} | "
-                  f"{'yes' if same else 'NO'} |", flush=True)
-    for v in views:
+            lam = (f"{times['fused_lamport']:.2f} | {times['all_reduce_lamport']:.2f}" if "fused_lamport" in times
+                   else "- | -")
+            print(f"| {h} | {n} | {kernel} | {times['fused']:.2f} | {times['unfused']:.2f} | {times['all_reduce']:.2f} | "
+                  f"{times['norm']:.2f} | {times['fused'] - times['all_reduce']:.2f} | "
+                  f"{times['fused'] / times['unfused']:.2f} | {lam} | {'yes' if same else 'NO'} |", flush=True)
+    for v in views + (lam_views or []):
         v.check()
 
 

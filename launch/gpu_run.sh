@@ -8,7 +8,7 @@
 #   tests     the in-process and in-place workspace tests and the fused norm tests
 #   core      the CUDA core, fold capture, virtual shards, the trainer backend, robustness, processes per GPU
 #   mutants   the failure-guard mutants (launch/mutations.py --gpu-only; MUTANTS=1,1b,... for a subset)
-#   bench     the stream and NCCL benches, gather_fold captured, the fused bench (and at W = 1), the host path
+#   bench     the stream and NCCL benches, gather_fold captured, the fused bench, the host path
 #   soak      the 40 s soak over every route: processes sharing one GPU, and one GPU per rank where >= 2
 # On one GPU the multi-GPU parts skip themselves: the NCCL bench, the NCCL soak, and the fused bench falls back to W
 # streams of the one GPU (launch/fused_streams.py).
@@ -87,9 +87,6 @@ if has bench; then
     timeout 180 $PY launch/fused_streams.py --world 2 > "$OUT/fused.log" 2>&1
   fi
   say "fused bench rc=$?"; grep -E '^\| [0-9]' "$OUT/fused.log" | head -20
-  # One rank, no peer: the fused kernels' norm tail apart from the exchange (fused minus the plain all-reduce)
-  timeout 90 $PY launch/fused_streams.py --world 1 --hidden 4096,8192 --rows 1,8 > "$OUT/fused_w1.log" 2>&1
-  say "fused W=1 rc=$?"; grep -E '^\| [0-9]' "$OUT/fused_w1.log" | head -6
   # The eager host time of the workspace route on this host, torch's own one-kernel op beside it
   timeout 120 $PY -m detcomm.bench.host_path --cuda --repeats 15 > "$OUT/host.log" 2>&1
   say "host path rc=$?"; grep -E 'us/call|^route' "$OUT/host.log"

@@ -55,8 +55,7 @@ def test_one_store_region_layout():
     for shared in (False, True):
         assert plan.lamport_max_bytes(1, shared_gpu=shared) == 0  # no peer: no one-store path
     assert all(plan.lamport_max_bytes(w, shared_gpu=False) == plan.DEFAULT_LAMPORT_MAX_BYTES for w in range(2, 9))
-    assert plan.lamport_max_bytes(2, shared_gpu=True) == plan.SHARED_GPU_LAMPORT_MAX_BYTES
-    assert all(plan.lamport_max_bytes(w, shared_gpu=True) == 0 for w in range(3, 9))
+    assert all(plan.lamport_max_bytes(w, shared_gpu=True) == 0 for w in range(2, 9))  # never on a shared GPU
     assert plan.lamport_region_bytes(4, 0) == 0
     assert plan.lamport_region_bytes(4, 1000) == plan.LAM_DATA_OFF + 2 * 4 * 1008  # whole packs
     with pytest.raises(ValueError):

@@ -20,7 +20,6 @@ from typing import Any
 import torch
 
 from detcomm.dtypes import FLOAT_NAMES, from_name
-from detcomm.workspace import plan
 
 from . import divergence as div
 from . import timing
@@ -225,11 +224,11 @@ class StreamsHarness:
 
         self.world_size = world_size
         self.device = device
-        # The one-store kernel on at every W, so that ipc_lamport can be measured where the default threshold turns
-        # it off (more than two ranks on one GPU: plan.lamport_max_bytes says why, this bench shows it).
+        # The one-store kernel on at every W >= 2 (areas of 256 KiB), so that ipc_lamport can be measured where the
+        # default turns it off (ranks sharing one GPU: plan.lamport_max_bytes says why, this bench shows it).
         self.views = Workspace.in_process(world_size, device=device, capacity_bytes=capacity_bytes,
                                           max_rows_armed=max_rows_armed, timeout_s=30.0,
-                                          lamport_max_bytes=0 if world_size == 1 else plan.SHARED_GPU_LAMPORT_MAX_BYTES)
+                                          lamport_max_bytes=0 if world_size == 1 else 256 * 1024)
         self.streams = [torch.cuda.Stream(device) for _ in range(world_size)]
         self.main = torch.cuda.current_stream(device)
         self._pools: dict[tuple[torch.dtype, int], tuple[dict[int, torch.Tensor], torch.Tensor]] = {}

@@ -84,10 +84,9 @@ DEFAULT_MAX_ROWS_ARMED = 2048
 DEFAULT_ONE_SHOT_MAX_BYTES = 512 * 1024
 # "Never two-shot": larger than any launch.
 ONE_SHOT_ALWAYS = 1 << 62
-# Launches up to this many bytes take the one-store kernel (csrc/lamport.cu); it is also the capacity of each of its
-# 2 * W areas per rank. See lamport_max_bytes: ranks on their own GPUs, and two ranks sharing one GPU.
+# Launches up to this many bytes take the one-store kernel (csrc/lamport.cu) where ranks have their own GPUs; it is
+# also the capacity of each of its 2 * W areas per rank. See lamport_max_bytes (never on a shared GPU).
 DEFAULT_LAMPORT_MAX_BYTES = 1 << 20
-SHARED_GPU_LAMPORT_MAX_BYTES = 256 * 1024
 # No cap below the SM count by default: grid_blocks says why every SM helps.
 DEFAULT_MAX_GRID = MAX_BLOCKS
 
@@ -147,15 +146,19 @@ def lamport_max_bytes(world_size: int, *, shared_gpu: bool) -> int:
       local; measured on 2x H200 over NVLink (W = 2, CUDA graphs): 16 KiB 5.8 us vs one-shot 8.1, 256 KiB 6.6 vs
       9.6. Above it the one-store kernel's extra local traffic (each rank receives, re-reads and empties W areas)
       grows with the message while the barrier it saves does not.
-    - Ranks sharing one GPU: W = 2 up to SHARED_GPU_LAMPORT_MAX_BYTES (W streams of one H200: 16 KiB 7.0 vs 7.9 us,
-      256 KiB 7.2 vs 8.6); W > 2 never: every rank's W pushes land in the same HBM (W = 8: 16 KiB 15.2 vs one-shot
-      14.2 us, 256 KiB 37.6 vs 16.4)."""
+    - Ranks sharing one GPU: never. Two ranks as two streams of one H200 (CUDA graphs, 1 and 8 rows of 4096 bf16,
+      ten runs on 2026-12-01): one-shot was faster than the one-store kernel in 19 of the 20 pairs, by 0.3-0.8 us
+      (the exception: 0.04 us the other way), and the fused one-store kernel was no faster than the fused one-shot
+      one (8.26 vs 8.24 us at 1 row): with no link between the ranks, the barrier it saves costs less than its
+      extra pass over the areas. More ranks: every rank's W pushes land in the same HBM (W = 8: 16 KiB 15.2 vs
+      one-shot 14.2 us, 256 KiB 37.6 vs 16.4). A caller can still force it (lamport_max_bytes=..., algo="lamport"):
+      the stream bench and the tests do."""
     if not 1 <= world_size <= MAX_WORLD:
         raise ValueError(f"world_size must be in 1..{MAX_WORLD}, got {world_size}")
     if world_size == 1:
         return 0
     if shared_gpu:
-        return SHARED_GPU_LAMPORT_MAX_BYTES if world_size == 2 else 0
+        return 0
     return DEFAULT_LAMPORT_MAX_BYTES
 
 

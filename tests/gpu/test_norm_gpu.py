@@ -119,7 +119,7 @@ def _fused_ranks(world: int, variant: str = "canonical", *, fresh: bool = False,
 
     key = (world, variant)
     if fresh or key not in _FUSED:
-        # The one-store kernels at every W (by default ranks sharing one GPU take them only at W = 2).
+        # The one-store kernels at every W (by default ranks sharing one GPU never take them).
         views = Workspace.in_process(world, device="cuda:0", capacity_bytes=4 << 20, max_rows_armed=4096,
                                      timeout_s=timeout_s, lamport_max_bytes=256 << 10, _variant=variant)
         if fresh:

@@ -196,7 +196,7 @@ def test_init_sets_the_deadline_and_checks_every_variant_before_first_use():
 def _ranks(world: int, **kw) -> Ranks:
     from detcomm.workspace import Workspace
 
-    kw.setdefault("lamport_max_bytes", 1 << 18)  # the one-store kernel at every W (by default only W = 2 on one GPU)
+    kw.setdefault("lamport_max_bytes", 1 << 18)  # the one-store kernel at every W (by default never on one GPU)
 
     return Ranks(Workspace.in_process(world, device="cuda:0", **kw))
 

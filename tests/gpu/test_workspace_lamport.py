@@ -27,7 +27,7 @@ pytestmark = pytest.mark.gpu
 DTYPES = ["float32", "bfloat16", "float16"]
 TRAILING = 40
 CAPACITY = 1 << 20
-# Forced on for every W here: by default ranks sharing one GPU take it only at W = 2 (plan.lamport_max_bytes).
+# Forced on for every W here: by default ranks sharing one GPU never take it (plan.lamport_max_bytes).
 LAMPORT = 256 << 10
 
 
