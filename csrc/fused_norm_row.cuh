@@ -23,17 +23,24 @@ __device__ __forceinline__ i64 fn_block_rows(i64 rows) {
   return rows > b ? (rows - b + G - 1) / G : 0;
 }
 
+// The fused kernels' load batch cap (chunks per lane per batch); the bench-only build "fused_batch4"
+// (detcomm/workspace/kernels.py) sets 4, the batch these kernels had before round 7, to time the two against each other.
+#ifndef DETCOMM_FUSED_BATCH
+#define DETCOMM_FUSED_BATCH 2
+#endif
+
 // Packs per 8-element chunk: 1 for 16-bit dtypes, 2 for fp32.
 template <int DT> struct FnChunk {
   static constexpr int kPacks = NORM_CHUNK / Traits<DT>::kPer;
+  static constexpr int kBudget = DETCOMM_UNROLL / kPacks > 0 ? DETCOMM_UNROLL / kPacks : 1;
   // Chunks whose loads one lane issues before folding any (all W peers each): the workspace's unroll budget, at
-  // most 2. A 512-thread block has 128 registers per thread; a batch of 4 (W = 2, 16-bit dtypes) held 4 * W source
-  // packs plus 8 prefetched residual and weight packs and 4 packs of r, and the one-store variant spilled 380 bytes
-  // per thread: capping the batch at 2 removed the spills and took 2.1 us off its graph time at 1 row of 4096 bf16
-  // (W = 2 streams of one H200: 10.34 -> 8.26 us; docs/performance.md, round 7). Rows wider than 2 * 256 chunks
-  // take the streaming path (fn_norm_row). The batch only groups loads: the summation order is the lane's chunk
-  // order whatever it is.
-  static constexpr int kBatch = DETCOMM_UNROLL / kPacks >= 2 ? 2 : 1;
+  // most DETCOMM_FUSED_BATCH. A 512-thread block has 128 registers per thread; a batch of 4 (W = 2, 16-bit dtypes)
+  // held 4 * W source packs plus 8 prefetched residual and weight packs and 4 packs of r, and the one-store variant
+  // spilled 380 bytes per thread: capping the batch at 2 removed the spills and took 2.1 us off its graph time at 1
+  // row of 4096 bf16 (W = 2 streams of one H200: 10.34 -> 8.26 us; docs/performance.md, round 7). Rows wider than
+  // 2 * 256 chunks take the streaming path (fn_norm_row). The batch only groups loads: the summation order is the
+  // lane's chunk order whatever it is.
+  static constexpr int kBatch = kBudget < DETCOMM_FUSED_BATCH ? kBudget : DETCOMM_FUSED_BATCH;
 };
 
 // One 8-element chunk of a caller's tensor as packs (missing elements read as +0.0), and back to fp32.

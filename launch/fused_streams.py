@@ -9,7 +9,8 @@ Columns: fused and unfused on the default route (ranks sharing a GPU never take 
 plan.lamport_max_bytes), unfused = the workspace all-reduce then detcomm.norm.add_rms_norm; the two parts of unfused
 alone (all_reduce; add + norm), so fused - all_reduce is the fused kernel's norm tail; and the one-store kernels
 forced (a second workspace with 256 KiB one-store areas; "-" where the launch does not fit them). Bits: every fused
-variant == unfused on every shape and rank, checked before timing.
+variant == unfused on every shape and rank, checked before timing. --variant fused_batch4 times the fused kernels
+with their load batch at 4 chunks per lane (the canonical build: 2; csrc/fused_norm_row.cuh says why).
 """
 
 # ruff: noqa: B023  (the per-shape closures run only inside their own loop iteration)
@@ -36,16 +37,23 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=20, help="calls per graph")
     ap.add_argument("--warmup", type=int, default=5, help="replays before timing")
     ap.add_argument("--iters", type=int, default=40, help="timed replays (median)")
+    ap.add_argument("--lamport-grid", type=int, default=None,
+                    help="blocks of the forced one-store launches (Workspace lamport_grid; default: the grid)")
+    ap.add_argument("--variant", default="canonical",
+                    help="kernel build (detcomm.workspace.kernels.VARIANT_MACROS), e.g. fused_batch4: the fused "
+                         "kernels' load batch of 4 chunks per lane instead of 2, the same bits")
     args = ap.parse_args()
     w = args.world
     dev = torch.device("cuda", 0)
-    views = Workspace.in_process(w, device=dev, capacity_bytes=8 << 20, timeout_s=30.0)
+    views = Workspace.in_process(w, device=dev, capacity_bytes=8 << 20, timeout_s=30.0, _variant=args.variant)
     lam_views = Workspace.in_process(w, device=dev, capacity_bytes=8 << 20, lamport_max_bytes=256 << 10,
-                                     timeout_s=30.0) if w > 1 else None
+                                     timeout_s=30.0, lamport_grid=args.lamport_grid,
+                                     _variant=args.variant) if w > 1 else None
     streams = [torch.cuda.Stream(dev) for _ in range(w)]
     main_s = torch.cuda.current_stream(dev)
     eps32 = norm.eps_fp32(EPS)
-    print(f"W={w} streams of one {torch.cuda.get_device_name(0)}, bf16, graphs of {args.calls} calls, "
+    print(f"W={w} streams of one {torch.cuda.get_device_name(0)}, kernels {args.variant}, one-store grid "
+          f"{lam_views[0].lamport_grid if lam_views else '-'}, bf16, graphs of {args.calls} calls, "
           f"{args.warmup} warm-up replays, median of {args.iters}")
     print("| hidden | rows | fused kernel | fused us | unfused us | all_reduce us | add + norm us | "
           "fused - all_reduce us | fused/unfused | one-store fused us | one-store all_reduce us | bits equal |")

@@ -78,15 +78,32 @@ if has bench; then
   timeout 150 $PY -m detcomm.bench.ipc_kernels --out "$OUT/bench_streams" --modes latency --worlds 1,2,8 \
     --sizes 16,256,65536 > "$OUT/bench_streams.log" 2>&1
   say "bench streams rc=$?"; grep -E '^\| [0-9]' "$OUT/bench_streams.log" | head -40
+  timeout 90 $PY -m detcomm.bench.ipc_kernels --out "$OUT/bench_streams_lg16" --modes latency --worlds 1,2 \
+    --sizes 16,256 --lamport-grid 16 > "$OUT/bench_streams_lg16.log" 2>&1
+  say "bench streams, one-store on 16 blocks rc=$?"; grep -E '^\| [0-9].*lamport' "$OUT/bench_streams_lg16.log" | head -6
   if [ "$NGPU" -ge 2 ]; then
     timeout 150 $PY -m detcomm.bench.ipc_kernels --out "$OUT/bench_nccl" --modes nccl --nccl-envs default \
       --sizes 16,64,256,1024,65536 > "$OUT/bench_nccl.log" 2>&1
     say "bench nccl rc=$?"; grep -E '^\| [0-9]' "$OUT/bench_nccl.log" | head -60
+    # The one-store launches on fewer blocks (Workspace lamport_grid): the raw workspace's one-store rows against
+    # the full grid's above, to settle plan.lamport_grid_blocks' default over NVLink
+    for lg in 16 32; do
+      timeout 120 $PY -m detcomm.bench.ipc_kernels --out "$OUT/bench_nccl_lg$lg" --modes nccl --nccl-envs default \
+        --sizes 16,256,1024 --lamport-grid $lg > "$OUT/bench_nccl_lg$lg.log" 2>&1
+      say "bench nccl, one-store on $lg blocks rc=$?"; grep -E '^\| [0-9].*lamport' "$OUT/bench_nccl_lg$lg.log" | head -6
+    done
     timeout 180 $PY -m detcomm.bench.norm --fused --iters 30 --calls-per-graph 10 --out "$OUT/fused" > "$OUT/fused.log" 2>&1
   else
     timeout 180 $PY launch/fused_streams.py --world 2 > "$OUT/fused.log" 2>&1
   fi
   say "fused bench rc=$?"; grep -E '^\| [0-9]' "$OUT/fused.log" | head -20
+  # The fused kernels' two load batches (csrc/fused_norm_row.cuh, DETCOMM_FUSED_BATCH), back to back on two streams
+  # of GPU 0
+  for variant in canonical fused_batch4; do
+    timeout 120 $PY launch/fused_streams.py --world 2 --hidden 4096,8192 --rows 1,8 --variant $variant \
+      > "$OUT/fused_$variant.log" 2>&1
+    say "fused streams, $variant build rc=$?"; grep -E '^\| [0-9]' "$OUT/fused_$variant.log" | head -4
+  done
   # The eager host time of the workspace route on this host, torch's own one-kernel op beside it
   timeout 120 $PY -m detcomm.bench.host_path --cuda --repeats 15 > "$OUT/host.log" 2>&1
   say "host path rc=$?"; grep -E 'us/call|^route' "$OUT/host.log"

@@ -117,12 +117,19 @@ def _stand_in_workspace(lamport_max: int) -> tuple[object, list[tuple[str, list[
     ws = object.__new__(Workspace)
     ws.device, ws._dead, ws.refused, ws.variants_run = torch.device("cpu"), None, {}, set()
     ws._ctrl = SimpleNamespace(tagged=lambda: False)
-    ws.grid, ws.world_size = 132, 2
+    ws.grid, ws.lamport_grid, ws.world_size = 132, 16, 2
     ws._slot_bytes = plan.slot_bytes(4 << 20, 2, ws.grid)
     ws.one_shot_max_bytes, ws.lamport_max_bytes = 512 << 10, lamport_max
     ws._lam_off, ws._lam_cap = 777, plan.lamport_area_bytes(lamport_max)
     launches: list[tuple[str, list[float]]] = []
-    ws._launch = lambda name, args, stream, label: launches.append((name, [a.value for a in args]))
+    grids: list[int | None] = []
+
+    def launch(name: str, args: list, stream: int, label: str | None, *, grid: int | None = None) -> None:
+        launches.append((name, [a.value for a in args]))
+        grids.append(grid)
+
+    ws._launch = launch
+    ws.grids = grids
     ws._collective = lambda: contextlib.nullcontext(0)
     return ws, launches
 
@@ -138,10 +145,12 @@ def test_fused_launches_take_the_one_store_kernel_per_launch() -> None:
 
     def run(rows: int, **kw: object) -> list[tuple[str, int, int]]:
         launches.clear()
+        ws.grids.clear()
         ws.all_reduce_rmsnorm(x[:rows], x[:rows], w, 1e-6, **kw)
         # (kernel, rows, x offset in rows); the one-store launches end with the region's offset and area bytes
-        for name, args in launches:
+        for (name, args), grid in zip(launches, ws.grids, strict=True):
             assert (args[-2:] == [777, 64 << 10]) == (name == lam), (name, args)
+            assert grid == (16 if name == lam else None), (name, grid)  # one-store launches: ws.lamport_grid blocks
         return [(name, int(args[5]), int(args[0] - x.data_ptr()) // (4096 * 2)) for name, args in launches]
 
     assert run(8) == [(lam, 8, 0)]

@@ -194,3 +194,27 @@ def test_nvrtc_compiles_the_runtime_module(tmp_path, monkeypatch):
     assert cubin[:4] == b"\x7fELF"
     assert len(list(tmp_path.glob("*.cubin"))) == 1
     assert kernels.compile_cubin(src, kernels.nvrtc_options(3, "sm_90", module="float32")) == cubin  # from the cache
+
+
+def _spill_stores(tmp_path: Path, world: int, module: str, *defines: str) -> dict[str, int]:
+    """ptxas's spill-store bytes of every kernel of one run-time module (the flattened source NVRTC builds)."""
+    src = tmp_path / "module.cu"
+    src.write_text(kernels.flatten_source())
+    p = subprocess.run([NVCC, *FLAGS, f"-DDETCOMM_W={world}", f"-DDETCOMM_DTYPE={kernels.MODULE_DTYPE_CODES[module]}",
+                        *defines, "-Xptxas", "-v", "-cubin", str(src), "-o", str(tmp_path / "m.cubin")],
+                       capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    found = re.findall(r"Function properties for (\w+)\s*\n\s*\d+ bytes stack frame, (\d+) bytes spill stores", p.stderr)
+    return {name: int(b) for name, b in found}
+
+
+@needs_nvcc
+def test_fused_kernels_keep_their_registers_at_decode_widths(tmp_path):
+    """W = 2, bf16 rows and weight: no fused kernel spills. A load batch of 4 chunks per lane made the one-store
+    variant spill 380 bytes per thread, which cost it 2.1 us per call at 1 row of 4096 (csrc/fused_norm_row.cuh,
+    docs/performance.md round 7). The control: the bench's fused_batch4 build spills again."""
+    canonical = _spill_stores(tmp_path, 2, "bfloat16")
+    fused = {n: b for n, b in canonical.items() if n.startswith("detcomm_fused_rmsnorm_") and n.endswith("_wbf16")}
+    assert len(fused) == 3 and all(b == 0 for b in fused.values()), fused
+    batch4 = _spill_stores(tmp_path, 2, "bfloat16", *kernels.VARIANT_MACROS["fused_batch4"])
+    assert batch4["detcomm_fused_rmsnorm_lamport_bf16_wbf16"] > 0, batch4

@@ -51,6 +51,20 @@ def test_one_store_constants_match_their_header():
         assert defines[name].startswith(expr), (name, defines[name])
 
 
+def test_one_store_grid_is_the_grid_or_less():
+    """Every one-store launch of a workspace runs the same number of blocks (each block counts its launches):
+    the grid, or lamport_grid when smaller; never more (ranks sharing a GPU must stay co-resident)."""
+    assert plan.lamport_grid_blocks(132, None) == 132
+    assert plan.lamport_grid_blocks(132, 16) == 16
+    assert plan.lamport_grid_blocks(16, 132) == 16
+    assert plan.lamport_grid_blocks(1, 1) == 1
+    for bad in (0, -3):
+        with pytest.raises(ValueError, match="lamport_grid"):
+            plan.lamport_grid_blocks(132, bad)
+    with pytest.raises(ValueError, match="grid"):
+        plan.lamport_grid_blocks(0, None)
+
+
 def test_one_store_region_layout():
     for shared in (False, True):
         assert plan.lamport_max_bytes(1, shared_gpu=shared) == 0  # no peer: no one-store path

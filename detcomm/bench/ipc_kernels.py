@@ -8,8 +8,8 @@ Modes:
 - fold: one GPU. The canonical-fold kernel over W local buffers (csrc/fold_local.cu, the fold every collective
   runs) against a device-to-device copy measured in the same run. Bytes counted for the fold: W inputs read + one
   output written; for the copy: read + write. Goal: fold >= 85% of the copy's bandwidth.
-- latency: one GPU, W ranks as W streams of this process (Workspace.in_process). One-store (sizes up to the
-  workspace's lamport_max_bytes), one-shot and two-shot all-reduce latency at W = 2, 4, 8 for 16 KiB .. 64 MiB
+- latency: one GPU, W ranks as W streams of this process (Workspace.in_process). One-store (forced on, up to 256
+  KiB: by default ranks sharing a GPU never take it), one-shot and two-shot all-reduce latency at W = 2, 4, 8 for 16 KiB .. 64 MiB
   (bf16 messages), eager and as CUDA-graph replay. The W ranks share the GPU's SMs and HBM, so large-message times
   are a lower bound on what W GPUs over NVLink would give, not a prediction of it. W = 1 (pass --worlds 1) adds a
   device-to-device copy of the same bytes ("copy"): the local pass against the copy.
@@ -19,6 +19,8 @@ Modes:
   with an output buffer, "detcomm_inplace" with out=x), and, at the smallest size, the host time of one eager
   call of each (mode "host"). gather_fold (the public call on a site routed to gather_fold) is timed eager; with
   --gather-graph also captured in a CUDA graph.
+--lamport-grid N runs the raw workspace's one-store launches on N blocks instead of the whole grid (the public-API
+rows keep the default).
 
 Medians over repeats, timed with CUDA events. The multicast-off variables of docs/spec.md §8 are set here and inherited
 by every child process.
@@ -84,7 +86,8 @@ def bench_fold(quick: bool) -> list[dict]:
 
 
 # ---- (b) in-process latency --------------------------------------------------------------------------------
-def bench_latency(quick: bool, worlds: list[int] = WORLDS, sizes: list[int] | None = None) -> list[dict]:
+def bench_latency(quick: bool, worlds: list[int] = WORLDS, sizes: list[int] | None = None, *,
+                  lamport_grid: int | None = None) -> list[dict]:
     from detcomm.workspace import Workspace
 
     dev = torch.device("cuda", 0)
@@ -92,7 +95,10 @@ def bench_latency(quick: bool, worlds: list[int] = WORLDS, sizes: list[int] | No
     rows = []
     main = torch.cuda.current_stream(dev)
     for w in worlds:
-        views = Workspace.in_process(w, device=dev, capacity_bytes=max(sizes), max_rows_armed=1 << 20, timeout_s=30.0)
+        # The one-store kernel forced on at every W >= 2 (256 KiB areas): ranks sharing a GPU never take it by default
+        # (plan.lamport_max_bytes), and this table is where that rule is checked.
+        views = Workspace.in_process(w, device=dev, capacity_bytes=max(sizes), max_rows_armed=1 << 20, timeout_s=30.0,
+                                     lamport_max_bytes=0 if w == 1 else 256 << 10, lamport_grid=lamport_grid)
         streams = [torch.cuda.Stream(dev) for _ in range(w)]
         for size in sizes:
             n = size // 2
@@ -153,7 +159,7 @@ def bench_latency(quick: bool, worlds: list[int] = WORLDS, sizes: list[int] | No
 
 # ---- (c) multi-GPU against NCCL ----------------------------------------------------------------------------
 def _nccl_rank(rank: int, world: int, init_file: str, sizes: list[int], nccl_env: dict, result_file: str,
-               gather_graph: bool = False) -> None:
+               gather_graph: bool = False, lamport_grid: int | None = None) -> None:
     os.environ.update(MULTICAST_OFF)
     os.environ.update(nccl_env)  # before the communicator exists: NCCL reads its environment at init
     import torch.distributed as dist
@@ -165,7 +171,8 @@ def _nccl_rank(rank: int, world: int, init_file: str, sizes: list[int], nccl_env
     dev = torch.device("cuda", rank)
     dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world, device_id=dev)
     gloo = dist.new_group(backend="gloo")
-    ws = Workspace.create(gloo, device=dev, capacity_bytes=max(sizes), max_rows_armed=1 << 20, timeout_s=60.0)
+    ws = Workspace.create(gloo, device=dev, capacity_bytes=max(sizes), max_rows_armed=1 << 20, timeout_s=60.0,
+                          lamport_grid=lamport_grid)
     # What a caller pays: the public API on the same GPUs, its own workspace armed with the same capacity, the
     # site forced onto the workspace route (numerics="auto" keeps the NCCL environment under test untouched).
     max_rows = max(sizes) // 2048
@@ -254,7 +261,7 @@ NCCL_ENVS = {"default": {}, "ring_simple": {"NCCL_ALGO": "Ring", "NCCL_PROTO": "
 
 
 def bench_nccl(quick: bool, tmp: Path, sizes: list[int] | None = None, envs: list[str] | None = None, *,
-               gather_graph: bool = False) -> list[dict]:
+               gather_graph: bool = False, lamport_grid: int | None = None) -> list[dict]:
     import torch.multiprocessing as mp
 
     world = min(torch.cuda.device_count(), 8)
@@ -267,7 +274,8 @@ def bench_nccl(quick: bool, tmp: Path, sizes: list[int] | None = None, envs: lis
         env = NCCL_ENVS[tag]
         result = tmp / f"nccl_{tag}.json"
         init = tmp / f"init_{tag}_{time.time_ns()}"
-        mp.spawn(_nccl_rank, args=(world, str(init), sizes, env, str(result), gather_graph), nprocs=world, join=True)
+        mp.spawn(_nccl_rank, args=(world, str(init), sizes, env, str(result), gather_graph, lamport_grid), nprocs=world,
+                 join=True)
         rows += json.loads(result.read_text())
     return rows
 
@@ -323,6 +331,9 @@ def main() -> None:
     ap.add_argument("--nccl-envs", default=",".join(NCCL_ENVS), help=f"nccl mode: comma-separated subset of {','.join(NCCL_ENVS)}")
     ap.add_argument("--sizes", default="", help="latency and nccl modes: comma-separated sizes in KiB (default: all)")
     ap.add_argument("--gather-graph", action="store_true", help="nccl mode: also capture gather_fold in a CUDA graph")
+    ap.add_argument("--lamport-grid", type=int, default=None,
+                    help="latency and nccl modes: blocks of the raw workspace's one-store launches (Workspace.create's "
+                         "lamport_grid; default: the workspace grid); the public-API rows keep the default")
     args = ap.parse_args()
     modes = set(args.modes.split(","))
     if not modes <= {"fold", "latency", "nccl"}:
@@ -333,15 +344,17 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     props = torch.cuda.get_device_properties(0)
     header = (f"## detcomm workspace bench: {torch.cuda.device_count()} x {props.name} ({props.multi_processor_count} SMs), "
-              f"torch {torch.__version__}, CUDA {torch.version.cuda}")
+              f"torch {torch.__version__}, CUDA {torch.version.cuda}"
+              + (f", one-store launches on {args.lamport_grid} blocks" if args.lamport_grid else ""))
     rows: list[dict] = []
     if "fold" in modes:
         rows += bench_fold(args.quick)
     sizes = [int(k) << 10 for k in args.sizes.split(",")] if args.sizes else None
     if "latency" in modes:
-        rows += bench_latency(args.quick, [int(w) for w in args.worlds.split(",")], sizes)
+        rows += bench_latency(args.quick, [int(w) for w in args.worlds.split(",")], sizes, lamport_grid=args.lamport_grid)
     if "nccl" in modes:
-        rows += bench_nccl(args.quick, out.parent, sizes, args.nccl_envs.split(","), gather_graph=args.gather_graph)
+        rows += bench_nccl(args.quick, out.parent, sizes, args.nccl_envs.split(","), gather_graph=args.gather_graph,
+                           lamport_grid=args.lamport_grid)
     md = to_markdown(rows, header)
     out.with_suffix(".md").write_text(md + "\n")
     out.with_suffix(".json").write_text(json.dumps({"header": header, "rows": rows}, indent=1))

@@ -60,8 +60,10 @@ TRAP_ENV = "DETCOMM_WORKSPACE_TRAP"
 # Test-only builds: "rotated" folds in the wrong rank order, "stale_flags" lets a barrier pass on an earlier use's flag,
 # "one_buffer" gives the one-store kernel a single buffer, "unmarked" pushes +0.0 unchanged (indistinguishable from an
 # empty word), "single_copy" keeps one copy of the slots, flags and descriptors (no parity). Each is a negative
-# control that a test must catch; "canonical" is the only build a workspace serves with.
-VARIANT_MACROS = {"canonical": (), "rotated": (f"-D{ROTATE_MACRO}=1",),
+# control that a test must catch; "canonical" is the only build a workspace serves with. One build is for the bench
+# only: "fused_batch4" gives the fused kernels a load batch of 4 chunks per lane (csrc/fused_norm_row.cuh,
+# DETCOMM_FUSED_BATCH), the same bits, to time against the canonical batch of 2 (launch/fused_streams.py --variant).
+VARIANT_MACROS = {"canonical": (), "fused_batch4": ("-DDETCOMM_FUSED_BATCH=4",), "rotated": (f"-D{ROTATE_MACRO}=1",),
                   "stale_flags": ("-DDETCOMM_TEST_STALE_FLAGS=1",),
                   "single_copy": ("-DDETCOMM_TEST_SINGLE_COPY=1",),
                   "one_buffer": ("-DDETCOMM_TEST_ONE_BUFFER=1",),

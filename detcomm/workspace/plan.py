@@ -162,6 +162,23 @@ def lamport_max_bytes(world_size: int, *, shared_gpu: bool) -> int:
     return DEFAULT_LAMPORT_MAX_BYTES
 
 
+def lamport_grid_blocks(grid: int, lamport_grid: int | None) -> int:
+    """Blocks of every one-store launch (the plain and the fused kernel): the workspace's grid, or at most
+    `lamport_grid` of it. One number for the workspace's life, identical on every rank: each block keeps its own
+    launch counter and every block of every one-store launch advances it (csrc/lamport_common.cuh), so the blocks
+    that exist must be the same in every launch. It never exceeds the grid, so ranks sharing a GPU stay
+    co-resident. Fewer blocks make a small launch cheaper (one H200, W = 1, 8 KiB: 7.58 us with 132 blocks, 5.20
+    with 16; two ranks on one GPU: 6.86 with 66, 6.15 with 16) and a large one slower (fewer stores in flight):
+    the default keeps the grid until a run over NVLink settles a smaller number (docs/performance.md, round 7)."""
+    if grid < 1:
+        raise ValueError(f"grid must be >= 1, got {grid}")
+    if lamport_grid is None:
+        return grid
+    if lamport_grid < 1:
+        raise ValueError(f"lamport_grid must be >= 1, got {lamport_grid}")
+    return min(grid, lamport_grid)
+
+
 def lamport_region_bytes(world_size: int, lamport_max: int) -> int:
     """Bytes of one rank's one-store region: counters, two buffers of call descriptors, and 2 x W data areas of
     lamport_max bytes rounded up to whole packs. 0 when the one-store path is off (lamport_max == 0)."""

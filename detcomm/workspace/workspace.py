@@ -95,12 +95,15 @@ class Workspace:
     runs (that kernel stops at once), so it raises at the call after, or at `synchronize()`.
     """
 
-    def __init__(self, *, transport: Any, kernels: KernelSet, grid: int, capacity_bytes: int, max_rows_armed: int,
-                 one_shot_max_bytes: int, lamport_max_bytes: int, timeout_ns: int, device: torch.device) -> None:
+    def __init__(self, *, transport: Any, kernels: KernelSet, grid: int, lamport_grid: int, capacity_bytes: int,
+                 max_rows_armed: int, one_shot_max_bytes: int, lamport_max_bytes: int, timeout_ns: int,
+                 device: torch.device) -> None:
         # Private: use Workspace.create or Workspace.in_process.
         self._transport = transport
         self._kernels = kernels
         self.grid = grid
+        #: blocks of every one-store launch (plan.lamport_grid_blocks): the grid unless create() capped it.
+        self.lamport_grid = lamport_grid
         self.capacity_bytes = capacity_bytes
         self.max_rows_armed = max_rows_armed
         self.one_shot_max_bytes = one_shot_max_bytes
@@ -155,7 +158,7 @@ class Workspace:
     def create(cls, group: Any = None, *, device: torch.device | str | int, capacity_bytes: int, max_rows_armed: int,
                one_shot_max_bytes: int | None = None, lamport_max_bytes: int | None = None,
                timeout_s: float = DEFAULT_TIMEOUT_S, max_grid: int = plan.DEFAULT_MAX_GRID,
-               _variant: str = "canonical") -> Workspace:
+               lamport_grid: int | None = None, _variant: str = "canonical") -> Workspace:
         """Arm a workspace over `group` (torch.distributed group; None = default). COLLECTIVE.
 
         capacity_bytes: bytes of one rank's rows one launch carries (init's workspace_bytes; more rows are chunked);
@@ -163,11 +166,13 @@ class Workspace:
         with more rows still work, chunked). one_shot_max_bytes: messages above it take two-shot (None: from the
         topology, plan.one_shot_max_bytes). lamport_max_bytes: all-reduce launches up to this size take the one-store
         kernel (None: from the topology, plan.lamport_max_bytes; 0: never). timeout_s: the device-side deadline of every barrier (see
-        DEFAULT_TIMEOUT_S for why 60 s). Raises ValueError for bad arguments and WorkspaceUnavailable (on every
+        DEFAULT_TIMEOUT_S for why 60 s). max_grid caps the blocks of every launch, lamport_grid those of the
+        one-store launches alone (None: the grid; plan.lamport_grid_blocks). Raises ValueError for bad arguments and WorkspaceUnavailable (on every
         rank, with every rank's reason) when no kernel module, the symmetric memory or the peer-access proof
         fails. A dtype whose module cannot be built on some rank is refused alone on every rank (`refused`,
         `variants`). `_variant` "rotated" / "stale_flags" / "single_copy" / "one_buffer" / "unmarked" build
-        negative-control kernels (tests only; kernels.VARIANT_MACROS).
+        negative-control kernels (tests only), "fused_batch4" the bench's other fused load batch
+        (kernels.VARIANT_MACROS).
         """
         import torch.distributed as dist  # noqa: PLC0415
 
@@ -175,7 +180,7 @@ class Workspace:
 
         _refuse_under_capture("Workspace.create")
         dev = cls._check_args(device, capacity_bytes, max_rows_armed, one_shot_max_bytes, timeout_s, _variant,
-                              lamport_max_bytes)
+                              lamport_max_bytes, lamport_grid)
         world = dist.get_world_size(group)
         if not 1 <= world <= plan.MAX_WORLD:
             raise ValueError(f"the workspace serves groups of 1..{plan.MAX_WORLD} ranks, got {world}")
@@ -190,7 +195,8 @@ class Workspace:
                 err = "kernels: no module could be built: " + "; ".join(f"{m}: {r}" for m, r in refused.items())
         except Exception as e:  # noqa: BLE001 - reported to every rank below
             err = f"kernels: {type(e).__name__}: {e}"
-        config = (capacity_bytes, max_rows_armed, one_shot_max_bytes, lamport_max_bytes, max_grid, _variant, timeout_s)
+        config = (capacity_bytes, max_rows_armed, one_shot_max_bytes, lamport_max_bytes, max_grid, lamport_grid, _variant,
+                  timeout_s)
         infos: list[Any] = [None] * world
         dist.all_gather_object(infos, (err, sm_count, config, refused, gpu_id), group=group)
         reasons = [f"rank {r}: {i[0]}" for r, i in enumerate(infos) if i[0]]
@@ -214,8 +220,8 @@ class Workspace:
                                                   device_index=dev.index, probe_offset=plan.probe_offset())
         except SymmMemUnavailable as e:
             raise WorkspaceUnavailable(str(e)) from e
-        ws = cls(transport=transport, kernels=ks, grid=grid, capacity_bytes=capacity_bytes,
-                 max_rows_armed=max_rows_armed, one_shot_max_bytes=one_shot_max_bytes,
+        ws = cls(transport=transport, kernels=ks, grid=grid, lamport_grid=plan.lamport_grid_blocks(grid, lamport_grid),
+                 capacity_bytes=capacity_bytes, max_rows_armed=max_rows_armed, one_shot_max_bytes=one_shot_max_bytes,
                  lamport_max_bytes=lamport_max_bytes, timeout_ns=int(timeout_s * 1e9), device=dev)
         ws.refused = all_refused
         if all_refused:
@@ -227,7 +233,7 @@ class Workspace:
                    max_rows_armed: int = plan.DEFAULT_MAX_ROWS_ARMED,
                    one_shot_max_bytes: int = plan.DEFAULT_ONE_SHOT_MAX_BYTES, lamport_max_bytes: int | None = None,
                    timeout_s: float = DEFAULT_TIMEOUT_S, max_grid: int = plan.DEFAULT_MAX_GRID,
-                   _variant: str = "canonical") -> list[Workspace]:
+                   lamport_grid: int | None = None, _variant: str = "canonical") -> list[Workspace]:
         """W rank views of one workspace inside this process on one GPU (the W-stream harness). NOT collective.
 
         Drive rank r's collectives from its own CUDA stream and launch all W before waiting on any: a rank's
@@ -238,7 +244,7 @@ class Workspace:
 
         _refuse_under_capture("Workspace.in_process")
         dev = cls._check_args(device, capacity_bytes, max_rows_armed, one_shot_max_bytes, timeout_s, _variant,
-                              lamport_max_bytes)
+                              lamport_max_bytes, lamport_grid)
         if not 1 <= world_size <= plan.MAX_WORLD:
             raise ValueError(f"world_size must be in 1..{plan.MAX_WORLD}, got {world_size}")
         if lamport_max_bytes is None:
@@ -248,14 +254,16 @@ class Workspace:
         ks = kernel_set(dev.index, world_size, variant=_variant)
         views = create_local_group(world_size, plan.buffer_bytes(capacity_bytes, world_size, grid, lamport_max_bytes),
                                    device_index=dev.index, probe_offset=plan.probe_offset())
-        return [cls(transport=v, kernels=ks, grid=grid, capacity_bytes=capacity_bytes, max_rows_armed=max_rows_armed,
+        return [cls(transport=v, kernels=ks, grid=grid, lamport_grid=plan.lamport_grid_blocks(grid, lamport_grid),
+                    capacity_bytes=capacity_bytes, max_rows_armed=max_rows_armed,
                     one_shot_max_bytes=one_shot_max_bytes, lamport_max_bytes=lamport_max_bytes,
                     timeout_ns=int(timeout_s * 1e9), device=dev)
                 for v in views]
 
     @staticmethod
     def _check_args(device: Any, capacity_bytes: int, max_rows_armed: int, one_shot_max_bytes: int | None,
-                    timeout_s: float, variant: str, lamport_max_bytes: int | None = None) -> torch.device:
+                    timeout_s: float, variant: str, lamport_max_bytes: int | None = None,
+                    lamport_grid: int | None = None) -> torch.device:
         dev = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
         if dev.type != "cuda":
             raise ValueError(f"the workspace lives on a CUDA device, got {dev}")
@@ -270,6 +278,8 @@ class Workspace:
         if lamport_max_bytes is not None and lamport_max_bytes < 0:
             raise ValueError(f"lamport_max_bytes must be >= 0 (0 turns the one-store kernel off), got "
                              f"{lamport_max_bytes}")
+        if lamport_grid is not None and lamport_grid < 1:
+            raise ValueError(f"lamport_grid must be >= 1 (None: the workspace's grid), got {lamport_grid}")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         if variant not in VARIANT_MACROS:
@@ -548,7 +558,8 @@ class Workspace:
                         ctypes.c_float(eps32)]
                 if kind == "lamport":  # where this rank's one-store region starts, and one area's bytes
                     args += [_i64(self._lam_off), _i64(self._lam_cap)]
-                self._launch(plan.fused_norm_kernel(kind, dtype, wname), args, stream_ptr, label)
+                self._launch(plan.fused_norm_kernel(kind, dtype, wname), args, stream_ptr, label,
+                             grid=self.lamport_grid if kind == "lamport" else None)
                 self.variants_run.add(("all_reduce_rmsnorm", dtype, f"fused_{kind}"))
             if rows > per:
                 self.variants_run.add(("all_reduce_rmsnorm", dtype, "fused_chunked"))
@@ -707,9 +718,11 @@ class Workspace:
             self._labels.pop((call - _LABELS_KEPT) & 0xFFFFFFFF, None)
         return call
 
-    def _launch(self, name: str, args: list[Any], stream_ptr: int, label: str | None) -> None:
+    def _launch(self, name: str, args: list[Any], stream_ptr: int, label: str | None, *, grid: int | None = None
+                ) -> None:
         call = self._next_call(label)
-        self._kernels.launch(name, self.grid, args + [ctypes.c_uint32(call)] + self._tail, stream_ptr=stream_ptr)
+        self._kernels.launch(name, self.grid if grid is None else grid, args + [ctypes.c_uint32(call)] + self._tail,
+                             stream_ptr=stream_ptr)
 
     def _collective(self) -> _InFlight:
         return _InFlight(self)
@@ -796,8 +809,8 @@ class _AllReduceLauncher:
         self.x, self.out, self.n = ctypes.c_uint64(), ctypes.c_uint64(), ctypes.c_int64()
         self.length, self.stride, self.call = ctypes.c_int64(), ctypes.c_int64(), ctypes.c_uint32()
         ks = ws._kernels
-        self.lamport = ks.prepare(f"detcomm_lamport_{sfx}", ws.grid, [self.x, self.out, self.n, _i64(ws._lam_off),
-                                                                       _i64(ws._lam_cap), self.call, *ws._tail])
+        self.lamport = ks.prepare(f"detcomm_lamport_{sfx}", ws.lamport_grid,
+                                  [self.x, self.out, self.n, _i64(ws._lam_off), _i64(ws._lam_cap), self.call, *ws._tail])
         self.one_shot = ks.prepare(f"detcomm_one_shot_{sfx}", ws.grid, [self.x, self.out, self.n, self.call, *ws._tail])
         self.two_shot = ks.prepare(f"detcomm_two_shot_{sfx}", ws.grid,
                                    [self.x, self.out, self.n, self.length, self.stride, self.call, *ws._tail])

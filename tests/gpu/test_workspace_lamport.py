@@ -165,6 +165,43 @@ def test_back_to_back_launches_with_a_late_rank(world):
     R.close()
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_smaller_one_store_grid_keeps_the_bits(world):
+    """lamport_grid=2: every one-store launch (plain and fused) runs 2 blocks while the barrier launches run the
+    whole grid. The plain all-reduce gives the oracle's bits for launches that take the 2 blocks several sweeps,
+    back to back with barrier launches and a late rank (the blocks' launch counters and busy words keep agreeing);
+    the fused one-store kernel, whose blocks then norm several rows each, gives the fused one-shot kernel's bits
+    (both proven against the composition in tests/gpu/test_norm_gpu.py) at the register-path and the streaming
+    widths. The oracle comparison's control is test_rotated_control_is_caught."""
+    from detcomm import norm
+
+    R = _fresh(world, timeout_s=30.0, lamport_grid=2)
+    v = R.views[0]
+    assert v.lamport_grid == 2 < v.grid, (v.lamport_grid, v.grid)
+    rng = np.random.default_rng(world + 70)
+    for slow in (None, world - 1):
+        bad = _sequence(R, rng, slow=slow)
+        for w_ in R.views:
+            w_.check()
+        assert bad == [], bad
+    for hidden in (4096, 8192):
+        rows = min(7, v.lamport_max_bytes // (hidden * 2))
+        xs = [torch.randn(rows, hidden, device="cuda:0").to(torch.bfloat16) for _ in range(world)]
+        res = [torch.randn(rows, hidden, device="cuda:0").to(torch.bfloat16) for _ in range(world)]
+        weight = (1.0 + 0.1 * torch.randn(hidden, device="cuda:0")).to(torch.bfloat16)
+        eps32 = norm.eps_fp32(1e-6)
+        got = {algo: on_ranks(R.streams, lambda r, a=algo: R.views[r].all_reduce_rmsnorm(xs[r], res[r], weight, eps32,
+                                                                                          algo=a))
+               for algo in ("lamport", "one_shot")}
+        for r in range(world):
+            for k, name in enumerate(("y", "r")):
+                assert torch.equal(got["lamport"][r][k].view(torch.int16), got["one_shot"][r][k].view(torch.int16)), (
+                    f"W={world} hidden={hidden} rank {r}: {name} of the one-store kernel on 2 blocks differs")
+    for w_ in R.views:
+        w_.check()
+    R.close()
+
+
 def _mark(bits: np.ndarray, dtype: str) -> np.ndarray:
     """What a rank pushes (lamport_common.cuh): its elements padded with +0.0 to whole 16-byte packs, every +0.0
     rewritten as -0.0 (independent of the kernel's code: plain numpy)."""
