@@ -17,7 +17,9 @@ with their load batch at 4 chunks per lane (the canonical build: 2; csrc/fused_n
 from __future__ import annotations
 
 import argparse
+import json
 import os
+from pathlib import Path
 
 os.environ.update({"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"})
 
@@ -37,6 +39,8 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=20, help="calls per graph")
     ap.add_argument("--warmup", type=int, default=5, help="replays before timing")
     ap.add_argument("--iters", type=int, default=40, help="timed replays (median)")
+    ap.add_argument("--json", type=Path, default=None,
+                    help="also write the records here (launch/goals_table.py reads them: issue 14's goals)")
     ap.add_argument("--lamport-grid", type=int, default=None,
                     help="blocks of the forced one-store launches (Workspace lamport_grid; default: the grid)")
     ap.add_argument("--variant", default="canonical",
@@ -52,6 +56,7 @@ def main() -> None:
     streams = [torch.cuda.Stream(dev) for _ in range(w)]
     main_s = torch.cuda.current_stream(dev)
     eps32 = norm.eps_fp32(EPS)
+    records: list[dict] = []
     print(f"W={w} streams of one {torch.cuda.get_device_name(0)}, kernels {args.variant}, one-store grid "
           f"{lam_views[0].lamport_grid if lam_views else '-'}, bf16, graphs of {args.calls} calls, "
           f"{args.warmup} warm-up replays, median of {args.iters}")
@@ -139,8 +144,14 @@ def main() -> None:
             print(f"| {h} | {n} | {kernel} | {times['fused']:.2f} | {times['unfused']:.2f} | {times['all_reduce']:.2f} | "
                   f"{times['norm']:.2f} | {times['fused'] - times['all_reduce']:.2f} | "
                   f"{times['fused'] / times['unfused']:.2f} | {lam} | {'yes' if same else 'NO'} |", flush=True)
+            records.append({"hidden": h, "rows": n, "world_size": w, "dtype": "bfloat16", "fused_kernel": kernel,
+                            "fused_equals_unfused": same, **{k: {"median_us": v} for k, v in times.items()}})
     for v in views + (lam_views or []):
         v.check()
+    if args.json is not None:
+        args.json.write_text(json.dumps({"setting": "streams", "device": torch.cuda.get_device_name(0),
+                                         "torch": torch.__version__, "world_size": w, "variant": args.variant,
+                                         "records": records}, indent=1))
 
 
 if __name__ == "__main__":

@@ -1,13 +1,16 @@
-"""The workspace speed goals (docs/performance.md, issue 12) from the bench's own JSON, one machine kind per call.
+"""The speed goals of the workspace (issue 12) and of the fused all-reduce + norm (issue 14) from the benches' own
+JSON, one machine kind per call.
 
-    python launch/goals_table.py gpu-out/bench_streams.json gpu-out/bench_nccl.json gpu-out/bench_gather_graph.json
+    python launch/goals_table.py gpu-out/bench_streams.json gpu-out/bench_nccl.json gpu-out/fused/fused.json
 
-Reads the rows `python -m detcomm.bench.ipc_kernels` writes (modes latency, nccl, host; any number of files, in
-any order) and prints the goals table as markdown: the measured value, the goal and the verdict (met, missed, or
-not measured when the files hold no row for it: the NVLink rows need two GPUs, the W = 8 row the streams bench).
+Reads the rows `python -m detcomm.bench.ipc_kernels` writes (modes latency, nccl, host) and the records of the
+fused benches (`python -m detcomm.bench.norm --fused`, one rank per GPU, and `launch/fused_streams.py --json`, W
+ranks as streams of one GPU), any number of files in any order, and prints each goals table as markdown: the
+measured value, the goal and the verdict (met, missed, or not measured when the files hold no row for it: the
+NVLink rows need two GPUs, the W = 8 row the streams bench, the NCCL + torch comparison the multi-GPU fused bench).
 Where several rows fit one value (NCCL's 16 KiB row is in both the nccl and the gather-graph runs), the fastest
 counts, for NCCL too: the peer at its best, so a ratio never flatters the workspace.
-`STAGES=bench bash launch/gpu_run.sh` calls it at the end, so one device call per machine kind fills the table.
+`STAGES=bench bash launch/gpu_run.sh` calls it at the end, so one device call per machine kind fills the tables.
 """
 
 from __future__ import annotations
@@ -28,8 +31,57 @@ WORKSPACE = (*KERNELS, "detcomm", "detcomm_inplace")
 def _rows(docs: Iterable[Any]) -> list[dict]:
     out: list[dict] = []
     for doc in docs:
+        if isinstance(doc, dict) and "records" in doc:
+            continue  # a fused bench's records: fused_goals
         rows = doc["rows"] if isinstance(doc, dict) else doc
         out.extend(r for r in rows if r.get("nccl_env", {}) == {})  # NCCL's default protocol only
+    return out
+
+
+# Decode sizes for the fused goal: the rows of one decode step of a small batch.
+DECODE_ROWS = 8
+
+
+def _records(docs: Iterable[Any]) -> list[dict]:
+    """The fused benches' records, each tagged with where it ran ("one GPU per rank" or "streams of one GPU")."""
+    out: list[dict] = []
+    for doc in docs:
+        if isinstance(doc, dict) and "records" in doc:
+            where = "streams of one GPU" if doc.get("setting") == "streams" else "one GPU per rank"
+            out.extend({**r, "where": where} for r in doc["records"] if "hidden" in r)
+    return out
+
+
+def _median(rec: dict, col: str) -> float | None:
+    v = rec.get(col)
+    if isinstance(v, dict):
+        v = v.get("median_us")
+    return None if v is None or math.isnan(v) else float(v)
+
+
+def fused_goals(records: list[dict]) -> list[dict[str, str]]:
+    """Issue 14's goals, per place the fused bench ran: fused / unfused at decode sizes (rows <= DECODE_ROWS, the
+    worst shape counts), fused / NCCL + torch's norm on every shape (the worst counts), and the bits."""
+    out = []
+    for where in ("one GPU per rank", "streams of one GPU"):
+        recs = [r for r in records if r["where"] == where]
+
+        def add(measure: str, goal: str, value: str | None, met: bool | None, where: str = where) -> None:
+            verdict = "not measured" if value is None else ("met" if met else "missed")
+            out.append({"measure": f"{measure} ({where})", "value": value or "-", "goal": goal, "verdict": verdict})
+
+        dec = [(r, _median(r, "fused"), _median(r, "unfused")) for r in recs if r["rows"] <= DECODE_ROWS]
+        ratios = [f / u for _, f, u in dec if f is not None and u is not None]
+        add(f"fused / unfused, decode sizes (rows <= {DECODE_ROWS})", "<= 0.7x",
+            f"{min(ratios):.2f}-{max(ratios):.2f}x over {len(ratios)} shapes" if ratios else None,
+            max(ratios) <= 0.7 if ratios else None)
+        peer = [f / n for r in recs if (f := _median(r, "fused")) is not None and (n := _median(r, "nccl_torch"))]
+        add("fused / NCCL all-reduce + torch's add and rms_norm, every shape", "<= 1.0x (never slower)",
+            f"{min(peer):.2f}-{max(peer):.2f}x over {len(peer)} shapes" if peer else None,
+            max(peer) <= 1.0 if peer else None)
+        same = [bool(r.get("fused_equals_unfused")) and not r.get("fused_row0_changed") for r in recs]
+        add("bits: fused == unfused on every shape (and row 0 alone == in the batch, where checked)", "always",
+            f"{sum(same)} of {len(same)} shapes" if same else None, all(same) if same else None)
     return out
 
 
@@ -89,10 +141,14 @@ def to_markdown(entries: list[dict[str, str]]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("files", nargs="+", type=Path, help="JSON written by detcomm.bench.ipc_kernels (missing: skipped)")
+    p.add_argument("files", nargs="+", type=Path,
+                   help="JSON written by detcomm.bench.ipc_kernels or the fused benches (missing: skipped)")
     a = p.parse_args(argv)
     docs = [json.loads(f.read_text()) for f in a.files if f.exists()]
+    print("Workspace all-reduce (issue 12):\n")
     print(to_markdown(goals(_rows(docs))))
+    print("\nFused all-reduce + residual add + RMSNorm (issue 14):\n")
+    print(to_markdown(fused_goals(_records(docs))))
 
 
 if __name__ == "__main__":

@@ -94,7 +94,7 @@ if has bench; then
     done
     timeout 180 $PY -m detcomm.bench.norm --fused --iters 30 --calls-per-graph 10 --out "$OUT/fused" > "$OUT/fused.log" 2>&1
   else
-    timeout 180 $PY launch/fused_streams.py --world 2 > "$OUT/fused.log" 2>&1
+    timeout 180 $PY launch/fused_streams.py --world 2 --json "$OUT/fused_streams.json" > "$OUT/fused.log" 2>&1
   fi
   say "fused bench rc=$?"; grep -E '^\| [0-9]' "$OUT/fused.log" | head -20
   # The fused kernels' two load batches (csrc/fused_norm_row.cuh, DETCOMM_FUSED_BATCH), back to back on two streams
@@ -114,9 +114,9 @@ if has bench; then
       --sizes 16 --gather-graph > "$OUT/bench_gather_graph.log" 2>&1
     say "bench gather_fold graph rc=$?"; grep -E '^\| [0-9].*(gather_fold|nccl) ' "$OUT/bench_gather_graph.log" | head -6
   fi
-  # The goals table of docs/performance.md from this call's JSON (rows this machine cannot measure: "not measured")
+  # The goals tables of docs/performance.md (issues 12 and 14) from this call's JSON (rows this machine cannot measure: "not measured")
   $PY launch/goals_table.py "$OUT/bench_streams.json" "$OUT/bench_nccl.json" "$OUT/bench_gather_graph.json" \
-    2>&1 | tee "$OUT/goals.md"
+    "$OUT/fused/fused.json" "$OUT/fused_streams.json" 2>&1 | tee "$OUT/goals.md"
 fi
 if has soak; then
   # processes sharing one GPU (W = 2 for SOAK_S seconds, W = 3 for half of it), then one GPU per rank where >= 2

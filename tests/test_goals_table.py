@@ -58,3 +58,49 @@ def test_main_reads_files_and_skips_missing_ones(tmp_path: Path, capsys) -> None
     goals_table.main([str(f), str(tmp_path / "absent.json")])
     out = capsys.readouterr().out
     assert "| W=2 64 MiB graph, best variant / NCCL default | 250.0 / 247.0 us = 1.012x | <= 1.0x | missed |" in out
+
+
+def _fused(hidden: int, rows: int, fused: float, unfused: float, nccl: float | None = None, same: bool = True) -> dict:
+    rec = {"hidden": hidden, "rows": rows, "fused": {"median_us": fused}, "unfused": {"median_us": unfused},
+           "fused_equals_unfused": same, "fused_row0_changed": 0}
+    if nccl is not None:
+        rec["nccl_torch"] = {"median_us": nccl}
+    return rec
+
+
+def _fused_verdicts(docs: list[dict]) -> dict[str, tuple[str, str]]:
+    return {e["measure"]: (e["verdict"], e["value"])
+            for e in goals_table.fused_goals(goals_table._records(docs))}
+
+
+def test_fused_goals_per_place_worst_shape_counts() -> None:
+    gpus = {"records": [{"routes": "..."},  # bench.norm's leading entry is not a record
+                        _fused(4096, 1, 6.0, 9.0, nccl=20.0), _fused(4096, 8, 6.2, 9.0, nccl=21.0),
+                        _fused(4096, 64, 12.0, 12.5, nccl=11.0)]}  # a large shape: outside the decode goal
+    streams = {"setting": "streams", "records": [_fused(4096, 1, 9.8, 10.8), _fused(8192, 8, 13.2, 12.9)]}
+    v = _fused_verdicts([gpus, streams])
+    decode = "fused / unfused, decode sizes (rows <= 8)"
+    peer = "fused / NCCL all-reduce + torch's add and rms_norm, every shape"
+    bits = "bits: fused == unfused on every shape (and row 0 alone == in the batch, where checked)"
+    assert v[f"{decode} (one GPU per rank)"] == ("met", "0.67-0.69x over 2 shapes")
+    assert v[f"{peer} (one GPU per rank)"] == ("missed", "0.30-1.09x over 3 shapes")  # 64 rows: 12.0 vs 11.0
+    assert v[f"{bits} (one GPU per rank)"][0] == "met"
+    assert v[f"{decode} (streams of one GPU)"] == ("missed", "0.91-1.02x over 2 shapes")
+    assert v[f"{peer} (streams of one GPU)"][0] == "not measured"  # no NCCL beside two streams of one GPU
+    # one decode shape above 0.7x makes the goal a miss; one shape whose bits differ fails the bits line
+    gpus["records"][3] = _fused(4096, 64, 12.0, 12.5, nccl=13.0)
+    gpus["records"].append(_fused(8192, 1, 7.5, 10.0, nccl=21.0, same=False))
+    v = _fused_verdicts([gpus])
+    assert v[f"{decode} (one GPU per rank)"] == ("missed", "0.67-0.75x over 3 shapes")
+    assert v[f"{peer} (one GPU per rank)"][0] == "met"
+    assert v[f"{bits} (one GPU per rank)"] == ("missed", "3 of 4 shapes")
+    assert _fused_verdicts([])[f"{decode} (one GPU per rank)"][0] == "not measured"
+
+
+def test_main_prints_both_tables(tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    f = tmp_path / "fused_streams.json"
+    f.write_text(json.dumps({"setting": "streams", "records": [_fused(4096, 1, 6.0, 10.0)]}))
+    goals_table.main([str(f)])
+    out = capsys.readouterr().out
+    assert "Workspace all-reduce (issue 12)" in out and "Fused all-reduce + residual add + RMSNorm (issue 14)" in out
+    assert "| fused / unfused, decode sizes (rows <= 8) (streams of one GPU) | 0.60-0.60x over 1 shapes | <= 0.7x | met |" in out
