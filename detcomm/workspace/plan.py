@@ -147,7 +147,7 @@ def lamport_max_bytes(world_size: int, *, shared_gpu: bool) -> int:
       9.6. Above it the one-store kernel's extra local traffic (each rank receives, re-reads and empties W areas)
       grows with the message while the barrier it saves does not.
     - Ranks sharing one GPU: never. Two ranks as two streams of one H200 (CUDA graphs, 1 and 8 rows of 4096 bf16,
-      ten runs on 2026-12-01): one-shot was faster than the one-store kernel in 19 of the 20 pairs, by 0.3-0.8 us
+      ten runs on 2026-12-01): one-shot was faster than the one-store kernel in 19 of the 20 pairs, by 0.3-1.3 us
       (the exception: 0.04 us the other way), and the fused one-store kernel was no faster than the fused one-shot
       one (8.26 vs 8.24 us at 1 row): with no link between the ranks, the barrier it saves costs less than its
       extra pass over the areas. More ranks: every rank's W pushes land in the same HBM (W = 8: 16 KiB 15.2 vs
