@@ -180,7 +180,7 @@ class Workspace:
 
         _refuse_under_capture("Workspace.create")
         dev = cls._check_args(device, capacity_bytes, max_rows_armed, one_shot_max_bytes, timeout_s, _variant,
-                              lamport_max_bytes, lamport_grid)
+                              lamport_max_bytes)
         world = dist.get_world_size(group)
         if not 1 <= world <= plan.MAX_WORLD:
             raise ValueError(f"the workspace serves groups of 1..{plan.MAX_WORLD} ranks, got {world}")
@@ -210,6 +210,7 @@ class Workspace:
         # Geometry from topology: the device identities every rank reported decide whether ranks share a GPU.
         shared = len({i[4] for i in infos}) < world
         grid = plan.grid_blocks(world, min(i[1] for i in infos), max_grid=max_grid, shared_gpu=shared)
+        lam_grid = plan.lamport_grid_blocks(grid, lamport_grid)
         if one_shot_max_bytes is None:
             one_shot_max_bytes = plan.one_shot_max_bytes(world, shared_gpu=shared)
         if lamport_max_bytes is None:
@@ -220,8 +221,8 @@ class Workspace:
                                                   device_index=dev.index, probe_offset=plan.probe_offset())
         except SymmMemUnavailable as e:
             raise WorkspaceUnavailable(str(e)) from e
-        ws = cls(transport=transport, kernels=ks, grid=grid, lamport_grid=plan.lamport_grid_blocks(grid, lamport_grid),
-                 capacity_bytes=capacity_bytes, max_rows_armed=max_rows_armed, one_shot_max_bytes=one_shot_max_bytes,
+        ws = cls(transport=transport, kernels=ks, grid=grid, lamport_grid=lam_grid, capacity_bytes=capacity_bytes,
+                 max_rows_armed=max_rows_armed, one_shot_max_bytes=one_shot_max_bytes,
                  lamport_max_bytes=lamport_max_bytes, timeout_ns=int(timeout_s * 1e9), device=dev)
         ws.refused = all_refused
         if all_refused:
@@ -244,26 +245,26 @@ class Workspace:
 
         _refuse_under_capture("Workspace.in_process")
         dev = cls._check_args(device, capacity_bytes, max_rows_armed, one_shot_max_bytes, timeout_s, _variant,
-                              lamport_max_bytes, lamport_grid)
+                              lamport_max_bytes)
         if not 1 <= world_size <= plan.MAX_WORLD:
             raise ValueError(f"world_size must be in 1..{plan.MAX_WORLD}, got {world_size}")
         if lamport_max_bytes is None:
             lamport_max_bytes = plan.lamport_max_bytes(world_size, shared_gpu=True)
         sm_count = torch.cuda.get_device_properties(dev).multi_processor_count
         grid = plan.grid_blocks(world_size, sm_count, max_grid=max_grid)
+        lam_grid = plan.lamport_grid_blocks(grid, lamport_grid)
         ks = kernel_set(dev.index, world_size, variant=_variant)
         views = create_local_group(world_size, plan.buffer_bytes(capacity_bytes, world_size, grid, lamport_max_bytes),
                                    device_index=dev.index, probe_offset=plan.probe_offset())
-        return [cls(transport=v, kernels=ks, grid=grid, lamport_grid=plan.lamport_grid_blocks(grid, lamport_grid),
-                    capacity_bytes=capacity_bytes, max_rows_armed=max_rows_armed,
+        return [cls(transport=v, kernels=ks, grid=grid, lamport_grid=lam_grid, capacity_bytes=capacity_bytes,
+                    max_rows_armed=max_rows_armed,
                     one_shot_max_bytes=one_shot_max_bytes, lamport_max_bytes=lamport_max_bytes,
                     timeout_ns=int(timeout_s * 1e9), device=dev)
                 for v in views]
 
     @staticmethod
     def _check_args(device: Any, capacity_bytes: int, max_rows_armed: int, one_shot_max_bytes: int | None,
-                    timeout_s: float, variant: str, lamport_max_bytes: int | None = None,
-                    lamport_grid: int | None = None) -> torch.device:
+                    timeout_s: float, variant: str, lamport_max_bytes: int | None = None) -> torch.device:
         dev = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
         if dev.type != "cuda":
             raise ValueError(f"the workspace lives on a CUDA device, got {dev}")
@@ -278,8 +279,6 @@ class Workspace:
         if lamport_max_bytes is not None and lamport_max_bytes < 0:
             raise ValueError(f"lamport_max_bytes must be >= 0 (0 turns the one-store kernel off), got "
                              f"{lamport_max_bytes}")
-        if lamport_grid is not None and lamport_grid < 1:
-            raise ValueError(f"lamport_grid must be >= 1 (None: the workspace's grid), got {lamport_grid}")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         if variant not in VARIANT_MACROS:
