@@ -38,6 +38,12 @@ def _rows(docs: Iterable[Any]) -> list[dict]:
     return out
 
 
+def _entry(measure: str, goal: str, value: str | None, met: bool | None) -> dict[str, str]:
+    """One row of a goals table: "not measured" when there is no value, else met or missed."""
+    verdict = "not measured" if value is None else ("met" if met else "missed")
+    return {"measure": measure, "value": value or "-", "goal": goal, "verdict": verdict}
+
+
 # Decode sizes for the fused goal: the rows of one decode step of a small batch.
 DECODE_ROWS = 8
 
@@ -67,8 +73,7 @@ def fused_goals(records: list[dict]) -> list[dict[str, str]]:
         recs = [r for r in records if r["where"] == where]
 
         def add(measure: str, goal: str, value: str | None, met: bool | None, where: str = where) -> None:
-            verdict = "not measured" if value is None else ("met" if met else "missed")
-            out.append({"measure": f"{measure} ({where})", "value": value or "-", "goal": goal, "verdict": verdict})
+            out.append(_entry(f"{measure} ({where})", goal, value, met))
 
         dec = [(r, _median(r, "fused"), _median(r, "unfused")) for r in recs if r["rows"] <= DECODE_ROWS]
         ratios = [f / u for _, f, u in dec if f is not None and u is not None]
@@ -97,8 +102,7 @@ def goals(rows: list[dict]) -> list[dict[str, str]]:
     out = []
 
     def add(measure: str, goal: str, value: str | None, met: bool | None) -> None:
-        verdict = "not measured" if value is None else ("met" if met else "missed")
-        out.append({"measure": measure, "value": value or "-", "goal": goal, "verdict": verdict})
+        out.append(_entry(measure, goal, value, met))
 
     ws, cp = (_value(rows, "latency", 1, 64 * MIB, (k,), "graph_us") for k in ("one_shot", "copy"))
     add("W=1 local one-shot 64 MiB / copy of the same bytes", "<= 1.25x",
