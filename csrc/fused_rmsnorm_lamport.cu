@@ -19,9 +19,9 @@
 // The call descriptor's count is rows << 32 | H (plan.describe_call decodes it), so ranks whose launches differ
 // in rows or in H (even with equal rows * H) fail with a mismatch instead of folding misplaced packs.
 //
-// Launch: grid = the workspace's one-store block count (Workspace.lamport_grid, shared with csrc/lamport.cu), block =
-// DETCOMM_BLOCK_THREADS, identical on every rank; every block runs lam_open and lam_close (its launch counter) even
-// when it has no row.
+// Launch: grid = the blocks of the launch's tier (plan.lamport_tiers, shared with csrc/lamport.cu: a tier's region
+// serves both kernels), block = DETCOMM_BLOCK_THREADS, identical on every rank; every block runs lam_open and
+// lam_close (its launch counter) even when it has no row.
 #include "fused_norm_row.cuh"
 #include "lamport_common.cuh"
 

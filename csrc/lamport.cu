@@ -7,9 +7,9 @@
 // plus a local poll. In place (out == x) is exact: the thread that writes out[j] is the one that read x[j], and it
 // read it before it stored any result.
 //
-// Launch: grid = the workspace's one-store block count (Workspace.lamport_grid: the same in every one-store launch,
-// plain or fused), block = DETCOMM_BLOCK_THREADS, identical on every rank; every block runs the launch counter even
-// when it owns no pack (lamport_common.cuh says why).
+// Launch: grid = the blocks of the launch's tier (plan.lamport_tiers; `off` and `cap` name the tier's region): the
+// same in every launch of that tier, plain or fused, and on every rank; block = DETCOMM_BLOCK_THREADS; every block
+// runs the launch counter even when it owns no pack (lamport_common.cuh says why).
 #include "lamport_common.cuh"
 
 template <int DT>

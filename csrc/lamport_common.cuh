@@ -25,6 +25,12 @@
 // EVERY one-store launch advances it, also blocks that own no pack of the launch, so all counters stay equal.
 // One-store kernels share the region whatever their pack ownership (the whole buffer belongs to one launch).
 //
+// Tiers. The region above is one tier; a workspace has up to three, one after the other (plan.lamport_tiers), and a
+// launch takes the first whose areas hold it, on that tier's blocks: small launches on few blocks (the blocks that
+// own no pack still cost a launch time), large ones on the grid. Each tier has its own counters, descriptors and
+// areas, and its launches are the same sequence on every rank, so the argument above holds per tier, whatever the
+// other tiers ran in between.
+//
 // Ranks must agree on the call: each block of each rank also stores its call descriptor (what, call number,
 // count; see lam_descriptor) into desc[e & 1][block][its rank] of every peer, next to its data; threads 0..W-1 of the block wait
 // for the descriptors, compare them with their own and empty them. A mismatch fails the workspace on every

@@ -411,7 +411,11 @@ def routes(group: dist.ProcessGroup | None = None) -> RouteTable:
 
 
 def shutdown() -> None:
-    """Close every communicator (collective) and destroy the process group if detcomm.init created it."""
+    """Close every communicator (collective) and destroy the process group if detcomm.init created it.
+
+    Release every CUDA graph that captured a gather_fold or a2a_fold call first (drop the last reference to the
+    torch.cuda.CUDAGraph): such a graph holds NCCL resources, and NCCL's communicator destruction waits for them
+    forever while it lives (the same holds for any captured NCCL collective, pytorch/pytorch#115388)."""
     global _DEFAULT
     comms = list(_COMMS.values())
     _COMMS.clear()

@@ -42,7 +42,8 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None,
                     help="also write the records here (launch/goals_table.py reads them: issue 14's goals)")
     ap.add_argument("--lamport-grid", type=int, default=None,
-                    help="blocks of the forced one-store launches (Workspace lamport_grid; default: the grid)")
+                    help="at most this many blocks in the forced one-store launches (Workspace lamport_grid; "
+                         "default: the tiers of plan.lamport_tiers)")
     ap.add_argument("--variant", default="canonical",
                     help="kernel build (detcomm.workspace.kernels.VARIANT_MACROS), e.g. fused_batch4: the fused "
                          "kernels' load batch of 4 chunks per lane instead of 2, the same bits")
@@ -57,8 +58,8 @@ def main() -> None:
     main_s = torch.cuda.current_stream(dev)
     eps32 = norm.eps_fp32(EPS)
     records: list[dict] = []
-    print(f"W={w} streams of one {torch.cuda.get_device_name(0)}, kernels {args.variant}, one-store grid "
-          f"{lam_views[0].lamport_grid if lam_views else '-'}, bf16, graphs of {args.calls} calls, "
+    print(f"W={w} streams of one {torch.cuda.get_device_name(0)}, kernels {args.variant}, one-store tiers (bytes, blocks) "
+          f"{[(t.max_bytes, t.blocks) for t in lam_views[0].lamport_tiers] if lam_views else '-'}, bf16, graphs of {args.calls} calls, "
           f"{args.warmup} warm-up replays, median of {args.iters}")
     print("| hidden | rows | fused kernel | fused us | unfused us | all_reduce us | add + norm us | "
           "fused - all_reduce us | fused/unfused | one-store fused us | one-store all_reduce us | bits equal |")

@@ -78,20 +78,18 @@ if has bench; then
   timeout 150 $PY -m detcomm.bench.ipc_kernels --out "$OUT/bench_streams" --modes latency --worlds 1,2,8 \
     --sizes 16,256,65536 > "$OUT/bench_streams.log" 2>&1
   say "bench streams rc=$?"; grep -E '^\| [0-9]' "$OUT/bench_streams.log" | head -40
-  timeout 90 $PY -m detcomm.bench.ipc_kernels --out "$OUT/bench_streams_lg16" --modes latency --worlds 1,2 \
-    --sizes 16,256 --lamport-grid 16 > "$OUT/bench_streams_lg16.log" 2>&1
-  say "bench streams, one-store on 16 blocks rc=$?"; grep -E '^\| [0-9].*lamport' "$OUT/bench_streams_lg16.log" | head -6
+  timeout 90 $PY -m detcomm.bench.ipc_kernels --out "$OUT/bench_streams_untiered" --modes latency --worlds 2 \
+    --sizes 16,256 --untiered > "$OUT/bench_streams_untiered.log" 2>&1
+  say "bench streams, one-store untiered rc=$?"; grep -E '^\| [0-9].*lamport' "$OUT/bench_streams_untiered.log" | head -6
   if [ "$NGPU" -ge 2 ]; then
     timeout 150 $PY -m detcomm.bench.ipc_kernels --out "$OUT/bench_nccl" --modes nccl --nccl-envs default \
       --sizes 16,64,256,1024,65536 > "$OUT/bench_nccl.log" 2>&1
     say "bench nccl rc=$?"; grep -E '^\| [0-9]' "$OUT/bench_nccl.log" | head -60
-    # The one-store launches on fewer blocks (Workspace lamport_grid): the raw workspace's one-store rows against
-    # the full grid's above, to settle plan.lamport_grid_blocks' default over NVLink
-    for lg in 16 32; do
-      timeout 120 $PY -m detcomm.bench.ipc_kernels --out "$OUT/bench_nccl_lg$lg" --modes nccl --nccl-envs default \
-        --sizes 16,256,1024 --lamport-grid $lg > "$OUT/bench_nccl_lg$lg.log" 2>&1
-      say "bench nccl, one-store on $lg blocks rc=$?"; grep -E '^\| [0-9].*lamport' "$OUT/bench_nccl_lg$lg.log" | head -6
-    done
+    # The one-store launches untiered (every size on the whole grid, lamport_tiers=()): the raw workspace's one-store
+    # rows against the tiered ones above (plan.DEFAULT_LAMPORT_TIERS)
+    timeout 120 $PY -m detcomm.bench.ipc_kernels --out "$OUT/bench_nccl_untiered" --modes nccl --nccl-envs default \
+      --sizes 16,64,256,1024 --untiered > "$OUT/bench_nccl_untiered.log" 2>&1
+    say "bench nccl, one-store untiered rc=$?"; grep -E '^\| [0-9].*lamport' "$OUT/bench_nccl_untiered.log" | head -8
     timeout 180 $PY -m detcomm.bench.norm --fused --iters 30 --calls-per-graph 10 --out "$OUT/fused" > "$OUT/fused.log" 2>&1
   else
     timeout 180 $PY launch/fused_streams.py --world 2 --json "$OUT/fused_streams.json" > "$OUT/fused.log" 2>&1

@@ -117,10 +117,10 @@ def _stand_in_workspace(lamport_max: int) -> tuple[object, list[tuple[str, list[
     ws = object.__new__(Workspace)
     ws.device, ws._dead, ws.refused, ws.variants_run = torch.device("cpu"), None, {}, set()
     ws._ctrl = SimpleNamespace(tagged=lambda: False)
-    ws.grid, ws.lamport_grid, ws.world_size = 132, 16, 2
+    ws.grid, ws.world_size = 132, 2
     ws._slot_bytes = plan.slot_bytes(4 << 20, 2, ws.grid)
     ws.one_shot_max_bytes, ws.lamport_max_bytes = 512 << 10, lamport_max
-    ws._lam_off, ws._lam_cap = 777, plan.lamport_area_bytes(lamport_max)
+    ws.lamport_tiers = plan.lamport_tiers(lamport_max, 2, ws.grid, base=777)
     launches: list[tuple[str, list[float]]] = []
     grids: list[int | None] = []
 
@@ -136,10 +136,13 @@ def _stand_in_workspace(lamport_max: int) -> tuple[object, list[tuple[str, list[
 
 def test_fused_launches_take_the_one_store_kernel_per_launch() -> None:
     """all_reduce_rmsnorm's host side: launches of up to fused_norm_lamport_rows rows take the one-store kernel
-    (with the region's offset and area bytes as its two extra arguments), larger ones one-shot; a forced 'lamport'
-    chunks to what the areas hold; chunk_rows above that, or the one-store path off, raise."""
-    ws, launches = _stand_in_workspace(64 << 10)  # 8 rows of bf16 x 4096
-    x = torch.zeros(20, 4096, dtype=torch.bfloat16)
+    on the first tier that holds them (its sub-region's offset and area bytes as the two extra arguments, its
+    blocks as the grid), larger ones one-shot; a forced 'lamport' chunks to what the largest areas hold;
+    chunk_rows above that, or the one-store path off, raise."""
+    ws, launches = _stand_in_workspace(256 << 10)  # tiers: 8 rows of bf16 x 4096 on 16 blocks, 32 on the grid
+    small, big = ws.lamport_tiers
+    assert (small.blocks, big.blocks, small.offset) == (16, 132, 777) and big.offset > small.offset + 4 * small.cap
+    x = torch.zeros(80, 4096, dtype=torch.bfloat16)
     w = torch.ones(4096, dtype=torch.bfloat16)
     lam, one = "detcomm_fused_rmsnorm_lamport_bf16_wbf16", "detcomm_fused_rmsnorm_1shot_bf16_wbf16"
 
@@ -147,20 +150,24 @@ def test_fused_launches_take_the_one_store_kernel_per_launch() -> None:
         launches.clear()
         ws.grids.clear()
         ws.all_reduce_rmsnorm(x[:rows], x[:rows], w, 1e-6, **kw)
-        # (kernel, rows, x offset in rows); the one-store launches end with the region's offset and area bytes
+        # (kernel, rows, x offset in rows); the one-store launches end with their tier's offset and area bytes
         for (name, args), grid in zip(launches, ws.grids, strict=True):
-            assert (args[-2:] == [777, 64 << 10]) == (name == lam), (name, args)
-            assert grid == (16 if name == lam else None), (name, grid)  # one-store launches: ws.lamport_grid blocks
+            tier = small if args[5] <= 8 else big
+            assert (args[-2:] == [tier.offset, tier.cap]) == (name == lam), (name, args)
+            assert grid == (tier.blocks if name == lam else None), (name, grid)
         return [(name, int(args[5]), int(args[0] - x.data_ptr()) // (4096 * 2)) for name, args in launches]
 
     assert run(8) == [(lam, 8, 0)]
-    assert run(9) == [(one, 9, 0)]
-    assert run(20, algo="lamport") == [(lam, 8, 0), (lam, 8, 8), (lam, 4, 16)]
+    assert run(9) == [(lam, 9, 0)]
+    assert run(32) == [(lam, 32, 0)]
+    assert run(33) == [(one, 33, 0)]
+    assert run(80, algo="lamport") == [(lam, 32, 0), (lam, 32, 32), (lam, 16, 64)]
     assert run(20, chunk_rows=6) == [(lam, 6, 0), (lam, 6, 6), (lam, 6, 12), (lam, 2, 18)]
+    assert run(20, chunk_rows=12) == [(lam, 12, 0), (lam, 8, 12)]
     assert run(3, algo="one_shot") == [(one, 3, 0)]
     assert ("all_reduce_rmsnorm", "bfloat16", "fused_lamport") in ws.variants_run
     with pytest.raises(ValueError, match="algo='lamport'"):
-        run(20, algo="lamport", chunk_rows=9)
+        run(40, algo="lamport", chunk_rows=33)
     off, launches = _stand_in_workspace(0)  # W = 1: no one-store region
     with pytest.raises(ValueError, match="algo='lamport'"):
         off.all_reduce_rmsnorm(x, x, w, 1e-6, algo="lamport")

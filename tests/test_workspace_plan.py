@@ -51,18 +51,42 @@ def test_one_store_constants_match_their_header():
         assert defines[name].startswith(expr), (name, defines[name])
 
 
-def test_one_store_grid_is_the_grid_or_less():
-    """Every one-store launch of a workspace runs the same number of blocks (each block counts its launches):
-    the grid, or lamport_grid when smaller; never more (ranks sharing a GPU must stay co-resident)."""
-    assert plan.lamport_grid_blocks(132, None) == 132
-    assert plan.lamport_grid_blocks(132, 16) == 16
-    assert plan.lamport_grid_blocks(16, 132) == 16
-    assert plan.lamport_grid_blocks(1, 1) == 1
+def test_one_store_tiers_are_static_and_never_exceed_the_grid():
+    """The one-store tiers: the table's tiers below lamport_max, then one up to lamport_max on the grid; blocks
+    capped by the grid (ranks sharing a GPU stay co-resident) and by lamport_grid; equal neighbours merged; each
+    tier's sub-region right after the previous one, areas in whole packs."""
+    t = plan.lamport_tiers(1 << 20, 2, 132, base=1000)
+    assert [(x.max_bytes, x.blocks) for x in t] == [(64 << 10, 16), (256 << 10, 32), (1 << 20, 132)]
+    assert t[0].offset == 1000 and all(b.offset == a.offset + a.region_bytes(2) for a, b in zip(t, t[1:]))
+    assert [x.cap for x in t] == [64 << 10, 256 << 10, 1 << 20]
+    assert plan.lamport_region_bytes(2, t) == sum(plan.LAM_DATA_OFF + 4 * x.cap for x in t)
+    # Tiers at or above lamport_max are dropped; the largest always runs the grid.
+    assert [(x.max_bytes, x.blocks) for x in plan.lamport_tiers(64 << 10, 2, 132, base=0)] == [(64 << 10, 132)]
+    assert [(x.max_bytes, x.blocks) for x in plan.lamport_tiers(100 << 10, 2, 132, base=0)] == [
+        (64 << 10, 16), (100 << 10, 132)]
+    assert plan.lamport_tiers(1000, 4, 132, base=0)[0].cap == 1008  # whole packs
+    # A small grid (ranks sharing a GPU) or lamport_grid caps every tier; equal neighbours merge into the larger.
+    assert [(x.max_bytes, x.blocks) for x in plan.lamport_tiers(1 << 20, 8, 16, base=0)] == [(1 << 20, 16)]
+    assert [(x.max_bytes, x.blocks) for x in plan.lamport_tiers(1 << 20, 2, 66, base=0)] == [
+        (64 << 10, 16), (256 << 10, 32), (1 << 20, 66)]
+    assert [(x.max_bytes, x.blocks) for x in plan.lamport_tiers(1 << 20, 2, 132, base=0, max_blocks=32)] == [
+        (64 << 10, 16), (1 << 20, 32)]
+    assert [(x.max_bytes, x.blocks) for x in plan.lamport_tiers(1 << 20, 2, 132, base=0, max_blocks=2)] == [
+        (1 << 20, 2)]
+    # No table: one tier on the grid (every one-store launch on the same blocks).
+    assert [(x.max_bytes, x.blocks) for x in plan.lamport_tiers(1 << 20, 2, 132, base=0, table=())] == [
+        (1 << 20, 132)]
+    assert plan.lamport_tiers(0, 2, 132, base=0) == ()
     for bad in (0, -3):
         with pytest.raises(ValueError, match="lamport_grid"):
-            plan.lamport_grid_blocks(132, bad)
+            plan.lamport_tiers(1 << 20, 2, 132, base=0, max_blocks=bad)
+    for table in (((64 << 10, 16), (64 << 10, 32)), ((64 << 10, 32), (256 << 10, 16)), ((64 << 10, 0),)):
+        with pytest.raises(ValueError, match="lamport_tiers"):
+            plan.lamport_tiers(1 << 20, 2, 132, base=0, table=table)
     with pytest.raises(ValueError, match="grid"):
-        plan.lamport_grid_blocks(0, None)
+        plan.lamport_tiers(1 << 20, 2, 0, base=0)
+    with pytest.raises(ValueError, match="lamport_max"):
+        plan.lamport_tiers(-1, 2, 132, base=0)
 
 
 def test_one_store_region_layout():
@@ -70,16 +94,15 @@ def test_one_store_region_layout():
         assert plan.lamport_max_bytes(1, shared_gpu=shared) == 0  # no peer: no one-store path
     assert all(plan.lamport_max_bytes(w, shared_gpu=False) == plan.DEFAULT_LAMPORT_MAX_BYTES for w in range(2, 9))
     assert all(plan.lamport_max_bytes(w, shared_gpu=True) == 0 for w in range(2, 9))  # never on a shared GPU
-    assert plan.lamport_region_bytes(4, 0) == 0
-    assert plan.lamport_region_bytes(4, 1000) == plan.LAM_DATA_OFF + 2 * 4 * 1008  # whole packs
-    with pytest.raises(ValueError):
-        plan.lamport_region_bytes(2, -1)
+    assert plan.lamport_region_bytes(4, ()) == 0
     cap, w, grid = 1 << 20, 3, 40
     # The region follows the data slot and the buffer holds it whole.
     off = plan.lamport_offset(cap, w, grid)
     assert off >= plan.slot_bytes(cap, w, grid)
-    total = plan.buffer_bytes(cap, w, grid, 64 << 10)
-    assert total == plan.data_offset() + off + plan.lamport_region_bytes(w, 64 << 10)
+    tiers = plan.lamport_tiers(plan.DEFAULT_LAMPORT_MAX_BYTES, w, grid, base=off)
+    total = plan.buffer_bytes(cap, w, grid, tiers)
+    assert total == plan.data_offset() + off + plan.lamport_region_bytes(w, tiers)
+    assert total == plan.data_offset() + tiers[-1].offset + tiers[-1].region_bytes(w)
     assert plan.buffer_bytes(cap, w, grid) == plan.data_offset() + off
 
 

@@ -87,7 +87,7 @@ def bench_fold(quick: bool) -> list[dict]:
 
 # ---- (b) in-process latency --------------------------------------------------------------------------------
 def bench_latency(quick: bool, worlds: list[int] = WORLDS, sizes: list[int] | None = None, *,
-                  lamport_grid: int | None = None) -> list[dict]:
+                  lamport_grid: int | None = None, untiered: bool = False) -> list[dict]:
     from detcomm.workspace import Workspace
 
     dev = torch.device("cuda", 0)
@@ -98,7 +98,8 @@ def bench_latency(quick: bool, worlds: list[int] = WORLDS, sizes: list[int] | No
         # The one-store kernel forced on at every W >= 2 (256 KiB areas): ranks sharing a GPU never take it by default
         # (plan.lamport_max_bytes), and this table is where that rule is checked.
         views = Workspace.in_process(w, device=dev, capacity_bytes=max(sizes), max_rows_armed=1 << 20, timeout_s=30.0,
-                                     lamport_max_bytes=0 if w == 1 else 256 << 10, lamport_grid=lamport_grid)
+                                     lamport_max_bytes=0 if w == 1 else 256 << 10, lamport_grid=lamport_grid,
+                                     lamport_tiers=() if untiered else None)
         streams = [torch.cuda.Stream(dev) for _ in range(w)]
         for size in sizes:
             n = size // 2
@@ -159,7 +160,7 @@ def bench_latency(quick: bool, worlds: list[int] = WORLDS, sizes: list[int] | No
 
 # ---- (c) multi-GPU against NCCL ----------------------------------------------------------------------------
 def _nccl_rank(rank: int, world: int, init_file: str, sizes: list[int], nccl_env: dict, result_file: str,
-               gather_graph: bool = False, lamport_grid: int | None = None) -> None:
+               gather_graph: bool = False, lamport_grid: int | None = None, untiered: bool = False) -> None:
     os.environ.update(MULTICAST_OFF)
     os.environ.update(nccl_env)  # before the communicator exists: NCCL reads its environment at init
     import torch.distributed as dist
@@ -172,7 +173,7 @@ def _nccl_rank(rank: int, world: int, init_file: str, sizes: list[int], nccl_env
     dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world, device_id=dev)
     gloo = dist.new_group(backend="gloo")
     ws = Workspace.create(gloo, device=dev, capacity_bytes=max(sizes), max_rows_armed=1 << 20, timeout_s=60.0,
-                          lamport_grid=lamport_grid)
+                          lamport_grid=lamport_grid, lamport_tiers=() if untiered else None)
     # What a caller pays: the public API on the same GPUs, its own workspace armed with the same capacity, the
     # site forced onto the workspace route (numerics="auto" keeps the NCCL environment under test untouched).
     max_rows = max(sizes) // 2048
@@ -223,6 +224,7 @@ def _nccl_rank(rank: int, world: int, init_file: str, sizes: list[int], nccl_env
                 rows.append({"mode": "nccl", "world": world, "bytes": size, "impl": name, "nccl_env": nccl_env,
                              "eager_us": eager * 1e3, "graph_us": float("nan"),
                              "graph_note": f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"})
+                del g
                 continue
             torch.cuda.synchronize()
             dist.barrier(group=gloo)
@@ -230,12 +232,17 @@ def _nccl_rank(rank: int, world: int, init_file: str, sizes: list[int], nccl_env
             rows.append({"mode": "nccl", "world": world, "bytes": size, "impl": name, "nccl_env": nccl_env,
                          "eager_us": eager * 1e3, "graph_us": graph * 1e3})
             _progress(rank, rows[-1])
+            # A graph that captured an NCCL collective (gather_fold's all-gather) holds NCCL resources: alive at
+            # teardown, it makes the communicator's destruction wait forever (pytorch/pytorch#115388), so each graph
+            # goes as soon as it is timed.
+            del g
+    if rank == 0:  # before the teardown: a hang there cannot cost the measurements
+        Path(result_file).write_text(json.dumps(rows))
+    torch.cuda.synchronize()
     ws.close()
     detcomm.shutdown()
     if dist.is_initialized():
         dist.destroy_process_group()
-    if rank == 0:
-        Path(result_file).write_text(json.dumps(rows))
 
 
 # Measured eager only: a graph capture that fails inside an NCCL collective can leave the communicator unusable
@@ -261,7 +268,7 @@ NCCL_ENVS = {"default": {}, "ring_simple": {"NCCL_ALGO": "Ring", "NCCL_PROTO": "
 
 
 def bench_nccl(quick: bool, tmp: Path, sizes: list[int] | None = None, envs: list[str] | None = None, *,
-               gather_graph: bool = False, lamport_grid: int | None = None) -> list[dict]:
+               gather_graph: bool = False, lamport_grid: int | None = None, untiered: bool = False) -> list[dict]:
     import torch.multiprocessing as mp
 
     world = min(torch.cuda.device_count(), 8)
@@ -274,7 +281,8 @@ def bench_nccl(quick: bool, tmp: Path, sizes: list[int] | None = None, envs: lis
         env = NCCL_ENVS[tag]
         result = tmp / f"nccl_{tag}.json"
         init = tmp / f"init_{tag}_{time.time_ns()}"
-        mp.spawn(_nccl_rank, args=(world, str(init), sizes, env, str(result), gather_graph, lamport_grid), nprocs=world,
+        mp.spawn(_nccl_rank, args=(world, str(init), sizes, env, str(result), gather_graph, lamport_grid, untiered),
+                 nprocs=world,
                  join=True)
         rows += json.loads(result.read_text())
     return rows
@@ -332,8 +340,11 @@ def main() -> None:
     ap.add_argument("--sizes", default="", help="latency and nccl modes: comma-separated sizes in KiB (default: all)")
     ap.add_argument("--gather-graph", action="store_true", help="nccl mode: also capture gather_fold in a CUDA graph")
     ap.add_argument("--lamport-grid", type=int, default=None,
-                    help="latency and nccl modes: blocks of the raw workspace's one-store launches (Workspace.create's "
-                         "lamport_grid; default: the workspace grid); the public-API rows keep the default")
+                    help="latency and nccl modes: at most this many blocks in the raw workspace's one-store launches "
+                         "(Workspace.create's lamport_grid; default: no cap); the public-API rows keep the default")
+    ap.add_argument("--untiered", action="store_true",
+                    help="latency and nccl modes: the raw workspace's one-store launches all on one tier (lamport_tiers=(): "
+                         "the whole grid for every size), to compare with the default tiers")
     args = ap.parse_args()
     modes = set(args.modes.split(","))
     if not modes <= {"fold", "latency", "nccl"}:
@@ -345,16 +356,18 @@ def main() -> None:
     props = torch.cuda.get_device_properties(0)
     header = (f"## detcomm workspace bench: {torch.cuda.device_count()} x {props.name} ({props.multi_processor_count} SMs), "
               f"torch {torch.__version__}, CUDA {torch.version.cuda}"
-              + (f", one-store launches on {args.lamport_grid} blocks" if args.lamport_grid else ""))
+              + (f", one-store launches on at most {args.lamport_grid} blocks" if args.lamport_grid else "")
+              + (", one-store launches untiered" if args.untiered else ""))
     rows: list[dict] = []
     if "fold" in modes:
         rows += bench_fold(args.quick)
     sizes = [int(k) << 10 for k in args.sizes.split(",")] if args.sizes else None
     if "latency" in modes:
-        rows += bench_latency(args.quick, [int(w) for w in args.worlds.split(",")], sizes, lamport_grid=args.lamport_grid)
+        rows += bench_latency(args.quick, [int(w) for w in args.worlds.split(",")], sizes, lamport_grid=args.lamport_grid,
+                              untiered=args.untiered)
     if "nccl" in modes:
         rows += bench_nccl(args.quick, out.parent, sizes, args.nccl_envs.split(","), gather_graph=args.gather_graph,
-                           lamport_grid=args.lamport_grid)
+                           lamport_grid=args.lamport_grid, untiered=args.untiered)
     md = to_markdown(rows, header)
     out.with_suffix(".md").write_text(md + "\n")
     out.with_suffix(".json").write_text(json.dumps({"header": header, "rows": rows}, indent=1))

@@ -162,31 +162,77 @@ def lamport_max_bytes(world_size: int, *, shared_gpu: bool) -> int:
     return DEFAULT_LAMPORT_MAX_BYTES
 
 
-def lamport_grid_blocks(grid: int, lamport_grid: int | None) -> int:
-    """Blocks of every one-store launch (the plain and the fused kernel): the workspace's grid, or at most
-    `lamport_grid` of it. One number for the workspace's life, identical on every rank: each block keeps its own
-    launch counter and every block of every one-store launch advances it (csrc/lamport_common.cuh), so the blocks
-    that exist must be the same in every launch. It never exceeds the grid, so ranks sharing a GPU stay
-    co-resident. Fewer blocks make a small launch cheaper (one H200, W = 1, 8 KiB: 7.58 us with 132 blocks, 5.20
-    with 16; two ranks on one GPU: 6.86 with 66, 6.15 with 16) and a large one slower (fewer stores in flight):
-    the default keeps the grid until a run over NVLink settles a smaller number (docs/performance.md, round 7)."""
-    if grid < 1:
-        raise ValueError(f"grid must be >= 1, got {grid}")
-    if lamport_grid is None:
-        return grid
-    if lamport_grid < 1:
-        raise ValueError(f"lamport_grid must be >= 1, got {lamport_grid}")
-    return min(grid, lamport_grid)
+# The one-store tiers below the largest (max bytes, blocks), for every workspace with a one-store path
+# (lamport_tiers). Why tiers: a one-store launch must run the same blocks every time (each block counts its
+# launches, csrc/lamport_common.cuh), and the blocks that own no pack of a small launch still cost it: measured on
+# 2x H200 over NVLink (W = 2, CUDA graphs, 2026-12-01), 16 KiB took 5.7 us on the full grid (132 blocks), 4.9 on
+# 16 and 5.0 on 32; 256 KiB 6.3 / 6.6 / 5.7; 1 MiB 8.5 / 11.9 / 12.1 (too few stores in flight). So small
+# launches get their own sub-regions with fewer blocks, each with its own counters, descriptors and areas.
+DEFAULT_LAMPORT_TIERS: tuple[tuple[int, int], ...] = ((64 << 10, 16), (256 << 10, 32))
 
 
-def lamport_region_bytes(world_size: int, lamport_max: int) -> int:
-    """Bytes of one rank's one-store region: counters, two buffers of call descriptors, and 2 x W data areas of
-    lamport_max bytes rounded up to whole packs. 0 when the one-store path is off (lamport_max == 0)."""
+@dataclass(frozen=True)
+class LamportTier:
+    """One sub-region of the one-store region: launches of up to `max_bytes` (plain all-reduce: the message;
+    fused: its rows in whole packs, fused_norm_lamport_rows) run `blocks` blocks over its own counters,
+    descriptors and 2 x W data areas of `cap` bytes, which start `offset` bytes after slot copy 0 (the kernels'
+    `off` argument)."""
+
+    max_bytes: int
+    blocks: int
+    offset: int
+    cap: int
+
+    def region_bytes(self, world_size: int) -> int:
+        return LAM_DATA_OFF + 2 * world_size * self.cap
+
+
+def lamport_tiers(lamport_max: int, world_size: int, grid: int, *, base: int,
+                  table: Sequence[tuple[int, int]] = DEFAULT_LAMPORT_TIERS,
+                  max_blocks: int | None = None) -> tuple[LamportTier, ...]:
+    """The one-store tiers of a workspace, smallest first, identical on every rank (static facts only): the table's
+    tiers below lamport_max, then one up to lamport_max on the whole grid; every tier's blocks capped by the grid
+    (ranks sharing a GPU stay co-resident) and by max_blocks (Workspace.create(lamport_grid=)), and neighbours
+    left with equal blocks merged into the larger. () when the one-store path is off (lamport_max == 0). `base`:
+    where the first tier starts (lamport_offset); the others follow it.
+
+    A tier is a region of its own: its launches are the same sequence on every rank, so the two-buffer argument of
+    csrc/lamport_common.cuh holds for each tier by itself, whatever the other tiers' launches in between. Which
+    tier a launch takes changes no bit (the fold is element-wise); it only moves latency."""
     if lamport_max < 0:
         raise ValueError(f"lamport_max must be >= 0, got {lamport_max}")
+    if grid < 1:
+        raise ValueError(f"grid must be >= 1, got {grid}")
+    if max_blocks is not None and max_blocks < 1:
+        raise ValueError(f"lamport_grid must be >= 1, got {max_blocks}")
+    prev = (0, 0)
+    for max_bytes, blocks in table:
+        if max_bytes <= prev[0] or blocks < max(prev[1], 1):
+            raise ValueError(f"lamport_tiers must be (max_bytes, blocks) pairs with max_bytes increasing and blocks "
+                             f">= 1 and not decreasing, got {list(table)}")
+        prev = (max_bytes, blocks)
     if lamport_max == 0:
-        return 0
-    return LAM_DATA_OFF + 2 * world_size * lamport_area_bytes(lamport_max)
+        return ()
+    top = grid if max_blocks is None else min(grid, max_blocks)
+    pairs = [(b, min(blk, top)) for b, blk in table if b < lamport_max] + [(lamport_max, top)]
+    merged: list[tuple[int, int]] = []
+    for b, blk in pairs:
+        if merged and merged[-1][1] == blk:
+            merged[-1] = (b, blk)
+        else:
+            merged.append((b, blk))
+    tiers, offset = [], base
+    for b, blk in merged:
+        tier = LamportTier(max_bytes=b, blocks=blk, offset=offset, cap=lamport_area_bytes(b))
+        tiers.append(tier)
+        offset += tier.region_bytes(world_size)
+    return tuple(tiers)
+
+
+def lamport_region_bytes(world_size: int, tiers: Sequence[LamportTier]) -> int:
+    """Bytes of one rank's one-store region: every tier's counters, two buffers of call descriptors and 2 x W data
+    areas. 0 when the one-store path is off (no tiers)."""
+    return sum(t.region_bytes(world_size) for t in tiers)
 
 
 def lamport_area_bytes(lamport_max: int) -> int:
@@ -226,16 +272,17 @@ def slot_bytes(capacity_bytes: int, world_size: int, grid: int) -> int:
     return _round_up(capacity_bytes, PACK_BYTES) + world_size * (stride_packs(grid) + 1) * PACK_BYTES
 
 
-def buffer_bytes(capacity_bytes: int, world_size: int, grid: int, lamport_max: int = 0) -> int:
+def buffer_bytes(capacity_bytes: int, world_size: int, grid: int, tiers: Sequence[LamportTier] = ()) -> int:
     """Total bytes of one rank's symmetric buffer: header (flags, epochs) + probe scratch + SLOT_COPIES data slot
-    copies + the one-store region (lamport_region_bytes)."""
+    copies + the one-store region (lamport_region_bytes of its tiers, which start at lamport_offset)."""
+    assert not tiers or tiers[0].offset == lamport_offset(capacity_bytes, world_size, grid), tiers
     return (HEADER_BYTES + PROBE_BYTES + lamport_offset(capacity_bytes, world_size, grid)
-            + lamport_region_bytes(world_size, lamport_max))
+            + lamport_region_bytes(world_size, tiers))
 
 
 def lamport_offset(capacity_bytes: int, world_size: int, grid: int) -> int:
-    """Where the one-store region starts, in bytes from the start of slot copy 0 (the kernels' `off` argument):
-    after both slot copies."""
+    """Where the one-store region (its first tier) starts, in bytes from the start of slot copy 0 (the kernels'
+    `off` argument): after both slot copies."""
     return SLOT_COPIES * slot_bytes(capacity_bytes, world_size, grid)
 
 

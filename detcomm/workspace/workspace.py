@@ -9,7 +9,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -95,15 +95,16 @@ class Workspace:
     runs (that kernel stops at once), so it raises at the call after, or at `synchronize()`.
     """
 
-    def __init__(self, *, transport: Any, kernels: KernelSet, grid: int, lamport_grid: int, capacity_bytes: int,
+    def __init__(self, *, transport: Any, kernels: KernelSet, grid: int,
+                 lamport_tiers: tuple[plan.LamportTier, ...], capacity_bytes: int,
                  max_rows_armed: int, one_shot_max_bytes: int, lamport_max_bytes: int, timeout_ns: int,
                  device: torch.device) -> None:
         # Private: use Workspace.create or Workspace.in_process.
         self._transport = transport
         self._kernels = kernels
         self.grid = grid
-        #: blocks of every one-store launch (plan.lamport_grid_blocks): the grid unless create() capped it.
-        self.lamport_grid = lamport_grid
+        #: the one-store tiers, smallest first (plan.lamport_tiers): a launch takes the first that holds it.
+        self.lamport_tiers = lamport_tiers
         self.capacity_bytes = capacity_bytes
         self.max_rows_armed = max_rows_armed
         self.one_shot_max_bytes = one_shot_max_bytes
@@ -114,11 +115,9 @@ class Workspace:
         self.rank = transport.rank
         self.world_size = transport.world_size
         self._slot_bytes = plan.slot_bytes(capacity_bytes, self.world_size, grid)
-        # The one-store region: where it starts from slot copy 0 of each rank, and the bytes of one of its areas.
-        self._lam_off = plan.lamport_offset(capacity_bytes, self.world_size, grid)
-        self._lam_cap = plan.lamport_area_bytes(lamport_max_bytes)
+        assert (lamport_tiers[-1].max_bytes if lamport_tiers else 0) == lamport_max_bytes, lamport_tiers
         # data[p * W + k]: slot copy p of rank k (the kernels pick the copy by their use's parity; the one-store
-        # kernels use data[k] + _lam_off).
+        # kernels use data[k] + their tier's offset).
         data_ptrs = [p + plan.data_offset() + c * self._slot_bytes for c in range(plan.SLOT_COPIES)
                      for p in transport.ptrs]
         sig_ptrs = list(transport.ptrs)
@@ -158,7 +157,8 @@ class Workspace:
     def create(cls, group: Any = None, *, device: torch.device | str | int, capacity_bytes: int, max_rows_armed: int,
                one_shot_max_bytes: int | None = None, lamport_max_bytes: int | None = None,
                timeout_s: float = DEFAULT_TIMEOUT_S, max_grid: int = plan.DEFAULT_MAX_GRID,
-               lamport_grid: int | None = None, _variant: str = "canonical") -> Workspace:
+               lamport_grid: int | None = None, lamport_tiers: Sequence[tuple[int, int]] | None = None,
+               _variant: str = "canonical") -> Workspace:
         """Arm a workspace over `group` (torch.distributed group; None = default). COLLECTIVE.
 
         capacity_bytes: bytes of one rank's rows one launch carries (init's workspace_bytes; more rows are chunked);
@@ -167,7 +167,9 @@ class Workspace:
         topology, plan.one_shot_max_bytes). lamport_max_bytes: all-reduce launches up to this size take the one-store
         kernel (None: from the topology, plan.lamport_max_bytes; 0: never). timeout_s: the device-side deadline of every barrier (see
         DEFAULT_TIMEOUT_S for why 60 s). max_grid caps the blocks of every launch, lamport_grid those of the
-        one-store launches alone (None: the grid; plan.lamport_grid_blocks). Raises ValueError for bad arguments and WorkspaceUnavailable (on every
+        one-store launches alone (None: no cap below the grid). lamport_tiers: the (max bytes, blocks) tiers of the
+        one-store launches below the largest (None: plan.DEFAULT_LAMPORT_TIERS; (): every one-store launch on the
+        whole grid); plan.lamport_tiers says how they combine with the grid and lamport_grid. Raises ValueError for bad arguments and WorkspaceUnavailable (on every
         rank, with every rank's reason) when no kernel module, the symmetric memory or the peer-access proof
         fails. A dtype whose module cannot be built on some rank is refused alone on every rank (`refused`,
         `variants`). `_variant` "rotated" / "stale_flags" / "single_copy" / "one_buffer" / "unmarked" build
@@ -195,8 +197,9 @@ class Workspace:
                 err = "kernels: no module could be built: " + "; ".join(f"{m}: {r}" for m, r in refused.items())
         except Exception as e:  # noqa: BLE001 - reported to every rank below
             err = f"kernels: {type(e).__name__}: {e}"
-        config = (capacity_bytes, max_rows_armed, one_shot_max_bytes, lamport_max_bytes, max_grid, lamport_grid, _variant,
-                  timeout_s)
+        table = plan.DEFAULT_LAMPORT_TIERS if lamport_tiers is None else tuple((b, n) for b, n in lamport_tiers)
+        config = (capacity_bytes, max_rows_armed, one_shot_max_bytes, lamport_max_bytes, max_grid, lamport_grid, table,
+                  _variant, timeout_s)
         infos: list[Any] = [None] * world
         dist.all_gather_object(infos, (err, sm_count, config, refused, gpu_id), group=group)
         reasons = [f"rank {r}: {i[0]}" for r, i in enumerate(infos) if i[0]]
@@ -210,18 +213,19 @@ class Workspace:
         # Geometry from topology: the device identities every rank reported decide whether ranks share a GPU.
         shared = len({i[4] for i in infos}) < world
         grid = plan.grid_blocks(world, min(i[1] for i in infos), max_grid=max_grid, shared_gpu=shared)
-        lam_grid = plan.lamport_grid_blocks(grid, lamport_grid)
         if one_shot_max_bytes is None:
             one_shot_max_bytes = plan.one_shot_max_bytes(world, shared_gpu=shared)
         if lamport_max_bytes is None:
             lamport_max_bytes = plan.lamport_max_bytes(world, shared_gpu=shared)
+        tiers = plan.lamport_tiers(lamport_max_bytes, world, grid, base=plan.lamport_offset(capacity_bytes, world, grid),
+                                   table=table, max_blocks=lamport_grid)
         try:
-            transport = IpcSymmetricBuffer.create(plan.buffer_bytes(capacity_bytes, world, grid, lamport_max_bytes),
+            transport = IpcSymmetricBuffer.create(plan.buffer_bytes(capacity_bytes, world, grid, tiers),
                                                   group=group,
                                                   device_index=dev.index, probe_offset=plan.probe_offset())
         except SymmMemUnavailable as e:
             raise WorkspaceUnavailable(str(e)) from e
-        ws = cls(transport=transport, kernels=ks, grid=grid, lamport_grid=lam_grid, capacity_bytes=capacity_bytes,
+        ws = cls(transport=transport, kernels=ks, grid=grid, lamport_tiers=tiers, capacity_bytes=capacity_bytes,
                  max_rows_armed=max_rows_armed, one_shot_max_bytes=one_shot_max_bytes,
                  lamport_max_bytes=lamport_max_bytes, timeout_ns=int(timeout_s * 1e9), device=dev)
         ws.refused = all_refused
@@ -234,7 +238,8 @@ class Workspace:
                    max_rows_armed: int = plan.DEFAULT_MAX_ROWS_ARMED,
                    one_shot_max_bytes: int = plan.DEFAULT_ONE_SHOT_MAX_BYTES, lamport_max_bytes: int | None = None,
                    timeout_s: float = DEFAULT_TIMEOUT_S, max_grid: int = plan.DEFAULT_MAX_GRID,
-                   lamport_grid: int | None = None, _variant: str = "canonical") -> list[Workspace]:
+                   lamport_grid: int | None = None, lamport_tiers: Sequence[tuple[int, int]] | None = None,
+                   _variant: str = "canonical") -> list[Workspace]:
         """W rank views of one workspace inside this process on one GPU (the W-stream harness). NOT collective.
 
         Drive rank r's collectives from its own CUDA stream and launch all W before waiting on any: a rank's
@@ -252,11 +257,14 @@ class Workspace:
             lamport_max_bytes = plan.lamport_max_bytes(world_size, shared_gpu=True)
         sm_count = torch.cuda.get_device_properties(dev).multi_processor_count
         grid = plan.grid_blocks(world_size, sm_count, max_grid=max_grid)
-        lam_grid = plan.lamport_grid_blocks(grid, lamport_grid)
+        tiers = plan.lamport_tiers(lamport_max_bytes, world_size, grid,
+                                   base=plan.lamport_offset(capacity_bytes, world_size, grid),
+                                   table=plan.DEFAULT_LAMPORT_TIERS if lamport_tiers is None else lamport_tiers,
+                                   max_blocks=lamport_grid)
         ks = kernel_set(dev.index, world_size, variant=_variant)
-        views = create_local_group(world_size, plan.buffer_bytes(capacity_bytes, world_size, grid, lamport_max_bytes),
+        views = create_local_group(world_size, plan.buffer_bytes(capacity_bytes, world_size, grid, tiers),
                                    device_index=dev.index, probe_offset=plan.probe_offset())
-        return [cls(transport=v, kernels=ks, grid=grid, lamport_grid=lam_grid, capacity_bytes=capacity_bytes,
+        return [cls(transport=v, kernels=ks, grid=grid, lamport_tiers=tiers, capacity_bytes=capacity_bytes,
                     max_rows_armed=max_rows_armed,
                     one_shot_max_bytes=one_shot_max_bytes, lamport_max_bytes=lamport_max_bytes,
                     timeout_ns=int(timeout_s * 1e9), device=dev)
@@ -555,10 +563,13 @@ class Workspace:
                 args = [_u64(x.data_ptr() + off), _u64(residual.data_ptr() + off), _u64(weight.data_ptr()),
                         _u64(y.data_ptr() + off), _u64(r.data_ptr() + off), _i64(b - a), _i64(hidden),
                         ctypes.c_float(eps32)]
-                if kind == "lamport":  # where this rank's one-store region starts, and one area's bytes
-                    args += [_i64(self._lam_off), _i64(self._lam_cap)]
-                self._launch(plan.fused_norm_kernel(kind, dtype, wname), args, stream_ptr, label,
-                             grid=self.lamport_grid if kind == "lamport" else None)
+                grid = None
+                if kind == "lamport":  # the first tier that holds the launch: its sub-region, area bytes and blocks
+                    tier = next(t for t in self.lamport_tiers
+                                if b - a <= plan.fused_norm_lamport_rows(hidden, dtype, t.max_bytes))
+                    args += [_i64(tier.offset), _i64(tier.cap)]
+                    grid = tier.blocks
+                self._launch(plan.fused_norm_kernel(kind, dtype, wname), args, stream_ptr, label, grid=grid)
                 self.variants_run.add(("all_reduce_rmsnorm", dtype, f"fused_{kind}"))
             if rows > per:
                 self.variants_run.add(("all_reduce_rmsnorm", dtype, "fused_chunked"))
@@ -808,8 +819,11 @@ class _AllReduceLauncher:
         self.x, self.out, self.n = ctypes.c_uint64(), ctypes.c_uint64(), ctypes.c_int64()
         self.length, self.stride, self.call = ctypes.c_int64(), ctypes.c_int64(), ctypes.c_uint32()
         ks = ws._kernels
-        self.lamport = ks.prepare(f"detcomm_lamport_{sfx}", ws.lamport_grid,
-                                  [self.x, self.out, self.n, _i64(ws._lam_off), _i64(ws._lam_cap), self.call, *ws._tail])
+        # One prepared one-store launch per tier, with the most elements it takes: a launch runs the first that holds it.
+        self.lamports = [(t.max_bytes // plan.elem_size(dtype),
+                          ks.prepare(f"detcomm_lamport_{sfx}", t.blocks,
+                                     [self.x, self.out, self.n, _i64(t.offset), _i64(t.cap), self.call, *ws._tail]))
+                         for t in ws.lamport_tiers]
         self.one_shot = ks.prepare(f"detcomm_one_shot_{sfx}", ws.grid, [self.x, self.out, self.n, self.call, *ws._tail])
         self.two_shot = ks.prepare(f"detcomm_two_shot_{sfx}", ws.grid,
                                    [self.x, self.out, self.n, self.length, self.stride, self.call, *ws._tail])
@@ -830,7 +844,7 @@ class _AllReduceLauncher:
                 self.x.value, self.out.value, self.n.value = xp + a * row_bytes, op + a * row_bytes, n
                 self.call.value = ws._next_call(label)
                 if algo == "lamport" or (algo is None and n <= self.lamport_max_elems):
-                    self.lamport(stream)
+                    next(launch for most, launch in self.lamports if n <= most)(stream)
                     ws.variants_run.add(self.ran["lamport"])
                 elif algo == "one_shot" or (algo is None and n <= self.one_shot_max_elems):
                     self.one_shot(stream)

@@ -167,7 +167,7 @@ def test_back_to_back_launches_with_a_late_rank(world):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_a_smaller_one_store_grid_keeps_the_bits(world):
-    """lamport_grid=2: every one-store launch (plain and fused) runs 2 blocks while the barrier launches run the
+    """lamport_grid=2: every one-store launch (plain and fused, one tier) runs 2 blocks while the barrier launches run the
     whole grid. The plain all-reduce gives the oracle's bits for launches that take the 2 blocks several sweeps,
     back to back with barrier launches and a late rank (the blocks' launch counters and busy words keep agreeing);
     the fused one-store kernel, whose blocks then norm several rows each, gives the fused one-shot kernel's bits
@@ -177,7 +177,7 @@ def test_a_smaller_one_store_grid_keeps_the_bits(world):
 
     R = _fresh(world, timeout_s=30.0, lamport_grid=2)
     v = R.views[0]
-    assert v.lamport_grid == 2 < v.grid, (v.lamport_grid, v.grid)
+    assert [t.blocks for t in v.lamport_tiers] == [2] and v.grid > 2, (v.lamport_tiers, v.grid)
     rng = np.random.default_rng(world + 70)
     for slow in (None, world - 1):
         bad = _sequence(R, rng, slow=slow)
@@ -221,9 +221,10 @@ def _emulate_push(owner, src: int, buf: int, bits: np.ndarray, dtype: str, call:
 
     from detcomm.workspace import plan
 
-    base = owner._transport.ptrs[owner.rank] + plan.data_offset() + owner._lam_off
+    tier = next(t for t in owner.lamport_tiers if bits.nbytes <= t.max_bytes)  # the one the launch will take
+    base = owner._transport.ptrs[owner.rank] + plan.data_offset() + tier.offset
     data = np.ascontiguousarray(_mark(bits, dtype))
-    area = base + plan.LAM_DATA_OFF + (buf * owner.world_size + src) * owner._lam_cap
+    area = base + plan.LAM_DATA_OFF + (buf * owner.world_size + src) * tier.cap
     runtime.memcpy(area, data.ctypes.data, data.nbytes, runtime.memcpyHostToDevice)
     n = bits.size
     what = (plan.KIND_LAMPORT << 8) | {"float32": 0, "bfloat16": 1, "float16": 2}[dtype]
@@ -281,13 +282,13 @@ def test_a_peer_one_launch_ahead(variant):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_graph_replays_alternate_buffers(world):
-    """Two one-store calls per graph, replayed with new values: the buffer is chosen on the device (the block's
-    launch counter), so replays alternate buffers like eager calls do; an odd number of launches per graph (three)
-    shifts the parity between replays."""
+    """One-store calls captured in one graph, replayed with new values: the buffer is chosen on the device (the
+    block's launch counter of the launch's tier), so replays alternate buffers like eager calls do; an odd number of
+    launches per graph and tier (three in the 64 KiB tier, one in the next) shifts the parity between replays."""
     R = _fresh(world, timeout_s=30.0)
     dtype = "float16"
     rng = np.random.default_rng(world + 3)
-    shapes = [(33, TRAILING), (2, TRAILING), (300, TRAILING)]
+    shapes = [(33, TRAILING), (2, TRAILING), (1000, TRAILING), (300, TRAILING)]
     statics = [[to_tensor(b, dtype, "cuda:0") for b in random_bits(rng, world, s, dtype)] for s in shapes]
     for st in statics:
         R.run("all_reduce", st, algo="lamport")  # warm-up
