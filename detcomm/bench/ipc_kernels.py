@@ -282,8 +282,7 @@ def bench_nccl(quick: bool, tmp: Path, sizes: list[int] | None = None, envs: lis
         result = tmp / f"nccl_{tag}.json"
         init = tmp / f"init_{tag}_{time.time_ns()}"
         mp.spawn(_nccl_rank, args=(world, str(init), sizes, env, str(result), gather_graph, lamport_grid, untiered),
-                 nprocs=world,
-                 join=True)
+                 nprocs=world, join=True)
         rows += json.loads(result.read_text())
     return rows
 

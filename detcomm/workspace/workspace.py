@@ -97,7 +97,7 @@ class Workspace:
 
     def __init__(self, *, transport: Any, kernels: KernelSet, grid: int,
                  lamport_tiers: tuple[plan.LamportTier, ...], capacity_bytes: int,
-                 max_rows_armed: int, one_shot_max_bytes: int, lamport_max_bytes: int, timeout_ns: int,
+                 max_rows_armed: int, one_shot_max_bytes: int, timeout_ns: int,
                  device: torch.device) -> None:
         # Private: use Workspace.create or Workspace.in_process.
         self._transport = transport
@@ -109,13 +109,12 @@ class Workspace:
         self.max_rows_armed = max_rows_armed
         self.one_shot_max_bytes = one_shot_max_bytes
         #: all-reduce launches up to this many bytes take the one-store kernel (csrc/lamport.cu); 0 = never.
-        self.lamport_max_bytes = lamport_max_bytes
+        self.lamport_max_bytes = lamport_tiers[-1].max_bytes if lamport_tiers else 0
         self.timeout_ns = timeout_ns
         self.device = device
         self.rank = transport.rank
         self.world_size = transport.world_size
         self._slot_bytes = plan.slot_bytes(capacity_bytes, self.world_size, grid)
-        assert (lamport_tiers[-1].max_bytes if lamport_tiers else 0) == lamport_max_bytes, lamport_tiers
         # data[p * W + k]: slot copy p of rank k (the kernels pick the copy by their use's parity; the one-store
         # kernels use data[k] + their tier's offset).
         data_ptrs = [p + plan.data_offset() + c * self._slot_bytes for c in range(plan.SLOT_COPIES)
@@ -227,7 +226,7 @@ class Workspace:
             raise WorkspaceUnavailable(str(e)) from e
         ws = cls(transport=transport, kernels=ks, grid=grid, lamport_tiers=tiers, capacity_bytes=capacity_bytes,
                  max_rows_armed=max_rows_armed, one_shot_max_bytes=one_shot_max_bytes,
-                 lamport_max_bytes=lamport_max_bytes, timeout_ns=int(timeout_s * 1e9), device=dev)
+                 timeout_ns=int(timeout_s * 1e9), device=dev)
         ws.refused = all_refused
         if all_refused:
             _LOG.warning("detcomm workspace: kernel modules refused (their calls take another route): %s", all_refused)
@@ -266,7 +265,7 @@ class Workspace:
                                    device_index=dev.index, probe_offset=plan.probe_offset())
         return [cls(transport=v, kernels=ks, grid=grid, lamport_tiers=tiers, capacity_bytes=capacity_bytes,
                     max_rows_armed=max_rows_armed,
-                    one_shot_max_bytes=one_shot_max_bytes, lamport_max_bytes=lamport_max_bytes,
+                    one_shot_max_bytes=one_shot_max_bytes,
                     timeout_ns=int(timeout_s * 1e9), device=dev)
                 for v in views]
 
@@ -539,7 +538,9 @@ class Workspace:
         per = plan.fused_norm_rows_per_launch(hidden, dtype, grid=self.grid, slot_bytes=self._slot_bytes)
         if per < 1:
             raise WorkspaceUnavailable(f"a row of {hidden} elements does not fit one fused launch of this workspace")
-        lam = plan.fused_norm_lamport_rows(hidden, dtype, self.lamport_max_bytes)
+        # Rows each one-store tier holds, smallest tier first; the largest tier's is the one-store limit.
+        tier_rows = [plan.fused_norm_lamport_rows(hidden, dtype, t.max_bytes) for t in self.lamport_tiers]
+        lam = tier_rows[-1] if tier_rows else 0
         if chunk_rows is not None and not 1 <= chunk_rows <= per:
             raise ValueError(f"chunk_rows must be in 1..{per} (rows one launch carries), got {chunk_rows}")
         if algo == "lamport":
@@ -565,8 +566,7 @@ class Workspace:
                         ctypes.c_float(eps32)]
                 grid = None
                 if kind == "lamport":  # the first tier that holds the launch: its sub-region, area bytes and blocks
-                    tier = next(t for t in self.lamport_tiers
-                                if b - a <= plan.fused_norm_lamport_rows(hidden, dtype, t.max_bytes))
+                    tier = next(t for t, most in zip(self.lamport_tiers, tier_rows, strict=True) if b - a <= most)
                     args += [_i64(tier.offset), _i64(tier.cap)]
                     grid = tier.blocks
                 self._launch(plan.fused_norm_kernel(kind, dtype, wname), args, stream_ptr, label, grid=grid)
