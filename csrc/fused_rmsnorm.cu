@@ -12,8 +12,9 @@
 // row at slot pack (m*R + k) * stride + b * BLOCK_THREADS: every slot pack a block touches is one the
 // workspace's ownership rule (detcomm_common.cuh, "Work assignment") gives to that same block, so the
 // per-block barriers order these kernels against every other workspace kernel too. A 512-thread block norms
-// two rows at a time, one per half (256 threads = the definition's 256 lanes); both halves run the same number
-// of iterations so the block-wide __syncthreads of the tree stay uniform.
+// two rows at a time, one per half (256 threads = the definition's 256 lanes), or, in the wide kernels,
+// one row on both halves (csrc/fused_norm_row.cuh, FnPlace); both halves run the same number of iterations so the
+// block-wide __syncthreads of the tree stay uniform.
 //
 // One-shot (latency): copy my rows into my slot; START; each half folds whole rows from the W slots into
 // registers, adds the residual, writes r and sums the squares; tree; writes y. No end barrier: every slot access
@@ -149,14 +150,13 @@ template <int DT, bool TWO> struct FnSlotSrc {
   }
 };
 
-template <int DT, int WDT, bool TWO>
+// WIDE: the wide kernel (rows of C < H <= 2C elements on a whole block) or the row kernel (csrc/fused_norm_row.cuh).
+template <int DT, int WDT, bool TWO, bool WIDE>
 __device__ __forceinline__ void fused_rmsnorm(const typename Traits<DT>::T* __restrict__ x,
                                               const typename Traits<DT>::T* __restrict__ residual,
                                               const typename Traits<WDT>::T* __restrict__ weight,
                                               typename Traits<DT>::T* __restrict__ y, typename Traits<DT>::T* r_out,
-                                              i64 rows, i64 H, float eps, const Group& g0) {
-  __shared__ float warp_sum[FN_HALVES][NORM_WARPS];
-  __shared__ float inv_shared[FN_HALVES];
+                                              i64 rows, i64 H, float eps, const Group& g0, FnShared& sh) {
   constexpr int kPer = Traits<DT>::kPer;
   const i64 rows_b = fn_block_rows(rows);
   // Returns before any barrier when this block has no row: every rank's block b decides the same (rows is
@@ -172,43 +172,50 @@ __device__ __forceinline__ void fused_rmsnorm(const typename Traits<DT>::T* __re
 #pragma unroll
   for (int k = 0; k < DETCOMM_W; ++k) src[k] = slot(g, k);
 
-  const int half = threadIdx.x / NORM_THREADS;
-  // Uniform over the block (H is the same for every thread), so both paths keep the barriers uniform.
-  const bool regs = fn_rows_in_registers<DT>(H);
+  // From H alone: uniform over the block, so every layout keeps the barriers uniform.
+  const FnPlace pl = fn_place<WIDE>();
+  const bool regs = WIDE || fn_rows_in_registers<DT>(H);
   FnPre<DT, WDT> pre;
-  if (regs) fn_prefetch<DT, WDT>((i64)half * gridDim.x + blockIdx.x, H, residual, weight, pre, half < rows_b);
+  if (regs) fn_prefetch<DT, WDT>(pl, (i64)pl.slot * gridDim.x + blockIdx.x, H, residual, weight, pre, pl.slot < rows_b);
   fn_copy_in<DT>(x, rows_b, H, P, R, stride, own);
   if (!block_barrier(g, BARRIER_START)) return;
   if constexpr (TWO) {
     fn_fold_range<DT>(rows_b, P, R, stride, Lq, src, own, g.rank);
     if (!block_barrier(g, BARRIER_MID)) return;
   }
-  for (i64 m0 = 0; m0 < rows_b; m0 += FN_HALVES) {  // the same trip count for both halves
-    const i64 m = m0 + half, row = m * gridDim.x + blockIdx.x;
+  for (i64 m0 = 0; m0 < rows_b; m0 += pl.step) {  // the same trip count for both halves
+    const i64 m = m0 + pl.slot, row = m * gridDim.x + blockIdx.x;
     FnSlotSrc<DT, TWO> slots{m, H, P, R, stride, Lq, src, g.rank};
     if (regs) {
-      if (m0 > 0) fn_prefetch<DT, WDT>(row, H, residual, weight, pre, m < rows_b);
-      fn_norm_row_regs<DT, WDT>(row, H, slots, pre, y, r_out, eps, warp_sum[half], &inv_shared[half], m < rows_b);
+      if (m0 > 0) fn_prefetch<DT, WDT>(pl, row, H, residual, weight, pre, m < rows_b);
+      fn_norm_row_regs<DT, WDT, WIDE>(pl, row, H, slots, pre, y, r_out, eps, sh, m < rows_b);
     } else {
-      fn_norm_row<DT, WDT>(row, H, slots, residual, weight, y, r_out, eps, warp_sum[half], &inv_shared[half],
-                           m < rows_b);
+      fn_norm_row<DT, WDT>(row, H, slots, residual, weight, y, r_out, eps, sh, pl, m < rows_b);
     }
   }
   close_use(g);
 }
 
-#define DETCOMM_FUSED_NORM_KERNEL(ALGO, KIND, TWO, SFX, DT, WSFX, WDT)                                             \
-  extern "C" __global__ void __launch_bounds__(DETCOMM_BLOCK_THREADS) detcomm_fused_rmsnorm_##ALGO##_##SFX##_w##WSFX( \
+#define DETCOMM_FUSED_NORM_KERNEL(NAME, KIND, TWO, WIDE, DT, WDT)                                                 \
+  extern "C" __global__ void __launch_bounds__(DETCOMM_BLOCK_THREADS) NAME(                                         \
       const Traits<DT>::T* x, const Traits<DT>::T* residual, const Traits<WDT>::T* weight, Traits<DT>::T* y,          \
       Traits<DT>::T* r_out, i64 rows, i64 H, float eps, u32 call, char* const* data, u32* const* sigs, int rank,      \
       u64 timeout_ns, u32* ctrl) {                                                                                    \
+    __shared__ FnShared sh;                                                                                         \
     const Group g{data, sigs, rank, timeout_ns, ctrl, (KIND << 8) | DT, call, (u64)(rows * H), false};                \
-    fused_rmsnorm<DT, WDT, TWO>(x, residual, weight, y, r_out, rows, H, eps, g);                                      \
+    fused_rmsnorm<DT, WDT, TWO, WIDE>(x, residual, weight, y, r_out, rows, H, eps, g, sh);                            \
   }
 
-#define DETCOMM_FUSED_NORM(SFX, DT, WSFX, WDT)                                                         \
-  DETCOMM_FUSED_NORM_KERNEL(1shot, DETCOMM_KIND_FUSED_NORM_1SHOT, false, SFX, DT, WSFX, WDT)         \
-  DETCOMM_FUSED_NORM_KERNEL(2shot, DETCOMM_KIND_FUSED_NORM_2SHOT, true, SFX, DT, WSFX, WDT)
+// Per algorithm: the row kernel and the wide kernel (names with "_wide": plan.fused_norm_kernel).
+#define DETCOMM_FUSED_NORM(SFX, DT, WSFX, WDT)                                                                         \
+  DETCOMM_FUSED_NORM_KERNEL(detcomm_fused_rmsnorm_1shot_##SFX##_w##WSFX, DETCOMM_KIND_FUSED_NORM_1SHOT, false, false, \
+                            DT, WDT)                                                                                \
+  DETCOMM_FUSED_NORM_KERNEL(detcomm_fused_rmsnorm_2shot_##SFX##_w##WSFX, DETCOMM_KIND_FUSED_NORM_2SHOT, true, false,  \
+                            DT, WDT)                                                                                \
+  DETCOMM_FUSED_NORM_KERNEL(detcomm_fused_rmsnorm_1shot_wide_##SFX##_w##WSFX, DETCOMM_KIND_FUSED_NORM_1SHOT, false,   \
+                            true, DT, WDT)                                                                          \
+  DETCOMM_FUSED_NORM_KERNEL(detcomm_fused_rmsnorm_2shot_wide_##SFX##_w##WSFX, DETCOMM_KIND_FUSED_NORM_2SHOT, true,    \
+                            true, DT, WDT)
 
 #define DETCOMM_FUSED_NORM_ALL_W(SFX, DT)   \
   DETCOMM_FUSED_NORM(SFX, DT, f32, DT_F32)  \

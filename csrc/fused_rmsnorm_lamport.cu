@@ -11,10 +11,11 @@
 //
 // Rows. Row i of the launch belongs to block i mod gridDim.x, as for the barrier variants (fn_block_rows): the
 // block pushes its rows' packs (every thread, DETCOMM_UNROLL packs in flight) and then norms them two at a time,
-// one per 256-thread half. Layout of an area: pack j of row i at pack index i * P + j (P = packs per row, whole
+// one per 256-thread half, or one at a time on both halves in the wide kernel (csrc/fused_norm_row.cuh,
+// FnPlace). Layout of an area: pack j of row i at pack index i * P + j (P = packs per row, whole
 // packs: the last pack of a row is zero-filled past H, and its -0.0-marked padding folds to +0.0, squares to
-// nothing). A launch's rows * P * 16 bytes fit one area (the host's fused_norm_lamport_rows). The half that norms
-// row i is the only reader of row i's packs and empties each pack right after it arrived.
+// nothing). A launch's rows * P * 16 bytes fit one area (the host's fused_norm_lamport_rows). Each pack of row i
+// has one reader, the half that holds its chunk, which empties it right after it arrived.
 //
 // The call descriptor's count is rows << 32 | H (plan.describe_call decodes it), so ranks whose launches differ
 // in rows or in H (even with equal rows * H) fail with a mismatch instead of folding misplaced packs.
@@ -150,15 +151,14 @@ template <int DT> struct FnLamSrc {
 
 // After a failure (a peer's abort, the deadline, a mismatch) the waits stop, the block still meets at lam_close,
 // and y and r hold unspecified values: the call raises WorkspaceFailed (the host reads this rank's record).
-template <int DT, int WDT>
+// WIDE: the wide kernel (rows of C < H <= 2C elements on a whole block) or the row kernel (csrc/fused_norm_row.cuh).
+template <int DT, int WDT, bool WIDE>
 __device__ __forceinline__ void fused_rmsnorm_lamport(const typename Traits<DT>::T* __restrict__ x,
                                                       const typename Traits<DT>::T* __restrict__ residual,
                                                       const typename Traits<WDT>::T* __restrict__ weight,
                                                       typename Traits<DT>::T* __restrict__ y,
                                                       typename Traits<DT>::T* r_out, i64 rows, i64 H, float eps,
-                                                      i64 off, i64 cap, const Group& g) {
-  __shared__ float warp_sum[FN_HALVES][NORM_WARPS];
-  __shared__ float inv_shared[FN_HALVES];
+                                                      i64 off, i64 cap, const Group& g, FnShared& sh) {
   constexpr int kPer = Traits<DT>::kPer;
   const Lam l = lam_open(g, off, cap);
   LamWait w{0u, 0ull, 0u};
@@ -166,11 +166,11 @@ __device__ __forceinline__ void fused_rmsnorm_lamport(const typename Traits<DT>:
   const bool owns = rows_b > 0;  // uniform over the block, and the same on every rank (rows is)
   if (owns) {
     const i64 P = (H + kPer - 1) / kPer;
-    const int half = threadIdx.x / NORM_THREADS;
-    const bool regs = fn_rows_in_registers<DT>(H);
+    const FnPlace pl = fn_place<WIDE>();
+    const bool regs = WIDE || fn_rows_in_registers<DT>(H);
     FnPre<DT, WDT> pre;
     // The first row's residual and weight are loaded before the push, so their latency hides behind the peers'.
-    if (regs) fn_prefetch<DT, WDT>((i64)half * gridDim.x + blockIdx.x, H, residual, weight, pre, half < rows_b);
+    if (regs) fn_prefetch<DT, WDT>(pl, (i64)pl.slot * gridDim.x + blockIdx.x, H, residual, weight, pre, pl.slot < rows_b);
     lam_announce(g, l);
     fn_lam_push<DT>(x, rows_b, H, P, g, l);
     lam_claim(g, w);  // after the pushes: its atomic round trip would delay thread 32's stores (as in lamport.cu)
@@ -178,30 +178,35 @@ __device__ __forceinline__ void fused_rmsnorm_lamport(const typename Traits<DT>:
     const uint4* area[DETCOMM_W];
 #pragma unroll
     for (int k = 0; k < DETCOMM_W; ++k) area[k] = lam_area(l, g.rank, k);
-    for (i64 m0 = 0; m0 < rows_b; m0 += FN_HALVES) {  // the same trip count for both halves
-      const i64 m = m0 + half, row = m * gridDim.x + blockIdx.x;
+    for (i64 m0 = 0; m0 < rows_b; m0 += pl.step) {  // the same trip count for both halves
+      const i64 m = m0 + pl.slot, row = m * gridDim.x + blockIdx.x;
       FnLamSrc<DT> src{g, l, w, area, row * P, H, P};
       if (regs) {
-        if (m0 > 0) fn_prefetch<DT, WDT>(row, H, residual, weight, pre, m < rows_b);
-        fn_norm_row_regs<DT, WDT>(row, H, src, pre, y, r_out, eps, warp_sum[half], &inv_shared[half], m < rows_b);
+        if (m0 > 0) fn_prefetch<DT, WDT>(pl, row, H, residual, weight, pre, m < rows_b);
+        fn_norm_row_regs<DT, WDT, WIDE>(pl, row, H, src, pre, y, r_out, eps, sh, m < rows_b);
       } else {
-        fn_norm_row<DT, WDT>(row, H, src, residual, weight, y, r_out, eps, warp_sum[half], &inv_shared[half],
-                             m < rows_b);
+        fn_norm_row<DT, WDT>(row, H, src, residual, weight, y, r_out, eps, sh, pl, m < rows_b);
       }
     }
   }
   lam_close(g, l, w, owns);
 }
 
-#define DETCOMM_FUSED_NORM_LAMPORT(SFX, DT, WSFX, WDT)                                                               \
-  extern "C" __global__ void __launch_bounds__(DETCOMM_BLOCK_THREADS) detcomm_fused_rmsnorm_lamport_##SFX##_w##WSFX( \
+#define DETCOMM_FUSED_NORM_LAMPORT_KERNEL(NAME, WIDE, DT, WDT)                                                     \
+  extern "C" __global__ void __launch_bounds__(DETCOMM_BLOCK_THREADS) NAME(                                         \
       const Traits<DT>::T* x, const Traits<DT>::T* residual, const Traits<WDT>::T* weight, Traits<DT>::T* y,        \
       Traits<DT>::T* r_out, i64 rows, i64 H, float eps, i64 off, i64 cap, u32 call, char* const* data,             \
       u32* const* sigs, int rank, u64 timeout_ns, u32* ctrl) {                                                      \
+    __shared__ FnShared sh;                                                                                         \
     const Group g{data, sigs, rank, timeout_ns, ctrl, (DETCOMM_KIND_FUSED_NORM_LAMPORT << 8) | DT, call,            \
                   ((u64)rows << 32) | (u64)H, true};                                                                \
-    fused_rmsnorm_lamport<DT, WDT>(x, residual, weight, y, r_out, rows, H, eps, off, cap, g);                       \
+    fused_rmsnorm_lamport<DT, WDT, WIDE>(x, residual, weight, y, r_out, rows, H, eps, off, cap, g, sh);             \
   }
+
+// The row kernel and the wide kernel (names with "_wide": plan.fused_norm_kernel).
+#define DETCOMM_FUSED_NORM_LAMPORT(SFX, DT, WSFX, WDT)                                                       \
+  DETCOMM_FUSED_NORM_LAMPORT_KERNEL(detcomm_fused_rmsnorm_lamport_##SFX##_w##WSFX, false, DT, WDT)         \
+  DETCOMM_FUSED_NORM_LAMPORT_KERNEL(detcomm_fused_rmsnorm_lamport_wide_##SFX##_w##WSFX, true, DT, WDT)
 
 #define DETCOMM_FUSED_NORM_LAMPORT_ALL_W(SFX, DT)   \
   DETCOMM_FUSED_NORM_LAMPORT(SFX, DT, f32, DT_F32)  \

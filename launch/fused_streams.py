@@ -9,8 +9,10 @@ Columns: fused and unfused on the default route (ranks sharing a GPU never take 
 plan.lamport_max_bytes), unfused = the workspace all-reduce then detcomm.norm.add_rms_norm; the two parts of unfused
 alone (all_reduce; add + norm), so fused - all_reduce is the fused kernel's norm tail; and the one-store kernels
 forced (a second workspace with 256 KiB one-store areas; "-" where the launch does not fit them). Bits: every fused
-variant == unfused on every shape and rank, checked before timing. --variant fused_batch4 times the fused kernels
-with their load batch at 4 chunks per lane (the canonical build: 2; csrc/fused_norm_row.cuh says why).
+variant == unfused on every shape and rank, checked before timing. The fused kernel column names the paths and the
+row layout that ran (plan.fused_norm_layout). --variant fused_batch4 times the fused kernels with their load batch at
+4 chunks per lane (the canonical build: 2; csrc/fused_norm_row.cuh says why), --variant fused_no_wide streams the
+rows the canonical build gives the wide kernels.
 """
 
 # ruff: noqa: B023  (the per-shape closures run only inside their own loop iteration)
@@ -45,7 +47,8 @@ def main() -> None:
                     help="at most this many blocks in the forced one-store launches (Workspace lamport_grid; "
                          "default: the tiers of plan.lamport_tiers)")
     ap.add_argument("--variant", default="canonical",
-                    help="kernel build (detcomm.workspace.kernels.VARIANT_MACROS), e.g. fused_batch4: the fused "
+                    help="kernel build (detcomm.workspace.kernels.VARIANT_MACROS), e.g. fused_no_wide (rows the wide "
+                         "kernels serve stream instead) or fused_batch4: the fused "
                          "kernels' load batch of 4 chunks per lane instead of 2, the same bits")
     args = ap.parse_args()
     w = args.world

@@ -95,9 +95,10 @@ if has bench; then
     timeout 180 $PY launch/fused_streams.py --world 2 --json "$OUT/fused_streams.json" > "$OUT/fused.log" 2>&1
   fi
   say "fused bench rc=$?"; grep -E '^\| [0-9]' "$OUT/fused.log" | head -20
-  # The fused kernels' other load batch (csrc/fused_norm_row.cuh, DETCOMM_FUSED_BATCH) on two streams of GPU 0; on one
-  # GPU the canonical build's rows are already in fused.log (the same shapes), on several it runs here beside it
-  variants=fused_batch4; [ "$NGPU" -ge 2 ] && variants="canonical fused_batch4"
+  # The fused kernels' other builds on two streams of GPU 0 (csrc/fused_norm_row.cuh): the load batch of 4, and the
+  # host never taking the wide kernels (hidden 8192 streams, as in round 8); on one GPU the canonical build's rows are
+  # already in fused.log (the same shapes), on several it runs here beside them
+  variants="fused_batch4 fused_no_wide"; [ "$NGPU" -ge 2 ] && variants="canonical $variants"
   for variant in $variants; do
     timeout 120 $PY launch/fused_streams.py --world 2 --hidden 4096,8192 --rows 1,8 --variant $variant \
       > "$OUT/fused_$variant.log" 2>&1

@@ -106,7 +106,7 @@ def test_module_loads_every_fused_kernel() -> None:
     assert "detcomm_fused_rmsnorm_" in src and "norm_inv_rms" in src and '#include "' not in src
 
 
-def _stand_in_workspace(lamport_max: int) -> tuple[object, list[tuple[str, list[float]]]]:
+def _stand_in_workspace(lamport_max: int, variant: str = "canonical") -> tuple[object, list[tuple[str, list[float]]]]:
     """A Workspace with no device (object.__new__): the host logic of all_reduce_rmsnorm runs on CPU tensors and
     its launches are recorded (kernel name, argument values) instead of run."""
     import contextlib
@@ -116,6 +116,9 @@ def _stand_in_workspace(lamport_max: int) -> tuple[object, list[tuple[str, list[
 
     ws = object.__new__(Workspace)
     ws.device, ws._dead, ws.refused, ws.variants_run = torch.device("cpu"), None, {}, set()
+    ks = object.__new__(kernels.KernelSet)  # no modules: only its layout rule runs
+    ks.key = kernels.ModuleKey(0, 2, "sm_90", variant, False)
+    ws._kernels = ks
     ws._ctrl = SimpleNamespace(tagged=lambda: False)
     ws.grid, ws.world_size = 132, 2
     ws._slot_bytes = plan.slot_bytes(4 << 20, 2, ws.grid)
@@ -173,3 +176,81 @@ def test_fused_launches_take_the_one_store_kernel_per_launch() -> None:
         off.all_reduce_rmsnorm(x, x, w, 1e-6, algo="lamport")
     off.all_reduce_rmsnorm(x[:1], x[:1], w, 1e-6)
     assert [name for name, _ in launches] == [one]
+
+
+def test_fused_row_layout_follows_the_header_rule() -> None:
+    """plan.fused_norm_layout (C = the elements one half holds: the load batch x 256 lanes x 8): registers up to C,
+    the wide kernels up to 2C, streaming above, from (H, dtype, W) alone; the bench's builds move it (batch 4) or
+    switch the wide kernels off. tests/test_workspace_csrc.py holds C to csrc/fused_norm_row.cuh."""
+    c = plan.fused_norm_register_elems
+    assert [c("bfloat16", w) for w in (1, 2, 3, 4, 5, 8)] == [4096, 4096, 4096, 4096, 2048, 2048]
+    assert [c("float32", w) for w in (1, 2, 4, 8)] == [4096, 4096, 2048, 2048]
+    assert c("float16", 2, batch=4) == 8192 and c("float16", 4, batch=4) == 4096
+    lay = plan.fused_norm_layout
+    assert [lay(h, "bfloat16", 2) for h in (1, 4096, 4097, 8192, 8193)] == [
+        "registers", "registers", "wide", "wide", "streaming"]
+    assert [lay(h, "bfloat16", 8) for h in (2048, 2049, 4096, 4097, 8192)] == [
+        "registers", "wide", "wide", "streaming", "streaming"]
+    assert lay(8192, "bfloat16", 2, wide=False) == "streaming" and lay(8192, "bfloat16", 2, batch=4) == "registers"
+    assert lay(3000, "float32", 4) == "wide" and lay(6144, "float32", 2) == "wide"
+    for bad in (lambda: lay(0, "bfloat16", 2), lambda: c("bfloat16", 9), lambda: c("bfloat16", 2, batch=0)):
+        with pytest.raises(ValueError):
+            bad()
+    assert plan.fused_norm_kernel("lamport", "bfloat16", "bfloat16", wide=True) == (
+        "detcomm_fused_rmsnorm_lamport_wide_bf16_wbf16")
+    names = kernels.module_functions("float16")
+    for algo in ("1shot", "2shot", "lamport"):
+        assert {f"detcomm_fused_rmsnorm_{algo}_f16_wbf16", f"detcomm_fused_rmsnorm_{algo}_wide_f16_wbf16"} <= set(names)
+
+
+def test_fused_launches_take_the_wide_kernels_exactly_for_wide_rows() -> None:
+    """all_reduce_rmsnorm's host side at W = 2: rows of 4097..8192 bf16 elements take the wide kernel of whichever
+    algorithm the launch takes (one-store, one-shot, two-shot), every other width the row kernel; the bench's
+    fused_no_wide build never takes a wide kernel. variants_run records the layout."""
+    ws, launches = _stand_in_workspace(256 << 10)
+    for hidden, rows, algo, want in ((4096, 1, None, "detcomm_fused_rmsnorm_lamport_bf16_wbf16"),
+                                     (4097, 1, None, "detcomm_fused_rmsnorm_lamport_wide_bf16_wbf16"),
+                                     (8192, 2, None, "detcomm_fused_rmsnorm_lamport_wide_bf16_wbf16"),
+                                     (8192, 20, None, "detcomm_fused_rmsnorm_1shot_wide_bf16_wbf16"),
+                                     (8192, 3, "two_shot", "detcomm_fused_rmsnorm_2shot_wide_bf16_wbf16"),
+                                     (8193, 1, None, "detcomm_fused_rmsnorm_lamport_bf16_wbf16"),
+                                     (8193, 3, "one_shot", "detcomm_fused_rmsnorm_1shot_bf16_wbf16")):
+        launches.clear()
+        x = torch.zeros(rows, hidden, dtype=torch.bfloat16)
+        ws.all_reduce_rmsnorm(x, x, torch.ones(hidden, dtype=torch.bfloat16), 1e-6, algo=algo)
+        assert {name for name, _ in launches} == {want}, (hidden, rows, algo, launches)
+    layouts = {v for c, d, v in ws.variants_run if v.startswith("layout_")}
+    assert layouts == {"layout_registers", "layout_wide", "layout_streaming"}
+    off, launches = _stand_in_workspace(256 << 10, variant="fused_no_wide")
+    x = torch.zeros(1, 8192, dtype=torch.bfloat16)
+    off.all_reduce_rmsnorm(x, x, torch.ones(8192, dtype=torch.bfloat16), 1e-6)
+    assert [name for name, _ in launches] == ["detcomm_fused_rmsnorm_lamport_bf16_wbf16"]
+
+
+class _LayoutOnlyWorkspace:
+    """What IpcFoldBackend reads of a workspace to bind a fused site, on the CPU: no all-reduce variants (the site's
+    plain all-reduce is not bound to kernels), the fused kernel's paths and the real layout rule at W = 2."""
+
+    world_size = 2
+
+    def variants(self, collective: str, dtype: torch.dtype, row_numel: int, max_rows: int) -> list[str]:
+        return []
+
+    def fused_norm_layout(self, dtype: torch.dtype, hidden: int) -> str:
+        return plan.fused_norm_layout(hidden, str(dtype).removeprefix("torch."), self.world_size)
+
+    def fused_norm_variants(self, dtype: torch.dtype, hidden: int, max_rows: int) -> list[str]:
+        return ["fused_one_shot"]
+
+
+def test_sites_the_fused_kernels_would_stream_take_the_composition() -> None:
+    """A fused site is served by the fused kernel when its rows are in registers or wide (up to 8192 bf16 at W =
+    2), and by the composition, with the reason in the route table, when the kernel would stream them."""
+    from detcomm.backends.ipc_fold import IpcFoldBackend
+
+    backend = IpcFoldBackend(_LayoutOnlyWorkspace(), resolved=resolve_numerics("rl-bitwise"))  # type: ignore[arg-type]
+    for hidden, fused in ((4096, True), (8192, True), (8193, False), (16384, False)):
+        bound = backend.bind(_site((hidden,)))
+        assert (bound.fused is not None) == fused, hidden
+        assert ("not fused: rows of" in bound.note and "would stream" in bound.note) == (not fused), bound.note
+        assert set(bound.variants) == ({"fused_one_shot"} if fused else set()), bound.variants

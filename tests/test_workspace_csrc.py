@@ -210,11 +210,41 @@ def _spill_stores(tmp_path: Path, world: int, module: str, *defines: str) -> dic
 
 @needs_nvcc
 def test_fused_kernels_keep_their_registers_at_decode_widths(tmp_path):
-    """W = 2, bf16 rows and weight: no fused kernel spills. A load batch of 4 chunks per lane made the one-store
-    variant spill 380 bytes per thread, which cost it 2.1 us per call at 1 row of 4096 (csrc/fused_norm_row.cuh,
-    docs/performance.md round 7). The control: the bench's fused_batch4 build spills again."""
+    """W = 2, bf16 rows and weight: no fused kernel spills, row or wide. A load batch of 4 chunks per lane made the
+    one-store variant spill 380 bytes per thread, which cost it 2.1 us per call at 1 row of 4096
+    (csrc/fused_norm_row.cuh, docs/performance.md round 7); the three row layouts in one kernel spilled too, which is
+    why the wide layout has kernels of its own. The control: the bench's fused_batch4 build spills again."""
     canonical = _spill_stores(tmp_path, 2, "bfloat16")
     fused = {n: b for n, b in canonical.items() if n.startswith("detcomm_fused_rmsnorm_") and n.endswith("_wbf16")}
-    assert len(fused) == 3 and all(b == 0 for b in fused.values()), fused
+    assert len(fused) == 6 and all(b == 0 for b in fused.values()), fused
     batch4 = _spill_stores(tmp_path, 2, "bfloat16", *kernels.VARIANT_MACROS["fused_batch4"])
     assert batch4["detcomm_fused_rmsnorm_lamport_bf16_wbf16"] > 0, batch4
+
+
+def _layout_asserts(world: int, want: dict[str, int], *defines: str, tmp_path: Path) -> subprocess.CompletedProcess:
+    """Compiles csrc/fused_norm_row.cuh with one static_assert per dtype: the header's C (kBatch * 256 * 8, the
+    elements one half holds in registers) equals `want[dtype]`."""
+    codes = {"float32": "DT_F32", "bfloat16": "DT_BF16", "float16": "DT_F16"}
+    body = "".join(f"static_assert((long long)FnChunk<{codes[d]}>::kBatch * NORM_THREADS * NORM_CHUNK == {c}LL, "
+                   f"\"C of {d}\");\n" for d, c in want.items())
+    src = tmp_path / f"layout_{world}.cu"
+    src.write_text(kernels.flatten_source(["fused_norm_row.cuh"]) + body)
+    return subprocess.run([NVCC, *FLAGS, f"-DDETCOMM_W={world}", *defines, "-c", str(src), "-o", str(tmp_path / "l.o")],
+                          capture_output=True, text=True)
+
+
+@needs_nvcc
+def test_the_host_layout_rule_mirrors_the_header(tmp_path):
+    """plan.fused_norm_register_elems (which picks the row or the wide kernel on the host) equals the header's C
+    for every W and dtype, in the canonical build and the bench's batch-4 build; a wrong value fails to compile
+    (the control), so the check can fail."""
+    from detcomm.workspace import plan
+
+    for world in range(1, plan.MAX_WORLD + 1):
+        for batch, defines in ((plan.FUSED_NORM_BATCH, ()), (4, kernels.VARIANT_MACROS["fused_batch4"])):
+            assert kernels.FUSED_LAYOUT["fused_batch4"]["batch"] == 4
+            want = {d: plan.fused_norm_register_elems(d, world, batch=batch) for d in ("float32", "bfloat16", "float16")}
+            p = _layout_asserts(world, want, *defines, tmp_path=tmp_path)
+            assert p.returncode == 0, (world, batch, p.stderr[-2000:])
+    p = _layout_asserts(2, {"bfloat16": 2 * plan.fused_norm_register_elems("bfloat16", 2)}, tmp_path=tmp_path)
+    assert p.returncode != 0 and "C of bfloat16" in p.stderr

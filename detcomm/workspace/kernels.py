@@ -60,14 +60,19 @@ TRAP_ENV = "DETCOMM_WORKSPACE_TRAP"
 # Test-only builds: "rotated" folds in the wrong rank order, "stale_flags" lets a barrier pass on an earlier use's flag,
 # "one_buffer" gives the one-store kernel a single buffer, "unmarked" pushes +0.0 unchanged (indistinguishable from an
 # empty word), "single_copy" keeps one copy of the slots, flags and descriptors (no parity). Each is a negative
-# control that a test must catch; "canonical" is the only build a workspace serves with. One build is for the bench
-# only: "fused_batch4" gives the fused kernels a load batch of 4 chunks per lane (csrc/fused_norm_row.cuh,
-# DETCOMM_FUSED_BATCH), the same bits, to time against the canonical batch of 2 (launch/fused_streams.py --variant).
-VARIANT_MACROS = {"canonical": (), "fused_batch4": ("-DDETCOMM_FUSED_BATCH=4",), "rotated": (f"-D{ROTATE_MACRO}=1",),
+# control that a test must catch; "canonical" is the only build a workspace serves with.
+# Two are for the bench only, the same bits, timed against the canonical build (launch/fused_streams.py --variant;
+# csrc/fused_norm_row.cuh): "fused_batch4" gives the fused kernels a load batch of 4 chunks per lane instead of 2
+# (DETCOMM_FUSED_BATCH), "fused_no_wide" (the canonical cubins) never launches the wide kernels, so the rows they
+# serve (hidden 4097-8192 in bf16 at W <= 4) stream, as before they existed. FUSED_LAYOUT says how each build's
+# host picks the fused layout (plan.fused_norm_layout's batch and wide).
+VARIANT_MACROS = {"canonical": (), "fused_batch4": ("-DDETCOMM_FUSED_BATCH=4",),
+                  "fused_no_wide": (), "rotated": (f"-D{ROTATE_MACRO}=1",),
                   "stale_flags": ("-DDETCOMM_TEST_STALE_FLAGS=1",),
                   "single_copy": ("-DDETCOMM_TEST_SINGLE_COPY=1",),
                   "one_buffer": ("-DDETCOMM_TEST_ONE_BUFFER=1",),
                   "unmarked": ("-DDETCOMM_TEST_UNMARKED=1",)}
+FUSED_LAYOUT: dict[str, dict[str, Any]] = {"fused_batch4": {"batch": 4}, "fused_no_wide": {"wide": False}}
 # One module per dtype (csrc: DETCOMM_DTYPE) and one for the byte-moving all-gather.
 MODULE_DTYPE_CODES = {"float32": 0, "bfloat16": 1, "float16": 2, "bytes": 3}
 
@@ -185,7 +190,8 @@ def module_functions(module: str) -> list[str]:
     sfx = plan.DTYPE_SUFFIX[module]
     return ([f"detcomm_{kind}_{sfx}" for kind in ("one_shot", "two_shot", "reduce_scatter", "fold_local",
                                                   "virtual_one_shot", "virtual_two_shot", "lamport")]
-            + [plan.fused_norm_kernel(algo, module, w) for algo in plan.FUSED_NORM_ALGOS for w in plan.DTYPE_SUFFIX])
+            + [plan.fused_norm_kernel(algo, module, w, wide=wide) for algo in plan.FUSED_NORM_ALGOS
+               for w in plan.DTYPE_SUFFIX for wide in (False, True)])
 
 
 def compile_modules(world_size: int, arch: str, *, variant: str = "canonical", trap: bool = False,
@@ -233,6 +239,10 @@ class KernelSet:
 
     def available(self, module: str) -> bool:
         return module not in self.refused
+
+    def fused_norm_layout(self, hidden: int, dtype: str) -> str:
+        """plan.fused_norm_layout for this set's W and build: which fused kernel (row or wide) serves `hidden`."""
+        return plan.fused_norm_layout(hidden, dtype, self.key.world_size, **FUSED_LAYOUT.get(self.key.variant, {}))
 
     @staticmethod
     def names() -> list[str]:

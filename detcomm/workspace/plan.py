@@ -444,9 +444,49 @@ FUSED_NORM_ALGOS = ("one_shot", "two_shot", "lamport")  # lamport: csrc/fused_rm
 _FUSED_NORM_TAG = {"one_shot": "1shot", "two_shot": "2shot", "lamport": "lamport"}
 
 
-def fused_norm_kernel(algo: str, dtype: str, weight_dtype: str) -> str:
-    """The fused kernel's name for rows of `dtype` and a weight of `weight_dtype` (dtype names)."""
-    return f"detcomm_fused_rmsnorm_{_FUSED_NORM_TAG[algo]}_{DTYPE_SUFFIX[dtype]}_w{DTYPE_SUFFIX[weight_dtype]}"
+# Mirrored from csrc/fused_norm_row.cuh (FnChunk, the row layouts; tests/test_workspace_csrc.py holds the mirror to
+# the header): the fused kernels' default load batch (DETCOMM_FUSED_BATCH), the lanes of a row (NORM_THREADS) and
+# the elements of a chunk (NORM_CHUNK).
+FUSED_NORM_BATCH = 2
+NORM_LANES = 256
+NORM_CHUNK = 8
+FUSED_NORM_LAYOUTS = ("registers", "wide", "streaming")
+
+
+def fused_norm_register_elems(dtype: str, world_size: int, *, batch: int = FUSED_NORM_BATCH) -> int:
+    """C of csrc/fused_norm_row.cuh: the elements of a row one 256-thread half holds in registers, NB * 256 * 8 with
+    NB = FnChunk::kBatch, the load batch (chunks per lane): the workspace's unroll budget (8 / W source packs in
+    flight per thread, at least 1) in chunks of 1 (16-bit dtypes) or 2 (fp32) packs, at most `batch`."""
+    if not 1 <= world_size <= MAX_WORLD:
+        raise ValueError(f"world_size must be in 1..{MAX_WORLD}, got {world_size}")
+    if batch < 1:
+        raise ValueError(f"batch must be >= 1, got {batch}")
+    unroll = max(8 // world_size, 1)
+    packs_per_chunk = NORM_CHUNK // pack_elems(dtype)
+    budget = max(unroll // packs_per_chunk, 1)
+    return min(budget, batch) * NORM_LANES * NORM_CHUNK
+
+
+def fused_norm_layout(hidden: int, dtype: str, world_size: int, *, batch: int = FUSED_NORM_BATCH,
+                      wide: bool = True) -> str:
+    """How the fused kernels cover rows of `hidden` elements, a function of the site's static facts only
+    (csrc/fused_norm_row.cuh): "registers" (H <= C: a row per 256-thread half, r kept in registers), "wide"
+    (C < H <= 2C: a row per 512-thread block, each half holding half of every lane's chunks; the wide kernels) or
+    "streaming" (wider: a row per half, batch after batch, r stored and read back). `wide=False` never picks the
+    wide kernels (the bench's fused_no_wide build). Every layout gives the same bits (docs/spec.md §9.2)."""
+    if hidden < 1:
+        raise ValueError(f"hidden must be >= 1, got {hidden}")
+    c = fused_norm_register_elems(dtype, world_size, batch=batch)
+    if hidden <= c:
+        return "registers"
+    return "wide" if wide and hidden <= 2 * c else "streaming"
+
+
+def fused_norm_kernel(algo: str, dtype: str, weight_dtype: str, *, wide: bool = False) -> str:
+    """The fused kernel's name for rows of `dtype` and a weight of `weight_dtype` (dtype names); `wide`: the kernel
+    of the wide layout (fused_norm_layout), which serves only rows of C < H <= 2C elements."""
+    tag = _FUSED_NORM_TAG[algo] + ("_wide" if wide else "")
+    return f"detcomm_fused_rmsnorm_{tag}_{DTYPE_SUFFIX[dtype]}_w{DTYPE_SUFFIX[weight_dtype]}"
 
 
 def fused_norm_rows_per_launch(hidden: int, dtype: str, *, grid: int, slot_bytes: int) -> int:

@@ -172,8 +172,8 @@ class Workspace:
         rank, with every rank's reason) when no kernel module, the symmetric memory or the peer-access proof
         fails. A dtype whose module cannot be built on some rank is refused alone on every rank (`refused`,
         `variants`). `_variant` "rotated" / "stale_flags" / "single_copy" / "one_buffer" / "unmarked" build
-        negative-control kernels (tests only), "fused_batch4" the bench's other fused load batch
-        (kernels.VARIANT_MACROS).
+        negative-control kernels (tests only), "fused_batch4" the bench's other fused load batch and
+        "fused_no_wide" the fused kernels without their wide layout (kernels.VARIANT_MACROS, FUSED_LAYOUT).
         """
         import torch.distributed as dist  # noqa: PLC0415
 
@@ -514,6 +514,11 @@ class Workspace:
                                         slot_bytes=self._slot_bytes, one_shot_max_bytes=self.one_shot_max_bytes,
                                         lamport_max=self.lamport_max_bytes)
 
+    def fused_norm_layout(self, dtype: torch.dtype, hidden: int) -> str:
+        """LOCAL: how the fused kernels cover rows of `hidden` elements (plan.fused_norm_layout: "registers",
+        "wide" or "streaming"), from the site's static facts and this workspace's W."""
+        return self._kernels.fused_norm_layout(hidden, name_of(dtype))
+
     def all_reduce_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps32: float, *,
                            algo: str | None = None, chunk_rows: int | None = None,
                            label: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -552,6 +557,9 @@ class Workspace:
             per = chunk_rows
         row_bytes = hidden * x.element_size()
         wname = name_of(weight.dtype)
+        # The row layout is a function of (H, dtype, W) alone: every launch of a site takes the same kind of kernel.
+        layout = self._kernels.fused_norm_layout(hidden, dtype)
+        wide = layout == "wide"
         with self._collective() as stream_ptr:
             for a, b in plan.chunks(rows, per):
                 if algo == "lamport" or (algo is None and b - a <= lam):
@@ -569,8 +577,9 @@ class Workspace:
                     tier = next(t for t, most in zip(self.lamport_tiers, tier_rows, strict=True) if b - a <= most)
                     args += [_i64(tier.offset), _i64(tier.cap)]
                     grid = tier.blocks
-                self._launch(plan.fused_norm_kernel(kind, dtype, wname), args, stream_ptr, label, grid=grid)
+                self._launch(plan.fused_norm_kernel(kind, dtype, wname, wide=wide), args, stream_ptr, label, grid=grid)
                 self.variants_run.add(("all_reduce_rmsnorm", dtype, f"fused_{kind}"))
+                self.variants_run.add(("all_reduce_rmsnorm", dtype, f"layout_{layout}"))
             if rows > per:
                 self.variants_run.add(("all_reduce_rmsnorm", dtype, "fused_chunked"))
         return y, r

@@ -159,7 +159,9 @@ def _run_fused(views, xs, res, w, dtype, w_dtype, eps, **kw):
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
 def test_fused_equals_oracle_and_composition_on_every_path(world: int, dtype: str) -> None:
     views = _fused_ranks(world)
-    for hidden in (9, 100, 2049, 4096, 8192):
+    # 4104 and 8192: the wide kernels at W <= 4 for 16-bit rows (and 4104 streams in fp32 at W >= 3); 8200 streams
+    # (plan.fused_norm_layout).
+    for hidden in (9, 100, 2049, 4096, 4104, 8192, 8200):
         rows = 2 * len(KINDS) + 1
         xs, res, w = _fused_inputs(world, rows, hidden, dtype, seed=hidden + world)
         for w_dtype in (dtype, "float32"):
@@ -172,7 +174,8 @@ def test_fused_equals_oracle_and_composition_on_every_path(world: int, dtype: st
                     assert np.array_equal(got[k][0], y_exp), (hidden, w_dtype, kw, k, "y")
                     assert np.array_equal(got[k][0], comp[k][0]) and np.array_equal(got[k][1], comp[k][1])
     assert {v for c, _, v in views[0].variants_run if c == "all_reduce_rmsnorm"} >= {
-        "fused_lamport", "fused_one_shot", "fused_two_shot", "fused_chunked"}
+        "fused_lamport", "fused_one_shot", "fused_two_shot", "fused_chunked", "layout_registers", "layout_wide",
+        "layout_streaming"}
 
 
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
@@ -210,9 +213,10 @@ def test_fused_unaligned_rows_and_fold_order_negative_control(algo: str) -> None
     assert not np.array_equal(fold_oracle(xs, dtype), fold_oracle(xs[1:] + xs[:1], dtype))
 
 
-@pytest.mark.parametrize("algo", [None, "one_shot"])  # None: 8 rows of 8 KiB take the one-store kernel
-def test_fused_cuda_graph_replays_new_values(algo: str | None) -> None:
-    world, hidden, dtype = 2, 4096, "bfloat16"
+@pytest.mark.parametrize("hidden", [4096, 8192])  # the row and the wide kernels
+@pytest.mark.parametrize("algo", [None, "one_shot"])  # None: 8 rows of 8 or 16 KiB take the one-store kernel
+def test_fused_cuda_graph_replays_new_values(algo: str | None, hidden: int) -> None:
+    world, dtype = 2, "bfloat16"
     views = _fused_ranks(world)
     xs, res, w = _fused_inputs(world, 8, hidden, dtype, seed=41)
     xt = [to_torch(x, dtype).cuda() for x in xs]
@@ -255,11 +259,12 @@ def _failures(views) -> list[str]:
     return out
 
 
-def test_fused_one_store_zero_rows_and_unmarked_negative_control() -> None:
+@pytest.mark.parametrize("hidden", [4096, 8192])  # the row and the wide kernels
+def test_fused_one_store_zero_rows_and_unmarked_negative_control(hidden: int) -> None:
     """x of +0.0 on every rank (whole packs of +0.0) completes with the oracle's bits: pushed packs are marked
     (+0.0 -> -0.0), which no fold can see. Control: the build that pushes +0.0 unmarked leaves those packs
-    indistinguishable from empty ones, and the readers wait until the deadline."""
-    world, rows, hidden, dtype = 2, 4, 4096, "bfloat16"
+    indistinguishable from empty ones, and the readers wait until the deadline (the wide kernel's halves too)."""
+    world, rows, dtype = 2, 4, "bfloat16"
     _, res, w = _fused_inputs(world, rows, hidden, dtype, seed=51)
     xs = [np.zeros((rows, hidden), dtype=np.uint16) for _ in range(world)]
     got, _ = _run_fused(_fused_ranks(world), xs, res, w, dtype, dtype, 1e-6, algo="lamport")
@@ -289,14 +294,14 @@ def test_fused_one_store_descriptor_catches_other_shapes() -> None:
                for e in raised), raised
 
 
-def _fused_sequence(views, *, slow: int | None, seed: int, n: int = 24) -> list[str]:
+def _fused_sequence(views, *, slow: int | None, seed: int, n: int = 24, hidden: int = 4096) -> list[str]:
     """n back-to-back calls on W ranks, fused one-store calls of changing row counts interleaved with one-store
     all-reduces (csrc/lamport.cu) and a few barrier calls, all on the same one-store buffers and launch counters;
     rank `slow` sleeps on its stream before each call, so the others run up to a launch ahead. Returns the
     mismatches against the oracles (composition for the fused calls, the fold for the all-reduces)."""
     from datagen import ill_bits
 
-    world, hidden, dtype = len(views), 4096, "bfloat16"
+    world, dtype = len(views), "bfloat16"
     lam_rows = views[0].lamport_max_bytes // (hidden * 2)
     sizes = [lam_rows, 1, 3, lam_rows - 1, 2, 17, 5, lam_rows]
     kinds = [("fused", "lamport"), ("all_reduce", "lamport"), ("fused", None), ("fused", "lamport"),
@@ -341,7 +346,8 @@ def _fused_sequence(views, *, slow: int | None, seed: int, n: int = 24) -> list[
     return bad
 
 
-def test_fused_one_store_back_to_back_with_one_store_all_reduces_and_a_late_rank() -> None:
+@pytest.mark.parametrize("hidden", [4096, 8192])  # the row and the wide kernels
+def test_fused_one_store_back_to_back_with_one_store_all_reduces_and_a_late_rank(hidden: int) -> None:
     """W = 3: the fused and the plain one-store kernels share the region's two buffers and the blocks' launch
     counters (every block of every one-store launch advances its counter, whatever it carries). Long runs of
     back-to-back calls with changing row counts, one rank late to every call, give the oracles' bits.
@@ -353,7 +359,7 @@ def test_fused_one_store_back_to_back_with_one_store_all_reduces_and_a_late_rank
     which emulates a peer a whole launch ahead and is caught. The bits here are checked against the oracles."""
     views = _fused_ranks(3, fresh=True, timeout_s=30.0)
     for slow in (None, 2, 0):
-        bad = _fused_sequence(views, slow=slow, seed=60 + (slow or 0))
+        bad = _fused_sequence(views, slow=slow, seed=60 + (slow or 0), hidden=hidden)
         for v in views:
             v.check()
         assert bad == [], bad

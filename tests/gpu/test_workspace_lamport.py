@@ -171,8 +171,8 @@ def test_a_smaller_one_store_grid_keeps_the_bits(world):
     whole grid. The plain all-reduce gives the oracle's bits for launches that take the 2 blocks several sweeps,
     back to back with barrier launches and a late rank (the blocks' launch counters and busy words keep agreeing);
     the fused one-store kernel, whose blocks then norm several rows each, gives the fused one-shot kernel's bits
-    (both proven against the composition in tests/gpu/test_norm_gpu.py) at the register-path and the streaming
-    widths. The oracle comparison's control is test_rotated_control_is_caught."""
+    (both proven against the composition in tests/gpu/test_norm_gpu.py) at the register, the wide and the
+    streaming widths (plan.fused_norm_layout). The oracle comparison's control is test_rotated_control_is_caught."""
     from detcomm import norm
 
     R = _fresh(world, timeout_s=30.0, lamport_grid=2)
@@ -184,7 +184,7 @@ def test_a_smaller_one_store_grid_keeps_the_bits(world):
         for w_ in R.views:
             w_.check()
         assert bad == [], bad
-    for hidden in (4096, 8192):
+    for hidden in (4096, 8192, 12288):
         rows = min(7, v.lamport_max_bytes // (hidden * 2))
         xs = [torch.randn(rows, hidden, device="cuda:0").to(torch.bfloat16) for _ in range(world)]
         res = [torch.randn(rows, hidden, device="cuda:0").to(torch.bfloat16) for _ in range(world)]
