@@ -508,7 +508,7 @@ class AutoBackend:
 
             # The workspace fuses the all-reduce with the residual add + RMSNorm where fusion is allowed; every
             # other route runs the site's all-reduce, then the canonical add + RMSNorm (the same bits).
-            no_fuse = fusion_refusal(self.resolved, site)
+            no_fuse = fusion_refusal(self.resolved, site, world_size=self.caps.world_size)
             out = [RouteDecision(d.route, d.why + (
                 "; fused with the residual add + RMSNorm in one kernel (batch_invariant, self-checked against the "
                 "composition)" if d.route is Route.IPC_FOLD and no_fuse is None else

@@ -228,16 +228,13 @@ def test_fused_launches_take_the_wide_kernels_exactly_for_wide_rows() -> None:
 
 
 class _LayoutOnlyWorkspace:
-    """What IpcFoldBackend reads of a workspace to bind a fused site, on the CPU: no all-reduce variants (the site's
-    plain all-reduce is not bound to kernels), the fused kernel's paths and the real layout rule at W = 2."""
+    """What IpcFoldBackend reads of a workspace to bind a fused site, on the CPU: its W, no all-reduce variants
+    (the site's plain all-reduce is not bound to kernels) and the fused kernel's paths."""
 
     world_size = 2
 
     def variants(self, collective: str, dtype: torch.dtype, row_numel: int, max_rows: int) -> list[str]:
         return []
-
-    def fused_norm_layout(self, dtype: torch.dtype, hidden: int) -> str:
-        return plan.fused_norm_layout(hidden, str(dtype).removeprefix("torch."), self.world_size)
 
     def fused_norm_variants(self, dtype: torch.dtype, hidden: int, max_rows: int) -> list[str]:
         return ["fused_one_shot"]
@@ -245,12 +242,21 @@ class _LayoutOnlyWorkspace:
 
 def test_sites_the_fused_kernels_would_stream_take_the_composition() -> None:
     """A fused site is served by the fused kernel when its rows are in registers or wide (up to 8192 bf16 at W =
-    2), and by the composition, with the reason in the route table, when the kernel would stream them."""
+    2, 4096 at W = 8), and by the composition when the kernel would stream them: the route table says why
+    (AutoBackend.decide) and the workspace route binds no fused kernel (IpcFoldBackend), from the same rule."""
     from detcomm.backends.ipc_fold import IpcFoldBackend
 
-    backend = IpcFoldBackend(_LayoutOnlyWorkspace(), resolved=resolve_numerics("rl-bitwise"))  # type: ignore[arg-type]
-    for hidden, fused in ((4096, True), (8192, True), (8193, False), (16384, False)):
-        bound = backend.bind(_site((hidden,)))
-        assert (bound.fused is not None) == fused, hidden
-        assert ("not fused: rows of" in bound.note and "would stream" in bound.note) == (not fused), bound.note
-        assert set(bound.variants) == ({"fused_one_shot"} if fused else set()), bound.variants
+    bitwise = resolve_numerics("rl-bitwise")
+    backend = IpcFoldBackend(_LayoutOnlyWorkspace(), resolved=bitwise)  # type: ignore[arg-type]
+    gpu8 = Capabilities(backend="nccl", device_type="cuda", world_size=8, workspace=True, workspace_max_rows=2048)
+    for caps, hidden, fused in ((GPU2_WS, 4096, True), (GPU2_WS, 8192, True), (GPU2_WS, 8193, False),
+                                (GPU2_WS, 16384, False), (gpu8, 4096, True), (gpu8, 8192, False)):
+        d = AutoBackend(bitwise, caps).decide(_site((hidden,)))
+        assert d.route is Route.IPC_FOLD, d
+        assert ("fused with the residual add + RMSNorm in one kernel" in d.why) == fused, (hidden, d.why)
+        assert ("composition: rows of" in d.why and "slower than the composition" in d.why) == (not fused), d.why
+        if caps is GPU2_WS:
+            bound = backend.bind(_site((hidden,)))
+            assert (bound.fused is not None) == fused and bool(bound.variants) == fused, (hidden, bound)
+    assert "16384 elements exceed the 8192" in norm.fusion_refusal(bitwise, _site((16384,)), world_size=2)
+    assert norm.fusion_refusal(bitwise, _site((16384,))) is None  # no W: the envelope's rules alone

@@ -116,20 +116,13 @@ class IpcFoldBackend:
         return Bound(self.route, site, lambda x, a: ws.all_reduce_virtual(x, dtype=dtype, label=label), forced)
 
     def _bind_norm(self, site: Site, bound: Bound, forced: dict[str, Call]) -> FusedBound:
-        """The fused kernel serves the site when fusion is allowed (detcomm.norm.fusion_refusal), its rows fit a
-        launch and the fused kernels hold them in registers (layout "registers" or "wide"); its variants join the
-        all-reduce's, each proven against the composition by the self-checks. Rows the fused kernels would stream
-        take the composition (the same bits): there the fused kernel measured slower than the all-reduce followed
-        by the norm kernel at decode sizes (docs/performance.md, fused section, round 9)."""
+        """The fused kernel serves the site when fusion is allowed (detcomm.norm.fusion_refusal at this group's W:
+        the envelope, and rows the fused kernels hold in registers) and its rows fit a launch; its variants join
+        the all-reduce's, each proven against the composition by the self-checks."""
         ws, label = self.workspace, site.name
-        if norm.fusion_refusal(self.resolved, site) is not None:
+        if norm.fusion_refusal(self.resolved, site, world_size=ws.world_size) is not None:
             return FusedBound(bound.route, bound.site, bound.call, forced)
         hidden = site.shape[0]
-        if ws.fused_norm_layout(site.dtype, hidden) == "streaming":
-            return FusedBound(bound.route, bound.site, bound.call, forced,
-                              note=f" [not fused: rows of {hidden} elements exceed what the fused kernels hold in "
-                                   f"registers at W={ws.world_size} and would stream, slower than the composition at "
-                                   "decode sizes (docs/performance.md); composition]")
         variants = ws.fused_norm_variants(site.dtype, hidden, site.max_rows)
         if not variants:
             return FusedBound(bound.route, bound.site, bound.call, forced,
