@@ -251,7 +251,7 @@ def fusion_refusal(resolved: Resolved, site: Site, *, world_size: int | None = N
 
         dtype = str(site.dtype).removeprefix("torch.")
         if plan.fused_norm_layout(site.shape[0], dtype, world_size) == "streaming":
-            limit = 2 * plan.fused_norm_register_elems(dtype, world_size)
+            limit = plan.fused_norm_register_max(dtype, world_size)
             return (f"rows of {site.shape[0]} elements exceed the {limit} the fused kernels hold in registers at "
                     f"W={world_size}; streamed, they measured slower than the composition at decode sizes")
     return None

@@ -241,8 +241,8 @@ def test_the_host_layout_rule_mirrors_the_header(tmp_path):
     from detcomm.workspace import plan
 
     for world in range(1, plan.MAX_WORLD + 1):
-        for batch, defines in ((plan.FUSED_NORM_BATCH, ()), (4, kernels.VARIANT_MACROS["fused_batch4"])):
-            assert kernels.FUSED_LAYOUT["fused_batch4"]["batch"] == 4
+        for batch, defines in ((plan.FUSED_NORM_BATCH, ()), (kernels.FUSED_LAYOUT["fused_batch4"]["batch"],
+                                                               kernels.VARIANT_MACROS["fused_batch4"])):
             want = {d: plan.fused_norm_register_elems(d, world, batch=batch) for d in ("float32", "bfloat16", "float16")}
             p = _layout_asserts(world, want, *defines, tmp_path=tmp_path)
             assert p.returncode == 0, (world, batch, p.stderr[-2000:])

@@ -122,8 +122,7 @@ class IpcFoldBackend:
         ws, label = self.workspace, site.name
         if norm.fusion_refusal(self.resolved, site, world_size=ws.world_size) is not None:
             return FusedBound(bound.route, bound.site, bound.call, forced)
-        hidden = site.shape[0]
-        variants = ws.fused_norm_variants(site.dtype, hidden, site.max_rows)
+        variants = ws.fused_norm_variants(site.dtype, site.shape[0], site.max_rows)
         if not variants:
             return FusedBound(bound.route, bound.site, bound.call, forced,
                               note=" [not fused: a row does not fit one fused launch of the workspace; composition]")

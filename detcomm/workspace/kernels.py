@@ -66,13 +66,13 @@ TRAP_ENV = "DETCOMM_WORKSPACE_TRAP"
 # (DETCOMM_FUSED_BATCH), "fused_no_wide" (the canonical cubins) never launches the wide kernels, so the rows they
 # serve (hidden 4097-8192 in bf16 at W <= 4) stream, as before they existed. FUSED_LAYOUT says how each build's
 # host picks the fused layout (plan.fused_norm_layout's batch and wide).
-VARIANT_MACROS = {"canonical": (), "fused_batch4": ("-DDETCOMM_FUSED_BATCH=4",),
+FUSED_LAYOUT: dict[str, dict[str, Any]] = {"fused_batch4": {"batch": 4}, "fused_no_wide": {"wide": False}}
+VARIANT_MACROS = {"canonical": (), "fused_batch4": (f"-DDETCOMM_FUSED_BATCH={FUSED_LAYOUT['fused_batch4']['batch']}",),
                   "fused_no_wide": (), "rotated": (f"-D{ROTATE_MACRO}=1",),
                   "stale_flags": ("-DDETCOMM_TEST_STALE_FLAGS=1",),
                   "single_copy": ("-DDETCOMM_TEST_SINGLE_COPY=1",),
                   "one_buffer": ("-DDETCOMM_TEST_ONE_BUFFER=1",),
                   "unmarked": ("-DDETCOMM_TEST_UNMARKED=1",)}
-FUSED_LAYOUT: dict[str, dict[str, Any]] = {"fused_batch4": {"batch": 4}, "fused_no_wide": {"wide": False}}
 # One module per dtype (csrc: DETCOMM_DTYPE) and one for the byte-moving all-gather.
 MODULE_DTYPE_CODES = {"float32": 0, "bfloat16": 1, "float16": 2, "bytes": 3}
 

@@ -7,6 +7,7 @@ and fails if the two drift apart.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -450,7 +451,6 @@ _FUSED_NORM_TAG = {"one_shot": "1shot", "two_shot": "2shot", "lamport": "lamport
 FUSED_NORM_BATCH = 2
 NORM_LANES = 256
 NORM_CHUNK = 8
-FUSED_NORM_LAYOUTS = ("registers", "wide", "streaming")
 
 
 def fused_norm_register_elems(dtype: str, world_size: int, *, batch: int = FUSED_NORM_BATCH) -> int:
@@ -467,6 +467,12 @@ def fused_norm_register_elems(dtype: str, world_size: int, *, batch: int = FUSED
     return min(budget, batch) * NORM_LANES * NORM_CHUNK
 
 
+def fused_norm_register_max(dtype: str, world_size: int, *, batch: int = FUSED_NORM_BATCH, wide: bool = True) -> int:
+    """The widest row the fused kernels hold in registers: 2C with the wide kernels, C without (`wide=False`)."""
+    return (2 if wide else 1) * fused_norm_register_elems(dtype, world_size, batch=batch)
+
+
+@functools.cache  # a static fact of a site, asked on every fused call's host path: computed once per key
 def fused_norm_layout(hidden: int, dtype: str, world_size: int, *, batch: int = FUSED_NORM_BATCH,
                       wide: bool = True) -> str:
     """How the fused kernels cover rows of `hidden` elements, a function of the site's static facts only
@@ -476,10 +482,9 @@ def fused_norm_layout(hidden: int, dtype: str, world_size: int, *, batch: int = 
     wide kernels (the bench's fused_no_wide build). Every layout gives the same bits (docs/spec.md §9.2)."""
     if hidden < 1:
         raise ValueError(f"hidden must be >= 1, got {hidden}")
-    c = fused_norm_register_elems(dtype, world_size, batch=batch)
-    if hidden <= c:
+    if hidden <= fused_norm_register_elems(dtype, world_size, batch=batch):
         return "registers"
-    return "wide" if wide and hidden <= 2 * c else "streaming"
+    return "wide" if hidden <= fused_norm_register_max(dtype, world_size, batch=batch, wide=wide) else "streaming"
 
 
 def fused_norm_kernel(algo: str, dtype: str, weight_dtype: str, *, wide: bool = False) -> str:
