@@ -11,8 +11,8 @@ PYTHON="${PYTHON:-python3}"
 NPROC="${NPROC:-4}"
 cd "$(dirname "$0")/.."
 
-# docs/spec.md §8: multicast stays off in every environment, also this script's own children.
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# shellcheck source=.ci/multicast_off.sh
+. .ci/multicast_off.sh  # docs/spec.md §8, this script's own children included
 
 if ! "$PYTHON" -c "import transformers, safetensors" 2>/dev/null; then
   "$PYTHON" -m pip install -q -e '.[hf]'

@@ -23,7 +23,9 @@ import json
 import os
 from pathlib import Path
 
-os.environ.update({"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"})
+from detcomm.envelope import MULTICAST_OFF_ENV  # torch-free: set before torch loads
+
+os.environ.update(MULTICAST_OFF_ENV)
 
 import torch  # noqa: E402
 

@@ -36,7 +36,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+from detcomm.envelope import MULTICAST_OFF_ENV as MULTICAST_OFF  # torch-free: set before torch loads
+
 os.environ.update(MULTICAST_OFF)
 
 import torch

@@ -13,7 +13,8 @@
 # On one GPU the multi-GPU parts skip themselves: the NCCL bench, the NCCL soak, and the fused bench falls back to W
 # streams of the one GPU (bench/fused_streams.py).
 set -u -o pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # docs/spec.md §8, children inherit
+# shellcheck source=.ci/multicast_off.sh
+. .ci/multicast_off.sh  # docs/spec.md §8, children inherit
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export DETCOMM_CACHE_DIR=${DETCOMM_CACHE_DIR:-/tmp/detcomm-kernels}
 OUT=${OUT:-./gpu-out}

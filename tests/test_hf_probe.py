@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from detcomm.envelope import MULTICAST_OFF_ENV
+
 pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,7 +25,7 @@ SMALL = ["--requests", "6", "--new-tokens", "6", "--max-prompt", "14"]
 
 def _launch(args: list[str]) -> subprocess.CompletedProcess:
     env = dict(os.environ)
-    env.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+    env.update(MULTICAST_OFF_ENV)
     return subprocess.run([sys.executable, "-m", "detcomm.launch", *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=600)
 
