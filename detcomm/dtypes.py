@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     SUPPORTED_DTYPES: tuple[torch.dtype, ...]
 
 __all__ = ["DtypeInfo", "TABLE", "FLOAT_DTYPES", "INT_DTYPES", "SUPPORTED_DTYPES", "NAMES", "FLOAT_NAMES", "info",
-           "from_name", "name_of", "bits_view", "is_supported", "is_float", "size_of"]
+           "from_name", "name_of", "bits_view", "is_supported", "is_float", "size_of", "suffix_of"]
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,7 @@ _ROWS: tuple[tuple[str, int, str, str | None], ...] = (
     ("int64", 8, "int64", None),
 )
 _SIZE = {name: size for name, size, _, _ in _ROWS}
+_SUFFIX = {name: suffix for name, _, _, suffix in _ROWS if suffix is not None}
 NAMES: tuple[str, ...] = tuple(_SIZE)
 FLOAT_NAMES: tuple[str, ...] = tuple(name for name, _, _, suffix in _ROWS if suffix is not None)
 
@@ -125,6 +126,14 @@ def is_float(dtype: torch.dtype | str) -> bool:
 def size_of(dtype: torch.dtype | str) -> int:
     """Bytes per element of ``dtype`` (supported; a torch dtype or its name). Torch-free."""
     return _SIZE[name_of(dtype)]
+
+
+def suffix_of(dtype: torch.dtype | str) -> str:
+    """The CUDA kernels' name suffix of float ``dtype`` (a torch dtype or its name). Torch-free."""
+    name = name_of(dtype)
+    if name not in _SUFFIX:
+        raise ValueError(f"dtype {dtype} has no CUDA kernels; the kernels fold {list(FLOAT_NAMES)}")
+    return _SUFFIX[name]
 
 
 def bits_view(dtype: torch.dtype) -> torch.dtype:
