@@ -18,6 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
+from .tables import format_table
+
 if TYPE_CHECKING:
     import torch
 
@@ -188,11 +190,7 @@ def _routes(args: argparse.Namespace) -> int:
         print(f"workspace: {no_ws}")
     cols = [c for c in rows[0] if (c != "condition" or any(r["condition"] for r in rows))
             and (c != "virtual_shards" or any(r[c] != "-" for r in rows))]
-    widths = {c: max(len(c), *(len(r[c]) for r in rows)) for c in cols}
-    print("  ".join(c.ljust(widths[c]) for c in cols).rstrip())
-    print("  ".join("-" * widths[c] for c in cols))
-    for r in rows:
-        print("  ".join(r[c].ljust(widths[c]) for c in cols).rstrip())
+    print(format_table(cols, [[r[c] for c in cols] for r in rows], align="l" * len(cols)))
     return 0
 
 

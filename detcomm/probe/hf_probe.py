@@ -45,6 +45,7 @@ import torch.distributed as dist
 import detcomm
 from detcomm.moe import COMBINE_ORDERS, Placement
 
+from ..tables import format_table
 from .bits import bits
 from .model_probe import (
     TABLE_HEADERS,
@@ -58,7 +59,7 @@ from .model_probe import (
     ranks_agree,
     summary,
 )
-from .table import emit, format_table
+from .table import emit
 
 __all__ = ["build_parser", "main"]
 

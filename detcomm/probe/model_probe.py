@@ -40,8 +40,9 @@ from detcomm.envelope import DEFAULT_NUMERICS
 from detcomm.invariance import bits
 from detcomm.tp import Layout, Segment
 
+from ..tables import format_table
 from .model import SITE_NAMES, ModelConfig, TPTransformer
-from .table import emit, format_table
+from .table import emit
 
 __all__ = ["Request", "Result", "StepModel", "make_requests", "generate", "first_divergence", "compare_runs",
            "position_invariant", "ranks_agree", "summary", "request_records", "layout_from_args", "TABLE_HEADERS",
