@@ -97,7 +97,7 @@ if has bench; then
   fi
   say "fused bench rc=$?"; grep -E '^\| [0-9]' "$OUT/fused.log" | head -20
   # The fused kernels' other builds on two streams of GPU 0 (csrc/fused_norm_row.cuh): the load batch of 4, and the
-  # host never taking the wide kernels (hidden 8192 streams, as in round 8); on one GPU the canonical build's rows are
+  # host never taking the wide kernels (hidden 8192 streams: what the wide kernels save); on one GPU the canonical build's rows are
   # already in fused.log (the same shapes), on several it runs here beside them
   variants="fused_batch4 fused_no_wide"; [ "$NGPU" -ge 2 ] && variants="canonical $variants"
   for variant in $variants; do
