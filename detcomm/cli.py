@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
+from .dtypes import ALIASES
 from .tables import format_table
 
 if TYPE_CHECKING:
@@ -25,15 +26,8 @@ if TYPE_CHECKING:
 
 __all__ = ["SiteSpec", "parse_site", "main"]
 
-# Accepted dtype spellings -> torch dtype names.
-DTYPE_NAMES = {
-    "bf16": "bfloat16", "bfloat16": "bfloat16",
-    "fp16": "float16", "half": "float16", "float16": "float16",
-    "fp32": "float32", "float": "float32", "float32": "float32",
-    "int8": "int8", "uint8": "uint8",
-    "int32": "int32", "int": "int32",
-    "int64": "int64", "long": "int64",
-}
+# Accepted dtype spellings -> the dtype table's names.
+DTYPE_NAMES = ALIASES
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "token_all_gather", "all_to_all", "argmax")
 _REDUCING = ("all_reduce", "reduce_scatter")
 
