@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from detcomm.deadline import REPORT_GRACE_S, STORE_REPLY_S
 from detcomm.envelope import MULTICAST_OFF_ENV
 from detcomm.launch.mpi_bootstrap import free_port
 
@@ -22,11 +23,12 @@ ROOT = Path(__file__).resolve().parents[1]
 JOB = ROOT / "tests" / "robust_rank_job.py"
 DEADLINE_S = 3.0  # robust_rank_job.DEADLINE_S
 SLACK_S = 7.0  # a loaded 2-core CI machine
+REPORT_S = REPORT_GRACE_S + STORE_REPLY_S  # the timeout report's bounded waits on the store
 
 
-def _run_ranks(scenario: str, out: Path, world: int = 3) -> float:
-    """Start the ranks, wait for the survivors (all but rank 1), kill rank 1 if it still lives. Returns the
-    seconds the survivors took."""
+def _run_ranks(scenario: str, out: Path, world: int = 3, faulty: int = 1) -> float:
+    """Start the ranks, wait for the survivors (all but ``faulty``), kill the faulty rank if it still lives.
+    Returns the seconds the survivors took."""
     env = dict(os.environ, WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                PYTHONPATH=str(ROOT), **MULTICAST_OFF_ENV)
     env.pop("DETCOMM_CHECK", None)
@@ -35,7 +37,7 @@ def _run_ranks(scenario: str, out: Path, world: int = 3) -> float:
     t0 = time.monotonic()
     try:
         for r, p in enumerate(procs):
-            if r != 1:
+            if r != faulty:
                 p.wait(timeout=90)
         return time.monotonic() - t0
     finally:
@@ -45,8 +47,8 @@ def _run_ranks(scenario: str, out: Path, world: int = 3) -> float:
                 p.wait()
 
 
-def _survivors(out: Path, world: int = 3) -> list[dict]:
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world) if r != 1]
+def _survivors(out: Path, world: int = 3, faulty: int = 1) -> list[dict]:
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world) if r != faulty]
 
 
 @pytest.mark.parametrize("scenario", ["absent-check", "absent"])
@@ -79,6 +81,18 @@ def test_survivors_raise_when_a_peer_dies_mid_collective(scenario: str, tmp_path
         for s in timed_out:
             assert "rank(s) [1] did not report a timeout" in s["message"], s
             assert s["ended"] - killed_at > DEADLINE_S - 0.5, s
+
+
+def test_frozen_store_host_still_lets_the_survivors_raise(tmp_path: Path) -> None:
+    # Without torchrun the rendezvous store lives in rank 0: frozen, it takes the bytes of the survivors'
+    # timeout report into its socket buffers and never answers. The survivors must still raise within the
+    # deadline plus the report's bounded waits, naming the store that did not answer.
+    _run_ranks("freeze0-gather_fold", tmp_path, faulty=0)
+    killed_at = float((tmp_path / "killed_at").read_text())
+    for s in _survivors(tmp_path, faulty=0):
+        assert s["raised"] == "PeerTimeout", s
+        assert s["ended"] - killed_at < DEADLINE_S + REPORT_S + SLACK_S, s
+        assert "the rendezvous store (127.0.0.1:" in s["message"] and "did not answer within 4 s" in s["message"], s
 
 
 @pytest.mark.slow
