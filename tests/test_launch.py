@@ -238,6 +238,22 @@ def test_failure_report_names_the_rank_that_died_not_its_survivors(tmp_path: Pat
     assert "rank 0 of 3 failed first" in failure_report(tmp_path, 134, exits={1: -6})[1]
 
 
+def test_failure_report_names_a_rank_that_ran_and_left_no_record(tmp_path: Path) -> None:
+    # mpiexec may abort the job for a survivor's MPI_Abort before it says that rank 1 was killed: rank 1 ran
+    # (its fault file exists), left no record and no status; the survivors' tear-down SIGTERM left theirs.
+    for r in range(3):
+        (tmp_path / f"rank{r}.fault").write_text("")
+    _record(tmp_path, 0, 5.0, "Traceback\nRuntimeError: Connection reset by peer\n")
+    (tmp_path / "rank2.term").write_text("Current thread 0x1 (most recent call first):\n  File y\n")
+    os.utime(tmp_path / "rank2.term", (5.2, 5.2))
+    lines = failure_report(tmp_path, 1)
+    assert lines[-1].startswith("detcomm-launch: rank 1 of 3 failed first: it ended without a record: killed by "
+                                "SIGKILL"), lines
+    assert "rank 0 raised RuntimeError: Connection reset by peer; rank 2 was stopped by signal SIGTERM" in lines[0]
+    _record(tmp_path, 1, 6.0, "Traceback\nValueError: later\n")  # negative control: a later error is no cause
+    assert "rank 0 of 3 failed first" in failure_report(tmp_path, 1)[1]
+
+
 def test_failure_report_names_a_rank_that_left_early_with_status_0(tmp_path: Path) -> None:
     _record(tmp_path, 1, 3.0, None)
     _record(tmp_path, 0, 3.5, "Traceback\nRuntimeError: Connection closed by peer\n")

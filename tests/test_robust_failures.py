@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -120,3 +121,18 @@ def test_launcher_names_the_rank_that_died_first_and_how(scenario: str, cause: s
         assert "[rank1]: Fatal Python error: Aborted" in proc.stderr, out[-3000:]
         assert proc.stderr.rstrip().splitlines()[-1].startswith("[rank1]: "), out[-3000:]
     assert elapsed < 90, f"the group took {elapsed:.0f} s to go down"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("mpiexec") is None, reason="no mpiexec on PATH (apt-get install openmpi-bin)")
+def test_mpi_launcher_names_the_killed_rank(tmp_path: Path) -> None:
+    pytest.importorskip("mpi4py")
+    env = dict(os.environ, ROBUST_RERAISE="1", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    env.pop("DETCOMM_CHECK", None)
+    proc = subprocess.run([sys.executable, "-m", "detcomm.launch", "--nproc", "3", "--launcher", "mpi", str(JOB),
+                           "die-native", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=150)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    report = [line for line in proc.stderr.splitlines() if line.startswith("detcomm-launch: rank ")]
+    assert len(report) == 1 and report[0].startswith("detcomm-launch: rank 1 of 3 failed first: it "), out[-3000:]
+    assert "SIGKILL" in report[0], out[-3000:]

@@ -12,8 +12,13 @@ names the first rank that failed and how (docs/spec.md §6), after the whole gro
   needed it is named (torchrun counts only non-zero exits as failures);
 - a fatal signal (SIGABRT from a C++ terminate, SIGSEGV, ...): torchelastic's handler enables faulthandler,
   which writes the Python stack of every thread to ``rank<R>.fault``; its modification time is the moment of
-  the fault. Only SIGKILL (and ``os._exit``) leave no record: the launcher takes the exit status from the
-  torchrun agent or mpiexec.
+  the fault. The file is created when the rank starts, so its presence says the rank ran;
+- SIGTERM (the tear-down torchrun and mpiexec send the survivors, or someone's ``kill``): faulthandler writes
+  the stack to ``rank<R>.term`` from the signal handler itself, even while the rank waits inside a C++
+  collective, then the signal takes its default course.
+
+Only SIGKILL (and ``os._exit``) leave no record; the launcher takes their exit status from the torchrun agent
+or mpiexec where those report it.
 
 The records are read after the group is down, so the consequences on the other ranks (a closed connection, a
 torn-down peer) cannot bury the cause. Without that folder (a batch script starting a bootstrap by hand, a
@@ -82,15 +87,17 @@ class _RankErrors(ErrorHandler):
         self.rank, self.world_size = rank, world_size
         folder = os.environ.get(ERRORS_ENV)
         self.folder = folder if folder and os.path.isdir(folder) else None
-        self._fault: IO[str] | None = None
+        self._files: list[IO[str]] = []
 
     def initialize(self) -> None:
         if self.folder is None:
             super().initialize()  # faulthandler on stderr
             return
-        # Kept open for the life of the process: faulthandler writes to its descriptor from the signal handler.
-        self._fault = open(os.path.join(self.folder, f"rank{self.rank}.fault"), "w")
-        faulthandler.enable(file=self._fault, all_threads=True)
+        # Kept open for the life of the process: faulthandler writes to their descriptors from a signal handler.
+        fault, term = (open(os.path.join(self.folder, f"rank{self.rank}.{kind}"), "w") for kind in ("fault", "term"))
+        self._files += [fault, term]
+        faulthandler.enable(file=fault, all_threads=True)
+        faulthandler.register(signal.SIGTERM, file=term, all_threads=True, chain=True)
 
     def end(self, status: int, error: str | None) -> None:
         """Record how the target ended: ``error`` None for a clean exit."""

@@ -76,15 +76,20 @@ class _End:
 
 def _ends(folder: Path, exits: Mapping[int, int]) -> list[_End]:
     recs = {int(r["rank"]): r for r in (json.loads(p.read_text()) for p in folder.glob("rank*.json"))}
+    started = {int(p.stem[4:]) for p in folder.glob("rank*.fault")}  # created when a rank starts
     faults = {int(p.stem[4:]): p for p in folder.glob("rank*.fault") if p.stat().st_size}
+    terms = {int(p.stem[4:]): p for p in folder.glob("rank*.term") if p.stat().st_size}
     ends = []
-    for rank in sorted(set(recs) | set(faults) | set(exits)):
+    for rank in sorted(set(recs) | started | set(exits)):
         rec, code = recs.get(rank), exits.get(rank)
         if rec is not None and rec["status"] != 0:
             ends.append(_End(rank, rec["time"], f"raised {_last(rec['error'])}", rec["error"], "Its error:"))
         elif rank in faults:
             sig = _exit(code) if code is not None and code < 0 else "a fatal signal"
             ends.append(_End(rank, faults[rank].stat().st_mtime, f"died of {sig}", faults[rank].read_text(),
+                             "Its Python stack at the signal (faulthandler):"))
+        elif rank in terms:
+            ends.append(_End(rank, terms[rank].stat().st_mtime, "was stopped by signal SIGTERM", terms[rank].read_text(),
                              "Its Python stack at the signal (faulthandler):"))
         elif code is not None and code < 0:
             ends.append(_End(rank, None, f"was killed by {_exit(code)}, without a Python error (a signal from "
@@ -93,6 +98,9 @@ def _ends(folder: Path, exits: Mapping[int, int]) -> list[_End]:
             ends.append(_End(rank, None, f"exited with status {code} without recording a Python error"))
         elif rec is not None:
             ends.append(_End(rank, rec["time"], "exited with status 0 while the other ranks still ran", clean=True))
+        else:  # it ran (its files exist) and left nothing: the two ends that run no handler
+            ends.append(_End(rank, None, "ended without a record: killed by SIGKILL (from outside the job: a user, a "
+                             "supervisor, the kernel's OOM killer) or exited through os._exit"))
     ends.sort(key=lambda e: (e.time is not None, e.time or 0.0))
     # A clean exit is news only before the first failure: after it, a rank finishing is no cause.
     first_failure = next((i for i, e in enumerate(ends) if not e.clean), len(ends))
