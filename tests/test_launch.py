@@ -86,7 +86,7 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-def _launch(args: list[str], *, env: dict[str, str] | None = None, timeout: float = 120) -> tuple[subprocess.CompletedProcess, float]:
+def _launch(args: list[str], *, env: dict[str, str] | None = None, timeout: float = 240) -> tuple[subprocess.CompletedProcess, float]:
     t0 = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "detcomm.launch", *args], cwd=ROOT, env=env or _env(), capture_output=True,
                           text=True, timeout=timeout)
@@ -325,8 +325,9 @@ def _assert_torn_down(proc: subprocess.CompletedProcess, elapsed: float) -> None
     # No doubled tags, no torchrun ChildFailedError traceback, no Open MPI output tags.
     assert "[rank1]:[rank1]" not in out and "[rank1]: [rank1]" not in out
     assert "ChildFailedError" not in out and "<stdout>:" not in out and "<stderr>:" not in out, out
-    # Ranks blocked in a collective with a dead peer would otherwise wait for the gloo timeout (30 min).
-    assert elapsed < 45, f"group took {elapsed:.1f} s to go down"
+    # Ranks blocked in a collective with a dead peer would otherwise wait for the gloo timeout (30 min); starting
+    # three ranks alone takes 45 s on a loaded 2-core machine.
+    assert elapsed < 150, f"group took {elapsed:.1f} s to go down"
 
 
 @pytest.mark.slow
@@ -398,7 +399,7 @@ def test_signal_to_the_launcher_pid_stops_every_rank(sig: signal.Signals, tmp_pa
             pids.update(int(x) for x in p.read_text().split())  # each rank and its parent, the agent
         assert len(pids) == 4, pids
         launcher.send_signal(sig)
-        status = launcher.wait(timeout=60)
+        status = launcher.wait(timeout=120)
         deadline = time.monotonic() + 30
         while not all(_gone(p) for p in pids) and time.monotonic() < deadline:
             time.sleep(0.2)

@@ -109,7 +109,7 @@ def test_launcher_names_the_rank_that_died_first_and_how(scenario: str, cause: s
     env.pop("DETCOMM_CHECK", None)
     t0 = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "detcomm.launch", "--nproc", "3", str(JOB), scenario, str(tmp_path)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=150)
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     elapsed = time.monotonic() - t0
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out
@@ -120,7 +120,7 @@ def test_launcher_names_the_rank_that_died_first_and_how(scenario: str, cause: s
     if scenario.startswith("abort"):  # its own Python stack, from faulthandler, is the last thing printed
         assert "[rank1]: Fatal Python error: Aborted" in proc.stderr, out[-3000:]
         assert proc.stderr.rstrip().splitlines()[-1].startswith("[rank1]: "), out[-3000:]
-    assert elapsed < 90, f"the group took {elapsed:.0f} s to go down"
+    assert elapsed < 150, f"the group took {elapsed:.0f} s to go down"  # 45 s of it: starting ranks when loaded
 
 
 @pytest.mark.slow
@@ -130,7 +130,7 @@ def test_mpi_launcher_names_the_killed_rank(tmp_path: Path) -> None:
     env = dict(os.environ, ROBUST_RERAISE="1", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     env.pop("DETCOMM_CHECK", None)
     proc = subprocess.run([sys.executable, "-m", "detcomm.launch", "--nproc", "3", "--launcher", "mpi", str(JOB),
-                           "die-native", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=150)
+                           "die-native", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out
     report = [line for line in proc.stderr.splitlines() if line.startswith("detcomm-launch: rank ")]

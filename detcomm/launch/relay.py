@@ -167,14 +167,16 @@ def run(cmd: Sequence[str], env: Mapping[str, str], *, flavor: str) -> int:
     The child gets a process group of its own and dies with this process (SIGTERM: torchrun and mpiexec stop
     their ranks on it). SIGINT, SIGTERM and SIGHUP sent to this process, a terminal's Ctrl-C included, are
     forwarded to the child's group once each; this process then waits for the group to stop and returns
-    128 + the first such signal.
+    128 + the first such signal. The ranks' stdin is /dev/null.
     """
     folder = Path(tempfile.mkdtemp(prefix="detcomm-launch-"))
     received: list[int] = []
     launcher = os.getpid()
     try:
-        child = subprocess.Popen(list(cmd), env={**env, ERRORS_ENV: str(folder)}, stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, process_group=0,
+        # stdin: /dev/null. Outside the terminal's foreground group a read of the terminal stops the reader
+        # (SIGTTIN), and mpiexec reads stdin to pass it on to rank 0.
+        child = subprocess.Popen(list(cmd), env={**env, ERRORS_ENV: str(folder)}, stdin=subprocess.DEVNULL,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, process_group=0,
                                  preexec_fn=lambda: die_with_parent(signal.SIGTERM, parent=launcher))
 
         def forward(sig: int, _frame: object) -> None:
