@@ -133,10 +133,21 @@ def test_launcher_refuses_the_old_negative_control_before_the_group_starts() -> 
     assert "detcomm-launch --nproc N --numerics auto -m detcomm.probe model --route native" in out, out
 
 
-def main() -> int:
+def test_the_runner_fails_on_a_failing_command(capsys: pytest.CaptureFixture[str]) -> None:
+    """The CI step's verdict: a README whose tour has one failing command (the second of a block) exits 1, and one
+    whose commands succeed exits 0 (both through the checkout's .venv, as CI runs them)."""
+    setup = "```bash\n" + "\n".join(setup_commands(_ci_run())) + "\n```\n"
+    ok = f"```bash\n{VENV}python -c pass\n```\n"
+    failing = f"```bash\n{VENV}python -c pass\n{VENV}python -c 'raise SystemExit(3)'\n{VENV}python -c pass\n```\n"
+    assert main(setup + ok) == 0
+    assert main(setup + ok + failing) == 1
+    assert "FAILED (exit 3): README command 2/2" in capsys.readouterr().err
+
+
+def main(readme: str | None = None) -> int:
     """Run every README tour block from the repository root (CI: after the venv with the package exists)."""
     env = {k: v for k, v in os.environ.items() if k != "DETCOMM_NUMERICS"}  # the launcher's own default, as a user
-    blocks = tour_blocks(_readme(), _ci_run())
+    blocks = tour_blocks(_readme() if readme is None else readme, _ci_run())
     for i, block in enumerate(blocks, 1):
         print(f"=== README command {i}/{len(blocks)}:\n{block}", flush=True)
         proc = subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=ROOT, env=env, timeout=1800)
