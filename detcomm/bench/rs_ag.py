@@ -1,6 +1,8 @@
 """rs_ag_fold against gather_fold on CPU gloo, same run: bytes each rank receives and time per all-reduce.
 
     python -m detcomm.bench.rs_ag [--nproc 4] [--mib 16] [--calls 10] [--dtype bfloat16] [--json out.json]
+    python -m detcomm.bench.rs_ag --model      (the predicted cost table of docs/performance.md, no ranks)
+    detcomm-bench rs-ag ...                    (the same through the bench's console script)
 
 W local ranks (gloo) under rl-bitwise; two sites of one shape (rows x 4096 of ``--dtype``, ``--mib`` MiB per
 rank), one forced onto each route, called alternately (a barrier before every call, so the ranks start it
@@ -16,6 +18,7 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from detcomm._spawn import LocalCluster
@@ -69,14 +72,58 @@ def job(rank: int, world_size: int, mib: int, calls: int, dtype_name: str) -> di
         detcomm.shutdown()
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+# The cost model of docs/performance.md ("Beyond one node"): t = collectives x A + bytes received per rank / B +
+# the fold's memory traffic / HBM. A: an eager NCCL all-reduce of 16 KiB (20.7 us host time, 2x H200); B: NVLink
+# per GPU 275 GB/s (the workspace's and NCCL's 64 MiB runs at W = 2) on one node, one 400 Gb/s NIC per GPU
+# (50 GB/s, 8 NICs per node: an assumption) across nodes; HBM: the fold kernel at the copy rate (4.2 TB/s,
+# csrc/fold_local.cu at 92-101 % of a device copy). NCCL's ring folds inside its kernels (no separate pass).
+MODEL_A_S = 20e-6
+MODEL_NVLINK_BPS = 275e9
+MODEL_NIC_BPS = 50e9
+MODEL_HBM_BPS = 4.2e12
+
+
+def model_us(route: str, w: int, nbytes: int, *, hosts: int) -> float:
+    """Predicted microseconds of one all-reduce of ``nbytes`` per rank at W = ``w`` on ``hosts`` hosts."""
+    link = MODEL_NIC_BPS if hosts > 1 else MODEL_NVLINK_BPS
+    if route == "gather_fold":
+        n, received, fold = 1, (w - 1) * nbytes, (w + 1) * nbytes
+    elif route == "rs_ag_fold":
+        c = -(-nbytes // w)
+        n, received, fold = 2, 2 * (w - 1) * c, (w + 1) * c
+    else:  # NCCL's ring
+        n, received, fold = 1, 2 * (w - 1) * nbytes // w, 0
+    return (n * MODEL_A_S + received / link + fold / MODEL_HBM_BPS) * 1e6
+
+
+def model_table() -> str:
+    sizes = [(16 << 10, "16 KiB"), (1 << 20, "1 MiB"), (64 << 20, "64 MiB"), (256 << 20, "256 MiB")]
+    lines = ["| W (nodes x GPUs) | size | gather_fold | rs_ag_fold | NCCL ring | rs_ag_fold / gather_fold | "
+             "rs_ag_fold / NCCL |", "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    for w, hosts in ((8, 1), (16, 2), (64, 8)):
+        for nbytes, label in sizes:
+            g, r, n = (model_us(x, w, nbytes, hosts=hosts) for x in ("gather_fold", "rs_ag_fold", "nccl"))
+            lines.append(f"| {w} ({hosts} x 8) | {label} | {_us(g)} | {_us(r)} | {_us(n)} | {r / g:.2f}x | "
+                         f"{r / n:.2f}x |")
+    return "\n".join(lines)
+
+
+def _us(t: float) -> str:
+    return f"{t:,.0f} us" if t < 10_000 else f"{t / 1000:,.1f} ms"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="detcomm-bench rs-ag", description=__doc__.splitlines()[0])
     p.add_argument("--nproc", type=int, default=4)
     p.add_argument("--mib", type=int, default=16)
     p.add_argument("--calls", type=int, default=10)
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     p.add_argument("--json", default=None, help="write the per-rank results here")
-    a = p.parse_args()
+    p.add_argument("--model", action="store_true", help="print the predicted cost table and exit (no ranks)")
+    a = p.parse_args(argv)
+    if a.model:
+        print(model_table())
+        return 0
     with LocalCluster(a.nproc) as cluster:
         res = cluster.run(job, a.mib, a.calls, a.dtype, timeout_s=1800)
     slowest = {r: max(x["median_s"][r] for x in res) for r in ROUTES}
@@ -92,7 +139,8 @@ def main() -> None:
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"nproc": a.nproc, "mib": a.mib, "calls": a.calls, "dtype": a.dtype, "ranks": res}, f, indent=2)
+    return 0 if all(x["same_bits"] for x in res) else 1
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
