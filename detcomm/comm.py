@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from . import envelope as _env
 from .backends import A2AFoldBackend, GatherFoldBackend, NativeBackend, RsAgFoldBackend
-from .fold import BATCH_INVARIANT, FLOAT_DTYPES, Leaf, select_leaf
+from .numerics.fold import BATCH_INVARIANT, FLOAT_DTYPES, Leaf, select_leaf
 from .route import (
     DEFAULT_MAX_ROWS,
     DEFAULT_WORKSPACE_BYTES,  # defined beside the routing policy, torch-free (the static route view reads it)
@@ -47,9 +47,9 @@ from .topology import discover as discover_topology
 
 if TYPE_CHECKING:
     from .workspace import Workspace
-from . import norm as _norm
 from .deadline import is_timeout, peer_timeout
 from .errors import DetcommError, WorkspaceUnavailable
+from .numerics import norm as _norm
 from .verify import CallChecker
 from .work import Work
 
@@ -415,7 +415,7 @@ class Communicator:
 
         ``partials``: float32 [V/W, rows, *shape], this rank's shards in order (slab j is global shard
         r*V/W + j, r this rank). Result: the canonical fold over shards 0..V-1 from +0.0 in fp32, rounded once to
-        the site's dtype (``detcomm.fold.reference_fold`` of all V partials stacked): the same bits for every
+        the site's dtype (``detcomm.numerics.fold.reference_fold`` of all V partials stacked): the same bits for every
         W that divides V, W = 1 included. A reduce-scatter returns row block r of it (rows divisible by W)."""
         name, v, w = s.name, s.virtual_shards, self.world_size
         assert v is not None

@@ -84,7 +84,7 @@ class Collective(str, Enum):
     ALL_TO_ALL = "all_to_all"
     TOKEN_ALL_GATHER = "token_all_gather"
     ARGMAX = "argmax"
-    # all-reduce, then the canonical residual add + RMSNorm (detcomm/norm.py): routed as an all-reduce
+    # all-reduce, then the canonical residual add + RMSNorm (detcomm/numerics/norm.py): routed as an all-reduce
     ALL_REDUCE_RMSNORM = "all_reduce_rmsnorm"
 
     @property
@@ -523,7 +523,7 @@ class AutoBackend:
                 no_rsag = "rs_ag_fold refused"
             out.append(RouteDecision(Route.GATHER_FOLD, f"canonical fold after an all-gather ({no_ws}; {no_rsag})"))
         if site.collective is Collective.ALL_REDUCE_RMSNORM:
-            from .norm import fusion_refusal  # noqa: PLC0415 (detcomm.norm imports this module)
+            from .numerics.norm import fusion_refusal  # noqa: PLC0415 (norm loads torch; routing imports none)
 
             # The workspace fuses the all-reduce with the residual add + RMSNorm where fusion is allowed; every
             # other route runs the site's all-reduce, then the canonical add + RMSNorm (the same bits).

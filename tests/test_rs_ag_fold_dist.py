@@ -105,7 +105,7 @@ def job_negative_controls(rank: int, w: int) -> tuple[bool, bool, bool]:
     folds in reversed rank order differs from the oracle) on an ill-conditioned payload."""
     import detcomm
     from detcomm.backends.rs_ag_fold import RsAgFoldBackend
-    from detcomm.fold import Leaf, portable_fold
+    from detcomm.numerics.fold import Leaf, portable_fold
     from detcomm.route import ReduceOp
 
     comm = detcomm.init(numerics="rl-bitwise")

@@ -14,7 +14,7 @@ against gather_fold's W-1 times the message; two collectives instead of one, so 
 a static break-even size (route.py, ``rs_ag_refusal``).
 
 On CUDA the fold of the W blocks is one launch of the CUDA fold leaf (csrc/fold_local.cu through
-detcomm/workspace/leaf.py) on the contiguous [W, c] block the all-to-all wrote; nothing on the call path
+detcomm/numerics/cuda_leaf.py) on the contiguous [W, c] block the all-to-all wrote; nothing on the call path
 synchronizes with the host, so a call is capturable in a CUDA graph on an NCCL group (the call guard's header,
 read back on the host, travels only where the messages live in host memory: guard.py).
 """
@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..fold import Leaf, average
+from ..numerics.fold import Leaf, average
 from ..route import BoundRoute, Collective, ReduceOp, Route, Site
 from .base import bind_from
 from .guard import CallGuard, split

@@ -38,9 +38,9 @@ import torch.distributed as dist
 import detcomm
 from detcomm.envelope import DEFAULT_NUMERICS
 from detcomm.invariance import bits
-from detcomm.tp import Layout
+from detcomm.tp import Layout, Segment
 
-from .model import SITE_NAMES, ModelConfig, Segment, TPTransformer
+from .model import SITE_NAMES, ModelConfig, TPTransformer
 from .table import emit, format_table
 
 __all__ = ["Request", "Result", "StepModel", "make_requests", "generate", "first_divergence", "compare_runs",

@@ -36,7 +36,7 @@ def _payload(rows: int, width: int, dtype: str, seed: int, rank: int) -> np.ndar
 def job_two_hosts_one_gpu(rank: int, w: int) -> list[str]:
     import detcomm
     from detcomm.backends.rs_ag_fold import RsAgFoldBackend
-    from detcomm.fold import Leaf, portable_fold
+    from detcomm.numerics.fold import Leaf, portable_fold
     from detcomm.route import ReduceOp
 
     os.environ["DETCOMM_HOSTS"] = "a,a,b,b"
