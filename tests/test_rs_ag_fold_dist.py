@@ -185,3 +185,34 @@ def test_bytes_received_per_rank(cluster3plus) -> None:  # noqa: ANN001
     rs, ga, n_rs, n_ga = cluster3plus.run(job_bytes)[0]
     assert (rs, n_rs) == (2 * (w - 1) * c * 2, 2) and (ga, n_ga) == ((w - 1) * n * 2, 1)
     assert rs / ga == pytest.approx(2 / w, rel=1e-5)  # a ring's 2(W-1)/W of the message against W-1
+
+
+def job_norm_composition(rank: int, w: int) -> tuple[bool, bool, str]:
+    """all_reduce_residual_rmsnorm on a site forced onto rs_ag_fold: (equals the numpy composition oracle, the
+    oracle over a rotated rank order differs: its negative control, the site's route)."""
+    import detcomm
+    import norm_oracle
+    from datagen import random_bits
+
+    dtype, hidden, eps = "bfloat16", 1001, 1e-6
+    comm = detcomm.init(numerics="rl-bitwise")
+    try:
+        comm.site("rsag.norm", collective="all_reduce_rmsnorm", dtype=torch.bfloat16, shape=(hidden,), max_rows=9,
+                  route="rs_ag_fold")
+        xs = [ill_bits(9, hidden, dtype, seed=61, rank=r) for r in range(w)]
+        res = random_bits(9, hidden, dtype, seed=62, rank=0)
+        wt = random_bits(1, hidden, dtype, seed=63, rank=0)[0]
+        y, r = detcomm.all_reduce_residual_rmsnorm(to_torch(xs[rank], dtype), to_torch(res, dtype),
+                                                   to_torch(wt, dtype), eps=eps, site="rsag.norm")
+        y_exp, r_exp = norm_oracle.composition_oracle(xs, res, wt, dtype, dtype, eps)
+        y_rot, r_rot = norm_oracle.composition_oracle(xs[1:] + xs[:1], res, wt, dtype, dtype, eps)
+        ok = bool(np.array_equal(to_bits(y), y_exp) and np.array_equal(to_bits(r), r_exp))
+        caught = not (np.array_equal(to_bits(y), y_rot) and np.array_equal(to_bits(r), r_rot))
+        route = {d["site"]: d["route"] for d in comm.routes().as_dicts()}["rsag.norm"]
+        return ok, caught, str(route)
+    finally:
+        detcomm.shutdown()
+
+
+def test_norm_composition_on_rs_ag_fold(cluster3plus) -> None:  # noqa: ANN001
+    assert cluster3plus.run(job_norm_composition) == [(True, True, "rs_ag_fold")] * cluster3plus.world_size
