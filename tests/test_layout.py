@@ -7,6 +7,7 @@ the upward edge, the module missing from the map and the lazy import."""
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -150,21 +151,26 @@ def upward(graph: Mapping[str, Iterable[str]], entries: Mapping[str, int]) -> li
 
 
 # -- the package ---------------------------------------------------------------------------------------------------
+@functools.cache
+def _package_graph() -> dict[str, set[str]]:
+    return import_graph(PACKAGE)
+
+
 def test_map_lists_every_module_and_only_what_exists() -> None:
     entries, others = read_map(MAP.read_text())
     assert len(set(entries.values())) >= 8, entries
-    assert unmapped(import_graph(PACKAGE), entries) == [], "add these modules to docs/map.md under their layer"
+    assert unmapped(_package_graph(), entries) == [], "add these modules to docs/map.md under their layer"
     missing = [p for p in [*entries, *others] if not (ROOT / p).exists()]
     assert missing == [], f"docs/map.md names paths that do not exist: {missing}"
 
 
 def test_no_import_cycles() -> None:
-    assert cycles(import_graph(PACKAGE)) == []
+    assert cycles(_package_graph()) == []
 
 
 def test_no_module_imports_from_a_higher_layer() -> None:
     entries, _ = read_map(MAP.read_text())
-    assert upward(import_graph(PACKAGE), entries) == [], "move the code to the layer that owns it (docs/map.md)"
+    assert upward(_package_graph(), entries) == [], "move the code to the layer that owns it (docs/map.md)"
 
 
 def test_spec_links_the_map_instead_of_repeating_it() -> None:
@@ -194,7 +200,7 @@ def test_the_checker_sees_the_real_packages_layers() -> None:
     """The real graph is not vacuous: the communicator reaches every route, and a planted upward import (the fold
     importing the communicator) is reported."""
     entries, _ = read_map(MAP.read_text())
-    graph = import_graph(PACKAGE)
+    graph = _package_graph()
     assert {"detcomm.backends", "detcomm.workspace", "detcomm.numerics.fold"} <= graph["detcomm.comm"]
     planted = {**graph, "detcomm.numerics.fold": graph["detcomm.numerics.fold"] | {"detcomm.comm"}}
     assert upward(planted, entries) == ["detcomm.numerics.fold (layer 3) imports detcomm.comm (layer 6)"]
