@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-H, F, T = 1024, 4096, 512
+H, F, T = 1024, 6144, 512  # F divides by every W up to 4 and 6, 8 (Colwise shards evenly)
 STEPS = 5
 
 
@@ -147,7 +147,7 @@ def rank_main(rank: int, world: int, device: str, store: str, results: dict) -> 
     global H, F, T
     dev = torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
     if dev.type == "cpu":  # the smoke run: small enough for 2 cores
-        H, F, T = 64, 256, 32
+        H, F, T = 64, 192, 32
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     lib = "nccl" if dev.type == "cuda" else "gloo"
