@@ -4,8 +4,8 @@
 # the results and why). Budget: 8 minutes on 2 cores; the suite's own per-test timeouts stay in force.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# shellcheck source=../launch/ci_common.sh
-. launch/ci_common.sh  # the multicast-off variables of docs/spec.md §8
+# shellcheck source=common.sh
+. .ci/common.sh  # the multicast-off variables of docs/spec.md §8
 PYTHON="${PYTHON:-.venv/bin/python}"
 # The suite imports expecttest, one of torch's own test dependencies (not one of detcomm's).
 "$PYTHON" -c "import expecttest" 2>/dev/null || "$PYTHON" -m pip install -q expecttest

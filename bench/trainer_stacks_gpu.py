@@ -28,7 +28,7 @@ H, F, T = 1024, 6144, 512  # F divides by every W up to 4 and 6, 8 (Colwise shar
 STEPS = 5
 
 
-def _model(dev: torch.device) -> torch.nn.Module:
+def _model(dev: torch.device) -> torch.nn.Sequential:
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(H, F), torch.nn.GELU(), torch.nn.Linear(F, H)).to(dev)
 
@@ -55,7 +55,12 @@ def _timed(fn, dev: torch.device) -> tuple[object, float]:  # type: ignore[no-un
 
 
 def _grads(m: torch.nn.Module) -> bytes:
-    return b"".join(p.grad.detach().float().cpu().numpy().tobytes() for p in m.parameters())
+    return b"".join(_grad(p).detach().float().cpu().numpy().tobytes() for p in m.parameters())
+
+
+def _grad(p: torch.Tensor) -> torch.Tensor:
+    assert p.grad is not None, "every parameter takes part in the step"
+    return p.grad
 
 
 def _ddp(rank: int, dev: torch.device, pg: dist.ProcessGroup) -> tuple[bool, float]:
@@ -96,10 +101,11 @@ def _fsdp(rank: int, dev: torch.device, pg: dist.ProcessGroup, kind: str) -> tup
             fully_shard(mod, mesh=mesh, mp_policy=mp_policy)
         x, t = _batch(rank, dev)
 
-        def step(m: torch.nn.Module = m, x: torch.Tensor = x, t: torch.Tensor = t) -> bytes:
+        def step(m: torch.nn.Sequential = m, x: torch.Tensor = x, t: torch.Tensor = t) -> bytes:
             m.zero_grad(set_to_none=True)
             (m(x).float() * t).sum().backward()
-            return b"".join(p.grad.full_tensor().float().cpu().numpy().tobytes() for p in m.parameters())
+            full = [_grad(p).full_tensor() for p in m.parameters()]  # type: ignore[attr-defined]  # DTensor grads
+            return b"".join(g.float().cpu().numpy().tobytes() for g in full)
 
         out, t_ms = _timed(step, dev)
         outs.append(out)

@@ -12,8 +12,8 @@ collectives (``torch.ops._c10d_functional``, which find a group by its name) run
 does (docs/trainers.md has the user's view, docs/spec.md §1 the definitions):
 
 * ``all_reduce``, ``reduce`` and every coalesced form with ``SUM`` or ``AVG`` on bf16 / fp16 / fp32: the
-  canonical fold (docs/spec.md §1) through the registered batch-invariant leaf (``detcomm.fold.select_leaf``):
-  an all-gather of the W inputs (data movement), then ``acc = +0.0; for r in 0..W-1: acc += fp32(x_r)`` and one
+  canonical fold (docs/spec.md §1) through the registered batch-invariant leaf
+  (``detcomm.numerics.fold.select_leaf``): an all-gather of the W inputs (data movement), then ``acc = +0.0; for r in 0..W-1: acc += fp32(x_r)`` and one
   round-to-nearest-even, canonical NaN. ``AVG`` divides the fp32 sum by W before that rounding. fp64 folds the
   same rank order in fp64. The result no longer depends on where an element sits in a bucket or how large the
   bucket is.
@@ -21,8 +21,8 @@ does (docs/trainers.md has the user's view, docs/spec.md §1 the definitions):
   input times the fp32 factor, one rounding to fp32, then the canonical fold of those fp32 values to the input
   dtype (docs/spec.md §1.1). fp64: the product and the fold in fp64.
 * ``MAX`` / ``MIN`` on bf16 / fp16 / fp32: an integer MAX / MIN of the order-preserving keys of
-  ``detcomm.keys`` (the policy of ``detcomm.all_reduce``): a NaN among an element's inputs gives the canonical
-  NaN, a zero result is +0.0, whatever the rank order. fp64: the same rules on a gather of the W inputs.
+  ``detcomm.numerics.keys`` (the policy of ``detcomm.all_reduce``): a NaN among an element's inputs gives the
+  canonical NaN, a zero result is +0.0, whatever the rank order. fp64: the same rules on a gather of the W inputs.
 * ``reduce_scatter_tensor`` / ``reduce_scatter`` (and their coalesced forms) with the ops above: an all-to-all
   of the row blocks, then the same fold or key reduction of each block (no extra traffic).
 * Each tensor of a coalesced call is reduced on its own (as if called alone), whatever the list holds.
@@ -87,9 +87,17 @@ from torch._C._distributed_c10d import (
 )
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
-from . import keys
 from .errors import DetcommError
-from .fold import BATCH_INVARIANT, FLOAT_DTYPES, average, canonical_nan, canonicalize_nan, divide_exactly, select_leaf
+from .numerics import keys
+from .numerics.fold import (
+    BATCH_INVARIANT,
+    FLOAT_DTYPES,
+    average,
+    canonical_nan,
+    canonicalize_nan,
+    divide_exactly,
+    select_leaf,
+)
 
 __all__ = ["BACKEND_NAME", "CaptureBeforeWarmup", "DetcommProcessGroup", "register", "plan"]
 
