@@ -391,6 +391,9 @@ def job_coalesced(rank: int, w: int) -> dict[str, object]:
     fun = funcol.all_reduce_coalesced([to_torch(x[rank], "bfloat16") for x in ins], "sum", pg)
     fun_ok = all(np.array_equal(to_bits(funcol.wait_tensor(f)), oracle.fold_oracle(x, "bfloat16"))
                  for f, x in zip(fun, ins))
+    from datetime import timedelta
+
+    pg.monitored_barrier(timedelta(seconds=60), wait_all_ranks=True)  # dist.monitored_barrier accepts gloo only
     return {"max": [a.item(), b.item()], "int": [i.tolist(), j.tolist()], "fold": fold_ok, "functional": fun_ok}
 
 
