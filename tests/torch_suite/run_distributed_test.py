@@ -40,15 +40,17 @@ from torch.testing._internal.distributed.distributed_test import (  # noqa: E402
 import detcomm.dist_backend  # noqa: E402, F401 - registers "detcomm" in this process and in every spawned rank
 
 # CI's selection, within its 8-minute budget (each test starts WORLD_SIZE fresh processes: 30 s to 2 min on 2
-# shared cores): the float reductions whose bits the backend defines (SUM eager and async, MAX, the refused
-# PRODUCT), reduce, the all-gather that DTensor and FSDP2 use, and DDP's CPU path.
+# shared cores): the float reductions whose bits the backend defines (SUM, MAX, the refused PRODUCT), reduce,
+# the all-gather that DTensor and FSDP2 use, and DDP's CPU path. Measured: 6 min 37 s for these and
+# test_all_reduce_sum_async on the loaded 2-core machine; that one moved to EXTENDED to keep a margin.
 SELECTED = (
-    "test_all_reduce_sum", "test_all_reduce_sum_async", "test_all_reduce_max", "test_all_reduce_product",
-    "test_reduce_sum", "test_all_gather", "test_DistributedDataParallelCPU",
+    "test_all_reduce_sum", "test_all_reduce_max", "test_all_reduce_product", "test_reduce_sum", "test_all_gather",
+    "test_DistributedDataParallelCPU",
 )
 # ``--extended``: the rest of the collectives, groups, objects, point-to-point and DDP tests that run on CPU.
 EXTENDED = (
-    "test_get_backend", "test_new_subgroups", "test_all_reduce_sum_complex", "test_all_reduce_min",
+    "test_get_backend", "test_new_subgroups", "test_all_reduce_sum_async", "test_all_reduce_sum_complex",
+    "test_all_reduce_min",
     "test_all_reduce_group_sum",
     "test_all_reduce_full_group_max", "test_all_reduce_coalesced_sum", "test_all_reduce_coalesced_min",
     "test_reduce_max", "test_broadcast", "test_all_gather_coalesced_simple", "test_all_to_all_single_equal_split",
