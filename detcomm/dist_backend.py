@@ -38,8 +38,9 @@ does (docs/trainers.md has the user's view, docs/spec.md §1 the definitions):
 ``dist.monitored_barrier`` checks for the name "gloo" before it reaches a group; call the group's own
 ``DetcommProcessGroup.monitored_barrier(timeout, wait_all_ranks=...)`` (gloo's, on the same ranks) instead.
 
-Work objects: a delegated call returns gloo's / NCCL's own ``Work``. A folded call on CPU tensors runs its gather
-and fold inside the call and returns a finished ``Work``. On CUDA tensors the gather (NCCL, on the current
+Work objects: a delegated data-movement call returns gloo's / NCCL's own ``Work``. A reduction (folded, keyed,
+or an integer one, which runs one tensor at a time) on CPU tensors runs inside the call and returns a finished
+``Work``. On CUDA tensors the gather (NCCL, on the current
 stream) and the fold are queued on the stream current at the call, with no host synchronization, and the
 returned ``Work`` behaves as NCCL's: ``wait()`` orders the caller's then-current stream after the fold and
 returns at once (the host never blocks), ``is_completed()`` asks the GPU, ``get_future()`` is a CUDA-aware
