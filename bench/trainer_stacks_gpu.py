@@ -120,8 +120,9 @@ def _tp(rank: int, dev: torch.device, pg: dist.ProcessGroup, kind: str) -> tuple
     mesh = DeviceMesh.from_group(pg, dev.type, mesh_dim_names=(f"{kind}_tp",))
     m = parallelize_module(_model(dev).to(torch.bfloat16), mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
     x, _ = _batch(0, dev, torch.bfloat16)
-    out, t_ms = _timed(lambda: m(x).float().cpu().numpy().tobytes(), dev)
-    again = m(x).float().cpu().numpy().tobytes()
+    with torch.no_grad():
+        out, t_ms = _timed(lambda: m(x).float().cpu().numpy().tobytes(), dev)
+        again = m(x).float().cpu().numpy().tobytes()
     return out == again, t_ms
 
 
