@@ -152,6 +152,17 @@ def test_sharded_matches_unsharded(name: str, dtype: str, tmp_path, cluster2) ->
 
 
 @pytest.mark.slow
+def test_replicated_kv_heads_match_unsharded(tmp_path, cluster4) -> None:  # noqa: ANN001
+    """2 KV heads over 4 ranks: each rank's query heads attend its replicated KV head, so the engine and
+    transformers' own forward on the sharded model compute what the unsharded model does (to rounding), and
+    greedy decoding gives its tokens."""
+    directory = write_tiny_checkpoint("qwen3-kv2-tiny", str(tmp_path), seed=3)
+    for engine_err, own_err, lp_err, tokens, ref_tokens in cluster4.run(job_against_unsharded, directory, "float32"):
+        assert engine_err < 1e-4 and own_err < 1e-4 and lp_err < 1e-4, (engine_err, own_err, lp_err)
+        assert tokens == ref_tokens
+
+
+@pytest.mark.slow
 def test_fused_boundaries_bits(cluster, tmp_path) -> None:  # noqa: ANN001
     """rl-bitwise: both boundaries of every layer are fused add_norm sites (declared, in the route table, called
     with the right norm's weight); the layer-0 o_proj boundary's (y, r) bits are the composition of the ranks'

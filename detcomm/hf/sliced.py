@@ -7,8 +7,9 @@ only this rank's slices from the checkpoint's safetensors files.
 ``fill`` then reads, one tensor at a time through ``safetensors.safe_open(...).get_slice`` (memory-mapped: only
 the slice's bytes are read), the rows or columns of every cut parameter, the hosted experts of every
 expert-parallel block and every replicated tensor (norms, routers, shared experts), and casts each to the model
-dtype, as ``from_pretrained`` does. A rank's host memory at load is therefore its shard, the replicated tensors
-and one tensor's pages of the memory map (each file is opened per tensor, so its mapping is dropped at once);
+dtype, as ``from_pretrained`` does, into memory of its own. A rank's host memory at load is therefore its shard,
+the replicated tensors and the mapped pages of the one slice being copied (each file is opened per tensor and its
+mapping dropped after the copy);
 docs/performance.md ("Sliced loading") has the figures. The parameters have the bits of ``from_pretrained``
 followed by ``shard_model`` (tests/test_hf_sliced.py compares every one on every rank).
 
@@ -80,7 +81,10 @@ class Checkpoint:
                 t = part[cut.start : min(cut.stop, rows)]
                 if cut.stop > rows:  # the padded vocabulary shard of the last ranks
                     t = torch.cat([t, t.new_zeros(cut.stop - max(rows, cut.start), *t.shape[1:])])
-        return t.to(dtype)
+        # A copy in this process's memory: safetensors' tensors point into the file's (private, copy-on-write)
+        # mapping, which would keep one mapping of the whole file alive per parameter, and let a rewrite of the
+        # file in place change a parameter's bits under the server.
+        return t.to(dtype, copy=True)
 
 
 def meta_model(config: Any, *, dtype: torch.dtype) -> nn.Module:
