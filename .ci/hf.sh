@@ -3,9 +3,9 @@
 # a tiny real config in fp32 and in bf16 under rl-bitwise (every row 0, PASS), and the native negative
 # control (must diverge); then an MoE config with its experts spread over the ranks (two placements compared,
 # and the rank-order combine as the negative control); then a 2-KV-head model at W=4 (KV heads replicated), loaded
-# sliced, and its native control. Needs the hf extra (transformers, safetensors); installs it when missing.
+# sliced, and its native control. Needs the hf extra (transformers, safetensors, accelerate); installs it when missing.
 #
-#   PYTHON=/path/to/venv/bin/python launch/ci_hf.sh        # from the repository root
+#   PYTHON=/path/to/venv/bin/python .ci/hf.sh        # from the repository root
 set -euo pipefail
 
 PYTHON="${PYTHON:-python3}"
@@ -15,7 +15,7 @@ cd "$(dirname "$0")/.."
 # docs/spec.md §8: multicast stays off in every environment, also this script's own children.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
-if ! "$PYTHON" -c "import transformers, safetensors" 2>/dev/null; then
+if ! "$PYTHON" -c "import transformers, safetensors, accelerate" 2>/dev/null; then
   "$PYTHON" -m pip install -q -e '.[hf]'
 fi
 if command -v detcomm-launch >/dev/null; then LAUNCH=(detcomm-launch); else LAUNCH=("$PYTHON" -m detcomm.launch); fi
