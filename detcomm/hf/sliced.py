@@ -143,6 +143,9 @@ def fill(model: nn.Module, shards: Shards, ckpt: Checkpoint, *, dtype: torch.dty
         else:
             key = f"{shards.embed_site}.weight" if name == tied_head else name
             value = ckpt.read(key, dtype=dtype, cut=shards.cuts.get(name))
-        assert value.shape == param.shape, (name, value.shape, param.shape)
+        if value.shape != param.shape:
+            raise ValueError(f"{ckpt.directory}: {name} is {tuple(value.shape)} in this rank's slice of the checkpoint "
+                             f"but {tuple(param.shape)} in the model its config.json describes: the weights do not "
+                             "belong to that config")
         owner, attr = name.rsplit(".", 1)
         model.get_submodule(owner)._parameters[attr] = nn.Parameter(value, requires_grad=param.requires_grad)
