@@ -253,11 +253,11 @@ def test_head_count_refused_with_the_fix() -> None:
     check_divisible(cfg, 24)  # each KV head replicated over 2 ranks
     with pytest.raises(ValueError, match=r"num_attention_heads=24 does not divide by 5.*\[1, 2, 3, 4, 6, 12, 24\]"):
         check_divisible(cfg, 5)
-    with pytest.raises(ValueError, match=r"num_key_value_heads=12 neither divides by 8 nor divides it.*"
+    with pytest.raises(ValueError, match=r"num_key_value_heads=12 is neither a multiple of 8 nor a divisor of it.*"
                                          r"world size in \[1, 2, 3, 4, 6, 12, 24\]"):
         check_divisible(cfg, 8)
     cfg.num_key_value_heads = 8
-    with pytest.raises(ValueError, match=r"num_key_value_heads=8 neither divides by 3.*world size in \[1, 2, 4, 8, 24\]"):
+    with pytest.raises(ValueError, match=r"num_key_value_heads=8 is neither a multiple of 3.*world size in \[1, 2, 4, 8, 24\]"):
         check_divisible(cfg, 3)
 
 

@@ -134,8 +134,8 @@ def check_divisible(config: Any, world: int) -> None:
     if ffn is not None and ffn % world:
         bad.append(f"intermediate_size={ffn} does not divide by {world}")
     if not kv_fits(kv, world):
-        bad.append(f"num_key_value_heads={kv} neither divides by {world} nor divides it (a KV head is replicated "
-                   f"over W / {kv} ranks only when W is a multiple of {kv})")
+        bad.append(f"num_key_value_heads={kv} is neither a multiple of {world} nor a divisor of it (with W a "
+                   f"multiple of {kv}, each KV head is replicated over W / {kv} ranks)")
     if bad:
         raise ValueError(
             f"tensor parallelism over {world} ranks needs whole attention heads and FFN slices per rank, and "
