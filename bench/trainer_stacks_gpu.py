@@ -148,7 +148,9 @@ def _graph(rank: int, dev: torch.device, pg: dist.ProcessGroup) -> tuple[bool, f
 
 
 def rank_main(rank: int, world: int, device: str, store: str, results: dict) -> None:  # type: ignore[type-arg]
-    os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+    from detcomm.envelope import MULTICAST_OFF_ENV
+
+    os.environ.update(MULTICAST_OFF_ENV)
     import detcomm.dist_backend  # noqa: F401 - registers "detcomm"
 
     global H, F, T

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from detcomm.envelope import MULTICAST_OFF_ENV
+
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
@@ -24,7 +26,7 @@ LIMIT = 0.6
 
 def _measure(nproc: int, model: str, out: Path) -> list[float]:
     env = dict(os.environ)
-    env.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+    env.update(MULTICAST_OFF_ENV)
     proc = subprocess.run([sys.executable, "-m", "detcomm.launch", "--nproc", str(nproc), "--numerics", "rl-bitwise",
                            "-m", "detcomm.hf.memory", "--model", model, "--json", str(out)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
