@@ -16,9 +16,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+from clusters import close_clusters, get_cluster  # noqa: E402
 from detcomm._spawn import LocalCluster  # noqa: E402
 
-_CLUSTERS: dict[int, LocalCluster] = {}
+# tests/torch_suite/ is torch's own suite, run by .ci/torch_suite.sh under its own runner, not collected here.
+collect_ignore_glob = ["torch_suite/*"]
 
 
 def pytest_collection_modifyitems(config, items):  # noqa: ANN001
@@ -28,13 +30,6 @@ def pytest_collection_modifyitems(config, items):  # noqa: ANN001
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
-
-
-def get_cluster(world_size: int) -> LocalCluster:
-    c = _CLUSTERS.get(world_size)
-    if c is None or not c.alive:
-        c = _CLUSTERS[world_size] = LocalCluster(world_size, pg_timeout_s=30.0)
-    return c
 
 
 @pytest.fixture(params=[2, 3, 4], ids=lambda w: f"W{w}")
@@ -61,6 +56,4 @@ def cluster3plus(request) -> LocalCluster:  # noqa: ANN001
 
 
 def pytest_sessionfinish(session, exitstatus):  # noqa: ANN001
-    for c in _CLUSTERS.values():
-        c.close()
-    _CLUSTERS.clear()
+    close_clusters()

@@ -358,7 +358,7 @@ def job_extrema(rank: int, w: int, kind: str) -> dict[str, bool]:
 
 
 def test_max_min_nan_and_signed_zeros_order_free() -> None:
-    from conftest import get_cluster
+    from clusters import get_cluster
 
     for r in get_cluster(3).run(job_extrema, "detcomm"):
         assert all(r.values()), [k for k, v in r.items() if not v]
@@ -366,7 +366,7 @@ def test_max_min_nan_and_signed_zeros_order_free() -> None:
 
 def test_max_min_gloo_moves_nan_and_zeros() -> None:
     """Negative control: gloo's float MAX / MIN keeps a NaN or the sign of a zero by rank position."""
-    from conftest import get_cluster
+    from clusters import get_cluster
 
     r = get_cluster(3).run(job_extrema, "gloo")[0]
     assert not all(r[k] for k in r if k.startswith("all_reduce"))
@@ -398,7 +398,7 @@ def job_coalesced(rank: int, w: int) -> dict[str, object]:
 
 
 def test_coalesced_calls_reduce_each_tensor() -> None:
-    from conftest import get_cluster
+    from clusters import get_cluster
 
     w = 3
     for r in get_cluster(w).run(job_coalesced):
@@ -446,7 +446,7 @@ def job_premul(rank: int, w: int, factor: float) -> dict[str, bool]:
 
 
 def test_premul_sum_folds() -> None:
-    from conftest import get_cluster
+    from clusters import get_cluster
 
     for r in get_cluster(3).run(job_premul, 1.0 / 3.0):
         assert all(r.values()), [k for k, v in r.items() if not v]
@@ -484,7 +484,7 @@ def job_subclass_and_functional(rank: int, w: int) -> dict[str, object]:
 
 
 def test_subclass_inputs_and_functional_collectives() -> None:
-    from conftest import get_cluster
+    from clusters import get_cluster
 
     for r in get_cluster(3).run(job_subclass_and_functional):
         assert all(r.values()), r

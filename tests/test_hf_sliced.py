@@ -19,7 +19,7 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from conftest import get_cluster  # noqa: E402
+from clusters import get_cluster  # noqa: E402
 from detcomm.hf import write_tiny_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.slow
