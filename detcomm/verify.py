@@ -35,6 +35,7 @@ from functools import lru_cache
 import torch
 import torch.distributed as dist
 
+from .deadline import is_timeout
 from .errors import CollectiveMismatch, PeerTimeout
 from .route import Collective, ReduceOp
 
@@ -99,6 +100,8 @@ class CallChecker:
         try:
             everyone = self.native.all_gather(fp).view(self.world_size, len(mine)).cpu()
         except RuntimeError as e:
+            if not is_timeout(e):
+                raise  # a peer's death or a closed group: the communicator names the site, call, rank and cause
             limit = f"{self.timeout_s:g} s" if self.timeout_s is not None else "the process group's timeout"
             raise PeerTimeout(
                 f"detcomm check: site {name!r}, call #{seq} on rank {self.rank}: not every rank reached this call "
