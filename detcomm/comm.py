@@ -554,6 +554,18 @@ class Communicator:
         """Every self-check run on this group so far, in order (local)."""
         return list(self._selfchecks.results.values())
 
+    def synchronize(self) -> None:
+        """Wait for this rank's device work and raise ``WorkspaceFailed`` if a workspace call failed (local).
+
+        A workspace call returns once its kernel is enqueued; its failure is raised at this rank's next detcomm
+        call or here. ``torch.cuda.synchronize()`` waits for the kernels but reads no failure record: call this
+        before trusting the outputs of the last calls (docs/spec.md §9.3). A no-op on CPU groups."""
+        self._check_open()
+        if self._workspace is not None:
+            self._workspace.synchronize()
+        elif self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
     def close(self) -> None:
         """Release this communicator's resources (collective). The process group is destroyed only if
         ``detcomm.init`` created it.
