@@ -341,17 +341,20 @@ class Communicator:
                     f"{self.default_max_rows} of an undeclared site; declare it with detcomm.site({name!r}, ..., "
                     f"max_rows=N) or raise init(default_max_rows=...)"
                 )
+            # A declaration that runs a self-check first proves that every rank declares the same site
+            # (SelfChecks); the call itself is then proven by SiteCall.run as every call is. With checking on,
+            # the call's fingerprint goes first instead (every rank's checker then counts the same calls, whether
+            # or not this rank's declaration runs a self-check).
             implicit = Site(name, collective, x.dtype, tuple(x.shape[1:]), self.default_max_rows, rop,
                             self.group_label, implicit=True)
-            # Before the declaration, whose self-check is itself collective: the ranks prove they make this call.
-            header = CallHeader(implicit, native=self._native, device=self.device) if self._guarded else None
-            with self._exclusive(name):
-                if self._verifier is not None:
-                    self._verifier.agree(name, collective, rop, x, rows_per_rank=rows_per_rank, uneven=uneven)
-                elif header is not None:
-                    header.exchange(0, -1 if uneven or rows_per_rank is not None else x.shape[0], rows_per_rank)
+            if self._verifier is not None:
+                with self._exclusive(name):
+                    self._verifier.agree(name, collective, rop, x, rows_per_rank=rows_per_rank,
+                                         uneven=uneven)
             self._declare(implicit, where=_caller())
-            return self._site_calls[name]
+            sc = self._site_calls[name]
+            sc.agreed = self._verifier is not None
+            return sc
         problems = []
         if sc.collective is not collective:
             problems.append(f"collective {collective.value} != {sc.collective.value}")
@@ -570,9 +573,10 @@ class Communicator:
         """Release this communicator's resources (collective). The process group is destroyed only if
         ``detcomm.init`` created it.
 
-        On a host-memory group the ranks first exchange the call guard's shutdown header, so a rank that shuts
-        down while its peers still call a site makes every rank raise ``CollectiveMismatch`` naming it at once,
-        instead of leaving the group to the deadline; this rank's resources are released either way."""
+        On a group init created, the ranks first exchange the call guard's shutdown header (host-memory groups;
+        the call checker's fingerprint with checking on), so a rank that shuts down while its peers still call a
+        site makes every rank raise ``CollectiveMismatch`` naming it at once, instead of leaving the group to the
+        deadline; this rank's resources are released either way."""
         if self._closed:
             return
         self._closed = True
@@ -580,10 +584,12 @@ class Communicator:
         self._site_calls.clear()
         failed: BaseException | None = None
         try:
-            if self._verifier is not None:
+            # Only where close is collective anyway (it ends with the barrier of the group it destroys); on a
+            # caller's group closing a communicator stays local.
+            if self.owns_group and self._verifier is not None:
                 self._verifier.agree(SHUTDOWN, Collective.ALL_GATHER, ReduceOp.SUM,
                                      torch.empty(0, device=self.device))
-            elif self._guarded:
+            elif self.owns_group and self._guarded:
                 shutdown_header(self._native, device=self.device, calls=calls)
         except RuntimeError as e:
             failed = e if isinstance(e, DetcommError) else self._failure(SHUTDOWN, 1, e)
@@ -636,7 +642,7 @@ class SiteCall:
 
     __slots__ = ("comm", "site", "name", "bound", "collective", "op", "dtype", "in_dtype", "ndim", "row_dim",
                  "width", "tail", "lead", "max_rows", "device", "in_place", "mul", "div", "header", "calls",
-                 "virtual", "fused")
+                 "virtual", "fused", "agreed")
 
     def __init__(self, comm: Communicator, site: Site, bound: BoundRoute) -> None:
         self.comm = comm
@@ -666,6 +672,7 @@ class SiteCall:
         self.header = CallHeader(site, native=comm._native, device=comm.device) if comm._guarded else None
         self.calls = 0  # this site's user calls on this communicator (named in errors; self-checks not counted)
         self.fused = getattr(bound, "fused", None)  # the workspace's fused norm kernel, where routing chose it
+        self.agreed = False  # the next call's fingerprint was already compared (Communicator._resolve)
 
     def check(self, x: object, out: object) -> torch.Tensor | None:
         """Validate a call (see the class docstring); returns what the route gets as ``CallArgs.out`` (None:
@@ -755,8 +762,11 @@ class SiteCall:
             comm._active = self.name
             self.calls += 1
             if comm._verifier is not None:
-                comm._verifier.agree(self.name, self.collective, self.op, x, rows_per_rank=rows_per_rank,
-                                     uneven=uneven)
+                if self.agreed:  # the first call's fingerprint went before the site's implicit declaration
+                    self.agreed = False
+                else:
+                    comm._verifier.agree(self.name, self.collective, self.op, x, rows_per_rank=rows_per_rank,
+                                         uneven=uneven)
             elif self.header is not None:
                 self.header.exchange(self.calls, -1 if uneven or rows_per_rank is not None else x.shape[self.row_dim],
                                      rows_per_rank)

@@ -259,7 +259,7 @@ def job_messages(rank: int, w: int) -> list[str]:
         detcomm.all_reduce(torch.ones(2, 9 if rank == 1 else 8), "dm.shape")
         problems.append("a trailing-shape mismatch was accepted")
     except detcomm.CollectiveMismatch as e:
-        if "rank 1: site 'dm.shape' first call, which declares it (all_reduce sum float32[rows<=8192, 9]" not in str(e) or "<id" in str(e):
+        if "rank 1: declaring site 'dm.shape' as all_reduce sum float32[rows<=8192, 9]" not in str(e) or "<id" in str(e):
             problems.append(f"trailing shape: {e}")
     # An implicit declaration says so, and where, when a later call contradicts it.
     detcomm.all_reduce(torch.ones(2, 8), "dm.implicit")
@@ -350,10 +350,11 @@ def test_peer_death_names_site_call_rank_and_cause(scenario: str, tmp_path: Path
     results = _ranks(scenario, tmp_path)
     for r in (0, 2):
         res = results[r]
-        assert res is not None and res["raised"] in ("CollectiveFailed", "PeerTimeout"), results
+        # The peer's sockets closed: the library fails at once, and that is the cause named (with checking on
+        # too: not a timeout that never happened).
+        assert res is not None and res["raised"] == "CollectiveFailed", results
         msg = res["message"]
-        assert "site 'x', call #" in msg and f"on rank {r}" in msg, results
-        assert "within" not in msg or res["raised"] == "PeerTimeout" and res["seconds"] > 4, results
+        assert "site 'x', call #" in msg and f"on rank {r} of 3" in msg and "failed in torch.distributed" in msg, results
 
 
 def test_a_rank_that_exits_before_init_is_named(tmp_path: Path) -> None:

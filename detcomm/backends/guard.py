@@ -87,13 +87,12 @@ class CallHeader:
         self._sig = site_hash(site)
 
     def exchange(self, call: int, rows: int, rows_per_rank: Sequence[int] | None) -> None:
-        """``call`` 0: an undeclared site's first call, before its implicit declaration. Collective: raise ``CollectiveMismatch`` on every rank unless every rank makes this same call."""
+        """Collective: raise ``CollectiveMismatch`` on every rank unless every rank makes this same call."""
         extra = hash_text(repr(list(rows_per_rank))) if rows_per_rank is not None else 0
         mine = [_MAGIC, self._name, self._sig, call, rows, extra]
         s = self.site
         rpr = "" if rows_per_rank is None else f", rows_per_rank={list(rows_per_rank)}"
-        which = f"call #{call}" if call else "first call, which declares it"
-        exchange(self.native, mine, f"site {s.name!r} {which} ({s.describe()}, rows {rows}{rpr})",
+        exchange(self.native, mine, f"site {s.name!r} call #{call} ({s.describe()}, rows {rows}{rpr})",
                  device=self.device)
 
 

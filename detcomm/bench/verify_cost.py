@@ -33,7 +33,7 @@ def job(rank: int, world_size: int, numerics: str, check: bool, calls: int, rows
         sc = comm._site_calls["bench"]
         backend = comm._backends[sc.bound.route]
         sc.header = None
-        sc.bound = lambda t, a: backend.all_reduce(t, sc.site.op)  # type: ignore[attr-defined]
+        sc.bound = lambda t, a: backend.all_reduce(t, sc.site.op)  # type: ignore[attr-defined,assignment]
     for _ in range(20):
         detcomm.all_reduce(x, site="bench")
     times = []
