@@ -131,7 +131,6 @@ class Communicator:
         self._workspace: Workspace | None = None
         # One collective call at a time per communicator (SiteCall.run): the ranks pair calls by their order.
         self._lock = threading.RLock()
-        self._active = ""  # the site of the call holding the lock, for the refusal's message
         # The call guard's header (backends/guard.py) applies where messages live in host memory, and needs peers.
         self._guarded = self.world_size > 1 and (self.device.type == "cpu" or self._native.stage)
         # The deadline in force, for the errors: init's timeout_s, detcomm's default on a group it creates,
@@ -391,15 +390,14 @@ class Communicator:
         if not self._lock.acquire(blocking=False):
             raise self._busy(name)
         try:
-            self._active = name
             yield
         finally:
             self._lock.release()
 
     def _busy(self, name: str) -> ConcurrentCall:
         return ConcurrentCall(
-            f"site {name!r} on rank {self.rank}: another thread is inside a collective call of this communicator "
-            f"(site {self._active!r}). The ranks pair calls by their order, which two threads cannot keep: make "
+            f"site {name!r} on rank {self.rank}: another thread is inside a collective call of this communicator. "
+            "The ranks pair calls by their order, which two threads cannot keep: make "
             "one thread issue the group's collectives, or give each thread its own process group and communicator "
             "(detcomm.init(group=torch.distributed.new_group(...)))"
         )
@@ -424,10 +422,15 @@ class Communicator:
 
         On a virtual-shard site ``x`` is this rank's [V/W, rows, *shape] fp32 partial sums and the result is
         [rows, *shape] in the site's dtype (docs/spec.md §9.1)."""
-        sc = self._site_calls.get(site) if type(site) is str else None  # the hot path: a declared site's name
-        if sc is None or sc.collective is not Collective.ALL_REDUCE or op != sc.op:
+        sc = self._site_calls.get(site if type(site) is str else _name_of(site))  # the hot path: one lookup
+        if sc is None or sc.collective is not Collective.ALL_REDUCE or op != sc.op or (type(site) is not str and site is not sc.site):
             sc = self._resolve(site, Collective.ALL_REDUCE, x, op)
-        return sc.finish(sc.run(x, sc.args(sc.check(x, out))), out, async_op)
+        target = sc.check(x, out)
+        result = sc.run(x, NO_ARGS if target is None else CallArgs(out=target))
+        if out is not None and result is not out:
+            out.copy_(result)
+            result = out
+        return Work(result) if async_op else result
 
     def reduce_scatter(self, x: torch.Tensor, site: str | Site, *, op: str = "sum", out: torch.Tensor | None = None,
                        async_op: bool = False) -> torch.Tensor | Work:
@@ -436,14 +439,19 @@ class Communicator:
 
         On a virtual-shard site ``x`` is this rank's [V/W, rows, *shape] fp32 partial sums and rank r receives
         row block r of the folded [rows, *shape] result, in the site's dtype (docs/spec.md §9.1)."""
-        sc = self._site_calls.get(site) if type(site) is str else None
-        if sc is None or sc.collective is not Collective.REDUCE_SCATTER or op != sc.op:
+        sc = self._site_calls.get(site if type(site) is str else _name_of(site))
+        if sc is None or sc.collective is not Collective.REDUCE_SCATTER or op != sc.op or (type(site) is not str and site is not sc.site):
             if isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[0] % self.world_size and not (
                     isinstance(site, (str, Site)) and self._is_virtual(site)):
                 name = site.name if isinstance(site, Site) else site
                 raise ValueError(_rs_rows(name, x.shape[0], self.world_size))
             sc = self._resolve(site, Collective.REDUCE_SCATTER, x, op)
-        return sc.finish(sc.run(x, sc.args(sc.check(x, out))), out, async_op)
+        target = sc.check(x, out)
+        result = sc.run(x, NO_ARGS if target is None else CallArgs(out=target))
+        if out is not None and result is not out:
+            out.copy_(result)
+            result = out
+        return Work(result) if async_op else result
 
     def _is_virtual(self, site: str | Site) -> bool:
         sc = self._site_calls.get(site.name if isinstance(site, Site) else site)
@@ -452,10 +460,15 @@ class Communicator:
     def all_gather(self, x: torch.Tensor, site: str | Site, *, out: torch.Tensor | None = None,
                    async_op: bool = False) -> torch.Tensor | Work:
         """Every rank's ``x`` concatenated along dim 0 in rank order (``out``: ``W * rows`` rows). Collective."""
-        sc = self._site_calls.get(site) if type(site) is str else None
-        if sc is None or sc.collective is not Collective.ALL_GATHER:
+        sc = self._site_calls.get(site if type(site) is str else _name_of(site))
+        if sc is None or sc.collective is not Collective.ALL_GATHER or (type(site) is not str and site is not sc.site):
             sc = self._resolve(site, Collective.ALL_GATHER, x, ReduceOp.SUM)
-        return sc.finish(sc.run(x, sc.args(sc.check(x, out))), out, async_op)
+        target = sc.check(x, out)
+        result = sc.run(x, NO_ARGS if target is None else CallArgs(out=target))
+        if out is not None and result is not out:
+            out.copy_(result)
+            result = out
+        return Work(result) if async_op else result
 
     def all_reduce_residual_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, *,
                                     eps: float, site: str | Site) -> tuple[torch.Tensor, torch.Tensor]:
@@ -676,7 +689,7 @@ class SiteCall:
 
     def check(self, x: object, out: object) -> torch.Tensor | None:
         """Validate a call (see the class docstring); returns what the route gets as ``CallArgs.out`` (None:
-        it allocates, and ``finish`` copies into ``out``)."""
+        it allocates, and the collective copies the result into ``out``)."""
         if type(x) is not torch.Tensor and not isinstance(x, torch.Tensor):
             raise TypeError(f"site {self.name!r}: expected a torch.Tensor, got {type(x).__name__}")
         sh = x.shape
@@ -749,17 +762,13 @@ class SiteCall:
             "A site is static: declare another site for this call (or cast/reshape the input)."
         )
 
-    def args(self, target: torch.Tensor | None) -> CallArgs:
-        return NO_ARGS if target is None else CallArgs(out=target)
-
     def run(self, x: torch.Tensor, args: CallArgs, *, rows_per_rank: Sequence[int] | None = None,
             uneven: bool = False) -> torch.Tensor:
         """The call through the bound route (see the class docstring). Collective."""
         comm = self.comm
-        if not comm._lock.acquire(blocking=False):
+        if not comm._lock.acquire(False):
             raise comm._busy(self.name)
         try:
-            comm._active = self.name
             self.calls += 1
             if comm._verifier is not None:
                 if self.agreed:  # the first call's fingerprint went before the site's implicit declaration
@@ -785,10 +794,9 @@ class SiteCall:
         if self.fused is None:
             return _norm.add_rms_norm(self.run(x, NO_ARGS), residual, weight, eps=eps)
         comm = self.comm
-        if not comm._lock.acquire(blocking=False):
+        if not comm._lock.acquire(False):
             raise comm._busy(self.name)
         try:
-            comm._active = self.name
             self.calls += 1
             if comm._verifier is not None:
                 comm._verifier.agree(self.name, self.collective, self.op, x)
@@ -802,12 +810,10 @@ class SiteCall:
         finally:
             comm._lock.release()
 
-    @staticmethod
-    def finish(result: torch.Tensor, out: torch.Tensor | None, async_op: bool) -> torch.Tensor | Work:
-        if out is not None and result is not out:
-            out.copy_(result)
-            result = out
-        return Work(result) if async_op else result
+
+def _name_of(site: object) -> str:
+    """A Site's name ("" for anything else; the identity test after the lookup sends it to the resolution)."""
+    return site.name if type(site) is Site else ""
 
 
 def _check_grad(name: str, x: torch.Tensor) -> None:
