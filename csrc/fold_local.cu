@@ -1,5 +1,5 @@
 // detcomm: the canonical fold of W local buffers, with no communication: the CUDA fold leaf of gather_fold and
-// a2a_fold (detcomm/workspace/leaf.py), and the bench's measure of the fold against a device-to-device copy.
+// a2a_fold (detcomm/numerics/cuda_leaf.py), and the bench's measure of the fold against a device-to-device copy.
 // Input k starts at base + k * step elements (one stacked tensor, or W buffers at a common stride): two scalar
 // arguments instead of a pointer table, so a launch needs no per-call upload and can be captured in a CUDA
 // graph. Any grid size works: there are no barriers.

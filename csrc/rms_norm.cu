@@ -1,10 +1,10 @@
 // detcomm: the canonical residual add + RMSNorm of docs/spec.md §9, one 256-thread block per row.
 //
-// Compiled at run time by NVRTC (detcomm/norm_cuda.py, through detcomm.workspace.kernels' flatten/compile/cache
+// Compiled at run time by NVRTC (detcomm/numerics/norm_cuda.py, through detcomm.workspace.kernels' flatten/compile/cache
 // helpers and the same options: --fmad=false -ftz=false -prec-div=true -prec-sqrt=true, never fast math). It needs
 // only the dtype traits of detcomm_common.cuh (widen/narrow with the canonical NaN); DETCOMM_W is irrelevant here.
 //
-// The arithmetic, exactly (docs/spec.md §9; detcomm/norm.py computes the same with torch ops):
+// The arithmetic, exactly (docs/spec.md §9; detcomm/numerics/norm.py computes the same with torch ops):
 //   a_i = fp32(r_i); q_i = a_i * a_i (fp32, rounded)
 //   lane t (0..255) owns the 8-element chunks c = t, t+256, t+512, ... of the row; its partial p_t starts at
 //     +0.0 and adds q_i for i = 8c .. 8c+7 (i < H), chunk after chunk, element after element;

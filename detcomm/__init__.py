@@ -62,20 +62,20 @@ if TYPE_CHECKING:
 
     from .comm import Communicator, RouteEntry, RouteTable
     from .deadline import DEFAULT_TIMEOUT_S
-    from .fold import BATCH_INVARIANT, Leaf, Priority, reference_fold, register_leaf, select_leaf
     from .moe import moe_combine, moe_dispatch, moe_site
-    from .norm import rms_norm
+    from .numerics.fold import BATCH_INVARIANT, Leaf, Priority, reference_fold, register_leaf, select_leaf
+    from .numerics.norm import rms_norm
     from .work import Work
 
-# name -> the submodule that defines it (each imports torch); importing detcomm.fold also registers the CUDA
-# fold leaf where cupy is installed.
+# name -> the submodule that defines it (each imports torch); importing detcomm.numerics also registers the
+# CUDA fold leaf where cupy is installed.
 _LAZY = {
     "Communicator": "comm", "RouteEntry": "comm", "RouteTable": "comm",
     "DEFAULT_TIMEOUT_S": "deadline",
-    "BATCH_INVARIANT": "fold", "Leaf": "fold", "Priority": "fold", "reference_fold": "fold", "register_leaf": "fold",
-    "select_leaf": "fold",
+    "BATCH_INVARIANT": "numerics.fold", "Leaf": "numerics.fold", "Priority": "numerics.fold",
+    "reference_fold": "numerics.fold", "register_leaf": "numerics.fold", "select_leaf": "numerics.fold",
     "moe_combine": "moe", "moe_dispatch": "moe", "moe_site": "moe",
-    "rms_norm": "norm",
+    "rms_norm": "numerics.norm",
     "Work": "work",
 }
 
@@ -420,7 +420,7 @@ def all_reduce(x: torch.Tensor, site: str | Site, *, op: str = "sum", out: torch
     ``out`` when given (``out=x``: in place), or a ``Work`` handle with ``async_op=True``. Collective.
 
     On a ``virtual_shards=V`` site, ``x`` is this rank's fp32 partials ``[V/W, rows, *shape]`` and the result is
-    ``[rows, *shape]`` in the site's dtype: ``detcomm.fold.reference_fold(all V partials stacked, dtype)``."""
+    ``[rows, *shape]`` in the site's dtype: ``detcomm.numerics.fold.reference_fold(all V partials stacked, dtype)``."""
     return _comm_for(site).all_reduce(x, site, op=op, out=out, async_op=async_op)
 
 

@@ -26,10 +26,10 @@ import torch
 import torch.distributed as dist
 
 from . import envelope as _env
-from .backends import A2AFoldBackend, GatherFoldBackend, NativeBackend
+from .backends import A2AFoldBackend, GatherFoldBackend, NativeBackend, RsAgFoldBackend
 from .backends.guard import SHUTDOWN, CallHeader, shutdown_header
 from .dtypes import from_name, name_of
-from .fold import BATCH_INVARIANT, FLOAT_DTYPES, Leaf, select_leaf
+from .numerics.fold import BATCH_INVARIANT, FLOAT_DTYPES, Leaf, select_leaf
 from .route import (
     DEFAULT_MAX_ROWS,
     DEFAULT_WORKSPACE_BYTES,  # defined beside the routing policy, torch-free (the static route view reads it)
@@ -53,9 +53,9 @@ from .topology import discover as discover_topology
 
 if TYPE_CHECKING:
     from .workspace import Workspace
-from . import norm as _norm
 from .deadline import DEFAULT_TIMEOUT_S, is_timeout, peer_timeout
 from .errors import CollectiveFailed, CollectiveMismatch, ConcurrentCall, DetcommError, WorkspaceUnavailable
+from .numerics import norm as _norm
 from .verify import CallChecker
 from .work import Work
 
@@ -127,6 +127,7 @@ class Communicator:
             Route.NATIVE: self._native,
             Route.GATHER_FOLD: GatherFoldBackend(self._native, self.leaf),
             Route.A2A_FOLD: A2AFoldBackend(self._native, self.leaf),
+            Route.RS_AG_FOLD: RsAgFoldBackend(self._native, self.leaf),
         }
         self._workspace: Workspace | None = None
         # One collective call at a time per communicator (SiteCall.run): the ranks pair calls by their order.
@@ -193,8 +194,8 @@ class Communicator:
         allowed, mc_why = _env.multicast_allowed(self.resolved, hardware_supports=False)
         if allowed:  # pragma: no cover - unreachable until a multicast route exists
             mc_why = "no multicast route in this build"
-        topo = discover_topology(self.group, self.device) if self.device.type == "cuda" else None
-        if topo is not None and not topo.same_host:
+        topo = discover_topology(self.group, self.device)
+        if not topo.same_host:
             armed, ws_why = False, "ranks on several hosts: CUDA IPC does not cross hosts"
         else:
             armed, ws_why = self._arm_workspace(workspace, max_rows, capacity, timeout_s)
@@ -206,7 +207,8 @@ class Communicator:
             workspace_reason=ws_why,
             workspace_max_rows=self._workspace.max_rows_armed if self._workspace is not None else 0,
             workspace_bytes=capacity if armed else 0,
-            topology=topo.describe() if topo is not None else "CPU",
+            topology=topo.describe(),
+            hosts=topo.hosts,
             multicast=False,
             multicast_reason=mc_why,
         )

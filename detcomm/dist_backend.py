@@ -11,7 +11,7 @@ device. What each collective does:
 
 * ``all_reduce`` (and ``allreduce_coalesced``, ``reduce``) with ``SUM`` or ``AVG`` on bf16 / fp16 / fp32 tensors:
   the canonical fold (docs/spec.md §2): an all-gather of the W inputs (data movement), then ``acc = +0.0;
-  for r in 0..W-1: acc += fp32(x_r)`` and one round-to-nearest-even (``detcomm.fold.reference_fold``,
+  for r in 0..W-1: acc += fp32(x_r)`` and one round-to-nearest-even (``detcomm.numerics.fold.reference_fold``,
   canonical NaN). ``AVG`` divides the fp32 sum by W before that rounding. fp64 folds the same rank order in
   fp64. The result no longer depends on where an element sits in a bucket or how large the bucket is.
 * ``reduce_scatter_tensor`` / ``reduce_scatter`` with SUM or AVG on floats: an all-to-all of the row blocks,
@@ -67,7 +67,7 @@ from torch._C._distributed_c10d import (
     Work,
 )
 
-from .fold import FLOAT_DTYPES, canonical_nan, divide_exactly, reference_fold
+from .numerics.fold import FLOAT_DTYPES, canonical_nan, divide_exactly, reference_fold
 
 __all__ = ["BACKEND_NAME", "DetcommProcessGroup", "register", "folds"]
 

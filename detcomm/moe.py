@@ -65,7 +65,7 @@ import torch
 import torch.distributed as dist
 
 from .dtypes import FLOAT_DTYPES, bits_view
-from .fold import canonicalize_nan
+from .numerics.fold import canonicalize_nan
 
 __all__ = [
     "ZERO_EXPERT",

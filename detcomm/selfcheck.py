@@ -31,7 +31,6 @@ from .backends import guard
 from .backends.guard import hash_text
 from .backends.native import NativeBackend
 from .dtypes import name_of
-from .fold import average, canonical_nan, reference_fold
 from .invariance import (
     Composition,
     batch1_reference,
@@ -41,6 +40,7 @@ from .invariance import (
     measure,
 )
 from .invariance import rows_changed as _rows_differing
+from .numerics.fold import average, canonical_nan, reference_fold
 from .payload import ill_conditioned, with_specials
 from .route import NO_ARGS, BoundRoute, CallArgs, Collective, ReduceOp, Route
 

@@ -38,6 +38,7 @@ count (the serving step's padded width) and say how many rows are real: only tho
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -46,7 +47,7 @@ import torch.distributed as dist
 import detcomm
 
 __all__ = ["LAYOUTS", "Layout", "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
-           "VocabParallelHead", "gumbel_noise", "check_divides"]
+           "VocabParallelHead", "gumbel_noise", "check_divides", "Segment", "pack_segments"]
 
 Layout = Literal["fold", "virtual", "full_k"]
 LAYOUTS: tuple[str, ...] = ("fold", "virtual", "full_k")
@@ -364,3 +365,37 @@ class VocabParallelHead:
                 noise = gumbel_noise(keys[i], self.vocab)[lo:hi].to(logprobs_shard.device)
                 rows.append(logprobs_shard[i] / temperatures[i] + noise)
         return self.greedy(torch.stack(rows))
+
+
+@dataclass
+class Segment:
+    """One request's rows in one forward step: ``tokens`` at positions start.. of the request's ``cache``.
+
+    ``sample``: the last row's logits produce the request's next token (a decode row, or the last chunk of
+    its prompt)."""
+
+    cache: torch.Tensor
+    tokens: Sequence[int]
+    start: int
+    sample: bool = field(default=True)
+
+
+def pack_segments(segments: Sequence[Segment], *, t_pad: int, max_context: int,
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor, list[int], int]:
+    """Lay one step's segments out in a fixed ``t_pad``-row buffer, in order: the token ids and positions of
+    every row (filler rows: token 0 at position 0), each segment's first row, and the real row count."""
+    rows = sum(len(s.tokens) for s in segments)
+    if not 1 <= rows <= t_pad:
+        raise ValueError(f"a step carries 1..T_pad={t_pad} rows, got {rows}")
+    ids = torch.zeros(t_pad, dtype=torch.long)
+    pos = torch.zeros(t_pad, dtype=torch.long)  # built on the CPU, moved once below
+    offsets, at = [], 0
+    for s in segments:
+        n = len(s.tokens)
+        if s.start + n > max_context:
+            raise ValueError(f"a request outgrew max_context={max_context}")
+        ids[at : at + n] = torch.tensor(list(s.tokens), dtype=torch.long)
+        pos[at : at + n] = torch.arange(s.start, s.start + n)
+        offsets.append(at)
+        at += n
+    return ids.to(device), pos.to(device), offsets, rows

@@ -209,7 +209,7 @@ class _Rotated:
 
     @staticmethod
     def fold(stacked: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-        from detcomm.fold import reference_fold
+        from detcomm.numerics.fold import reference_fold
 
         return reference_fold(torch.roll(stacked, shifts=-1, dims=0), out_dtype)
 
@@ -224,7 +224,7 @@ def _fold_from_x0(stacked: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor
 
 def job_bad_leaf(rank: int, w: int, which: str) -> str:
     import detcomm
-    from detcomm.fold import BATCH_INVARIANT, Leaf, Priority, register_leaf, unregister_leaf
+    from detcomm.numerics.fold import BATCH_INVARIANT, Leaf, Priority, register_leaf, unregister_leaf
 
     _shutdown()
     fn = _Rotated.fold if which == "rotated" else _fold_from_x0
@@ -241,7 +241,7 @@ def job_bad_leaf(rank: int, w: int, which: str) -> str:
 
 def job_missing_leaf(rank: int, w: int) -> tuple[str, bool]:
     import detcomm
-    from detcomm.fold import Leaf, register_leaf, registered_leaves, unregister_leaf
+    from detcomm.numerics.fold import Leaf, register_leaf, registered_leaves, unregister_leaf
 
     _shutdown()
     saved = registered_leaves()

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 import oracle
 from datagen import DTYPES, ill_bits, random_bits, to_bits, to_torch
-from detcomm import keys
-from detcomm.fold import (
+from detcomm.numerics import keys
+from detcomm.numerics.fold import (
     BATCH_INVARIANT,
     Leaf,
     Priority,

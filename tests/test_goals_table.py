@@ -1,4 +1,4 @@
-"""launch/goals_table.py: the workspace speed goals read from the bench's JSON rows (synthetic rows here)."""
+"""bench/goals_table.py: the workspace speed goals read from the bench's JSON rows (synthetic rows here)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("goals_table", ROOT / "launch" / "goals_table.py")
+_spec = importlib.util.spec_from_file_location("goals_table", ROOT / "bench" / "goals_table.py")
 assert _spec is not None and _spec.loader is not None
 goals_table = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(goals_table)

@@ -37,7 +37,7 @@ def job_boundaries(rank: int, w: int, directory: str, numerics: str, dtype_name:
     ones, which would hide the weight's product)."""
     import detcomm
     from detcomm.hf import ServingConfig, TPCausalLM, engine, load_causal_lm
-    from detcomm.probe.model import Segment
+    from detcomm.tp import Segment
 
     torch.set_num_threads(1)
     dtype = getattr(torch, dtype_name)
@@ -108,7 +108,7 @@ def job_against_unsharded(rank: int, w: int, directory: str,
     against the unsharded model, the engine's largest logprob error, and the greedy tokens of both."""
     import detcomm
     from detcomm.hf import ServingConfig, TPCausalLM, load_causal_lm
-    from detcomm.probe.model import Segment
+    from detcomm.tp import Segment
 
     torch.set_num_threads(1)
     dtype = getattr(torch, dtype_name)
@@ -155,10 +155,10 @@ def test_sharded_matches_unsharded(name: str, dtype: str, tmp_path, cluster2) ->
 def test_fused_boundaries_bits(cluster, tmp_path) -> None:  # noqa: ANN001
     """rl-bitwise: both boundaries of every layer are fused add_norm sites (declared, in the route table, called
     with the right norm's weight); the layer-0 o_proj boundary's (y, r) bits are the composition of the ranks'
-    partials (numpy oracle, and detcomm.fold.reference_fold + detcomm.norm), its residual is the embedding;
+    partials (numpy oracle, and detcomm.numerics.fold.reference_fold + detcomm.numerics.norm), its residual is the embedding;
     transformers' norm of r gives other bits (what the comparison would catch); Qwen3's q/k norms still run."""
-    from detcomm.fold import reference_fold
-    from detcomm.norm import add_rms_norm_torch
+    from detcomm.numerics.fold import reference_fold
+    from detcomm.numerics.norm import add_rms_norm_torch
     from norm_oracle import composition_oracle
 
     directory = write_tiny_checkpoint("qwen3-tiny", str(tmp_path), seed=5)

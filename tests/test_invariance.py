@@ -184,7 +184,7 @@ def _ring_reduce_scatter(pools: list[torch.Tensor], comp: inv.Composition, w: in
 
 
 def _canonical_reduce_scatter(pools: list[torch.Tensor], comp: inv.Composition, w: int) -> torch.Tensor:
-    from detcomm.fold import reference_fold
+    from detcomm.numerics.fold import reference_fold
 
     return reference_fold(torch.stack([p[comp.tensor()] for p in pools]), pools[0].dtype)
 

@@ -10,7 +10,7 @@ import torch
 
 import norm_oracle
 from datagen import DTYPES, random_bits, to_bits, to_torch
-from detcomm import norm
+from detcomm.numerics import norm
 from norm_rows import KINDS, adversarial_rows, weight_bits
 from oracle import round_fp32_bits, widen
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from detcomm import norm_cuda
+from detcomm.numerics import norm_cuda
 from detcomm.workspace import kernels
 
 CU = Path(__file__).resolve().parents[1] / "csrc" / norm_cuda.SOURCE_FILE

@@ -25,7 +25,7 @@ def _x_bits(rank: int, dtype: str, seed: int) -> np.ndarray:
 
 
 def job_norm_rows(rank: int, w: int, dtype: str, seed: int) -> dict[str, bool]:
-    from detcomm import norm
+    import detcomm
 
     _comm("rl-bitwise")
     site = f"norm.{dtype}"
@@ -37,8 +37,8 @@ def job_norm_rows(rank: int, w: int, dtype: str, seed: int) -> dict[str, bool]:
     y_exp, r_exp = norm_oracle.composition_oracle(xs, res, wt, dtype, dtype, EPS)
 
     def call(x: np.ndarray, residual: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        y, r = norm.all_reduce_residual_rmsnorm(to_torch(x, dtype), to_torch(residual, dtype), weight, eps=EPS,
-                                                site=site)
+        y, r = detcomm.all_reduce_residual_rmsnorm(to_torch(x, dtype), to_torch(residual, dtype), weight, eps=EPS,
+                                                   site=site)
         return to_bits(y), to_bits(r)
 
     alone = [call(xs[rank][i : i + 1], res[i : i + 1]) for i in range(rows)]
@@ -68,17 +68,16 @@ def test_all_reduce_residual_rmsnorm_rows_in_any_batch(cluster, dtype: str) -> N
 
 
 def test_arguments_checked_before_any_communication() -> None:
-    """A wrong residual or weight is refused with ValueError before the all-reduce, so no rank enters it alone
-    (no communicator exists in this process: reaching the all-reduce would raise RuntimeError instead)."""
-    from detcomm.norm import all_reduce_residual_rmsnorm
+    """A wrong residual, weight or eps is refused with ValueError by the checks Communicator.all_reduce_residual_
+    rmsnorm runs before its all-reduce (so no rank enters it alone); valid arguments pass them."""
+    from detcomm.numerics.norm import _check_add, eps_fp32
 
     x = torch.ones(2, 8, dtype=torch.bfloat16)
     w = torch.ones(8, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="residual"):
-        all_reduce_residual_rmsnorm(x, torch.ones(2, 8), w, eps=EPS, site="s")
+        _check_add("s", x, torch.ones(2, 8), w)
     with pytest.raises(ValueError, match="last dimension"):
-        all_reduce_residual_rmsnorm(x, x, torch.ones(7, dtype=torch.bfloat16), eps=EPS, site="s")
+        _check_add("s", x, x, torch.ones(7, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="eps"):
-        all_reduce_residual_rmsnorm(x, x, w, eps=-1.0, site="s")
-    with pytest.raises(RuntimeError, match="not initialized"):  # detcomm.DetcommError is a RuntimeError
-        all_reduce_residual_rmsnorm(x, x, w, eps=EPS, site="s")
+        eps_fp32(-1.0)
+    assert _check_add("s", x, x, w) == 8 and eps_fp32(EPS) > 0

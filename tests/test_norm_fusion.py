@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from detcomm import norm
 from detcomm.envelope import resolve_numerics
-from detcomm.fold import BATCH_INVARIANT
+from detcomm.numerics import norm
+from detcomm.numerics.fold import BATCH_INVARIANT
 from detcomm.route import AutoBackend, Capabilities, Collective, Route, Site
 from detcomm.workspace import kernels, plan
 

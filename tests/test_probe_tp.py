@@ -1,7 +1,7 @@
 """TP-size invariance end to end (gloo on CPU, through detcomm-launch): the model probe's requests at W = 1 and
 2 give identical token ids and logprob bits with virtual shards and with full-K, and differ in the plain fold
 layout (the negative control); a W=1 trainer reproduces a W=2 server's logprobs by teacher forcing, and does
-not in the fold layout. CI (launch/ci_probes.sh) runs the same at W = 1, 2, 4.
+not in the fold layout. CI (.ci/probes.sh) runs the same at W = 1, 2, 4.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The host-side seams of the workspace's failure guards, on CPU (no GPU, no cupy): init(timeout_s=) reaching the
 workspace, the self-checks running every kernel variant a site can reach, and the workspace refusing an
 overlapping out/x pair. The device-side guards are tested on the accelerator (tests/gpu/test_workspace_failures.py);
-launch/mutations.py removes each guard in turn and checks that its test fails.
+tests/mutations.py removes each guard in turn and checks that its test fails.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ class _StandInWorkspace:
 
     def all_reduce(self, x: torch.Tensor, *, out: torch.Tensor | None = None, algo: str | None = None,
                    chunk_rows: int | None = None, label: str | None = None) -> torch.Tensor:
-        from detcomm.fold import reference_fold
+        from detcomm.numerics.fold import reference_fold
 
         variant = algo or ("chunked" if chunk_rows is not None else "")
         self.ran.append(variant)

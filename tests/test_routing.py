@@ -10,7 +10,7 @@ import torch.distributed as dist
 from detcomm.backends import A2AFoldBackend, GatherFoldBackend, NativeBackend
 from detcomm.envelope import resolve_numerics
 from detcomm.errors import RouteRefused
-from detcomm.fold import select_leaf
+from detcomm.numerics.fold import select_leaf
 from detcomm.route import (
     _CARRIES,
     NO_ARGS,

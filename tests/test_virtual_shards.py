@@ -244,8 +244,8 @@ def _check_oracle(cluster: LocalCluster) -> None:
 
 def test_oracle_self_consistency() -> None:
     """The payload reaches what it is for (so the oracle comparisons are not vacuous), and the documented
-    reference (detcomm.fold.reference_fold of all V partials) is the oracle's fold."""
-    from detcomm.fold import reference_fold
+    reference (detcomm.numerics.fold.reference_fold of all V partials) is the oracle's fold."""
+    from detcomm.numerics.fold import reference_fold
 
     for dt in DTYPES:
         exp = EXPECTED[dt]
@@ -383,8 +383,8 @@ def test_cuda_fold_leaf_folds_the_shards() -> None:
     """On a GPU the gather/all-to-all folds run the CUDA fold leaf: V = 12 shards take two leaf calls (8, then
     the accumulator and 4 more); the bits must be the oracle's."""
     pytest.importorskip("cupy")
-    from detcomm.fold import fold_shards
-    from detcomm.workspace.leaf import LEAF
+    from detcomm.numerics.cuda_leaf import LEAF
+    from detcomm.numerics.fold import fold_shards
 
     for dt in DTYPES:
         got = fold_shards(to_torch(PARTIALS[dt], "float32").cuda(), getattr(torch, dt), LEAF.fold)

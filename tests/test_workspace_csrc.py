@@ -14,7 +14,7 @@ import pytest
 from detcomm.workspace import kernels
 
 CSRC = Path(__file__).resolve().parents[1] / "csrc"
-# rms_norm.cu is its own run-time module (detcomm/norm_cuda.py), checked by tests/test_norm_csrc.py.
+# rms_norm.cu is its own run-time module (detcomm/numerics/norm_cuda.py), checked by tests/test_norm_csrc.py.
 CU_FILES = sorted(p.name for p in CSRC.glob("*.cu") if p.name != "rms_norm.cu")
 NVCC = shutil.which("nvcc")
 FLAGS = ["-arch=sm_90", "-std=c++17", "--fmad=false", "-ftz=false", "-prec-div=true", "-prec-sqrt=true"]

@@ -118,7 +118,7 @@ class _StandInVirtualWorkspace:
 
     def all_reduce_virtual(self, x: torch.Tensor, *, dtype: torch.dtype, algo: str | None = None,
                            chunk_rows: int | None = None, label: str | None = None) -> torch.Tensor:
-        from detcomm.fold import reference_fold
+        from detcomm.numerics.fold import reference_fold
 
         variant = algo or ("chunked" if chunk_rows is not None else "")
         self.ran.append(variant)

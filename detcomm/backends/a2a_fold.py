@@ -22,7 +22,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..fold import Leaf, average, fold_shards
+from ..numerics.fold import Leaf, average, fold_shards
 from ..route import BoundRoute, Collective, ReduceOp, Route, Site
 from .base import bind_from
 from .guard import CallGuard, split

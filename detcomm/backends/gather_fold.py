@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..fold import Leaf, average, fold_shards
+from ..numerics.fold import Leaf, average, fold_shards
 from ..route import BoundRoute, Collective, ReduceOp, Route, Site
 from .base import bind_from
 from .guard import CallGuard, append_header, split

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import norm
 from ..envelope import Resolved
 from ..errors import RouteRefused
 from ..invariance import bits_equal
+from ..numerics import norm
 from ..route import BoundRoute, Collective, ReduceOp, Route, Site
 from ..workspace import Workspace
 from .base import Bound, Call, bind_from
@@ -40,7 +40,7 @@ class FusedBound(Bound):
 
 def _proving(ws: Workspace, run: Fused, label: str) -> Call:
     """A self-check call of a fused variant: it runs the fused kernel and the composition (the workspace's
-    all-reduce, then detcomm.norm.add_rms_norm) on the check's payload, with a residual and a weight made from it,
+    all-reduce, then detcomm.numerics.norm.add_rms_norm) on the check's payload, with a residual and a weight made from it,
     raises if (y, r) differ in any bit, and returns s so that the checks also hold the fold to its reference.
     Every check call (repeats, offsets, batch sizes) thereby proves the fused bits."""
 
@@ -118,7 +118,7 @@ class IpcFoldBackend:
         return Bound(self.route, site, lambda x, a: ws.all_reduce_virtual(x, dtype=dtype, label=label), forced)
 
     def _bind_norm(self, site: Site, bound: Bound, forced: dict[str, Call]) -> FusedBound:
-        """The fused kernel serves the site when fusion is allowed (detcomm.norm.fusion_refusal at this group's W:
+        """The fused kernel serves the site when fusion is allowed (detcomm.numerics.norm.fusion_refusal at this group's W:
         the envelope, and rows the fused kernels hold in registers) and its rows fit a launch; its variants join
         the all-reduce's, each proven against the composition by the self-checks."""
         ws, label = self.workspace, site.name

@@ -1,7 +1,7 @@
 """The native route: torch.distributed collectives (NCCL on GPU, gloo on CPU).
 
 It carries all data movement, every exact reduction (integer SUM, float MAX/MIN and argmax on
-order-preserving keys, see detcomm.keys) and, under ``auto``, floating-point SUM with the library's own
+order-preserving keys, see detcomm.numerics.keys) and, under ``auto``, floating-point SUM with the library's own
 arithmetic, which is run-stable at a fixed size but NOT batch-invariant: a ring chunks the buffer by message
 size, so an element's association order follows its offset in the buffer.
 
@@ -15,8 +15,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from .. import keys
-from ..fold import reference_fold
+from ..numerics import keys
+from ..numerics.fold import reference_fold
 from ..route import BoundRoute, Collective, ReduceOp, Route, Site
 from .base import bind_from
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from detcomm import invariance as inv
-from detcomm.fold import reference_fold
+from detcomm.numerics.fold import reference_fold
 from detcomm.payload import ill_conditioned
 
 __all__ = ["POOL_ROWS", "Placement", "placements", "batch_index", "make_pools", "measure", "measure_gather"]

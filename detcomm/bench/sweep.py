@@ -1,7 +1,7 @@
 """The route sweep behind ``detcomm-bench``: every route the machine offers, over message sizes and group sizes, timed
 beside its numerical divergence. Entry point: ``detcomm-bench`` (detcomm/bench/cli.py), or from a checkout
 
-    PYTHONPATH=. python bench/nvls_vs_fold.py --quick --out results/bench
+    python -m detcomm.bench --quick --out results/bench
 
 Harnesses (one per (kind, W)):
   gloo     W processes on the CPU (LocalCluster, gloo).
@@ -184,7 +184,7 @@ def plan_harnesses(cfg: BenchConfig) -> list[_Harness]:
 
 def _fold_capture_check() -> str:
     # Runs in a fresh process (see fold_graph_note): "" when the fold leaf captures, else why not.
-    from detcomm.fold import select_leaf
+    from detcomm.numerics.fold import select_leaf
 
     leaf = select_leaf(device_type="cuda")
     x = torch.ones(2, 4, 64, device="cuda:0", dtype=torch.bfloat16)
@@ -364,8 +364,3 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
             "fold_graph": fold_note or ("capturable" if cfg.device == "cuda" else "n/a"), **cfg.extra}
     return {"meta": meta, "points": points, "unavailable": unavailable}
 
-
-if __name__ == "__main__":
-    from detcomm.bench.cli import main
-
-    sys.exit(main())

@@ -47,7 +47,7 @@ final ``model.norm`` after the last layer). Every decoder-level RMSNorm (those t
 and ``variance_epsilon``, not transformers' arithmetic (fp32 mean of squares, ``torch.rsqrt``, a cast, the weight
 product in the model dtype): the outputs differ from transformers' own by rounding, never by batch. Qwen3's
 per-head q/k norms stay transformers' (local, row-wise). Two boundaries have nothing to reduce and run the same
-composition with the sum already whole (``detcomm.norm.add_rms_norm``: r = round(fp32(residual) + fp32(s)), y =
+composition with the sum already whole (``detcomm.numerics.norm.add_rms_norm``: r = round(fp32(residual) + fp32(s)), y =
 the canonical norm of r, which is the composition at W = 1): after an expert-parallel MoE block, whose output is
 already the full row (the combine's fold, all-gathered), and after a projection with a bias, which keeps its own
 all-reduce + bias (``RowParallelLinear``) and so its rounding of s + bias. Under ``numerics="auto"`` or a forced
@@ -75,8 +75,8 @@ import torch.nn.functional as F
 
 import detcomm
 
-from ..norm import add_rms_norm
-from ..probe.model import Segment, pack_segments
+from ..numerics.norm import add_rms_norm
+from ..tp import Segment, pack_segments
 from .layers import StepRows
 from .moe_block import EPConfig, EPMoEBlock
 from .shard import Shards, add_norm_site, declare_sites, fuse_boundaries, shard_model

@@ -35,8 +35,9 @@ import torch.distributed as dist
 import detcomm
 from detcomm.envelope import DEFAULT_NUMERICS
 from detcomm.invariance import ulp_distance
+from detcomm.tp import Segment
 
-from .model import ModelConfig, Segment, TPTransformer
+from .model import ModelConfig, TPTransformer
 from .model_probe import generate, layout_from_args, layout_label, make_requests, request_records
 from .table import emit, format_table
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -40,12 +40,14 @@ from detcomm.tp import (
     ColumnParallelLinear,
     Layout,
     RowParallelLinear,
+    Segment,
     VocabParallelEmbedding,
     VocabParallelHead,
     check_divides,
+    pack_segments,
 )
 
-__all__ = ["ModelConfig", "Segment", "TPTransformer", "SITE_NAMES", "pack_segments"]
+__all__ = ["ModelConfig", "TPTransformer", "SITE_NAMES"]
 
 SITE_NAMES = {"o_proj": "o_proj", "down_proj": "down_proj", "argmax": "lm_head.argmax", "gather": "lm_head.gather",
               "embed": "embed.gather"}
@@ -90,40 +92,6 @@ class ModelConfig:
             assert virtual_shards is not None
             for name, k in (("heads * head_dim", self.heads * self.head_dim), ("ffn", self.ffn)):
                 check_divides(f"--virtual-shards for {name}", k, virtual_shards, world)
-
-
-@dataclass
-class Segment:
-    """One request's rows in one forward step: ``tokens`` at positions start.. of the request's ``cache``.
-
-    ``sample``: the last row's logits produce the request's next token (a decode row, or the last chunk of
-    its prompt)."""
-
-    cache: torch.Tensor
-    tokens: Sequence[int]
-    start: int
-    sample: bool = field(default=True)
-
-
-def pack_segments(segments: Sequence[Segment], *, t_pad: int, max_context: int,
-                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor, list[int], int]:
-    """Lay one step's segments out in a fixed ``t_pad``-row buffer, in order: the token ids and positions of
-    every row (filler rows: token 0 at position 0), each segment's first row, and the real row count."""
-    rows = sum(len(s.tokens) for s in segments)
-    if not 1 <= rows <= t_pad:
-        raise ValueError(f"a step carries 1..T_pad={t_pad} rows, got {rows}")
-    ids = torch.zeros(t_pad, dtype=torch.long)
-    pos = torch.zeros(t_pad, dtype=torch.long)  # built on the CPU, moved once below
-    offsets, at = [], 0
-    for s in segments:
-        n = len(s.tokens)
-        if s.start + n > max_context:
-            raise ValueError(f"a request outgrew max_context={max_context}")
-        ids[at : at + n] = torch.tensor(list(s.tokens), dtype=torch.long)
-        pos[at : at + n] = torch.arange(s.start, s.start + n)
-        offsets.append(at)
-        at += n
-    return ids.to(device), pos.to(device), offsets, rows
 
 
 def _rand(g: torch.Generator, *shape: int, fan_in: int) -> torch.Tensor:

@@ -61,7 +61,7 @@ TRAP_ENV = "DETCOMM_WORKSPACE_TRAP"
 # "one_buffer" gives the one-store kernel a single buffer, "unmarked" pushes +0.0 unchanged (indistinguishable from an
 # empty word), "single_copy" keeps one copy of the slots, flags and descriptors (no parity). Each is a negative
 # control that a test must catch; "canonical" is the only build a workspace serves with.
-# Two are for the bench only, the same bits, timed against the canonical build (launch/fused_streams.py --variant;
+# Two are for the bench only, the same bits, timed against the canonical build (bench/fused_streams.py --variant;
 # csrc/fused_norm_row.cuh): "fused_batch4" gives the fused kernels a load batch of 4 chunks per lane instead of 2
 # (DETCOMM_FUSED_BATCH), "fused_no_wide" (the canonical cubins) never launches the wide kernels, so the rows they
 # serve (hidden 4097-8192 in bf16 at W <= 4) stream, as before they existed. FUSED_LAYOUT says how each build's

@@ -524,8 +524,8 @@ class Workspace:
                            label: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """COLLECTIVE. (y, r) of docs/spec.md §9.2 in one kernel per launch: s = the canonical fold of x, r =
         round(residual + s), y = the canonical RMSNorm of r; the same bits as all_reduce then
-        detcomm.norm.add_rms_norm. x, residual: contiguous [rows, H] of one float dtype; weight: [H] of any float
-        dtype; eps32: eps already rounded to fp32 (detcomm.norm validates all of it).
+        detcomm.numerics.norm.add_rms_norm. x, residual: contiguous [rows, H] of one float dtype; weight: [H] of any float
+        dtype; eps32: eps already rounded to fp32 (detcomm.numerics.norm validates all of it).
 
         algo: None chooses per launch: the one-store kernel (csrc/fused_rmsnorm_lamport.cu, no barrier) for launches
         of up to plan.fused_norm_lamport_rows rows (at most lamport_max_bytes), one-shot up to one_shot_max_bytes,

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
 @pytest.mark.parametrize("w", [2, 3, 5, 8])
 def test_cuda_leaf_selected_and_equals_oracle(dtype: str, w: int) -> None:
-    from detcomm.fold import BATCH_INVARIANT, select_leaf
+    from detcomm.numerics.fold import BATCH_INVARIANT, select_leaf
 
     leaf = select_leaf(device_type="cuda", required=frozenset({BATCH_INVARIANT}))
     assert leaf.name == "cuda_nvrtc"
@@ -38,7 +38,7 @@ def test_cuda_leaf_selected_and_equals_oracle(dtype: str, w: int) -> None:
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
 @pytest.mark.parametrize("w", [2, 3, 4, 8])
 def test_portable_leaf_on_cuda_equals_oracle(dtype: str, w: int) -> None:
-    from detcomm.fold import portable_fold, reference_fold
+    from detcomm.numerics.fold import portable_fold, reference_fold
 
     for seed, gen in ((1, ill_bits), (2, random_bits)):
         inputs = [gen(513, 67, dtype, seed=seed, rank=r) for r in range(w)]
@@ -57,7 +57,7 @@ def test_portable_leaf_on_cuda_equals_oracle(dtype: str, w: int) -> None:
 def test_cuda_leaf_keeps_a_narrow_fold_in_fp32_for_avg(dtype: str) -> None:
     """op="avg" divides the fold's unrounded fp32 accumulator: the CUDA leaf takes a bf16/fp16 stack with an fp32
     output (gather_fold and a2a_fold ask for that), and the average's bits are the oracle's."""
-    from detcomm.fold import BATCH_INVARIANT, average, canonicalize_nan, select_leaf
+    from detcomm.numerics.fold import BATCH_INVARIANT, average, canonicalize_nan, select_leaf
 
     leaf = select_leaf(device_type="cuda", required=frozenset({BATCH_INVARIANT}))
     w = 3
@@ -76,7 +76,7 @@ def test_cuda_leaf_keeps_a_narrow_fold_in_fp32_for_avg(dtype: str) -> None:
 
 
 def test_subnormals_survive_on_cuda() -> None:
-    from detcomm.fold import portable_fold
+    from detcomm.numerics.fold import portable_fold
 
     tiny = torch.tensor([[1e-45, 3e-39, -2e-40]], dtype=torch.float32, device="cuda")
     out = portable_fold(torch.stack([tiny, tiny, tiny]), torch.float32)
@@ -85,7 +85,7 @@ def test_subnormals_survive_on_cuda() -> None:
 
 @pytest.mark.parametrize("op", ["max", "min"])
 def test_keys_on_cuda(op: str) -> None:
-    from detcomm import keys
+    from detcomm.numerics import keys
 
     for dtype in sorted(DTYPES):
         inputs = [ill_bits(64, 33, dtype, seed=4, rank=r) for r in range(4)]

@@ -16,7 +16,7 @@ from norm_rows import KINDS, adversarial_rows, weight_bits
 pytestmark = pytest.mark.gpu
 pytest.importorskip("cupy")
 
-from detcomm import norm, norm_cuda  # noqa: E402
+from detcomm.numerics import norm, norm_cuda  # noqa: E402
 
 HIDDEN = [1, 7, 8, 9, 100, 2047, 2048, 2049, 4096, 4104, 8192, 16392]
 
@@ -104,7 +104,7 @@ def test_negative_control_torch_rms_norm_on_cuda_is_caught(dtype: str) -> None:
 # csrc/fused_rmsnorm_lamport.cu) ---------------------------------------------------------------------------------
 # W ranks as W streams of one GPU (Workspace.in_process); every path (one-store, one-shot, two-shot, chunked, the
 # automatic choice) against the numpy composition oracle and against the composition on the device (the
-# workspace's all-reduce, then detcomm.norm.add_rms_norm), with adversarial rows, rows alone vs inside batches at
+# workspace's all-reduce, then detcomm.numerics.norm.add_rms_norm), with adversarial rows, rows alone vs inside batches at
 # other offsets.
 from oracle import fold_oracle  # noqa: E402
 

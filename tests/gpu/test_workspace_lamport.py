@@ -173,7 +173,7 @@ def test_a_smaller_one_store_grid_keeps_the_bits(world):
     the fused one-store kernel, whose blocks then norm several rows each, gives the fused one-shot kernel's bits
     (both proven against the composition in tests/gpu/test_norm_gpu.py) at the register, the wide and the
     streaming widths (plan.fused_norm_layout). The oracle comparison's control is test_rotated_control_is_caught."""
-    from detcomm import norm
+    from detcomm.numerics import norm
 
     R = _fresh(world, timeout_s=30.0, lamport_grid=2)
     v = R.views[0]

@@ -8,10 +8,10 @@ the guard with a disabled version (the smallest edit that removes it), and runs 
 test must pass on the unmutated tree and fail (or, for a guard against a hang, run past its limit) on the
 mutant. A mutant whose tests still pass "survived": its test does not check the guard.
 
-    PYTHONPATH=. python launch/mutations.py --cpu-only         # CPU machine (nvcc on PATH for the csrc entries)
-    PYTHONPATH=. python launch/mutations.py --gpu-only --jobs 6  # the accelerator (one GPU is enough)
-    python launch/mutations.py --only 8 --only 1b              # some items (or entry keys)
-    python launch/mutations.py --check                         # only check the snippets and that each mutant builds
+    PYTHONPATH=. python tests/mutations.py --cpu-only         # CPU machine (nvcc on PATH for the csrc entries)
+    PYTHONPATH=. python tests/mutations.py --gpu-only --jobs 6  # the accelerator (one GPU is enough)
+    python tests/mutations.py --only 8 --only 1b              # some items (or entry keys)
+    python tests/mutations.py --check                         # only check the snippets and that each mutant builds
 
 Exit status: 0 when every selected mutant was caught; 1 when one survived, a baseline test did not pass, or a
 test was skipped or not found; 2 when a snippet is not found exactly once (the code moved: re-anchor the entry
@@ -141,7 +141,7 @@ MUTATIONS: tuple[Mutation, ...] = (
       "nvrtc_options(world_size, arch, module=module, variant=variant, trap=trap)",
       "nvrtc_options(world_size, arch, module=None, variant=variant, trap=trap)",  # mutant: one unit for all
       (f"{CSRC_TESTS}::test_each_dtype_is_its_own_module_and_is_refused_alone",), gpu=False, limit_s=180),
-    M("5-leaf", "5", "a refused dtype folds with the portable leaf", "detcomm/workspace/leaf.py",
+    M("5-leaf", "5", "a refused dtype folds with the portable leaf", "detcomm/numerics/cuda_leaf.py",
       "    if ks is None or not ks.available(module):",
       "    if ks is None:  # mutant: a refused dtype's kernel is launched anyway",
       (f"{FAILURES}::test_cuda_fold_leaf_is_capturable_and_falls_back",), gpu=True, limit_s=150),

@@ -4,7 +4,7 @@
 # detcomm-launch and `detcomm-bench --quick`. Nothing here can import the source tree by accident: PYTHONPATH is
 # cleared and the check below fails unless detcomm is imported from the venv's site-packages.
 #
-#   PYTHON=/path/to/venv/bin/python launch/ci_wheel.sh       # PYTHON: an environment with `build` and setuptools
+#   PYTHON=/path/to/venv/bin/python .ci/wheel.sh       # PYTHON: an environment with `build` and setuptools
 #
 # torch comes first, from $TORCH_INDEX_URL (default: PyTorch's CPU index), as the README installs it.
 set -euo pipefail
@@ -14,8 +14,8 @@ TORCH_INDEX_URL="${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}"
 cd "$(dirname "$0")/.."
 REPO="$PWD"
 
-# shellcheck source=launch/ci_common.sh
-. launch/ci_common.sh  # step, and the multicast-off variables of docs/spec.md §8
+# shellcheck source=.ci/common.sh
+. .ci/common.sh  # step, and the multicast-off variables of docs/spec.md §8
 unset PYTHONPATH
 
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/detcomm-wheel.XXXXXX")"

@@ -1,7 +1,7 @@
 """Decode tokens/s of the probe's tensor-parallel decoder in each TP layout: fold, virtual shards, full-K, native.
 
-    detcomm-launch --nproc 4 --numerics rl-bitwise -m detcomm.bench.tp_decode                     # CPU, gloo
-    detcomm-launch --nproc 2 --numerics rl-bitwise -m detcomm.bench.tp_decode --hidden 2048 --heads 16 \\
+    detcomm-launch --nproc 4 --numerics rl-bitwise bench/tp_decode.py                     # CPU, gloo
+    detcomm-launch --nproc 2 --numerics rl-bitwise bench/tp_decode.py --hidden 2048 --heads 16 \\
         --head-dim 128 --ffn 8192 --vocab 32000 --layers 4 --dtype bfloat16 --t-pad 64              # GPUs, NCCL
 
 A collective program (every rank runs it). It builds ``detcomm.probe.model.TPTransformer`` (seeded weights) once
@@ -30,7 +30,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from .hf_decode import add_decode_arguments, time_decode
+from hf_decode import add_decode_arguments, time_decode
 
 __all__ = ["build_parser", "main", "PHASES"]
 
@@ -38,7 +38,7 @@ PHASES = ("fold", "virtual", "full_k", "native")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m detcomm.bench.tp_decode", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python bench/tp_decode.py", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="\n\n".join(__doc__.split("\n\n")[1:]))
     p.add_argument("--layouts", default=",".join(PHASES), help=f"comma-separated phases, in order, from {PHASES}")
@@ -64,9 +64,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run on every rank; rank 0 prints and writes --json."""
     ns = build_parser().parse_args(argv)
     import detcomm
-
-    from ..probe.model import ModelConfig, TPTransformer
-    from ..probe.table import emit, format_table
+    from detcomm.probe.model import ModelConfig, TPTransformer
+    from detcomm.probe.table import emit, format_table
 
     phases = [p.strip() for p in ns.layouts.split(",") if p.strip()]
     if not phases or any(p not in PHASES for p in phases):

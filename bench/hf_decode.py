@@ -1,8 +1,8 @@
 """Decode throughput of a transformers model served through ``detcomm.hf``: fold routes vs native, same run.
 
-    detcomm-launch --nproc 8 --numerics rl-bitwise -m detcomm.bench.hf_decode                 # 8 GPUs, NCCL
-    detcomm-launch --nproc 2 --numerics rl-bitwise -m detcomm.bench.hf_decode --backend gloo --device cuda:0
-    python -m detcomm.bench.hf_decode --help
+    detcomm-launch --nproc 8 --numerics rl-bitwise bench/hf_decode.py                 # 8 GPUs, NCCL
+    detcomm-launch --nproc 2 --numerics rl-bitwise bench/hf_decode.py --backend gloo --device cuda:0
+    python bench/hf_decode.py --help
 
 A collective program (every rank runs it). It builds the probe's model family at a realistic width (Llama
 architecture, default hidden 4096, 8 layers, 32 heads / 8 KV heads, FFN 14336, vocabulary 32000, bf16; seeded
@@ -53,7 +53,7 @@ def _ints(text: str) -> list[int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m detcomm.bench.hf_decode", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python bench/hf_decode.py", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="\n\n".join(__doc__.split("\n\n")[1:]))
     p.add_argument("--model", metavar="DIR", help="a local checkpoint instead of the seeded Llama-shaped model")
@@ -77,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _build(ns: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
     import transformers
 
-    from ..hf.checkpoints import load_causal_lm
+    from detcomm.hf.checkpoints import load_causal_lm
 
     if ns.model:
         return load_causal_lm(ns.model, dtype=dtype)
@@ -100,7 +100,7 @@ def _sync(device: torch.device) -> None:
 def _decode_step(lm: Any, caches: list[torch.Tensor], toks: list[int], pos: int, *, logprobs: bool) -> int:
     """One greedy decode step of every request (one row each, at position ``pos``); updates ``toks`` in place
     and returns the next position. Collective."""
-    from ..probe.model import Segment
+    from detcomm.tp import Segment
 
     logits, _ = lm.forward([Segment(cache, [tok], pos) for cache, tok in zip(caches, toks)])
     if logprobs:
@@ -110,7 +110,7 @@ def _decode_step(lm: Any, caches: list[torch.Tensor], toks: list[int], pos: int,
 
 
 def add_decode_arguments(p: argparse.ArgumentParser, *, prompt: int, steps: int, warmup: int) -> None:
-    """The decode-timing options this bench shares with detcomm.bench.tp_decode (``time_decode`` reads them)."""
+    """The decode-timing options this bench shares with bench/tp_decode.py (``time_decode`` reads them)."""
     p.add_argument("--concurrency", type=_ints, default=[1, 2, 4, 8, 16, 32, 64],
                    help="comma-separated numbers of concurrent decoding requests (each <= --t-pad)")
     p.add_argument("--t-pad", type=int, default=64)
@@ -126,7 +126,7 @@ def time_decode(lm: Any, concurrency: Sequence[int], ns: argparse.Namespace, *, 
     of ``ns.prompt`` random tokens prefilled in T_pad-row steps and ``ns.warmup`` steps untimed, then the best of
     ``repeats`` timed blocks of ``ns.steps`` steps (other load on the host only slows one block), each timed as
     the slowest rank's. Collective."""
-    from ..probe.model import Segment
+    from detcomm.tp import Segment
 
     out = {}
     for c in concurrency:
@@ -166,10 +166,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     import transformers
 
     import detcomm
-
-    from ..hf import ServingConfig, TPCausalLM
-    from ..hf.checkpoints import DTYPES
-    from ..probe.table import emit, format_table
+    from detcomm.hf import ServingConfig, TPCausalLM
+    from detcomm.hf.checkpoints import DTYPES
+    from detcomm.probe.table import emit, format_table
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()

@@ -1,12 +1,12 @@
 """Fused all-reduce + residual + RMSNorm vs the unfused composition, W ranks as W CUDA streams of ONE GPU.
 
-    PYTHONPATH=. python launch/fused_streams.py [--world 2] [--hidden 4096,8192] [--rows 1,8,64,256]
+    PYTHONPATH=. python bench/fused_streams.py [--world 2] [--hidden 4096,8192] [--rows 1,8,64,256]
 
-For a machine with one GPU (the multi-GPU bench is `python -m detcomm.bench.norm --fused`). Each rank view of an
+For a machine with one GPU (the multi-GPU bench is `python bench/norm.py --fused`). Each rank view of an
 in-process workspace captures its calls in its own CUDA graph (--calls per graph) and the W graphs are replayed
 together: --warmup replays first (clocks and caches settle), then the median of --iters replays, us per call.
 Columns: fused and unfused on the default route (ranks sharing a GPU never take the one-store kernel:
-plan.lamport_max_bytes), unfused = the workspace all-reduce then detcomm.norm.add_rms_norm; the two parts of unfused
+plan.lamport_max_bytes), unfused = the workspace all-reduce then detcomm.numerics.norm.add_rms_norm; the two parts of unfused
 alone (all_reduce; add + norm), so fused - all_reduce is the fused kernel's norm tail; and the one-store kernels
 forced (a second workspace with 256 KiB one-store areas; "-" where the launch does not fit them). Bits: every fused
 variant == unfused on every shape and rank, checked before timing. The fused kernel column names the paths and the
@@ -27,7 +27,7 @@ os.environ.update({"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": 
 
 import torch  # noqa: E402
 
-from detcomm import norm  # noqa: E402
+from detcomm.numerics import norm  # noqa: E402
 from detcomm.workspace import Workspace  # noqa: E402
 
 EPS = 1e-6
@@ -42,7 +42,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5, help="replays before timing")
     ap.add_argument("--iters", type=int, default=40, help="timed replays (median)")
     ap.add_argument("--json", type=Path, default=None,
-                    help="also write the records here (launch/goals_table.py reads them: issue 14's goals)")
+                    help="also write the records here (bench/goals_table.py reads them: issue 14's goals)")
     ap.add_argument("--lamport-grid", type=int, default=None,
                     help="at most this many blocks in the forced one-store launches (Workspace lamport_grid; "
                          "default: the tiers of plan.lamport_tiers)")

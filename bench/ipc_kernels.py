@@ -1,6 +1,6 @@
 """Benchmarks of the CUDA-IPC workspace kernels.
 
-    python -m detcomm.bench.ipc_kernels --out results/workspace [--modes fold,latency,nccl] [--quick]
+    python bench/ipc_kernels.py --out results/workspace [--modes fold,latency,nccl] [--quick]
 
 writes results/workspace.md (tables) and results/workspace.json (every row).
 
@@ -41,10 +41,9 @@ os.environ.update(MULTICAST_OFF)
 
 import torch
 
+from detcomm.bench.timing import host_us_per_call
+from detcomm.bench.timing import median_ms_back_to_back as _median_ms
 from detcomm.dtypes import info
-
-from .timing import host_us_per_call
-from .timing import median_ms_back_to_back as _median_ms
 
 SIZES = [16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 WORLDS = [2, 4, 8]
@@ -349,7 +348,7 @@ def main() -> None:
     if not modes <= {"fold", "latency", "nccl"}:
         raise SystemExit(f"unknown modes: {modes - {'fold', 'latency', 'nccl'}}")
     if not torch.cuda.is_available():
-        raise SystemExit("detcomm.bench.ipc_kernels needs a CUDA device")
+        raise SystemExit("bench/ipc_kernels.py needs a CUDA device")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     props = torch.cuda.get_device_properties(0)

@@ -26,19 +26,19 @@ import logging
 import torch
 
 from ..dtypes import FLOAT_DTYPES, info
-from ..fold import BATCH_INVARIANT, Leaf, Priority, portable_fold, register_leaf
-from . import plan
+from ..workspace import plan
+from .fold import BATCH_INVARIANT, Leaf, Priority, portable_fold, register_leaf
 
 __all__ = ["cuda_fold", "LEAF"]
 
-_LOG = logging.getLogger("detcomm.workspace.leaf")
+_LOG = logging.getLogger("detcomm.numerics.cuda_leaf")
 _BROKEN: dict[tuple[int, int], str] = {}  # (device, W) -> why the kernel set could not load: warned once
 
 
 def _kernels(device_index: int, w: int):  # type: ignore[no-untyped-def]
     """The loaded kernel set, or None (with one warning) where it cannot be built. Under CUDA graph capture only
     an already-loaded set is used: loading there is a usage error, raised."""
-    from .kernels import kernel_set, loaded_kernel_set
+    from ..workspace.kernels import kernel_set, loaded_kernel_set
 
     if (device_index, w) in _BROKEN:
         return None

@@ -1,4 +1,4 @@
-# Sourced by the CI scripts (.ci/run, launch/ci_probes.sh, launch/ci_wheel.sh); not run on its own.
+# Sourced by the CI scripts (.ci/run, .ci/probes.sh, .ci/wheel.sh); not run on its own.
 
 # docs/spec.md §8: multicast stays off in every environment CI creates, the scripts' own children included.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1

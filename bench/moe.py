@@ -2,9 +2,9 @@
 expert-parallel all-to-all pair and a weighted sum in the dtype (what engines run), at decode and prefill token
 counts.
 
-    python -m detcomm.bench.moe --quick                       # CPU: gloo, W=4, small hidden (~1 min)
-    python -m detcomm.bench.moe                               # hidden 4096, 64 experts, top-8
-    python -m detcomm.bench.moe --device cuda                 # NCCL, one rank per GPU
+    python bench/moe.py --quick                       # CPU: gloo, W=4, small hidden (~1 min)
+    python bench/moe.py                               # hidden 4096, 64 experts, top-8
+    python bench/moe.py --device cuda                 # NCCL, one rank per GPU
 
 Both paths route the same tokens with the same placement (random, with replicas) and the same replica rule,
 and both exchange the per-rank counts; the experts are the identity (expert output = the dispatched row), so

@@ -6,7 +6,7 @@ varies (fmaxf drops NaN, std::max keeps whichever came first). Mapping each valu
 like the real numbers, with -0.0 folded onto +0.0 and every NaN onto one key that wins, makes the reduction
 an integer MAX/MIN: exact, order-free, identical on every rank and batch composition, on any library.
 
-Policy: a NaN anywhere in an element's W inputs gives the canonical NaN (detcomm.fold's NaN policy); a zero
+Policy: a NaN anywhere in an element's W inputs gives the canonical NaN (detcomm.numerics.fold's NaN policy); a zero
 result is +0.0. For argmax, NaN counts as the largest value (as torch.argmax does) and exact ties resolve to
 the lowest global index.
 """

@@ -1,7 +1,7 @@
 """Cost of the call checks on CPU gloo: the cross-rank call verification (detcomm.init(check=True) /
 DETCOMM_CHECK=1) and the always-on call guard of the fold routes (detcomm/backends/guard.py).
 
-    python -m detcomm.bench.verify_cost [--nproc 4] [--calls 400] [--rows 8] [--width 64]
+    python bench/verify_cost.py [--nproc 4] [--calls 400] [--rows 8] [--width 64]
 
 For a small all_reduce (fp32, rows x width) on the native route (numerics=auto) and on gather_fold
 (rl-bitwise), the median per-call time with the check off and on, measured on every rank after a warm-up

@@ -4,7 +4,7 @@
 # control (must diverge); then an MoE config with its experts spread over the ranks (two placements compared,
 # and the rank-order combine as the negative control). Needs the hf extra (transformers, safetensors); installs it when missing.
 #
-#   PYTHON=/path/to/venv/bin/python launch/ci_hf.sh        # from the repository root
+#   PYTHON=/path/to/venv/bin/python .ci/hf.sh        # from the repository root
 set -euo pipefail
 
 PYTHON="${PYTHON:-python3}"

@@ -3,7 +3,7 @@
 One process, a one-rank gloo group on the CPU: a site is declared, then its bound route is replaced by one that
 returns its input (or the caller's ``out``), so what is timed is exactly what detcomm's public call costs on top
 of the route: the module-level dispatch, the site lookup, the tensor and output checks, the route call and the
-result handling. ``python -m detcomm.bench.host_path`` prints microseconds per call (median of repeats) for
+result handling. ``python bench/host_path.py`` prints microseconds per call (median of repeats) for
 ``detcomm.all_reduce`` with a new output, ``out=buf``, ``out=x``, a Site object and a reduce_scatter; ``--profile`` adds a cProfile
 of the first case. ``--cuda`` times the real workspace route on one GPU instead (host time of eager calls).
 """
@@ -25,9 +25,8 @@ import torch.distributed as dist
 
 import detcomm
 from detcomm.backends.base import Bound
+from detcomm.bench.timing import host_us_per_call
 from detcomm.route import Route, Site
-
-from .timing import host_us_per_call
 
 
 class _NopBackend:

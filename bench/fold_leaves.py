@@ -5,7 +5,7 @@ of half those bytes (it reads and writes each byte once), so both count the same
 the fold's fraction of the device's copy bandwidth. Medians over repeats; CUDA events on GPU, perf_counter
 on CPU. Not a test: results go to docs/performance.md.
 
-    python -m detcomm.bench.fold_leaves [--device cpu|cuda] [--rows 2048] [--hidden 4096] [--dtype bfloat16] [--out f.json]
+    python bench/fold_leaves.py [--device cpu|cuda] [--rows 2048] [--hidden 4096] [--dtype bfloat16] [--out f.json]
 """
 
 from __future__ import annotations
@@ -19,10 +19,9 @@ from pathlib import Path
 import torch
 
 import detcomm  # noqa: F401 - registers every leaf this installation has
+from detcomm.bench.timing import median_ms_back_to_back
 from detcomm.dtypes import FLOAT_NAMES, from_name, info
-from detcomm.fold import BATCH_INVARIANT, registered_leaves
-
-from .timing import median_ms_back_to_back
+from detcomm.numerics.fold import BATCH_INVARIANT, registered_leaves
 
 
 def main(argv: list[str] | None = None) -> int:

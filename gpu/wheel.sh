@@ -2,8 +2,8 @@
 # One device call that tests what users install: the wheel built on the CPU machine (python -m build --wheel),
 # carried to the GPU machine in $WHEEL_DIR, installed OUTSIDE the checkout, and every check run from there:
 # init(numerics="rl-bitwise") on the GPUs, the GPU tests (tests/ copied out of the tree, importing the installed
-# package), the model probe and a short bench. Logs and results under $OUT.
-#   WHEEL_DIR=.xfer/wheel OUT=./gpu-out bash launch/gpu_wheel.sh      (from the repository root)
+# package), the model probe and a short bench (bench/hf_decode.py from the checkout). Logs and results under $OUT.
+#   WHEEL_DIR=.xfer/wheel OUT=./gpu-out bash gpu/wheel.sh      (from the repository root)
 set -u -o pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export DETCOMM_CACHE_DIR=${DETCOMM_CACHE_DIR:-/tmp/detcomm-kernels}
@@ -44,10 +44,10 @@ if [ "$NGPU" -ge 2 ]; then
   timeout 240 python3 -m detcomm.launch --nproc "$NGPU" -m detcomm.probe hf --config qwen3-tiny --dtype bfloat16 \
     2>&1 | tee "$OUT/probe_hf.log"
   # 4. cost on a real architecture: decode tokens/s, fold vs native phases in one run (hidden 4096, 8 layers, bf16)
-  timeout ${HF_BENCH_TIMEOUT:-200} python3 -m detcomm.launch --nproc "$NGPU" -m detcomm.bench.hf_decode \
+  timeout ${HF_BENCH_TIMEOUT:-200} python3 -m detcomm.launch --nproc "$NGPU" "$REPO/bench/hf_decode.py" \
     --concurrency ${HF_CONC:-1,8,64} --steps ${HF_STEPS:-8} --warmup 2 --json "$OUT/hf_decode.json" 2>&1 | tee "$OUT/hf_decode.log"
 else
   timeout 240 python3 -m detcomm.launch --nproc 2 -m detcomm.probe hf --config qwen3-tiny --dtype bfloat16 \
     --backend gloo --device cuda:0 2>&1 | tee "$OUT/probe_hf.log"
 fi
-echo "gpu_wheel.sh done"
+echo "gpu/wheel.sh done"

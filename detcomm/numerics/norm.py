@@ -1,4 +1,5 @@
-"""The canonical residual add + RMSNorm (docs/spec.md §9) and its composition with the canonical all-reduce.
+"""The canonical residual add + RMSNorm (docs/spec.md §9), and the rule of when its composition with the canonical
+all-reduce may fuse (``fusion_refusal``; the collective itself is ``detcomm.all_reduce_residual_rmsnorm``).
 
 For one row r of H elements (dtype bf16, fp16 or fp32) and a weight w of H elements (any of those dtypes)::
 
@@ -27,13 +28,16 @@ from __future__ import annotations
 import logging
 import math
 from numbers import Real
+from typing import TYPE_CHECKING
 
 import torch
 
+from ..envelope import Resolved
 from . import norm_cuda
-from .envelope import Resolved
 from .fold import BATCH_INVARIANT, FLOAT_DTYPES, canonicalize_nan, divide_exactly
-from .route import Site
+
+if TYPE_CHECKING:
+    from ..route import Site
 
 __all__ = [
     "LANES",
@@ -48,12 +52,11 @@ __all__ = [
     "rms_norm_torch",
     "add_rms_norm",
     "add_rms_norm_torch",
-    "all_reduce_residual_rmsnorm",
     "FUSED_KERNEL_FEATURES",
     "fusion_refusal",
 ]
 
-log = logging.getLogger("detcomm.norm")
+log = logging.getLogger("detcomm.numerics.norm")
 
 LANES = 256
 CHUNK = 8
@@ -247,7 +250,7 @@ def fusion_refusal(resolved: Resolved, site: Site, *, world_size: int | None = N
     if not 1 <= site.shape[0] <= MAX_HIDDEN:
         return f"hidden size {site.shape[0]} outside 1..{MAX_HIDDEN}"
     if world_size is not None:
-        from .workspace import plan  # noqa: PLC0415 (plan needs no GPU; the lazy import keeps norm light)
+        from ..workspace import plan  # noqa: PLC0415 (plan needs no GPU; the lazy import keeps norm light)
 
         dtype = str(site.dtype).removeprefix("torch.")
         if plan.fused_norm_layout(site.shape[0], dtype, world_size) == "streaming":
@@ -255,22 +258,3 @@ def fusion_refusal(resolved: Resolved, site: Site, *, world_size: int | None = N
             return (f"rows of {site.shape[0]} elements exceed the {limit} the fused kernels hold in registers at "
                     f"W={world_size}; streamed, they measured slower than the composition at decode sizes")
     return None
-
-
-def all_reduce_residual_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, *, eps: float,
-                                site: str | Site) -> tuple[torch.Tensor, torch.Tensor]:
-    """All-reduce ``x`` over the site's group, add ``residual``, RMSNorm: returns ``(y, r)``. Collective.
-
-    s = detcomm.all_reduce(x, site=site) (the canonical fold on every bitwise route), then ``add_rms_norm``; where
-    the route table shows the site fused (the CUDA-IPC workspace, ``fusion_refusal`` None), one workspace kernel
-    computes the same bits (docs/spec.md §9.2).
-    ``x`` and ``residual`` are [rows, ..., H] of one float dtype, ``weight`` [H]. Arguments are checked before any
-    communication. ``r`` is the new residual stream, ``y`` the normalized input of the next layer; both are
-    batch-invariant wherever the site's route is.
-    """
-    import detcomm  # noqa: PLC0415 (detcomm's package imports this module)
-
-    # Checked here too, so a bad argument is a ValueError even before detcomm.init (the communicator re-checks).
-    _check_add("all_reduce_residual_rmsnorm", x, residual, weight)
-    eps_fp32(eps)
-    return detcomm.all_reduce_residual_rmsnorm(x, residual, weight, eps=eps, site=site)

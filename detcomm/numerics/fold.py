@@ -26,7 +26,7 @@ from enum import IntEnum
 
 import torch
 
-from .dtypes import FLOAT_DTYPES, bits_view
+from ..dtypes import FLOAT_DTYPES, bits_view
 
 __all__ = [
     "FLOAT_DTYPES",
@@ -196,7 +196,7 @@ def select_leaf(*, device_type: str, required: frozenset[str] = frozenset()) -> 
         ) or "none"
         raise RuntimeError(
             f"no fold leaf for device type {device_type!r} declares the features {sorted(required)}; "
-            f"registered leaves: {have}. Register one with detcomm.fold.register_leaf(Leaf(..., "
+            f"registered leaves: {have}. Register one with detcomm.numerics.fold.register_leaf(Leaf(..., "
             f"features=frozenset({sorted(required)}))) or use numerics='auto'."
         )
     return eligible[0]
@@ -211,7 +211,3 @@ register_leaf(
         device_types=frozenset({"cpu", "cuda"}),
     )
 )
-
-# The CUDA leaf registers itself where cupy is installed. Imported here, at the registry, so that every import
-# of the fold (not only of the package, whose __init__ no longer loads torch eagerly) finds it registered.
-from .workspace import leaf as _cuda_leaf  # noqa: E402, F401

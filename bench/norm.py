@@ -1,20 +1,20 @@
 """The canonical RMSNorm (docs/spec.md §9) against torch's, on one CUDA device, under CUDA graphs.
 
-    python -m detcomm.bench.norm --out results/norm          # rows 1..256 x hidden 4096, 8192, bf16
+    python bench/norm.py --out results/norm          # rows 1..256 x hidden 4096, 8192, bf16
 
 For each (hidden, rows) it times, as medians of graph replays (``calls_per_graph`` captured calls per replay):
 
 - ``torch_rms_norm``: torch.nn.functional.rms_norm (what an engine calls without batch invariance);
 - ``hf_rms_norm``: the Hugging Face Llama formula (fp32 mean of squares, rsqrt, round, times the weight);
-- ``detcomm_rms_norm``: detcomm.norm.rms_norm (the NVRTC kernel);
+- ``detcomm_rms_norm``: detcomm.numerics.norm.rms_norm (the NVRTC kernel);
 - ``torch_add_rms_norm``: residual + s, then torch's rms_norm (the unfused tail of an all-reduce);
-- ``detcomm_add_rms_norm``: detcomm.norm.add_rms_norm (residual add and norm in one kernel pass).
+- ``detcomm_add_rms_norm``: detcomm.numerics.norm.add_rms_norm (residual add and norm in one kernel pass).
 
 Beside the times: whether the kernel's bits equal detcomm's torch implementation on the same device, and how
 many of the first row's elements change bits when torch's rms_norm runs it alone instead of inside the batch
 (its batch invariance; detcomm's is 0 by construction and checked here too). Writes norm.json and norm.md.
 
-    python -m detcomm.bench.norm --fused --nproc 2 --out results/fused   # W ranks, one per GPU, rl-bitwise
+    python bench/norm.py --fused --nproc 2 --out results/fused   # W ranks, one per GPU, rl-bitwise
 
 ``--fused`` times the all-reduce + residual add + RMSNorm of docs/spec.md §9.2 on W ranks (NCCL group, one GPU
 each, the CUDA-IPC workspace armed), every method captured in a CUDA graph on every rank (rank 0's medians):
@@ -24,7 +24,7 @@ each, the CUDA-IPC workspace armed), every method captured in a CUDA graph on ev
 - ``fused_one_shot``: the workspace's fused one-shot kernel forced (its start and end barriers), beside ``fused``
   to show what the one-store kernel saves;
 - ``unfused``: detcomm.all_reduce on an all-reduce site (the workspace's fold kernel), then
-  detcomm.norm.add_rms_norm (the composition: two kernels);
+  detcomm.numerics.norm.add_rms_norm (the composition: two kernels);
 - ``nccl_torch``: torch.distributed.all_reduce (NCCL, in place) then torch's rms_norm of residual + s (what an
   engine runs without batch invariance; three kernels).
 
@@ -43,9 +43,9 @@ from pathlib import Path
 
 import torch
 
-from .. import norm
-from .._spawn import LocalCluster
-from .timing import summarize, time_cuda_graph
+from detcomm._spawn import LocalCluster
+from detcomm.bench.timing import summarize, time_cuda_graph
+from detcomm.numerics import norm
 
 __all__ = ["main", "run"]
 
@@ -230,7 +230,7 @@ def _fused_row_md(rec: dict[str, object]) -> str:
 
 
 def _main_fused(args: argparse.Namespace) -> int:
-    from ..envelope import envelope_environment  # noqa: PLC0415
+    from detcomm.envelope import envelope_environment  # noqa: PLC0415
 
     nproc = args.nproc or torch.cuda.device_count()
     # NCCL reads NCCL_ALGO/NCCL_PROTO when the ranks' communicator is created: rl-bitwise's environment first.
@@ -253,7 +253,7 @@ def _main_fused(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m detcomm.bench.norm", description=(__doc__ or "").split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python bench/norm.py", description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--out", type=Path, default=Path("bench-results-norm"))
     p.add_argument("--rows", type=lambda t: tuple(int(v) for v in t.split(",")), default=ROWS)
     p.add_argument("--hidden", type=lambda t: tuple(int(v) for v in t.split(",")), default=HIDDEN)

@@ -1,16 +1,16 @@
 """The speed goals of the workspace (issue 12) and of the fused all-reduce + norm (issue 14) from the benches' own
 JSON, one machine kind per call.
 
-    python launch/goals_table.py gpu-out/bench_streams.json gpu-out/bench_nccl.json gpu-out/fused/fused.json
+    python bench/goals_table.py gpu-out/bench_streams.json gpu-out/bench_nccl.json gpu-out/fused/fused.json
 
-Reads the rows `python -m detcomm.bench.ipc_kernels` writes (modes latency, nccl, host) and the records of the
-fused benches (`python -m detcomm.bench.norm --fused`, one rank per GPU, and `launch/fused_streams.py --json`, W
+Reads the rows `python bench/ipc_kernels.py` writes (modes latency, nccl, host) and the records of the
+fused benches (`python bench/norm.py --fused`, one rank per GPU, and `bench/fused_streams.py --json`, W
 ranks as streams of one GPU), any number of files in any order, and prints each goals table as markdown: the
 measured value, the goal and the verdict (met, missed, or not measured when the files hold no row for it: the
 NVLink rows need two GPUs, the W = 8 row the streams bench, the NCCL + torch comparison the multi-GPU fused bench).
 Where several rows fit one value (NCCL's 16 KiB row is in both the nccl and the gather-graph runs), the fastest
 counts, for NCCL too: the peer at its best, so a ratio never flatters the workspace.
-`STAGES=bench bash launch/gpu_run.sh` calls it at the end, so one device call per machine kind fills the tables.
+`STAGES=bench bash gpu/run.sh` calls it at the end, so one device call per machine kind fills the tables.
 """
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ def to_markdown(entries: list[dict[str, str]]) -> str:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("files", nargs="+", type=Path,
-                   help="JSON written by detcomm.bench.ipc_kernels or the fused benches (missing: skipped)")
+                   help="JSON written by bench/ipc_kernels.py or the fused benches (missing: skipped)")
     a = p.parse_args(argv)
     docs = [json.loads(f.read_text()) for f in a.files if f.exists()]
     print("Workspace all-reduce (issue 12):\n")

@@ -4,7 +4,7 @@
 # control (the native route must be caught changing bits / diverging); then TP-size invariance (W = 1, 2, 4 in the
 # virtual-shard and full-K layouts, the fold layout as negative control) and the trainer alignment probe.
 #
-#   PYTHON=/path/to/venv/bin/python launch/ci_probes.sh        # from the repository root
+#   PYTHON=/path/to/venv/bin/python .ci/probes.sh        # from the repository root
 #
 # Exits non-zero on the first probe that fails. Installs what is missing: needs root (or sudo) for apt-get.
 set -euo pipefail
@@ -13,11 +13,11 @@ PYTHON="${PYTHON:-python3}"
 NPROC="${NPROC:-4}"
 cd "$(dirname "$0")/.."
 
-# shellcheck source=launch/ci_common.sh
-. launch/ci_common.sh  # step, and the multicast-off variables of docs/spec.md §8
+# shellcheck source=.ci/common.sh
+. .ci/common.sh  # step, and the multicast-off variables of docs/spec.md §8
 
 as_root() { if [ "$(id -u)" = 0 ]; then "$@"; elif command -v sudo >/dev/null; then sudo "$@"; else
-  echo "ci_probes.sh: need root or sudo to run: $*" >&2; return 1; fi; }
+  echo ".ci/probes.sh: need root or sudo to run: $*" >&2; return 1; fi; }
 
 if ! command -v mpiexec >/dev/null; then
   as_root apt-get update -q

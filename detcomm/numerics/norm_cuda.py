@@ -1,4 +1,4 @@
-"""Run-time compilation and launch of csrc/rms_norm.cu, the GPU side of detcomm.norm.
+"""Run-time compilation and launch of csrc/rms_norm.cu, the GPU side of detcomm.numerics.norm.
 
 The kernels compile exactly like the workspace's (detcomm.workspace.kernels: NVRTC through cupy's raw binding, the
 options spelled out by ``nvrtc_options`` -- --fmad=false, -ftz=false, -prec-div=true, -prec-sqrt=true, never fast
@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .workspace import kernels
+from ..workspace import kernels
 
 __all__ = ["THREADS", "available", "rms_norm_cuda", "add_rms_norm_cuda"]
 
@@ -78,7 +78,7 @@ def _launch(name: str, device: torch.device, rows: int, args: list[Any]) -> None
 
 
 def rms_norm_cuda(r: torch.Tensor, weight: torch.Tensor, eps32: float) -> torch.Tensor:
-    """y for contiguous r [rows, H] on a CUDA device (arguments already validated by detcomm.norm)."""
+    """y for contiguous r [rows, H] on a CUDA device (arguments already validated by detcomm.numerics.norm)."""
     rows, hidden = r.shape
     y = torch.empty_like(r)
     if rows:
@@ -90,7 +90,7 @@ def rms_norm_cuda(r: torch.Tensor, weight: torch.Tensor, eps32: float) -> torch.
 
 def add_rms_norm_cuda(s: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                       eps32: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(y, r) for contiguous s, residual [rows, H] on a CUDA device, in one pass (validated by detcomm.norm)."""
+    """(y, r) for contiguous s, residual [rows, H] on a CUDA device, in one pass (validated by detcomm.numerics.norm)."""
     rows, hidden = s.shape
     y = torch.empty_like(s)
     r = torch.empty_like(s)

@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
 # One device call: the GPU tests, the failure-guard mutants, the benches and the soak, with full logs under $OUT and
 # a short summary of each stage on stdout (a remote runner often returns only the tail of stdout).
-#   STAGES=kernels bash launch/gpu_run.sh        (from the repository root; OUT defaults to ./gpu-out)
-#   LANES="lamport,inprocess failures,norm" bash launch/gpu_run.sh    (two lanes at once; see LANES below)
+#   STAGES=kernels bash gpu/run.sh        (from the repository root; OUT defaults to ./gpu-out)
+#   LANES="lamport,inprocess failures,norm" bash gpu/run.sh    (two lanes at once; see LANES below)
 # Stages, each sized to fit one 10-minute device call on its own (all of them take about 30 minutes):
 #   kernels   the workspace kernels' GPU tests (one-store, failures and their negative controls)
 #   tests     the in-process and in-place workspace tests and the fused norm tests
 #   core      the CUDA core, fold capture, virtual shards, the trainer backend, robustness, processes per GPU
-#   mutants   the failure-guard mutants (launch/mutations.py --gpu-only; MUTANTS=1,1b,... for a subset)
+#   mutants   the failure-guard mutants (tests/mutations.py --gpu-only; MUTANTS=1,1b,... for a subset)
 #   bench     the stream and NCCL benches, gather_fold captured, the fused bench, the host path
 #   soak      the 40 s soak over every route: processes sharing one GPU, and one GPU per rank where >= 2
 # On one GPU the multi-GPU parts skip themselves: the NCCL bench, the NCCL soak, and the fused bench falls back to W
-# streams of the one GPU (launch/fused_streams.py).
+# streams of the one GPU (bench/fused_streams.py).
 set -u -o pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # docs/spec.md §8, children inherit
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -69,30 +69,30 @@ has corecuda && group core "$(lim 260)" tests/gpu/test_core_cuda.py tests/gpu/te
   tests/gpu/test_fold_capture.py tests/gpu/test_workspace_virtual.py tests/gpu/test_dist_backend_gpu.py
 has robust && group robust "$(lim 300)" tests/gpu/test_robust_gpu.py tests/gpu/test_workspace_multiproc.py -k "not soak"
 if has mutants; then
-  timeout 560 $PY launch/mutations.py --gpu-only --jobs 6 ${MUTANTS:+--only $MUTANTS} > "$OUT/mutations.log" 2>&1
+  timeout 560 $PY tests/mutations.py --gpu-only --jobs 6 ${MUTANTS:+--only $MUTANTS} > "$OUT/mutations.log" 2>&1
   say "mutants rc=$?: $(grep -E 'mutant/test pairs caught' "$OUT/mutations.log" | tail -1)"
   grep -E '^\| [0-9]' "$OUT/mutations.log" | grep -v ' caught ' | head -12
 fi
 if has bench; then
   # W ranks as W streams of one GPU: W = 1 against a copy, W = 2 and 8 (one-store, one-shot, two-shot)
-  timeout 150 $PY -m detcomm.bench.ipc_kernels --out "$OUT/bench_streams" --modes latency --worlds 1,2,8 \
+  timeout 150 $PY bench/ipc_kernels.py --out "$OUT/bench_streams" --modes latency --worlds 1,2,8 \
     --sizes 16,256,65536 > "$OUT/bench_streams.log" 2>&1
   say "bench streams rc=$?"; grep -E '^\| [0-9]' "$OUT/bench_streams.log" | head -40
-  timeout 90 $PY -m detcomm.bench.ipc_kernels --out "$OUT/bench_streams_untiered" --modes latency --worlds 2 \
+  timeout 90 $PY bench/ipc_kernels.py --out "$OUT/bench_streams_untiered" --modes latency --worlds 2 \
     --sizes 16,256 --untiered > "$OUT/bench_streams_untiered.log" 2>&1
   say "bench streams, one-store untiered rc=$?"; grep -E '^\| [0-9].*lamport' "$OUT/bench_streams_untiered.log" | head -6
   if [ "$NGPU" -ge 2 ]; then
-    timeout 150 $PY -m detcomm.bench.ipc_kernels --out "$OUT/bench_nccl" --modes nccl --nccl-envs default \
+    timeout 150 $PY bench/ipc_kernels.py --out "$OUT/bench_nccl" --modes nccl --nccl-envs default \
       --sizes 16,64,256,1024,65536 > "$OUT/bench_nccl.log" 2>&1
     say "bench nccl rc=$?"; grep -E '^\| [0-9]' "$OUT/bench_nccl.log" | head -60
     # The one-store launches untiered (every size on the whole grid, lamport_tiers=()): the raw workspace's one-store
     # rows against the tiered ones above (plan.DEFAULT_LAMPORT_TIERS)
-    timeout 120 $PY -m detcomm.bench.ipc_kernels --out "$OUT/bench_nccl_untiered" --modes nccl --nccl-envs default \
+    timeout 120 $PY bench/ipc_kernels.py --out "$OUT/bench_nccl_untiered" --modes nccl --nccl-envs default \
       --sizes 16,64,256,1024 --untiered > "$OUT/bench_nccl_untiered.log" 2>&1
     say "bench nccl, one-store untiered rc=$?"; grep -E '^\| [0-9].*lamport' "$OUT/bench_nccl_untiered.log" | head -8
-    timeout 180 $PY -m detcomm.bench.norm --fused --iters 30 --calls-per-graph 10 --out "$OUT/fused" > "$OUT/fused.log" 2>&1
+    timeout 180 $PY bench/norm.py --fused --iters 30 --calls-per-graph 10 --out "$OUT/fused" > "$OUT/fused.log" 2>&1
   else
-    timeout 180 $PY launch/fused_streams.py --world 2 --json "$OUT/fused_streams.json" > "$OUT/fused.log" 2>&1
+    timeout 180 $PY bench/fused_streams.py --world 2 --json "$OUT/fused_streams.json" > "$OUT/fused.log" 2>&1
   fi
   say "fused bench rc=$?"; grep -E '^\| [0-9]' "$OUT/fused.log" | head -20
   # The fused kernels' other builds on two streams of GPU 0 (csrc/fused_norm_row.cuh): the load batch of 4, and the
@@ -100,22 +100,22 @@ if has bench; then
   # already in fused.log (the same shapes), on several it runs here beside them
   variants="fused_batch4 fused_no_wide"; [ "$NGPU" -ge 2 ] && variants="canonical $variants"
   for variant in $variants; do
-    timeout 120 $PY launch/fused_streams.py --world 2 --hidden 4096,8192 --rows 1,8 --variant $variant \
+    timeout 120 $PY bench/fused_streams.py --world 2 --hidden 4096,8192 --rows 1,8 --variant $variant \
       > "$OUT/fused_$variant.log" 2>&1
     say "fused streams, $variant build rc=$?"; grep -E '^\| [0-9]' "$OUT/fused_$variant.log" | head -4
   done
   # The eager host time of the workspace route on this host, torch's own one-kernel op beside it
-  timeout 120 $PY -m detcomm.bench.host_path --cuda --repeats 15 > "$OUT/host.log" 2>&1
+  timeout 120 $PY bench/host_path.py --cuda --repeats 15 > "$OUT/host.log" 2>&1
   say "host path rc=$?"; grep -E 'us/call|^route' "$OUT/host.log"
   if [ "$NGPU" -ge 2 ]; then
     # gather_fold captured in a CUDA graph, in its own processes and last (a capture that wedges NCCL cannot spoil
     # the rest)
-    timeout 80 $PY -m detcomm.bench.ipc_kernels --out "$OUT/bench_gather_graph" --modes nccl --nccl-envs default \
+    timeout 80 $PY bench/ipc_kernels.py --out "$OUT/bench_gather_graph" --modes nccl --nccl-envs default \
       --sizes 16 --gather-graph > "$OUT/bench_gather_graph.log" 2>&1
     say "bench gather_fold graph rc=$?"; grep -E '^\| [0-9].*(gather_fold|nccl) ' "$OUT/bench_gather_graph.log" | head -6
   fi
   # The goals tables of docs/performance.md (issues 12 and 14) from this call's JSON (rows this machine cannot measure: "not measured")
-  $PY launch/goals_table.py "$OUT/bench_streams.json" "$OUT/bench_nccl.json" "$OUT/bench_gather_graph.json" \
+  $PY bench/goals_table.py "$OUT/bench_streams.json" "$OUT/bench_nccl.json" "$OUT/bench_gather_graph.json" \
     "$OUT/fused/fused.json" "$OUT/fused_streams.json" 2>&1 | tee "$OUT/goals.md"
 fi
 if has soak; then

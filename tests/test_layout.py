@@ -1,0 +1,207 @@
+"""The package layout matches docs/map.md: every module of detcomm/ is on the map (and every entry exists), the
+import graph has no cycle, and no module imports from a layer above its own. Imports are read from the source
+with ast (no module is imported), lazy imports inside functions included, ``if TYPE_CHECKING:`` blocks left out
+(they never run). Negative controls: the same checkers on synthetic graphs and sources must report the cycle,
+the upward edge, the module missing from the map and the lazy import."""
+
+from __future__ import annotations
+
+import ast
+import functools
+import re
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "detcomm"
+MAP = ROOT / "docs" / "map.md"
+
+
+def module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def imported_names(source: str, module: str, *, is_package: bool) -> set[tuple[str, str]]:
+    """Every import ``source`` runs, as (module, name) pairs: ``from a import b`` gives ("a", "b") (b a submodule
+    or an attribute of a), ``import a.b`` gives ("a.b", ""). Relative imports are resolved against ``module``."""
+    found: set[tuple[str, str]] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            found.update((a.name, "") for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                pkg = module.split(".") if is_package else module.split(".")[:-1]
+                base = ".".join(pkg[: len(pkg) - node.level + 1] + ([node.module] if node.module else []))
+            else:
+                base = node.module or ""
+            found.update((base, a.name) for a in node.names)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(source))
+    return found
+
+
+def import_graph(package: Path) -> dict[str, set[str]]:
+    """module -> the package's modules it imports: ``from a import b`` is an edge to a.b where that is a module,
+    else to a; ``import a.b`` to the nearest module enclosing a.b."""
+    files = {module_name(p, package): p for p in sorted(package.rglob("*.py"))}
+    graph: dict[str, set[str]] = {}
+    for mod, path in files.items():
+        edges = set()
+        for base, name in imported_names(path.read_text(), mod, is_package=path.name == "__init__.py"):
+            target = f"{base}.{name}" if f"{base}.{name}" in files else base
+            while target and target not in files:
+                target = target.rpartition(".")[0]
+            if target and target != mod:
+                edges.add(target)
+        graph[mod] = edges
+    return graph
+
+
+def cycles(graph: Mapping[str, Iterable[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def strong(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                strong(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            strong(v)
+    return out
+
+
+def read_map(text: str) -> tuple[dict[str, int], list[str]]:
+    """(package entry -> layer number, the other entries) from docs/map.md: ``### N. name`` headings and
+    ``- `path`:`` items."""
+    layers: dict[str, int] = {}
+    others: list[str] = []
+    layer = None
+    for line in text.splitlines():
+        if m := re.match(r"### (\d+)\. ", line):
+            layer = int(m.group(1))
+        elif line.startswith("## "):
+            layer = None
+        elif m := re.match(r"- `([^`]+)`:", line):
+            if layer is None:
+                others.append(m.group(1))
+            else:
+                layers[m.group(1)] = layer
+    return layers, others
+
+
+def layer_of(module: str, entries: Mapping[str, int]) -> int | None:
+    """The layer of the map entry that covers ``module``: its file, or the nearest folder above it."""
+    parts = module.split(".")
+    for path in (f"{'/'.join(parts)}.py", f"{'/'.join(parts)}/__init__.py"):
+        if path in entries:
+            return entries[path]
+    for n in range(len(parts), 0, -1):
+        if (folder := "/".join(parts[:n]) + "/") in entries:
+            return entries[folder]
+    return None
+
+
+def unmapped(modules: Iterable[str], entries: Mapping[str, int]) -> list[str]:
+    return sorted(m for m in modules if layer_of(m, entries) is None)
+
+
+def upward(graph: Mapping[str, Iterable[str]], entries: Mapping[str, int]) -> list[str]:
+    out = []
+    for a, targets in graph.items():
+        for b in targets:
+            la, lb = layer_of(a, entries), layer_of(b, entries)
+            if la is not None and lb is not None and lb > la:
+                out.append(f"{a} (layer {la}) imports {b} (layer {lb})")
+    return sorted(out)
+
+
+# -- the package ---------------------------------------------------------------------------------------------------
+@functools.cache
+def _package_graph() -> dict[str, set[str]]:
+    return import_graph(PACKAGE)
+
+
+def test_map_lists_every_module_and_only_what_exists() -> None:
+    entries, others = read_map(MAP.read_text())
+    assert len(set(entries.values())) >= 8, entries
+    assert unmapped(_package_graph(), entries) == [], "add these modules to docs/map.md under their layer"
+    missing = [p for p in [*entries, *others] if not (ROOT / p).exists()]
+    assert missing == [], f"docs/map.md names paths that do not exist: {missing}"
+
+
+def test_no_import_cycles() -> None:
+    assert cycles(_package_graph()) == []
+
+
+def test_no_module_imports_from_a_higher_layer() -> None:
+    entries, _ = read_map(MAP.read_text())
+    assert upward(_package_graph(), entries) == [], "move the code to the layer that owns it (docs/map.md)"
+
+
+def test_spec_links_the_map_instead_of_repeating_it() -> None:
+    spec = (ROOT / "docs" / "spec.md").read_text()
+    assert "docs/map.md" in spec and "detcomm/route.py" not in spec.partition("## Map of the code")[2]
+
+
+# -- negative controls: the checkers see what they must refuse ----------------------------------------------------
+def test_checkers_report_a_cycle_an_upward_edge_and_an_unmapped_module() -> None:
+    entries = {"p/a.py": 1, "p/b.py": 2, "p/c/": 2}
+    acyclic = {"p.a": set(), "p.b": {"p.a", "p.c.x"}, "p.c.x": {"p.a"}}
+    assert cycles(acyclic) == [] and upward(acyclic, entries) == [] and unmapped(acyclic, entries) == []
+    assert cycles({**acyclic, "p.a": {"p.c.x"}}) == [["p.a", "p.c.x"]]
+    assert upward({**acyclic, "p.a": {"p.b"}}, entries) == ["p.a (layer 1) imports p.b (layer 2)"]
+    assert unmapped([*acyclic, "p.d"], entries) == ["p.d"]
+
+
+def test_imports_are_read_lazy_included_type_checking_left_out() -> None:
+    source = ("from typing import TYPE_CHECKING\nfrom . import b\nif TYPE_CHECKING:\n    from .c import C\n"
+              "def f():\n    from ..top import g\n    return g\n")
+    names = imported_names(source, "p.sub.a", is_package=False)
+    assert {("p.sub", "b"), ("p.top", "g")} <= names, names
+    assert not any(m.startswith("p.sub.c") for m, _ in names), names
+
+
+def test_the_checker_sees_the_real_packages_layers() -> None:
+    """The real graph is not vacuous: the communicator reaches every route, and a planted upward import (the fold
+    importing the communicator) is reported."""
+    entries, _ = read_map(MAP.read_text())
+    graph = _package_graph()
+    assert {"detcomm.backends", "detcomm.workspace", "detcomm.numerics.fold"} <= graph["detcomm.comm"]
+    planted = {**graph, "detcomm.numerics.fold": graph["detcomm.numerics.fold"] | {"detcomm.comm"}}
+    assert upward(planted, entries) == ["detcomm.numerics.fold (layer 3) imports detcomm.comm (layer 6)"]
+    assert cycles(planted) != []
