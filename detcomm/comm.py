@@ -356,6 +356,9 @@ class Communicator:
             sc = self._site_calls[name]
             sc.agreed = self._verifier is not None
             return sc
+        if sc.virtual and sc.collective is collective and rop is not ReduceOp.SUM:
+            raise ValueError(f"site {name!r} folds {sc.site.virtual_shards} virtual shards: op must be 'sum', got "
+                             f"{rop.value!r}; divide the result for a mean")
         problems = []
         if sc.collective is not collective:
             problems.append(f"collective {collective.value} != {sc.collective.value}")
