@@ -33,7 +33,16 @@ from .envelope import (
     register_numerics_envelope,
     resolve_numerics,
 )
-from .errors import CollectiveMismatch, DetcommError, PeerTimeout, RouteRefused, WorkspaceFailed, WorkspaceUnavailable
+from .errors import (
+    CollectiveFailed,
+    CollectiveMismatch,
+    ConcurrentCall,
+    DetcommError,
+    PeerTimeout,
+    RouteRefused,
+    WorkspaceFailed,
+    WorkspaceUnavailable,
+)
 from .mpi_env import rank_facts_from_environment
 from .route import (
     DEFAULT_MAX_ROWS,
@@ -109,13 +118,12 @@ __all__ = [
     "Communicator",
     "Work",
     "DetcommError",
-    "DetcommError",
     "RouteRefused",
     "WorkspaceUnavailable",
     "WorkspaceFailed",
-    "WorkspaceUnavailable",
-    "WorkspaceFailed",
     "CollectiveMismatch",
+    "CollectiveFailed",
+    "ConcurrentCall",
     "PeerTimeout",
     "RouteTable",
     "RouteEntry",
@@ -145,6 +153,8 @@ __all__ = [
 
 _COMMS: dict[object, Communicator] = {}
 _DEFAULT: Communicator | None = None
+_SAVED: dict[Communicator, _ProcessState] = {}  # what each init changed process-wide, restored by shutdown
+_SHUT_DOWN = False  # whether shutdown() closed the module default (for get_communicator's message)
 
 def _group_key(group: dist.ProcessGroup | None) -> object:
     import torch.distributed as dist
@@ -196,9 +206,11 @@ def init(
     Uses the default torch.distributed group when one exists; otherwise creates it from the torchrun or MPI
     environment (NCCL when CUDA is present, gloo otherwise), after applying the envelope's environment
     (docs/spec.md §4 and 8). Resolves the numerics envelope (``numerics``: default ``$DETCOMM_NUMERICS``, set by
-    detcomm-launch, else ``"auto"``) with the explicit ``switches``, discovers the group's capabilities,
-    runs the startup self-checks (``selfcheck=False`` skips them) and returns the communicator, which also
-    becomes the module default when ``group`` is None.
+    detcomm-launch, else ``envelope.DEFAULT_NUMERICS``) with the explicit ``switches``, compares the envelope,
+    the checking mode and these options across the ranks (``CollectiveMismatch`` on every rank when they
+    differ, before any other collective), discovers the group's capabilities, runs the startup self-checks
+    (``selfcheck=False`` skips them) and returns the communicator, which also becomes the module default when
+    ``group`` is None. A second ``init`` on the same group raises ``DetcommError`` (call ``shutdown()`` first).
 
     ``device``: where the tensors live (default: the current CUDA device for NCCL, the CPU for gloo; a CUDA
     device with a gloo group stages native collectives through host memory, for W ranks sharing one GPU).
@@ -208,15 +220,22 @@ def init(
 
     ``check``: before every collective call, the ranks compare a fingerprint of the call (site, collective,
     op, dtype, trailing shape, rows, sequence number) and all raise ``CollectiveMismatch`` when they differ
-    (detcomm/verify.py; costs one small collective per call). None: ``$DETCOMM_CHECK``, else off.
-    ``timeout_s``: the deadline of every blocking wait on the process group init creates (otherwise torch's
-    default: 30 min for gloo, 10 min for NCCL). A group that already exists keeps the timeout it was created with;
-    passing ``timeout_s`` then is an error.
+    (detcomm/verify.py; costs one small collective per call). None: ``$DETCOMM_CHECK``, else off; the call
+    guard's smaller header (site, call number, rows) is exchanged on host-memory groups either way.
+    ``timeout_s``: the deadline of every blocking wait on the process group init creates (default
+    ``DEFAULT_TIMEOUT_S``, 300 s). A group that already exists keeps the timeout it was created with; passing
+    ``timeout_s`` then is an error.
+
+    Process-wide state: a group init creates gets the envelope's environment variables (and the rank
+    variables an MPI launcher implies), multicast stays off in the environment unless allowed, and
+    ``disable_tf32`` turns torch's TF32 flags off; ``shutdown()`` restores every one of these to its value
+    before ``init``.
 
     Raises ValueError for an unknown envelope or switch or conflicting switches (before any communication),
-    RuntimeError when the fold leaf the envelope requires is missing or the group was created without the
-    NCCL environment a bitwise envelope needs, and ``RouteRefused`` (on every rank) when a route needed for
-    a bitwise claim fails its self-check.
+    ``DetcommError`` when the fold leaf the envelope requires is missing or the group was created without the
+    NCCL environment a bitwise envelope needs, ``PeerTimeout`` when not every rank joins the rendezvous within
+    the deadline, and ``RouteRefused`` (on every rank) when a route needed for a bitwise claim fails its
+    self-check.
     """
     import torch
     import torch.distributed as dist
@@ -225,7 +244,7 @@ def init(
     from .deadline import DEFAULT_TIMEOUT_S
     from .verify import check_from_env
 
-    global _DEFAULT
+    global _DEFAULT, _SHUT_DOWN
     resolved = resolve_numerics(default_numerics() if numerics is None else numerics, **switches)
     checking = check_from_env(check)
     if timeout_s is not None:
@@ -239,45 +258,92 @@ def init(
                 "keeps its own timeout: pass timeout=datetime.timedelta(seconds=...) to "
                 "torch.distributed.init_process_group / new_group instead"
             )
-    key = _group_key(group)
-    if key in _COMMS:
+    if _group_key(group) in _COMMS:  # local, before any communication: the other ranks are not waiting on it
         raise DetcommError("detcomm is already initialized on this group: use detcomm.get_communicator() for the "
                            "existing communicator, or call detcomm.shutdown() before a new init")
+    saved = _ProcessState()
     created = False
-    if group is None and not dist.is_initialized():
-        backend = _env_rendezvous()
-        apply_environment(resolved.numerics, **{k: getattr(resolved.switches, k) for k in resolved.explicit})
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend=backend, init_method="env://",
-                                timeout=timedelta(seconds=DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s))
-        created = True
-    pg = dist.group.WORLD if group is None else group
-    assert pg is not None  # the default group exists by now
-    if not created:
-        warn_missing_environment(resolved, dist.get_backend(pg))
-    # docs/spec.md §8: keep multicast off in every process this one starts, unless the user opted in.
-    if not resolved.switches.allow_multicast:
-        os.environ.update(MULTICAST_OFF_ENV)
-    if resolved.switches.disable_tf32:
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
     try:
-        comm = Communicator(group=pg, resolved=resolved, selfcheck=selfcheck, default_max_rows=default_max_rows,
-                            owns_group=created, device=device, workspace=workspace,
-                            workspace_max_rows=workspace_max_rows, workspace_bytes=workspace_bytes,
-                            check=checking, timeout_s=timeout_s)
+        if group is None and not dist.is_initialized():
+            backend = _env_rendezvous()
+            apply_environment(resolved.numerics, **{k: getattr(resolved.switches, k) for k in resolved.explicit})
+            if backend == "nccl":
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            deadline = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
+            try:
+                dist.init_process_group(backend=backend, init_method="env://", timeout=timedelta(seconds=deadline))
+            except dist.DistStoreError as e:
+                raise PeerTimeout(
+                    f"detcomm.init on rank {os.environ['RANK']}: not every one of the {os.environ['WORLD_SIZE']} "
+                    f"ranks joined the rendezvous at {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} within "
+                    f"{deadline:g} s: a rank exited (or failed) before detcomm.init, or is still starting; its own "
+                    f"output names the cause. Library error: {e}"
+                ) from e
+            created = True
+        pg = dist.group.WORLD if group is None else group
+        assert pg is not None  # the default group exists by now
+        if not created:
+            warn_missing_environment(resolved, dist.get_backend(pg))
+        # docs/spec.md §8: keep multicast off in every process this one starts, unless the user opted in.
+        if not resolved.switches.allow_multicast:
+            os.environ.update(MULTICAST_OFF_ENV)
+        if resolved.switches.disable_tf32:
+            torch.backends.cuda.matmul.allow_tf32 = False
+            torch.backends.cudnn.allow_tf32 = False
+        try:
+            comm = Communicator(group=pg, resolved=resolved, selfcheck=selfcheck, default_max_rows=default_max_rows,
+                                owns_group=created, device=device, workspace=workspace,
+                                workspace_max_rows=workspace_max_rows, workspace_bytes=workspace_bytes,
+                                check=checking, timeout_s=timeout_s)
+        except BaseException:
+            if created:
+                dist.destroy_process_group()
+            raise
     except BaseException:
-        if created:
-            dist.destroy_process_group()
+        saved.restore()
         raise
-    _COMMS[key] = comm
+    # Keyed after the group exists: before init_process_group the default group's key is None.
+    _COMMS[_group_key(group)] = comm
+    saved.settle()
+    _SAVED[comm] = saved
     if group is None:
         _DEFAULT = comm
+        _SHUT_DOWN = False
     return comm
 
 
+class _ProcessState:
+    """The process-wide state init may change (os.environ, torch's TF32 flags): recorded before init, and what
+    init changed is restored by shutdown (a variable the caller sets after init stays as the caller set it)."""
+
+    def __init__(self) -> None:
+        import torch
+
+        self.before = dict(os.environ)
+        self.tf32 = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+        self.changed: dict[str, str | None] | None = None
+
+    def settle(self) -> None:
+        """Record which variables init changed (called when init returns)."""
+        keys = set(self.before) | set(os.environ)
+        self.changed = {k: self.before.get(k) for k in keys if self.before.get(k) != os.environ.get(k)}
+
+    def restore(self) -> None:
+        import torch
+
+        if self.changed is None:
+            self.settle()
+        assert self.changed is not None
+        for k, v in self.changed.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = self.tf32
+
+
 def is_initialized(group: dist.ProcessGroup | None = None) -> bool:
+    """Whether ``init`` created a communicator for ``group`` (default: the default group) not yet shut down. Local."""
     return _group_key(group) in _COMMS
 
 
@@ -285,6 +351,9 @@ def get_communicator(group: dist.ProcessGroup | None = None) -> Communicator:
     """The communicator of ``group`` (default: the module default)."""
     comm = _DEFAULT if group is None else _COMMS.get(group)
     if comm is None:
+        if group is None and _SHUT_DOWN:
+            raise DetcommError("detcomm was shut down (detcomm.shutdown()): call detcomm.init() again before "
+                               "another collective")
         raise DetcommError(
             "detcomm is not initialized"
             + ("" if group is None else " on this group")
@@ -307,7 +376,7 @@ def site(
     name: str,
     *,
     collective: str,
-    dtype: torch.dtype,
+    dtype: torch.dtype | str,
     shape: int | Sequence[int],
     max_rows: int,
     op: str = "sum",
@@ -317,7 +386,8 @@ def site(
 ) -> Site:
     """Declare a call site: its route is decided now, once, from these static properties.
 
-    ``collective`` is one of all_reduce, all_gather, reduce_scatter, all_to_all, token_all_gather, argmax;
+    ``collective`` is one of all_reduce, all_gather, reduce_scatter, all_to_all, token_all_gather, argmax,
+    all_reduce_rmsnorm; ``dtype`` a torch dtype or its name (``"bfloat16"``);
     ``shape`` is one row's trailing shape; ``max_rows`` the most rows a call will carry; ``route`` forces a
     route (refused when it would void the envelope). Declaring the same name again with the same properties
     returns the existing site; different properties raise ValueError. Collective when it runs a new
@@ -416,9 +486,18 @@ def shutdown() -> None:
     Release every CUDA graph that captured a gather_fold or a2a_fold call first (drop the last reference to the
     torch.cuda.CUDAGraph): such a graph holds NCCL resources, and NCCL's communicator destruction waits for them
     forever while it lives (the same holds for any captured NCCL collective, pytorch/pytorch#115388)."""
-    global _DEFAULT
+    global _DEFAULT, _SHUT_DOWN
     comms = list(_COMMS.values())
+    _SHUT_DOWN = _SHUT_DOWN or _DEFAULT is not None
     _COMMS.clear()
     _DEFAULT = None
-    for comm in reversed(comms):
-        comm.close()
+    try:
+        for comm in reversed(comms):
+            try:
+                comm.close()
+            finally:
+                saved = _SAVED.pop(comm, None)
+                if saved is not None:
+                    saved.restore()
+    finally:
+        _SAVED.clear()

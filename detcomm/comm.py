@@ -12,10 +12,14 @@ Which calls are collective (every rank of the group must make them, in the same 
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import sys
+import threading
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -23,6 +27,8 @@ import torch.distributed as dist
 
 from . import envelope as _env
 from .backends import A2AFoldBackend, GatherFoldBackend, NativeBackend, RsAgFoldBackend
+from .backends.guard import SHUTDOWN, CallHeader, shutdown_header
+from .dtypes import from_name, name_of
 from .numerics.fold import BATCH_INVARIANT, FLOAT_DTYPES, Leaf, select_leaf
 from .route import (
     DEFAULT_MAX_ROWS,
@@ -47,13 +53,13 @@ from .topology import discover as discover_topology
 
 if TYPE_CHECKING:
     from .workspace import Workspace
-from .deadline import is_timeout, peer_timeout
-from .errors import DetcommError, WorkspaceUnavailable
+from .deadline import DEFAULT_TIMEOUT_S, is_timeout, peer_timeout
+from .errors import CollectiveFailed, CollectiveMismatch, ConcurrentCall, DetcommError, WorkspaceUnavailable
 from .numerics import norm as _norm
 from .verify import CallChecker
 from .work import Work
 
-__all__ = ["Communicator", "RouteTable", "RouteEntry"]
+__all__ = ["Communicator", "SiteCall", "RouteTable", "RouteEntry"]
 
 _log = logging.getLogger("detcomm")
 
@@ -124,7 +130,15 @@ class Communicator:
             Route.RS_AG_FOLD: RsAgFoldBackend(self._native, self.leaf),
         }
         self._workspace: Workspace | None = None
+        # One collective call at a time per communicator (SiteCall.run): the ranks pair calls by their order.
+        self._lock = threading.RLock()
+        # The call guard's header (backends/guard.py) applies where messages live in host memory, and needs peers.
+        self._guarded = self.world_size > 1 and (self.device.type == "cpu" or self._native.stage)
+        # The deadline in force, for the errors: init's timeout_s, detcomm's default on a group it creates,
+        # else the group's own (unknown here: None).
+        self.deadline_s: float | None = timeout_s if timeout_s is not None else (DEFAULT_TIMEOUT_S if owns_group else None)
         t0 = time.perf_counter()
+        self._agree_at_init(check=check, selfcheck=selfcheck, default_max_rows=default_max_rows, workspace=workspace)
         self.caps = self._discover_capabilities(workspace, workspace_max_rows, workspace_bytes, timeout_s)
         # Cross-rank call verification (detcomm/verify.py); timeout_s only names the group's timeout in its errors.
         self._verifier = (CallChecker(native=self._native, device=self.device, rank=self.rank,
@@ -133,10 +147,8 @@ class Communicator:
         self.auto = AutoBackend(resolved, self.caps, backends=self._backends,
                                 checker=self._selfchecks if selfcheck else None, leaf=self.leaf.name)
         self._sites: dict[str, Site] = {}
-        self._bound: dict[str, BoundRoute] = {}
-        self._hot: dict[str, _HotSite] = {}  # declared sites' facts for the per-call fast path (_HotSite)
-        self._in_place: set[str] = set()  # sites whose bound route writes in place (route.BoundRoute.in_place)
-        self._calls = 0  # collective calls made on this communicator (named in timeout errors)
+        self._site_calls: dict[str, SiteCall] = {}  # the declared sites' bound calls: every call goes through one
+        self._implicit_where: dict[str, str] = {}  # site declared by its first call -> where that call came from
         self._closed = False
         if selfcheck:
             try:
@@ -159,6 +171,24 @@ class Communicator:
             self._selfchecks.seconds(), seconds)
 
     # -- startup ------------------------------------------------------------------------------------
+    def _agree_at_init(self, **options: object) -> None:
+        """Before any other collective: every rank must run the same envelope, checking mode and options, or
+        the group's calls would pair wrongly later (a self-check one rank skips, a fingerprint one rank does not
+        send). One object all-gather; on a difference every rank raises ``CollectiveMismatch`` naming it."""
+        mine = {**_env.fingerprint(self.resolved), **{k: repr(v) for k, v in options.items()},
+                "device": self.device.type, "W": str(self.world_size)}
+        everyone: list[dict[str, str]] = [{}] * self.world_size
+        dist.all_gather_object(everyone, mine, group=self.group)  # type: ignore[arg-type]
+        differ = [k for k in mine if len({e.get(k) for e in everyone}) > 1]
+        if differ:
+            parts = "; ".join(f"{k}: " + ", ".join(f"rank {r}={e.get(k)}" for r, e in enumerate(everyone))
+                              for k in differ)
+            raise CollectiveMismatch(
+                f"detcomm.init on rank {self.rank}: the ranks initialized differently ({parts}). Give every rank the "
+                "same init arguments and environment (DETCOMM_NUMERICS, DETCOMM_CHECK): detcomm-launch exports "
+                "them to every rank"
+            )
+
     def _discover_capabilities(self, workspace: bool | None, max_rows: int, capacity: int,
                                timeout_s: float | None) -> Capabilities:
         allowed, mc_why = _env.multicast_allowed(self.resolved, hardware_supports=False)
@@ -231,7 +261,7 @@ class Communicator:
         name: str,
         *,
         collective: str | Collective,
-        dtype: torch.dtype,
+        dtype: torch.dtype | str,
         shape: int | Sequence[int],
         max_rows: int,
         op: str | ReduceOp = "sum",
@@ -247,7 +277,7 @@ class Communicator:
         s = Site(
             name=name,
             collective=coll,
-            dtype=dtype,
+            dtype=_dtype(dtype, name),
             shape=tuple(shape),  # type: ignore[arg-type]  # a bool shape raises TypeError here
             max_rows=max_rows,
             op=rop,
@@ -257,26 +287,37 @@ class Communicator:
         )
         return self._declare(s)
 
-    def _declare(self, s: Site) -> Site:
+    def _declare(self, s: Site, *, where: str = "") -> Site:
         existing = self._sites.get(s.name)
         if existing is not None:
             if existing != s:
                 raise ValueError(
-                    f"site {s.name!r} is already declared as {existing.describe()}"
+                    f"site {s.name!r} is {self._declared_as(existing)}"
                     f"{' (route=' + existing.route.value + ')' if existing.route else ''}; the new declaration "
                     f"{s.describe()} contradicts it. A site is static: use another name for the other call."
                 )
             return existing
-        bound = self._bound[s.name] = self.auto.route(s)
+        with self._exclusive(s.name):  # routing may run a self-check: a collective
+            bound = self.auto.route(s)
         self._sites[s.name] = s
-        if bound.in_place:
-            self._in_place.add(s.name)
-        if s.collective in _HOT_COLLECTIVES and self._verifier is None and s.virtual_shards is None:
-            self._hot[s.name] = _HotSite(s, bound.in_place, self.device, self.world_size)
+        self._site_calls[s.name] = SiteCall(self, s, bound)
+        if where:
+            self._implicit_where[s.name] = where
         return s
 
-    def _site_for_call(self, site: str | Site, collective: Collective, x: torch.Tensor, op: ReduceOp, *,
-                       rows_per_rank: Sequence[int] | None = None, uneven: bool = False) -> Site:
+    def _declared_as(self, s: Site) -> str:
+        if s.name in self._implicit_where:
+            return (f"declared implicitly by its first call ({self._implicit_where[s.name]}) as {s.describe()}, "
+                    f"max_rows={s.max_rows} (init's default_max_rows); declare it with detcomm.site() before its "
+                    "first call to choose its shape and rows")
+        return f"declared as {s.describe()}"
+
+    def _resolve(self, site: object, collective: Collective, x: object, op: object, *,
+                 rows_per_rank: Sequence[int] | None = None, uneven: bool = False) -> SiteCall:
+        """The bound call of the site a call names, declaring an undeclared site from its first call. Raises the
+        precise error for a closed communicator, a foreign or unknown site, and a call that contradicts the site's
+        collective or op (the tensor itself is checked by ``SiteCall.check``)."""
+        self._check_open()
         if isinstance(site, Site):
             declared = self._sites.get(site.name)
             if site.group != self.group_label or (declared is not site and declared != site):
@@ -289,52 +330,47 @@ class Communicator:
             name = site
         else:
             raise TypeError(f"site must be a site name (str) or a detcomm Site, got {type(site).__name__}")
-        self._check_tensor(name, x)
-        declared = self._sites.get(name)
-        # The most rows a rank carries: a token_all_gather's largest rows_per_rank entry, else this tensor's.
-        rows = max(rows_per_rank) if rows_per_rank is not None else x.shape[0]
-        if declared is None:
+        rop = _enum(ReduceOp, op, "op", name)
+        sc = self._site_calls.get(name)
+        if sc is None:
+            self._check_tensor(name, x)
+            assert isinstance(x, torch.Tensor)
+            rows = max(rows_per_rank) if rows_per_rank is not None else x.shape[0]
             if rows > self.default_max_rows:
                 raise ValueError(
                     f"site {name!r}: first call carries {rows} rows, more than the default max_rows "
                     f"{self.default_max_rows} of an undeclared site; declare it with detcomm.site({name!r}, ..., "
                     f"max_rows=N) or raise init(default_max_rows=...)"
                 )
-            # Before the implicit declaration: it may run a self-check, itself collective.
-            self._agree(name, collective, op, x, rows_per_rank, uneven)
-            implicit = Site(name, collective, x.dtype, tuple(x.shape[1:]), self.default_max_rows, op,
+            # A declaration that runs a self-check first proves that every rank declares the same site
+            # (SelfChecks); the call itself is then proven by SiteCall.run as every call is. With checking on,
+            # the call's fingerprint goes first instead (every rank's checker then counts the same calls, whether
+            # or not this rank's declaration runs a self-check).
+            implicit = Site(name, collective, x.dtype, tuple(x.shape[1:]), self.default_max_rows, rop,
                             self.group_label, implicit=True)
-            return self._declare(implicit)
+            if self._verifier is not None:
+                with self._exclusive(name):
+                    self._verifier.agree(name, collective, rop, x, rows_per_rank=rows_per_rank,
+                                         uneven=uneven)
+            self._declare(implicit, where=_caller())
+            sc = self._site_calls[name]
+            sc.agreed = self._verifier is not None
+            return sc
+        if sc.virtual and sc.collective is collective and rop is not ReduceOp.SUM:
+            raise ValueError(f"site {name!r} folds {sc.site.virtual_shards} virtual shards: op must be 'sum', got "
+                             f"{rop.value!r}; divide the result for a mean")
         problems = []
-        if declared.collective is not collective:
-            problems.append(f"collective {collective.value} != {declared.collective.value}")
-        if declared.op is not op:
-            problems.append(f"op {op.value} != {declared.op.value}")
-        if x.dtype != declared.dtype:
-            problems.append(f"dtype {str(x.dtype).replace('torch.', '')} != {str(declared.dtype).replace('torch.', '')}")
-        if tuple(x.shape[1:]) != declared.shape:
-            problems.append(f"trailing shape {tuple(x.shape[1:])} != {declared.shape}")
+        if sc.collective is not collective:
+            problems.append(f"collective {collective.value} != {sc.collective.value}")
+        if sc.op is not rop:
+            problems.append(f"op {rop.value} != {sc.op.value}")
         if problems:
-            raise ValueError(
-                f"site {name!r} was declared as {declared.describe()}; this call contradicts it: "
-                f"{'; '.join(problems)}. A site is static: declare another site for this call (or cast/reshape "
-                "the input)."
-            )
-        if rows > declared.max_rows:
-            raise ValueError(
-                f"site {name!r}: {rows} rows exceed the declared max_rows={declared.max_rows}; declare the "
-                f"site with a larger max_rows (the most rows it will ever carry)"
-            )
-        self._agree(name, collective, op, x, rows_per_rank, uneven)
-        return declared
+            raise ValueError(f"site {name!r} was {self._declared_as(sc.site)}; this call contradicts it: "
+                             f"{'; '.join(problems)}. A site is static: declare another site for this call.")
+        return sc
 
-    def _agree(self, name: str, collective: Collective, op: ReduceOp, x: torch.Tensor,
-               rows_per_rank: Sequence[int] | None, uneven: bool) -> None:
-        # After every local validation (a caller error never costs a message), before any collective work.
-        if self._verifier is not None:
-            self._verifier.agree(name, collective, op, x, rows_per_rank=rows_per_rank, uneven=uneven)
-
-    def _check_tensor(self, name: str, x: torch.Tensor) -> None:
+    def _check_tensor(self, name: str, x: object) -> None:
+        """What any call's tensor must be before its site is known (an undeclared site's first call)."""
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"site {name!r}: expected a torch.Tensor, got {type(x).__name__}")
         if x.dtype not in SUPPORTED_DTYPES:
@@ -352,6 +388,34 @@ class Communicator:
             # Refused, not copied: a hidden copy on the hot path costs a full pass over the data, and for a
             # transposed view "row = dim 0" would be ambiguous.
             raise ValueError(f"site {name!r}: tensor is not contiguous; pass x.contiguous()")
+        _check_grad(name, x)
+
+    @contextlib.contextmanager
+    def _exclusive(self, name: str) -> Iterator[None]:
+        if not self._lock.acquire(blocking=False):
+            raise self._busy(name)
+        try:
+            yield
+        finally:
+            self._lock.release()
+
+    def _busy(self, name: str) -> ConcurrentCall:
+        return ConcurrentCall(
+            f"site {name!r} on rank {self.rank}: another thread is inside a collective call of this communicator. "
+            "The ranks pair calls by their order, which two threads cannot keep: make "
+            "one thread issue the group's collectives, or give each thread its own process group and communicator "
+            "(detcomm.init(group=torch.distributed.new_group(...)))"
+        )
+
+    def _failure(self, name: str, call: int, e: RuntimeError) -> DetcommError:
+        """The error a route's library error becomes: it names the site, the call, this rank and the cause."""
+        if is_timeout(e):
+            return peer_timeout(name, call, e, group=self.group, rank=self.rank, timeout_s=self.deadline_s)
+        return CollectiveFailed(
+            f"site {name!r}, call #{call} on rank {self.rank} of {self.world_size}: the collective failed in "
+            f"torch.distributed ({self.backend_name}): {e}. A peer died, closed its process group, or made another "
+            "call; the first rank that failed is the one to look at (detcomm-launch names it)"
+        )
 
     # -- collectives --------------------------------------------------------------------------------
     def all_reduce(self, x: torch.Tensor, site: str | Site, *, op: str = "sum", out: torch.Tensor | None = None,
@@ -362,17 +426,16 @@ class Communicator:
         ``detcomm.Work`` handle instead (``.wait()``, ``.result()``). Collective.
 
         On a virtual-shard site ``x`` is this rank's [V/W, rows, *shape] fp32 partial sums and the result is
-        [rows, *shape] in the site's dtype (see ``_virtual``)."""
-        done = self._fast(Collective.ALL_REDUCE, x, site, op, out, async_op)
-        if done is not _REFUSED:
-            return done  # type: ignore[return-value]
-        self._check_open()
-        vs = self._virtual_site(site)
-        if vs is not None:
-            return self._virtual(vs, Collective.ALL_REDUCE, x, op, out, async_op)
-        s = self._site_for_call(site, Collective.ALL_REDUCE, x, _enum(ReduceOp, op, "op", site))
-        self._check_out(s.name, out, x, tuple(x.shape))
-        return self._finish(self._call(s, x, CallArgs(out=_separate(out, x, s.name in self._in_place))), out, async_op)
+        [rows, *shape] in the site's dtype (docs/spec.md §9.1)."""
+        sc = self._site_calls.get(site if type(site) is str else _name_of(site))  # the hot path: one lookup
+        if sc is None or sc.collective is not Collective.ALL_REDUCE or op != sc.op or (type(site) is not str and site is not sc.site):
+            sc = self._resolve(site, Collective.ALL_REDUCE, x, op)
+        target = sc.check(x, out)
+        result = sc.run(x, NO_ARGS if target is None else CallArgs(out=target))
+        if out is not None and result is not out:
+            out.copy_(result)
+            result = out
+        return Work(result) if async_op else result
 
     def reduce_scatter(self, x: torch.Tensor, site: str | Site, *, op: str = "sum", out: torch.Tensor | None = None,
                        async_op: bool = False) -> torch.Tensor | Work:
@@ -380,86 +443,37 @@ class Communicator:
         ``out`` (``x.shape[0] // W`` rows) and ``async_op`` as for ``all_reduce``. Collective.
 
         On a virtual-shard site ``x`` is this rank's [V/W, rows, *shape] fp32 partial sums and rank r receives
-        row block r of the folded [rows, *shape] result, in the site's dtype (see ``_virtual``)."""
-        done = self._fast(Collective.REDUCE_SCATTER, x, site, op, out, async_op)
-        if done is not _REFUSED:
-            return done  # type: ignore[return-value]
-        self._check_open()
-        vs = self._virtual_site(site)
-        if vs is not None:
-            return self._virtual(vs, Collective.REDUCE_SCATTER, x, op, out, async_op)
-        rop = _enum(ReduceOp, op, "op", site)
-        name = site.name if isinstance(site, Site) else site
-        if isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[0] % self.world_size:
-            raise ValueError(
-                f"site {name!r}: reduce_scatter needs a row count divisible by the world size {self.world_size} "
-                f"(rank r receives row block r); got {x.shape[0]} rows: pad to {-(-x.shape[0] // self.world_size) * self.world_size}"
-            )
-        s = self._site_for_call(site, Collective.REDUCE_SCATTER, x, rop)
-        self._check_out(s.name, out, x, (x.shape[0] // self.world_size, *x.shape[1:]))
-        return self._finish(self._call(s, x, CallArgs(out=_separate(out, x, s.name in self._in_place))), out, async_op)
+        row block r of the folded [rows, *shape] result, in the site's dtype (docs/spec.md §9.1)."""
+        sc = self._site_calls.get(site if type(site) is str else _name_of(site))
+        if sc is None or sc.collective is not Collective.REDUCE_SCATTER or op != sc.op or (type(site) is not str and site is not sc.site):
+            if isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[0] % self.world_size and not (
+                    isinstance(site, (str, Site)) and self._is_virtual(site)):
+                name = site.name if isinstance(site, Site) else site
+                raise ValueError(_rs_rows(name, x.shape[0], self.world_size))
+            sc = self._resolve(site, Collective.REDUCE_SCATTER, x, op)
+        target = sc.check(x, out)
+        result = sc.run(x, NO_ARGS if target is None else CallArgs(out=target))
+        if out is not None and result is not out:
+            out.copy_(result)
+            result = out
+        return Work(result) if async_op else result
 
-    def _virtual_site(self, site: str | Site) -> Site | None:
-        """The declared virtual-shard site a call names, or None (every other case takes the plain path, which
-        reports unknown or foreign sites)."""
-        declared = self._sites.get(site.name if isinstance(site, Site) else site) if isinstance(site, (str, Site)) else None
-        if declared is None or declared.virtual_shards is None:
-            return None
-        if isinstance(site, Site) and site != declared:
-            return None  # the plain path raises: declared differently on this group
-        return declared
-
-    def _virtual(self, s: Site, collective: Collective, partials: torch.Tensor, op: str, out: torch.Tensor | None,
-                 async_op: bool) -> torch.Tensor | Work:
-        """A call of a virtual-shard site (docs/spec.md §9.1), validated before any communication.
-
-        ``partials``: float32 [V/W, rows, *shape], this rank's shards in order (slab j is global shard
-        r*V/W + j, r this rank). Result: the canonical fold over shards 0..V-1 from +0.0 in fp32, rounded once to
-        the site's dtype (``detcomm.numerics.fold.reference_fold`` of all V partials stacked): the same bits for every
-        W that divides V, W = 1 included. A reduce-scatter returns row block r of it (rows divisible by W)."""
-        name, v, w = s.name, s.virtual_shards, self.world_size
-        assert v is not None
-        k = v // w
-        if _enum(ReduceOp, op, "op", name) is not ReduceOp.SUM:
-            raise ValueError(f"site {name!r} folds {v} virtual shards: op must be 'sum', got {op!r}; divide the "
-                             "result for a mean")
-        if s.collective is not collective:
-            raise ValueError(f"site {name!r} was declared as {s.describe()}; this call is a {collective.value}: "
-                             "declare another site for it")
-        self._check_tensor(name, partials)
-        want = f"float32 [V/W={k}, rows, {', '.join(map(str, s.shape))}]"
-        mine = f"this rank's {k} fp32 partial sums (shards {self.rank * k}..{self.rank * k + k - 1} of {v})"
-        if partials.dtype != torch.float32:
-            raise ValueError(f"site {name!r}: a virtual-shard call takes {mine} as {want}; got dtype "
-                             f"{str(partials.dtype).replace('torch.', '')}: pass the GEMM's fp32 partials "
-                             "(out_dtype=torch.float32), not values rounded to the output dtype")
-        if partials.dim() != 2 + len(s.shape) or partials.shape[0] != k or tuple(partials.shape[2:]) != s.shape:
-            raise ValueError(f"site {name!r}: a virtual-shard call takes {mine} as {want}; got shape "
-                             f"{list(partials.shape)}: stack this rank's shards on dim 0 (V={v}, W={w})")
-        rows = partials.shape[1]
-        if rows > s.max_rows:
-            raise ValueError(f"site {name!r}: {rows} rows exceed the declared max_rows={s.max_rows}; declare the "
-                             "site with a larger max_rows (the most rows it will ever carry)")
-        out_rows = rows
-        if collective is Collective.REDUCE_SCATTER:
-            if rows % w:
-                raise ValueError(f"site {name!r}: reduce_scatter needs a row count divisible by the world size {w} "
-                                 f"(rank r receives row block r); got {rows} rows: pad to {-(-rows // w) * w}")
-            out_rows = rows // w
-        self._check_out(name, out, partials, (out_rows, *s.shape), dtype=s.dtype)
-        self._agree(name, collective, ReduceOp.SUM, partials, None, False)
-        return self._finish(self._call(s, partials, NO_ARGS), out, async_op)
+    def _is_virtual(self, site: str | Site) -> bool:
+        sc = self._site_calls.get(site.name if isinstance(site, Site) else site)
+        return sc is not None and sc.site.virtual_shards is not None
 
     def all_gather(self, x: torch.Tensor, site: str | Site, *, out: torch.Tensor | None = None,
                    async_op: bool = False) -> torch.Tensor | Work:
         """Every rank's ``x`` concatenated along dim 0 in rank order (``out``: ``W * rows`` rows). Collective."""
-        done = self._fast(Collective.ALL_GATHER, x, site, ReduceOp.SUM, out, async_op)
-        if done is not _REFUSED:
-            return done  # type: ignore[return-value]
-        self._check_open()
-        s = self._site_for_call(site, Collective.ALL_GATHER, x, ReduceOp.SUM)
-        self._check_out(s.name, out, x, (x.shape[0] * self.world_size, *x.shape[1:]))
-        return self._finish(self._call(s, x, CallArgs(out=_separate(out, x, s.name in self._in_place))), out, async_op)
+        sc = self._site_calls.get(site if type(site) is str else _name_of(site))
+        if sc is None or sc.collective is not Collective.ALL_GATHER or (type(site) is not str and site is not sc.site):
+            sc = self._resolve(site, Collective.ALL_GATHER, x, ReduceOp.SUM)
+        target = sc.check(x, out)
+        result = sc.run(x, NO_ARGS if target is None else CallArgs(out=target))
+        if out is not None and result is not out:
+            out.copy_(result)
+            result = out
+        return Work(result) if async_op else result
 
     def all_reduce_residual_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, *,
                                     eps: float, site: str | Site) -> tuple[torch.Tensor, torch.Tensor]:
@@ -469,77 +483,12 @@ class Communicator:
         name = site.name if isinstance(site, Site) else site
         _norm._check_add(f"site {name!r}: all_reduce_residual_rmsnorm", x, residual, weight)
         _norm.eps_fp32(eps)
-        s = self._site_for_call(site, Collective.ALL_REDUCE_RMSNORM, x, ReduceOp.SUM)
-        fused = getattr(self._bound[s.name], "fused", None)  # the workspace's fused kernel, where routing chose it
-        if fused is not None:
-            self._calls += 1
-            return fused(x, residual, weight, eps)  # type: ignore[no-any-return]
-        return _norm.add_rms_norm(self._call(s, x, NO_ARGS), residual, weight, eps=eps)
-
-    def _fast(self, collective: Collective, x: torch.Tensor, site: str | Site, op: object, out: torch.Tensor | None,
-              async_op: bool) -> object:
-        """A declared site called as declared: one dict lookup and one comparison per cached fact
-        (_HotSite.admits), then the route. Returns the call's result, or _REFUSED for anything else (a first
-        call, a contradiction, a wrong type, a closed communicator: close() empties the cache), which the caller
-        sends through the full checks, where the precise error is raised."""
-        hot = self._hot.get(site) if type(site) is str else (self._hot.get(site.name) if type(site) is Site else None)
-        if hot is None or hot.collective is not collective or (type(site) is not str and hot.site is not site) or op != hot.op:
-            return _REFUSED
-        target = hot.admits(x, out)
-        if target is _REFUSED:
-            return _REFUSED
-        self._calls += 1
-        try:
-            # Through _bound, the one table of bound routes (tests and benches swap entries in it).
-            result = self._bound[hot.site.name](x, NO_ARGS if target is None else _out_args(target))  # type: ignore[arg-type]
-        except RuntimeError as e:  # as in _call
-            if isinstance(e, DetcommError) or not is_timeout(e):
-                raise
-            raise peer_timeout(hot.site.name, self._calls, e, group=self.group, rank=self.rank) from e
-        if out is not None and result is not out:
-            out.copy_(result)
-            result = out
-        return Work(result) if async_op else result
-
-    def _call(self, s: Site, x: torch.Tensor, args: CallArgs) -> torch.Tensor:
-        """Every collective call goes through here: the site's bound route, with a timeout translated into a
-        PeerTimeout that names the site, the call number and the ranks that never reached the call."""
-        self._calls += 1
-        try:
-            return self._bound[s.name](x, args)
-        except RuntimeError as e:  # torch.distributed.DistError derives from it
-            if isinstance(e, DetcommError) or not is_timeout(e):
-                raise
-            raise peer_timeout(s.name, self._calls, e, group=self.group, rank=self.rank) from e
-
-    def _check_out(self, name: str, out: torch.Tensor | None, x: torch.Tensor, shape: tuple[int, ...], *,
-                   dtype: torch.dtype | None = None) -> None:
-        """Validate a caller's output buffer before any communication (``dtype``: the result's, default x's)."""
-        if out is None:
-            return
-        dtype = x.dtype if dtype is None else dtype
-        if not isinstance(out, torch.Tensor):
-            raise TypeError(f"site {name!r}: out must be a torch.Tensor, got {type(out).__name__}")
-        if tuple(out.shape) != shape or out.dtype != dtype or out.device != x.device:
-            raise ValueError(
-                f"site {name!r}: out must be a {str(dtype).replace('torch.', '')} tensor of shape {list(shape)} on "
-                f"{x.device}, got {str(out.dtype).replace('torch.', '')} {list(out.shape)} on {out.device}"
-            )
-        if not out.is_contiguous():
-            raise ValueError(f"site {name!r}: out is not contiguous; pass a contiguous buffer")
-        if out.data_ptr() != x.data_ptr() and _overlap(out, x):
-            raise ValueError(f"site {name!r}: out partially overlaps the input; pass out=x (in place) or a "
-                             "separate buffer")
-
-    @staticmethod
-    def _finish(result: torch.Tensor, out: torch.Tensor | None, async_op: bool) -> torch.Tensor | Work:
-        if out is not None and result is not out:
-            out.copy_(result)
-            result = out
-        return Work(result) if async_op else result
+        sc = self._resolve(site, Collective.ALL_REDUCE_RMSNORM, x, ReduceOp.SUM)
+        sc.check(x, None)
+        return sc.run_norm(x, residual, weight, eps)
 
     def token_all_gather(self, x: torch.Tensor, site: str | Site, *, rows_per_rank: Sequence[int]) -> torch.Tensor:
-        """Uneven all-gather: rank r contributes ``rows_per_rank[r]`` rows; concatenated in rank order."""
+        """Uneven all-gather: rank r contributes ``rows_per_rank[r]`` rows; concatenated in rank order. Collective."""
         self._check_open()
         name = site.name if isinstance(site, Site) else site
         counts = _int_list(rows_per_rank, name, "rows_per_rank")
@@ -550,12 +499,16 @@ class Communicator:
                 f"site {name!r}: this rank ({self.rank}) passes {x.shape[0]} rows but rows_per_rank[{self.rank}] = "
                 f"{counts[self.rank]}; every rank must pass the same rows_per_rank"
             )
-        s = self._site_for_call(site, Collective.TOKEN_ALL_GATHER, x, ReduceOp.SUM, rows_per_rank=counts)
-        return self._call(s, x, CallArgs(rows_per_rank=tuple(counts)))
+        sc = self._resolve(site, Collective.TOKEN_ALL_GATHER, x, ReduceOp.SUM, rows_per_rank=counts)
+        if max(counts) > sc.site.max_rows:
+            raise ValueError(f"site {name!r}: rows_per_rank {counts} exceeds the declared max_rows="
+                             f"{sc.site.max_rows}; declare the site with a larger max_rows")
+        sc.check(x, None)
+        return sc.run(x, CallArgs(rows_per_rank=tuple(counts)), rows_per_rank=counts)
 
     def all_to_all(self, x: torch.Tensor, site: str | Site, *, splits: Sequence[int] | None = None,
                    out_splits: Sequence[int] | None = None) -> torch.Tensor:
-        """Rank r sends its row block q to rank q and receives, in rank order, every rank's block r.
+        """Rank r sends its row block q to rank q and receives, in rank order, every rank's block r. Collective.
 
         ``splits=None``: even blocks (rows divisible by W). Otherwise ``splits[q]`` rows go to rank q; the
         counts each rank receives are exchanged first (one small extra all-to-all), unless the caller already
@@ -583,18 +536,18 @@ class Communicator:
             known = _int_list(out_splits, name, "out_splits")
             if len(known) != self.world_size:
                 raise ValueError(f"site {name!r}: out_splits has {len(known)} entries, the group has {self.world_size} ranks")
-        s = self._site_for_call(site, Collective.ALL_TO_ALL, x, ReduceOp.SUM, uneven=splits is not None)
+        sc = self._resolve(site, Collective.ALL_TO_ALL, x, ReduceOp.SUM, uneven=splits is not None)
+        sc.check(x, None)
         if splits is None:
             n = x.shape[0] // self.world_size
-            ins = outs = [n] * self.world_size
-        else:
-            ins = in_splits
-            outs = self._native.exchange_splits(ins, self.device) if known is None else known
-        return self._call(s, x, CallArgs(in_splits=tuple(ins), out_splits=tuple(outs)))
+            return sc.run(x, CallArgs(in_splits=(n,) * self.world_size, out_splits=(n,) * self.world_size))
+        with self._exclusive(name):  # the count exchange and the call are one collective call
+            outs = known if known is not None else self._native.exchange_splits(in_splits, self.device)
+            return sc.run(x, CallArgs(in_splits=tuple(in_splits), out_splits=tuple(outs)), uneven=True)
 
     def argmax(self, logits_shard: torch.Tensor, site: str | Site, *, vocab_start: int) -> torch.Tensor:
         """Vocabulary-parallel argmax: int64 global index per row; lowest index on exact ties; -0.0 == +0.0;
-        NaN counts as the largest value (as torch.argmax)."""
+        NaN counts as the largest value (as torch.argmax). Collective."""
         self._check_open()
         name = site.name if isinstance(site, Site) else site
         if isinstance(vocab_start, bool) or not isinstance(vocab_start, int):
@@ -608,8 +561,9 @@ class Communicator:
                 raise ValueError(f"site {name!r}: argmax takes floating-point logits, got {logits_shard.dtype}")
             if vocab_start + logits_shard.shape[1] > 2**31:
                 raise ValueError(f"site {name!r}: global vocabulary indices must stay below 2**31")
-        s = self._site_for_call(site, Collective.ARGMAX, logits_shard, ReduceOp.MAX)
-        return self._call(s, logits_shard, CallArgs(vocab_start=vocab_start))
+        sc = self._resolve(site, Collective.ARGMAX, logits_shard, ReduceOp.MAX)
+        sc.check(logits_shard, None)
+        return sc.run(logits_shard, CallArgs(vocab_start=vocab_start))
 
     # -- introspection and lifecycle ----------------------------------------------------------------
     def routes(self) -> RouteTable:
@@ -621,122 +575,285 @@ class Communicator:
         """Every self-check run on this group so far, in order (local)."""
         return list(self._selfchecks.results.values())
 
+    def synchronize(self) -> None:
+        """Wait for this rank's device work and raise ``WorkspaceFailed`` if a workspace call failed (local).
+
+        A workspace call returns once its kernel is enqueued; its failure is raised at this rank's next detcomm
+        call or here. ``torch.cuda.synchronize()`` waits for the kernels but reads no failure record: call this
+        before trusting the outputs of the last calls (docs/spec.md §9.3). A no-op on CPU groups."""
+        self._check_open()
+        if self._workspace is not None:
+            self._workspace.synchronize()
+        elif self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
     def close(self) -> None:
         """Release this communicator's resources (collective). The process group is destroyed only if
-        ``detcomm.init`` created it."""
+        ``detcomm.init`` created it.
+
+        On a group init created, the ranks first exchange the call guard's shutdown header (host-memory groups;
+        the call checker's fingerprint with checking on), so a rank that shuts down while its peers still call a
+        site makes every rank raise ``CollectiveMismatch`` naming it at once, instead of leaving the group to the
+        deadline; this rank's resources are released either way."""
         if self._closed:
             return
         self._closed = True
-        self._hot.clear()
+        calls = sum(sc.calls for sc in self._site_calls.values())
+        self._site_calls.clear()
+        failed: BaseException | None = None
+        try:
+            # Only where close is collective anyway (it ends with the barrier of the group it destroys); on a
+            # caller's group closing a communicator stays local.
+            if self.owns_group and self._verifier is not None:
+                self._verifier.agree(SHUTDOWN, Collective.ALL_GATHER, ReduceOp.SUM,
+                                     torch.empty(0, device=self.device))
+            elif self.owns_group and self._guarded:
+                shutdown_header(self._native, device=self.device, calls=calls)
+        except RuntimeError as e:
+            failed = e if isinstance(e, DetcommError) else self._failure(SHUTDOWN, 1, e)
         if self._workspace is not None:
-            self._workspace.close()
+            if failed is None:
+                self._workspace.close()
+            else:
+                self._workspace.abort()
             self._workspace = None
         if self.owns_group and dist.is_initialized():
             # Every rank leaves its last collective before any rank tears its transport down; without this a
             # gloo rank can be torn down under a peer still draining the final message (abort at exit).
-            dist.barrier(group=self.group)
+            if failed is None:
+                dist.barrier(group=self.group)
             dist.destroy_process_group()
         # Drop every reference to the process group: a ProcessGroup object outliving destroy_process_group is
         # finalized at interpreter exit, where gloo's worker threads can abort the process.
-        # Every holder of the native backend counts: the bound routes, the call checker, the self-checks, the router.
+        # Every holder of the native backend counts: the bound calls, the call checker, the self-checks, the router.
         self._backends.clear()
-        self._bound.clear()
         self._verifier = None
         self._selfchecks = None  # type: ignore[assignment]
         self.auto.release()
         self._native = None  # type: ignore[assignment]
         self.group = None  # type: ignore[assignment]
+        if failed is not None:
+            raise failed
 
     def _check_open(self) -> None:
         if self._closed:
-            raise DetcommError("this detcomm communicator is shut down; call detcomm.init() again")
+            raise DetcommError("this detcomm communicator was shut down (detcomm.shutdown() or close()); call "
+                               "detcomm.init() again for a new one")
+
+    @property
+    def _bound(self) -> dict[str, BoundRoute]:
+        """The declared sites' bound routes, by name (read-only view; ``SiteCall.bound`` is the one a call uses)."""
+        return {name: sc.bound for name, sc in self._site_calls.items()}
 
 
-def _separate(out: torch.Tensor | None, x: torch.Tensor, in_place: bool) -> torch.Tensor | None:
-    """``out`` when the route may write it directly: a separate buffer, or x itself (in place) where the site's
-    route writes in place (route.BoundRoute.in_place); else None, and the communicator copies the finished
-    result into x."""
-    if out is None or (out.data_ptr() == x.data_ptr() and not in_place):
-        return None
-    return out
+class SiteCall:
+    """One declared site's call path, built once at declaration; every entry (eager, ``out=``, async, the fused
+    norm, graph capture) goes through it.
 
+    ``check(x, out)`` is the site's one validator: each fact a call must match (type, dtype, trailing shape,
+    rows, device, contiguity, autograd, the output's shape, dtype, device and overlap) is one comparison against
+    a value cached here, and a failed comparison raises its precise error, before any communication.
+    ``run(x, args)`` is the one way a call reaches the route: it refuses a second thread, counts the site's user
+    calls, proves across ranks that every rank makes this call (``init(check=True)``'s full comparison, else the
+    call guard's fixed-size header, backends/guard.py), calls the bound route and turns a library error into a
+    ``PeerTimeout`` or ``CollectiveFailed`` that names the site, the call, this rank and the cause."""
 
-_REFUSED = object()  # _HotSite.admits: the call needs the full checks
+    __slots__ = ("comm", "site", "name", "bound", "collective", "op", "dtype", "in_dtype", "ndim", "row_dim",
+                 "width", "tail", "lead", "max_rows", "device", "in_place", "mul", "div", "header", "calls",
+                 "virtual", "fused", "agreed")
 
-
-def _out_args(out: torch.Tensor) -> CallArgs:
-    """``CallArgs(out=out)`` at a third of the cost: a frozen dataclass's __init__ sets every field through
-    object.__setattr__, while the other fields' defaults are class attributes a bare instance already reads."""
-    args = object.__new__(CallArgs)
-    object.__setattr__(args, "out", out)
-    return args
-
-
-# The collectives whose calls take the fast path (Communicator._fast); the others always take the full checks.
-_HOT_COLLECTIVES = (Collective.ALL_REDUCE, Collective.REDUCE_SCATTER, Collective.ALL_GATHER)
-
-
-class _HotSite:
-    """A declared site's facts, cached at declaration for the per-call fast path (Communicator._fast): what a
-    call must match (collective, op, dtype, trailing shape, rows, device, contiguity, the output's shape), each
-    one comparison, and whether its route writes in place. Only sites without cross-rank call checking are
-    cached (init(check=True) checks every call in full)."""
-
-    __slots__ = ("site", "collective", "op", "dtype", "ndim", "tail", "width", "max_rows", "device", "in_place", "mul",
-                 "div")
-
-    def __init__(self, site: Site, in_place: bool, device: torch.device, world_size: int) -> None:
+    def __init__(self, comm: Communicator, site: Site, bound: BoundRoute) -> None:
+        self.comm = comm
         self.site = site
+        self.name = site.name
+        self.bound = bound
         self.collective = site.collective
         self.op = site.op
         self.dtype = site.dtype
-        self.ndim = 1 + len(site.shape)
+        v = site.virtual_shards
+        self.virtual = v is not None
+        # A virtual-shard call passes this rank's V/W fp32 partials [V/W, rows, *shape] (docs/spec.md §9.1).
+        self.lead: tuple[int, ...] = () if v is None else (v // comm.world_size,)
+        self.in_dtype = torch.float32 if self.virtual else site.dtype
+        self.row_dim = len(self.lead)
+        self.ndim = self.row_dim + 1 + len(site.shape)
         self.tail = site.shape
-        # One trailing dimension (a hidden size: the usual site) is compared as an int: slicing a torch.Size builds
-        # a new one on every call. None: compare the whole trailing shape.
-        self.width = site.shape[0] if len(site.shape) == 1 else None
+        # One trailing dimension (a hidden size: the usual site) is compared as an int: slicing a torch.Size
+        # builds a new one on every call. None: compare the whole trailing shape.
+        self.width = site.shape[0] if len(site.shape) == 1 and not self.virtual else None
         self.max_rows = site.max_rows
-        self.device = device
-        self.in_place = in_place
+        self.device = comm.device
+        self.in_place = bound.in_place and not self.virtual
         # The output's rows are the input's * mul // div; a reduce_scatter's input rows must divide by div.
-        self.mul = world_size if site.collective is Collective.ALL_GATHER else 1
-        self.div = world_size if site.collective is Collective.REDUCE_SCATTER else 1
+        self.mul = comm.world_size if site.collective is Collective.ALL_GATHER else 1
+        self.div = comm.world_size if site.collective is Collective.REDUCE_SCATTER else 1
+        self.header = CallHeader(site, native=comm._native, device=comm.device) if comm._guarded else None
+        self.calls = 0  # this site's user calls on this communicator (named in errors; self-checks not counted)
+        self.fused = getattr(bound, "fused", None)  # the workspace's fused norm kernel, where routing chose it
+        self.agreed = False  # the next call's fingerprint was already compared (Communicator._resolve)
 
-    def admits(self, x: object, out: object) -> object:
-        """What the route gets as ``CallArgs.out`` (None: allocate) when ``x`` and ``out`` pass every check the
-        full path makes; ``_REFUSED`` otherwise (the full path then raises the precise error)."""
-        if type(x) is not torch.Tensor:
-            return _REFUSED
+    def check(self, x: object, out: object) -> torch.Tensor | None:
+        """Validate a call (see the class docstring); returns what the route gets as ``CallArgs.out`` (None:
+        it allocates, and the collective copies the result into ``out``)."""
+        if type(x) is not torch.Tensor and not isinstance(x, torch.Tensor):
+            raise TypeError(f"site {self.name!r}: expected a torch.Tensor, got {type(x).__name__}")
         sh = x.shape
-        if (len(sh) != self.ndim or sh[0] > self.max_rows or x.dtype is not self.dtype
-                or (sh[1] != self.width if self.width is not None else sh[1:] != self.tail)
-                or x.device != self.device or not x.is_contiguous() or sh[0] % self.div):
-            return _REFUSED
+        if (len(sh) != self.ndim or x.dtype is not self.in_dtype
+                or (sh[1] != self.width if self.width is not None else sh[self.row_dim + 1:] != self.tail)
+                or (self.virtual and sh[0] != self.lead[0])):
+            self._contradiction(x)
+        rows = sh[self.row_dim]
+        if rows > self.max_rows:
+            raise ValueError(f"site {self.name!r}: {rows} rows exceed the declared max_rows={self.max_rows}; "
+                             "declare the site with a larger max_rows (the most rows it will ever carry)")
+        if rows % self.div:
+            raise ValueError(_rs_rows(self.name, rows, self.div))
+        if x.device != self.device:
+            self.comm._check_tensor(self.name, x)
+        if not x.is_contiguous():
+            raise ValueError(f"site {self.name!r}: tensor is not contiguous; pass x.contiguous()")
+        if x.requires_grad:
+            _check_grad(self.name, x)
         if out is None:
             return None
         if out is x:
             return x if self.in_place else None
-        if type(out) is not torch.Tensor or out.dtype is not self.dtype or out.device != self.device:
-            return _REFUSED
+        if type(out) is not torch.Tensor and not isinstance(out, torch.Tensor):
+            raise TypeError(f"site {self.name!r}: out must be a torch.Tensor, got {type(out).__name__}")
         osh = out.shape
-        if self.mul == self.div == 1:
-            if osh != sh:
-                return _REFUSED
-        elif len(osh) != self.ndim or osh[0] != sh[0] * self.mul // self.div or osh[1:] != sh[1:]:
-            return _REFUSED
+        if self.mul == self.div == 1 and not self.virtual:
+            bad = osh != sh
+        else:
+            bad = (len(osh) != 1 + len(self.tail) or osh[0] != rows * self.mul // self.div
+                   or osh[1:] != sh[self.row_dim + 1:])
+        if bad or out.dtype is not self.dtype or out.device != self.device:
+            want = [rows * self.mul // self.div, *self.tail]
+            raise ValueError(
+                f"site {self.name!r}: out must be a {name_of(self.dtype)} tensor of shape {want} on {self.device}, "
+                f"got {str(out.dtype).replace('torch.', '')} {list(osh)} on {out.device}"
+            )
         if not out.is_contiguous():
-            return _REFUSED
+            raise ValueError(f"site {self.name!r}: out is not contiguous; pass a contiguous buffer")
         a, b = out.data_ptr(), x.data_ptr()
         if a == b:  # x's bytes (x itself, or another view of them): in place
             return out if self.in_place else None
-        if a < b + x.nbytes and b < a + out.nbytes:  # a partial overlap: refused by the full path
-            return _REFUSED
-        return out
+        if a < b + x.nbytes and b < a + out.nbytes:
+            raise ValueError(f"site {self.name!r}: out partially overlaps the input; pass out=x (in place) or a "
+                             "separate buffer")
+        return None if self.virtual else out
+
+    def _contradiction(self, x: torch.Tensor) -> None:
+        name, s = self.name, self.site
+        if x.dim() < 1:
+            raise ValueError(f"site {name!r}: expected a tensor of rows (at least 1-D, dim 0 = rows), got a 0-d tensor")
+        if self.virtual:
+            k, v = self.lead[0], s.virtual_shards
+            r = self.comm.rank
+            want = f"float32 [V/W={k}, rows, {', '.join(map(str, s.shape))}]"
+            mine = f"this rank's {k} fp32 partial sums (shards {r * k}..{r * k + k - 1} of {v})"
+            if x.dtype != torch.float32:
+                raise ValueError(f"site {name!r}: a virtual-shard call takes {mine} as {want}; got dtype "
+                                 f"{str(x.dtype).replace('torch.', '')}: pass the GEMM's fp32 partials "
+                                 "(out_dtype=torch.float32), not values rounded to the output dtype")
+            raise ValueError(f"site {name!r}: a virtual-shard call takes {mine} as {want}; got shape "
+                             f"{list(x.shape)}: stack this rank's shards on dim 0 (V={v}, W={self.comm.world_size})")
+        problems = []
+        if x.dtype != s.dtype:
+            problems.append(f"dtype {str(x.dtype).replace('torch.', '')} != {name_of(s.dtype)}")
+        if tuple(x.shape[1:]) != s.shape:
+            problems.append(f"trailing shape {tuple(x.shape[1:])} != {s.shape}")
+        raise ValueError(
+            f"site {name!r} was {self.comm._declared_as(s)}; this call contradicts it: {'; '.join(problems)}. "
+            "A site is static: declare another site for this call (or cast/reshape the input)."
+        )
+
+    def run(self, x: torch.Tensor, args: CallArgs, *, rows_per_rank: Sequence[int] | None = None,
+            uneven: bool = False) -> torch.Tensor:
+        """The call through the bound route (see the class docstring). Collective."""
+        comm = self.comm
+        if not comm._lock.acquire(False):
+            raise comm._busy(self.name)
+        try:
+            self.calls += 1
+            if comm._verifier is not None:
+                if self.agreed:  # the first call's fingerprint went before the site's implicit declaration
+                    self.agreed = False
+                else:
+                    comm._verifier.agree(self.name, self.collective, self.op, x, rows_per_rank=rows_per_rank,
+                                         uneven=uneven)
+            elif self.header is not None:
+                self.header.exchange(self.calls, -1 if uneven or rows_per_rank is not None else x.shape[self.row_dim],
+                                     rows_per_rank)
+            return self.bound(x, args)
+        except RuntimeError as e:  # torch.distributed.DistError derives from it
+            if isinstance(e, DetcommError):
+                raise
+            raise comm._failure(self.name, self.calls, e) from e
+        finally:
+            comm._lock.release()
+
+    def run_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """An all_reduce_residual_rmsnorm call: the fused kernel where routing chose it, else the all-reduce
+        through ``run`` and the canonical norm. Collective."""
+        if self.fused is None:
+            return _norm.add_rms_norm(self.run(x, NO_ARGS), residual, weight, eps=eps)
+        comm = self.comm
+        if not comm._lock.acquire(False):
+            raise comm._busy(self.name)
+        try:
+            self.calls += 1
+            if comm._verifier is not None:
+                comm._verifier.agree(self.name, self.collective, self.op, x)
+            elif self.header is not None:
+                self.header.exchange(self.calls, x.shape[0], None)
+            return self.fused(x, residual, weight, eps)  # type: ignore[no-any-return]
+        except RuntimeError as e:
+            if isinstance(e, DetcommError):
+                raise
+            raise comm._failure(self.name, self.calls, e) from e
+        finally:
+            comm._lock.release()
 
 
-def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    a0, b0 = a.data_ptr(), b.data_ptr()
-    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+def _name_of(site: object) -> str:
+    """A Site's name ("" for anything else; the identity test after the lookup sends it to the resolution)."""
+    return site.name if type(site) is Site else ""
+
+
+def _check_grad(name: str, x: torch.Tensor) -> None:
+    if x.requires_grad and torch.is_grad_enabled():
+        raise ValueError(
+            f"site {name!r}: the input requires grad, and detcomm's collectives are forward-only (no backward: "
+            "gradients would silently stop here). Call it under torch.no_grad() / torch.inference_mode() "
+            "(serving), pass x.detach(), or use torch.distributed.nn.functional's collectives to train through it"
+        )
+
+
+def _rs_rows(name: str, rows: int, w: int) -> str:
+    return (f"site {name!r}: reduce_scatter needs a row count divisible by the world size {w} (rank r receives "
+            f"row block r); got {rows} rows: pad to {-(-rows // w) * w}")
+
+
+def _dtype(dtype: object, name: str) -> torch.dtype:
+    """A site's dtype: a torch dtype, or its name ("bfloat16")."""
+    if isinstance(dtype, str):
+        return from_name(dtype.removeprefix("torch."))
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"site {name!r}: dtype must be a torch.dtype or its name (\"bfloat16\"), got {dtype!r}")
+    if dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"site {name!r}: dtype {dtype} is not supported; use one of "
+                         f"{[str(d) for d in SUPPORTED_DTYPES]}")
+    return dtype
+
+
+def _caller() -> str:
+    """file:line of the first frame outside detcomm (where an implicit declaration came from)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    f = sys._getframe(1)
+    while f is not None and os.path.abspath(f.f_code.co_filename).startswith(here + os.sep):
+        f = f.f_back  # type: ignore[assignment]
+    return "unknown caller" if f is None else f"{f.f_code.co_filename}:{f.f_lineno}"
 
 
 def _enum(cls, value, what: str, site: object = None):  # type: ignore[no-untyped-def]

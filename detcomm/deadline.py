@@ -89,7 +89,8 @@ def timeout_reports(prefix: str, rank: int, ranks: list[int], mine: str, *, grac
     return answer[0] if done.wait(grace_s + reply_s) else None
 
 
-def peer_timeout(site: str, call: int, e: BaseException, *, group: dist.ProcessGroup, rank: int) -> PeerTimeout:
+def peer_timeout(site: str, call: int, e: BaseException, *, group: dist.ProcessGroup, rank: int,
+                 timeout_s: float | None = None) -> PeerTimeout:
     """The PeerTimeout to raise for a timed-out call of ``site`` (call number ``call`` of this communicator).
 
     Ranks that timed out too report where (a ring lets a rank finish a call its neighbour is still waiting in,
@@ -110,7 +111,8 @@ def peer_timeout(site: str, call: int, e: BaseException, *, group: dist.ProcessG
                else "every rank timed out (a rank left the collective mid-way)")
         if others:
             who += f"; {others}"
-    msg = (f"site {site!r}, call #{call} on rank {rank}: the collective timed out; {who}. The deadline is "
-           f"init(timeout_s=...) (default {DEFAULT_TIMEOUT_S:.0f} s for groups detcomm creates). Library error: {e}")
+    deadline = (f"{timeout_s:g} s, set by init(timeout_s=...) (default {DEFAULT_TIMEOUT_S:.0f} s for groups detcomm "
+                "creates)" if timeout_s is not None else "the process group's own timeout (set where it was created)")
+    msg = f"site {site!r}, call #{call} on rank {rank}: the collective timed out; {who}. The deadline is {deadline}. Library error: {e}"
     _log.error("detcomm: %s", msg)
     return PeerTimeout(msg)

@@ -32,6 +32,7 @@ __all__ = [
     "envelope_environment",
     "apply_environment",
     "known_envelopes",
+    "fingerprint",
 ]
 
 # docs/spec.md section 8: set wherever detcomm creates an environment, unless the user opted into multicast.
@@ -372,3 +373,11 @@ def default_numerics(env: Mapping[str, str] | None = None) -> str:
     current = os.environ if env is None else env
     return current.get("DETCOMM_NUMERICS") or DEFAULT_NUMERICS
 
+
+
+def fingerprint(resolved: Resolved) -> dict[str, str]:
+    """What every rank of a group must agree on about its envelope (``Communicator`` compares it at init, before
+    any other collective): the envelope's name and every switch's value."""
+    out = {"numerics": resolved.numerics}
+    out.update({f"switch {k}": repr(getattr(resolved.switches, k)) for k in Switches.names()})
+    return out

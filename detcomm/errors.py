@@ -17,6 +17,8 @@ __all__ = [
     "WorkspaceFailed",
     "SymmMemUnavailable",
     "LaunchError",
+    "CollectiveFailed",
+    "ConcurrentCall",
 ]
 
 
@@ -52,3 +54,12 @@ class SymmMemUnavailable(DetcommError):
 
 class LaunchError(DetcommError):
     """The machine lacks something the chosen launch backend needs (an mpiexec, say); the message says what."""
+
+
+class CollectiveFailed(DetcommError):
+    """A collective call failed in the communication library (a peer died, closed its connection or its process
+    group); the message names the site, the call, this rank and the library's error."""
+
+
+class ConcurrentCall(DetcommError):
+    """A second thread called a collective while another call was in flight on the same communicator."""

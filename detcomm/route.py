@@ -23,7 +23,7 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, cast, runtime_checkable
 
 from . import dtypes
 from .dtypes import name_of
@@ -299,9 +299,9 @@ class RouteDecision:
         return ROUTE_INFO[self.route].canonical_sum
 
 
-@dataclass(frozen=True)
-class CallArgs:
-    """The per-call arguments a collective needs beyond its tensor (validated by the communicator)."""
+class CallArgs(NamedTuple):
+    """The per-call arguments a collective needs beyond its tensor (validated by the communicator). A named
+    tuple: one is built on every call that passes ``out=``, and a tuple is the cheapest immutable record."""
 
     rows_per_rank: tuple[int, ...] | None = None  # token_all_gather
     in_splits: tuple[int, ...] | None = None  # all_to_all

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .backends import guard
+from .backends.guard import hash_text
 from .backends.native import NativeBackend
 from .dtypes import name_of
 from .invariance import (
@@ -48,6 +50,7 @@ _BASE_ROWS = 3
 # Filler rows the compositions of check (b) draw from (detcomm.invariance places the checked rows among them).
 _FILLER_ROWS = 8
 _SEED = 0x5E1FC
+_DECLARE = 0x0DE7C0_DEC1  # the declaration header's tag (backends/guard.py)
 
 
 @dataclass(frozen=True)
@@ -223,10 +226,16 @@ class SelfChecks:
                 if site.collective is Collective.ARGMAX else NO_ARGS)
         calls: dict[str, Callable[[torch.Tensor, CallArgs], torch.Tensor]] = {"": bound}
         calls.update(getattr(bound, "variants", {}))
+        keys = [CheckKey(bound.route, site.collective, site.op, site.dtype, site.shape, v, site.virtual_shards)
+                for v in calls]
+        if self.native.world_size > 1 and any(k not in self.results for k in keys):
+            # The checks are collectives: ranks that declared the site differently would pair unrelated check
+            # calls and refuse a sound route; prove first that every rank checks the same site.
+            guard.exchange(self.native, [_DECLARE, guard.site_hash(site), hash_text(site.name), site.max_rows],
+                           f"declaring site {site.name!r} as {site.describe()}, max_rows={site.max_rows} (route "
+                           f"{bound.route.value}, self-checked now)", device=self.device)
         result: CheckResult | None = None
-        for variant, call in calls.items():
-            key = CheckKey(bound.route, site.collective, site.op, site.dtype, site.shape, variant,
-                           site.virtual_shards)
+        for key, call in zip(keys, calls.values()):
             result = self.results.get(key)
             if result is None:
                 result = run_check(key, lambda x, c=call: c(x, args), native=self.native,  # type: ignore[misc]

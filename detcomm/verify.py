@@ -35,6 +35,7 @@ from functools import lru_cache
 import torch
 import torch.distributed as dist
 
+from .deadline import is_timeout
 from .errors import CollectiveMismatch, PeerTimeout
 from .route import Collective, ReduceOp
 
@@ -99,6 +100,8 @@ class CallChecker:
         try:
             everyone = self.native.all_gather(fp).view(self.world_size, len(mine)).cpu()
         except RuntimeError as e:
+            if not is_timeout(e):
+                raise  # a peer's death or a closed group: the communicator names the site, call, rank and cause
             limit = f"{self.timeout_s:g} s" if self.timeout_s is not None else "the process group's timeout"
             raise PeerTimeout(
                 f"detcomm check: site {name!r}, call #{seq} on rank {self.rank}: not every rank reached this call "
@@ -113,6 +116,10 @@ class CallChecker:
         }
         calls: list[object] = [None] * self.world_size
         dist.all_gather_object(calls, readable, group=self.native.group)
+        if not all(isinstance(c, dict) for c in calls):  # a rank in another header's exchange (backends/guard.py)
+            seen = "; ".join(f"rank {r}: {c}" for r, c in enumerate(calls))
+            raise CollectiveMismatch(f"detcomm check: the ranks made different collective calls at site {name!r}, "
+                                     f"call #{seq} ({seen})")
         raise CollectiveMismatch(_describe(calls, self.rank, readable))  # type: ignore[arg-type]
 
 

@@ -108,10 +108,11 @@ def job_wrong_site_same_shape(rank: int, w: int, guard: bool) -> str:
         for name in ("g.a", "g.b", "s.a", "s.b"):
             coll = "all_reduce" if name.startswith("g") else "reduce_scatter"
             comm.site(name, collective=coll, dtype=torch.float32, shape=(4,), max_rows=2 * w)
-        if not guard:  # the negative control: the same routes bound without their header
-            for name, bound in list(comm._bound.items()):
-                backend = comm._backends[bound.route]
-                comm._bound[name] = lambda x, a, b=backend, op=bound.site.op, c=bound.site.collective: (
+        if not guard:  # the negative control: the same routes called without the call guard's header
+            for sc in comm._site_calls.values():
+                backend = comm._backends[sc.bound.route]
+                sc.header = None
+                sc.bound = lambda x, a, b=backend, op=sc.site.op, c=sc.site.collective: (
                     b.all_reduce(x, op) if c.value == "all_reduce" else b.reduce_scatter(x, op))
         x = torch.full((w, 4), float(rank + 1))
         outcome = []

@@ -318,7 +318,7 @@ def job_route_per_row_count(rank: int, w: int) -> tuple[set[str], set[str]]:
     comm.site("rc.rs", collective="reduce_scatter", dtype=torch.bfloat16, shape=(4,), max_rows=64 * w)
     used: list[str] = []
     # Spy on the bound routes: every call of a site goes through exactly the object routing bound once.
-    originals = dict(comm._bound)
+    originals = dict(comm._bound)  # a view: name -> SiteCall.bound
 
     def spy(bound):  # type: ignore[no-untyped-def]
         def call(x, args):  # type: ignore[no-untyped-def]
@@ -327,7 +327,7 @@ def job_route_per_row_count(rank: int, w: int) -> tuple[set[str], set[str]]:
         return call
 
     for name, bound in originals.items():
-        comm._bound[name] = spy(bound)
+        comm._site_calls[name].bound = spy(bound)
     try:
         for rows in range(1, 65):
             comm.all_reduce(torch.ones(rows, 4, dtype=torch.bfloat16), site="rc.ar")
@@ -337,7 +337,8 @@ def job_route_per_row_count(rank: int, w: int) -> tuple[set[str], set[str]]:
             comm.reduce_scatter(torch.ones(rows * w, 4, dtype=torch.bfloat16), site="rc.rs")
         return ar, set(used)
     finally:
-        comm._bound.update(originals)
+        for name, bound in originals.items():
+            comm._site_calls[name].bound = bound
 
 
 def job_init_timing(rank: int, w: int) -> tuple[float, int]:

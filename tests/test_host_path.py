@@ -1,8 +1,8 @@
-"""The communicator's per-call fast path and in-place calls, on real gloo groups.
+"""The communicator's one call path (comm.SiteCall) and in-place calls, on real gloo groups.
 
-A declared all-reduce site called as declared takes the cached fast path (one lookup, one comparison per fact)
-and never the full checks; every call the full checks would refuse still reaches them and raises the same
-error. ``out=x`` is handed to routes that write in place (the native route's library reduction here; the
+A declared site called by name goes straight to its bound call (one lookup), never through the site
+resolution an undeclared or contradicting call takes; its one validator (SiteCall.check) refuses every bad
+call with the precise error before any communication. ``out=x`` is handed to routes that write in place (the native route's library reduction here; the
 workspace's site-bound kernels on GPU, tests/gpu/test_fold_capture.py) and copied for the others (gather_fold),
 with the canonical bits either way (tests/oracle.py)."""
 
@@ -16,9 +16,10 @@ from datagen import ill_bits, to_bits, to_torch
 
 
 def _spy(comm, name: str, seen: list) -> None:  # noqa: ANN001
-    """Record what the site's route is handed as CallArgs.out (the communicator calls routes through _bound)."""
-    inner = comm._bound[name]
-    comm._bound[name] = lambda x, a: (seen.append(a.out), inner(x, a))[1]
+    """Record what the site's route is handed as CallArgs.out (every call reaches it through SiteCall.bound)."""
+    sc = comm._site_calls[name]
+    inner = sc.bound
+    sc.bound = lambda x, a: (seen.append(a.out), inner(x, a))[1]
 
 
 def job_in_place(rank: int, w: int) -> list[str]:
@@ -55,16 +56,15 @@ def job_in_place(rank: int, w: int) -> list[str]:
             problems.append("native out=x did not reduce x itself")
         if len(seen_i) != 1 or seen_i[0] is not xi:
             problems.append(f"native was not handed x as out: {seen_i!r}")
-        # Another view of x's bytes is in place too; the full path (a Site of another object) agrees.
+        # Another view of x's bytes is in place too; so is a call naming the site by its Site object.
         xi2 = torch.from_numpy(ints[rank].copy())
         detcomm.all_reduce(xi2, "hp.i", out=xi2.view(5, 12))
         if not np.array_equal(xi2.numpy(), np.sum(ints, axis=0)) or seen_i[-1] is None:
             problems.append("a view of x as out was not reduced in place")
-        comm._hot.clear()  # the full path from here on
         xi3 = torch.from_numpy(ints[rank].copy())
-        detcomm.all_reduce(xi3, "hp.i", out=xi3)
+        detcomm.all_reduce(xi3, comm._sites["hp.i"], out=xi3)
         if not np.array_equal(xi3.numpy(), np.sum(ints, axis=0)) or seen_i[-1] is not xi3:
-            problems.append("the full path did not hand x to the in-place route")
+            problems.append("a Site-named call did not hand x to the in-place route")
         return [f"{routes['hp.f']},{routes['hp.i']}", *problems]
     finally:
         detcomm.shutdown()
@@ -83,8 +83,8 @@ def job_fast_path(rank: int, w: int) -> list[str]:
     comm = detcomm.init(numerics="rl-bitwise")
     problems: list[str] = []
     full: list[str] = []
-    inner = comm._site_for_call
-    comm._site_for_call = lambda site, *a, **k: (full.append(str(site)), inner(site, *a, **k))[1]
+    inner = comm._resolve
+    comm._resolve = lambda site, *a, **k: (full.append(str(site)), inner(site, *a, **k))[1]
     try:
         site = detcomm.site("hp.e", collective="all_reduce", dtype=torch.float32, shape=(12,), max_rows=4)
         x = torch.full((3, 12), float(rank + 1))
@@ -109,9 +109,10 @@ def job_fast_path(rank: int, w: int) -> list[str]:
                 ("ag out=", lambda: detcomm.all_gather(x, "hp.ag", out=torch.empty(3 * w, 12)), gathered)):
             if not torch.equal(call(), expect):
                 problems.append(f"{label}: wrong result")
-        if full:
-            problems.append(f"declared calls took the full checks: {full}")
-        # Every call the full checks refuse reaches them (same error), before any communication.
+        if [f for f in full if not f.startswith("Site(")]:
+            problems.append(f"declared calls by name took the site resolution: {full}")
+        full.clear()
+        # Every bad call is refused with its precise error, before any communication.
         storage = torch.zeros((3 * w + 1) * 12)  # an all_gather output starting one row into its input
         xo, oo = storage[:36].view(3, 12), storage[12:].view(3 * w, 12)
         bad = {
@@ -148,14 +149,13 @@ def job_fast_path(rank: int, w: int) -> list[str]:
             except err as e:
                 if text not in str(e):
                     problems.append(f"{label}: {e}")
-            # An unknown op and a reduce_scatter's row count are refused before the site lookup.
-            if label not in ("bad op", "rs rows") and len(full) == n:
-                problems.append(f"{label}: the full checks never ran")
-        # The spy can see a full-path call (negative control of the 'no full checks' assertion above).
-        comm._hot.clear()
-        detcomm.all_reduce(x, "hp.e")
-        if not full or full[-1] != "hp.e":
-            problems.append("negative control: the spy missed a full-path call")
+            # A contradicting collective or op, a foreign Site and a wrong site type take the resolution's error.
+            if label in ("op", "bad op", "rs as all_reduce", "foreign Site", "site type") and len(full) == n:
+                problems.append(f"{label}: the site resolution never ran")
+        # The spy sees a resolution (negative control of the 'declared calls skip it' assertion above).
+        detcomm.all_reduce(x, "hp.undeclared")
+        if not full or full[-1] != "hp.undeclared":
+            problems.append("negative control: the spy missed a site resolution")
         detcomm.get_communicator().close()
         try:
             detcomm.all_reduce(x, "hp.e")
@@ -167,5 +167,5 @@ def job_fast_path(rank: int, w: int) -> list[str]:
         detcomm.shutdown()
 
 
-def test_declared_calls_skip_the_full_checks_and_refused_calls_reach_them(cluster2) -> None:  # noqa: ANN001
+def test_declared_calls_go_straight_to_their_bound_call_and_bad_calls_are_refused(cluster2) -> None:  # noqa: ANN001
     assert cluster2.run(job_fast_path) == [[]] * 2

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ..envelope import Resolved
+from ..errors import RouteRefused
 from ..invariance import bits_equal
 from ..numerics import norm
 from ..route import BoundRoute, Collective, ReduceOp, Route, Site, fusion_refusal
@@ -51,7 +52,8 @@ def _proving(ws: Workspace, run: Fused, label: str) -> Call:
         s = ws.all_reduce(x, label=label)
         y_ref, r_ref = norm.add_rms_norm(s, residual, weight, eps=_CHECK_EPS)
         if not (bits_equal(y, y_ref) and bits_equal(r, r_ref)):
-            raise RuntimeError(f"fused (y, r) differ from the composition's (y: {int((y != y_ref).sum())}, "
+            # Caught by the self-check (selfcheck.run_check), which refuses the variant on every rank with this reason.
+            raise RouteRefused(f"fused (y, r) differ from the composition's (y: {int((y != y_ref).sum())}, "
                                f"r: {int((r != r_ref).sum())} elements)")
         return s
 

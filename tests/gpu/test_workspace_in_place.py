@@ -73,8 +73,9 @@ def job_workspace_in_place(rank: int, w: int) -> list[str]:
     if route != "ipc_fold":
         return [f"ip.ar took {route}: {comm.caps.workspace_reason}"]
     seen: list = []
-    inner = comm._bound["ip.ar"]
-    comm._bound["ip.ar"] = lambda x, a: (seen.append(a.out), inner(x, a))[1]
+    sc = comm._site_calls["ip.ar"]
+    inner = sc.bound
+    sc.bound = lambda x, a: (seen.append(a.out), inner(x, a))[1]
     for n in (1, 37, rows):
         bits = [ill_bits(n, width, "bfloat16", seed=10 + n, rank=r) for r in range(w)]
         x = to_torch(bits[rank], "bfloat16").to(dev)
