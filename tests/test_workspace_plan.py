@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from barrier_sim import simulate_barrier_uses
 from detcomm.workspace import plan
 
 CUH = Path(__file__).resolve().parents[1] / "csrc" / "detcomm_common.cuh"
@@ -229,13 +230,13 @@ def test_parity_scheme_never_lets_a_peer_overtake_a_use():
     access per step: with the fast rank always stepping first, and under 400 random interleavings at W = 2..4
     (counters started just below the wrap), no rank ever reads a later use's slot data or descriptor, a waiting
     rank's flag only ever shows this use or the previous use of its copy, and nothing deadlocks."""
-    assert plan.simulate_barrier_uses(0, MIDS, world=2, pick=min) == []
-    assert plan.simulate_barrier_uses(0, MIDS, world=4, pick=max) == []
+    assert simulate_barrier_uses(0, MIDS, world=2, pick=min) == []
+    assert simulate_barrier_uses(0, MIDS, world=4, pick=max) == []
     rng = random.Random(12)
     for _ in range(400):
         world = rng.randint(2, 4)
         start, mid = rng.choice([0, 7, 2**31, 2**32 - 4]), rng.choice([0, 2**32 - 3])
-        assert plan.simulate_barrier_uses(start, MIDS, world=world, pick=rng.choice, mid_start=mid) == []
+        assert simulate_barrier_uses(start, MIDS, world=world, pick=rng.choice, mid_start=mid) == []
 
 
 def test_single_copy_scheme_is_overtaken():
@@ -243,12 +244,12 @@ def test_single_copy_scheme_is_overtaken():
     removed without parity). A peer one use ahead (the fast rank first) overwrites the flag this rank waits for
     (then nothing can ever pass); random interleavings also show it reading a later use's slot data and
     descriptor."""
-    got = plan.simulate_barrier_uses(0, MIDS, world=2, pick=min, copies=1)
+    got = simulate_barrier_uses(0, MIDS, world=2, pick=min, copies=1)
     assert "rank 1: start use 1: rank 0's flag shows use 2" in got and got[-1].startswith("deadlock")
     seen = set()
     rng = random.Random(13)
     for _ in range(200):
-        for line in plan.simulate_barrier_uses(0, MIDS, world=rng.randint(2, 4), pick=rng.choice, copies=1):
+        for line in simulate_barrier_uses(0, MIDS, world=rng.randint(2, 4), pick=rng.choice, copies=1):
             seen.add(next(k for k in ("flag shows", "descriptor", "read rank", "gathered", "deadlock") if k in line))
     assert {"flag shows", "descriptor", "read rank", "deadlock"} <= seen, seen
 
