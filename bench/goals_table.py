@@ -1,4 +1,4 @@
-"""The speed goals of the workspace (issue 12) and of the fused all-reduce + norm (issue 14) from the benches' own
+"""The speed goals of the workspace all-reduce and of the fused all-reduce + norm from the benches' own
 JSON, one machine kind per call.
 
     python bench/goals_table.py gpu-out/bench_streams.json gpu-out/bench_nccl.json gpu-out/fused/fused.json
@@ -149,9 +149,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="JSON written by bench/ipc_kernels.py or the fused benches (missing: skipped)")
     a = p.parse_args(argv)
     docs = [json.loads(f.read_text()) for f in a.files if f.exists()]
-    print("Workspace all-reduce (issue 12):\n")
+    print("Workspace all-reduce:\n")
     print(to_markdown(goals(_rows(docs))))
-    print("\nFused all-reduce + residual add + RMSNorm (issue 14):\n")
+    print("\nFused all-reduce + residual add + RMSNorm:\n")
     print(to_markdown(fused_goals(_records(docs))))
 
 

@@ -488,7 +488,7 @@ class Communicator:
             return _REFUSED
         self._calls += 1
         try:
-            # Through _bound, the one table of bound routes (tests and benches swap entries in it).
+            # Through _bound, the one table of bound routes.
             result = self._bound[hot.site.name](x, NO_ARGS if target is None else _out_args(target))  # type: ignore[arg-type]
         except RuntimeError as e:  # as in _call
             if isinstance(e, DetcommError) or not is_timeout(e):

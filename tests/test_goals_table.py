@@ -102,5 +102,5 @@ def test_main_prints_both_tables(tmp_path: Path, capsys) -> None:  # noqa: ANN00
     f.write_text(json.dumps({"setting": "streams", "records": [_fused(4096, 1, 6.0, 10.0)]}))
     goals_table.main([str(f)])
     out = capsys.readouterr().out
-    assert "Workspace all-reduce (issue 12)" in out and "Fused all-reduce + residual add + RMSNorm (issue 14)" in out
+    assert "Workspace all-reduce:" in out and "Fused all-reduce + residual add + RMSNorm:" in out
     assert "| fused / unfused, decode sizes (rows <= 8) (streams of one GPU) | 0.60-0.60x over 1 shapes | <= 0.7x | met |" in out
