@@ -61,6 +61,7 @@ examples:
   detcomm routes --backend nccl --world-size 8 --site o_proj:all_reduce:bf16:4096:2048
   detcomm routes --backend gloo --world-size 4 --site lm_head:argmax:bf16:19008:64 --json
   detcomm routes --world-size 4 --site o_proj:all_reduce:bf16:4096:2048:sum:vs=8
+  detcomm routes --backend nccl --world-size 16 --nodes 2      (two 8-GPU nodes: docs/multinode.md)
 """
 
 
@@ -127,6 +128,9 @@ def _routes(args: argparse.Namespace) -> int:
     specs = [parse_site(s) for s in (args.site or _DEFAULT_SITES)]
     if args.world_size < 1 or args.nodes < 1 or args.workspace_max_rows < 1:
         raise ValueError("--world-size, --nodes and --workspace-max-rows must be positive")
+    if args.nodes > args.world_size:
+        raise ValueError(f"--nodes {args.nodes} exceeds --world-size {args.world_size}: every node runs at least "
+                         "one rank")
 
     from .envelope import resolve_numerics
     from .route import DEFAULT_WORKSPACE_BYTES, AutoBackend, Capabilities, Collective, ReduceOp, Site
@@ -139,18 +143,19 @@ def _routes(args: argparse.Namespace) -> int:
         return Capabilities(backend=args.backend, device_type="cuda" if cuda else "cpu", world_size=args.world_size,
                             workspace=armed, workspace_reason=why,
                             workspace_max_rows=args.workspace_max_rows if armed else 0,
-                            workspace_bytes=DEFAULT_WORKSPACE_BYTES if armed else 0)
+                            workspace_bytes=DEFAULT_WORKSPACE_BYTES if armed else 0, hosts=args.nodes)
 
     # detcomm.init arms the CUDA-IPC workspace on a CUDA group under a batch-invariant envelope; it arms only
-    # where every rank proves peer access through CUDA IPC, which one node can and several cannot.
-    if not cuda:
+    # where every rank proves peer access through CUDA IPC, which one node can and several cannot. The reasons
+    # are init's own words (comm.py), in init's order, so the static table reads as the live one.
+    if args.nodes > 1:
+        no_ws = "ranks on several hosts: CUDA IPC does not cross hosts"
+    elif not cuda:
         no_ws = "CPU group: no CUDA-IPC workspace"
     elif sw.force_deterministic_rsag:
         no_ws = "force_deterministic_rsag: no symmetric-memory path"
     elif not sw.batch_invariant_collectives:
         no_ws = "workspace not armed (init(workspace=True) arms it)"
-    elif args.nodes > 1:
-        no_ws = f"{args.nodes} nodes: CUDA IPC reaches one node only"
     else:
         no_ws = ""
     arms = not no_ws
@@ -222,7 +227,9 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--backend", default="nccl", choices=("nccl", "gloo"),
                    help="the torch.distributed backend of the group (default nccl: GPUs)")
     r.add_argument("--world-size", type=int, default=8, help="ranks in the group (default 8)")
-    r.add_argument("--nodes", type=int, default=1, help="nodes the group spans (default 1)")
+    r.add_argument("--nodes", type=int, default=1,
+                   help="hosts the group spans (default 1); above 1 no CUDA-IPC workspace arms and rs_ag_fold's "
+                   "break-even is the network's (docs/multinode.md)")
     r.add_argument("--workspace-max-rows", type=int, default=DEFAULT_WORKSPACE_MAX_ROWS,
                    help=f"init(workspace_max_rows=...) (default {DEFAULT_WORKSPACE_MAX_ROWS})")
     r.add_argument("--site", action="append", metavar="SPEC", help="NAME:COLLECTIVE:DTYPE:SHAPE:MAX_ROWS[:OP] "

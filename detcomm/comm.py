@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from . import envelope as _env
-from .backends import A2AFoldBackend, GatherFoldBackend, NativeBackend
+from .backends import A2AFoldBackend, GatherFoldBackend, NativeBackend, RsAgFoldBackend
 from .numerics.fold import BATCH_INVARIANT, FLOAT_DTYPES, Leaf, select_leaf
 from .route import (
     DEFAULT_MAX_ROWS,
@@ -121,6 +121,7 @@ class Communicator:
             Route.NATIVE: self._native,
             Route.GATHER_FOLD: GatherFoldBackend(self._native, self.leaf),
             Route.A2A_FOLD: A2AFoldBackend(self._native, self.leaf),
+            Route.RS_AG_FOLD: RsAgFoldBackend(self._native, self.leaf),
         }
         self._workspace: Workspace | None = None
         t0 = time.perf_counter()
@@ -163,8 +164,8 @@ class Communicator:
         allowed, mc_why = _env.multicast_allowed(self.resolved, hardware_supports=False)
         if allowed:  # pragma: no cover - unreachable until a multicast route exists
             mc_why = "no multicast route in this build"
-        topo = discover_topology(self.group, self.device) if self.device.type == "cuda" else None
-        if topo is not None and not topo.same_host:
+        topo = discover_topology(self.group, self.device)
+        if not topo.same_host:
             armed, ws_why = False, "ranks on several hosts: CUDA IPC does not cross hosts"
         else:
             armed, ws_why = self._arm_workspace(workspace, max_rows, capacity, timeout_s)
@@ -176,7 +177,8 @@ class Communicator:
             workspace_reason=ws_why,
             workspace_max_rows=self._workspace.max_rows_armed if self._workspace is not None else 0,
             workspace_bytes=capacity if armed else 0,
-            topology=topo.describe() if topo is not None else "CPU",
+            topology=topo.describe(),
+            hosts=topo.hosts,
             multicast=False,
             multicast_reason=mc_why,
         )

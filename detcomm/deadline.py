@@ -8,6 +8,13 @@ do the same, and raises ``PeerTimeout`` naming the site, the call number, where 
 and the ranks that wrote nothing: those are dead, frozen, or stuck outside detcomm. The store is touched on this
 failure path only, so a healthy call pays nothing.
 
+Every wait on the store here is bounded (``grace_s`` plus ``STORE_REPLY_S``): the store is a server inside one
+process (rank 0's when ranks start without torchrun: a plain env:// rendezvous, an MPI job), and a frozen host
+accepts the connection's bytes into its kernel buffers but never answers, while torch's TCPStore client waits
+for the answer without its timeout. The exchange therefore runs on a daemon thread, and a store that has not
+answered in time is named as unreachable instead of the report waiting with it; the thread stays parked on
+the silent store until the process exits.
+
 DEFAULT_TIMEOUT_S: the deadline of every blocking wait on a group ``detcomm.init`` creates, when
 ``timeout_s`` is not given. Five minutes: far beyond any healthy collective (microseconds to milliseconds),
 and beyond the host stalls a serving process meets between two collectives (weights loading on one rank
@@ -18,6 +25,7 @@ gloo's 30-minute default. A group the caller created keeps its own timeout.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Any
 
@@ -25,10 +33,13 @@ import torch.distributed as dist
 
 from .errors import PeerTimeout
 
-__all__ = ["DEFAULT_TIMEOUT_S", "is_timeout", "timeout_reports", "peer_timeout"]
+__all__ = ["DEFAULT_TIMEOUT_S", "REPORT_GRACE_S", "STORE_REPLY_S", "is_timeout", "timeout_reports", "peer_timeout"]
 
 DEFAULT_TIMEOUT_S = 300.0
-_GRACE_S = 2.0  # how long a timed-out rank waits for the other timed-out ranks to sign in
+REPORT_GRACE_S = 2.0  # how long a timed-out rank waits for the other timed-out ranks to sign in
+# How long past the grace the report waits for the store's answers: a live store answers W small reads in
+# milliseconds, even on a loaded host.
+STORE_REPLY_S = 2.0
 _log = logging.getLogger("detcomm")
 
 
@@ -45,20 +56,37 @@ def _store() -> Any:
         return None
 
 
-def timeout_reports(prefix: str, rank: int, ranks: list[int], mine: str, *,
-                    grace_s: float = _GRACE_S) -> dict[int, str] | None:
+def _store_address(store: Any) -> str:
+    """``host:port`` of the TCP server behind ``store`` (through its prefix wrappers), else its type."""
+    while hasattr(store, "underlying_store"):
+        store = store.underlying_store
+    host, port = getattr(store, "host", None), getattr(store, "port", None)
+    return f"{host}:{port}" if host is not None else type(store).__name__
+
+
+def timeout_reports(prefix: str, rank: int, ranks: list[int], mine: str, *, grace_s: float = REPORT_GRACE_S,
+                    reply_s: float = STORE_REPLY_S) -> dict[int, str] | None:
     """Post ``mine`` (where this rank timed out) under ``prefix/rank``, wait ``grace_s`` for the other timed-out
     ranks to do the same, and return what every rank posted ({} entries for ranks that posted nothing). None
-    when the store is unreachable (its host, rank 0 of the default group, may be the one that died)."""
+    when the store fails or does not answer within ``grace_s + reply_s`` (its host may be the rank that died
+    or froze). Returns within ``grace_s + reply_s`` whatever the store does."""
     store = _store()
     if store is None:
         return None
-    try:
-        store.set(f"{prefix}/{rank}", mine)
-        time.sleep(grace_s)
-        return {r: store.get(f"{prefix}/{r}").decode() for r in ranks if store.check([f"{prefix}/{r}"])}
-    except Exception:  # noqa: BLE001 - the store's host is gone
-        return None
+    answer: list[dict[int, str] | None] = []
+
+    def exchange() -> None:
+        try:
+            store.set(f"{prefix}/{rank}", mine)
+            time.sleep(grace_s)
+            answer.append({r: store.get(f"{prefix}/{r}").decode() for r in ranks if store.check([f"{prefix}/{r}"])})
+        except Exception:  # noqa: BLE001 - the store's host is gone: unreachable, said by the caller's message
+            answer.append(None)
+        done.set()
+
+    done = threading.Event()
+    threading.Thread(target=exchange, name="detcomm-timeout-report", daemon=True).start()
+    return answer[0] if done.wait(grace_s + reply_s) else None
 
 
 def peer_timeout(site: str, call: int, e: BaseException, *, group: dist.ProcessGroup, rank: int) -> PeerTimeout:
@@ -71,7 +99,10 @@ def peer_timeout(site: str, call: int, e: BaseException, *, group: dist.ProcessG
     posted = timeout_reports(f"detcomm/timeout/{getattr(group, 'group_name', 'default')}", me, ranks,
                              f"site {site!r} call #{call}")
     if posted is None:
-        who = "the rendezvous store is unreachable, so the silent rank is unknown (rank 0, its host, may have died)"
+        who = (f"the rendezvous store ({_store_address(_store())}) failed or did not answer within "
+               f"{REPORT_GRACE_S + STORE_REPLY_S:.0f} s, so which rank is silent is unknown: the store's host is dead or "
+               "frozen (rank 0 when the ranks started without torchrun, e.g. under MPI or a plain env:// "
+               "rendezvous)")
     else:
         silent = [r for r in ranks if r not in posted]
         others = "; ".join(f"rank {r} timed out at {w}" for r, w in sorted(posted.items()) if r != me)

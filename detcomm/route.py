@@ -108,6 +108,7 @@ class Route(str, Enum):
     NATIVE = "native"
     GATHER_FOLD = "gather_fold"
     A2A_FOLD = "a2a_fold"
+    RS_AG_FOLD = "rs_ag_fold"
     IPC_FOLD = "ipc_fold"
     MULTICAST_GATHER = "multicast_gather"
     IN_SWITCH = "in_switch"
@@ -125,6 +126,8 @@ ROUTE_INFO: Mapping[Route, RouteInfo] = {
     Route.NATIVE: RouteInfo("the library's collective (NCCL on GPU, gloo on CPU)", canonical_sum=False),
     Route.GATHER_FOLD: RouteInfo("all-gather of the W inputs, canonical fold locally", canonical_sum=True),
     Route.A2A_FOLD: RouteInfo("all-to-all of the shards, canonical fold of each shard", canonical_sum=True),
+    Route.RS_AG_FOLD: RouteInfo("all-to-all of column blocks, canonical fold of each, all-gather of the rounded "
+                                "blocks", canonical_sum=True),
     Route.IPC_FOLD: RouteInfo("CUDA-IPC workspace, one-store, one-shot or two-shot fold kernels", canonical_sum=True),
     Route.MULTICAST_GATHER: RouteInfo("NVLS multimem stores (gathers only)", canonical_sum=False),
     Route.IN_SWITCH: RouteInfo("NVLS in-switch reduction, order follows the buffer offset", canonical_sum=False),
@@ -135,6 +138,7 @@ _CARRIES: Mapping[Route, frozenset[Collective]] = {
     Route.NATIVE: frozenset(Collective),
     Route.GATHER_FOLD: frozenset({Collective.ALL_REDUCE, Collective.REDUCE_SCATTER, Collective.ALL_REDUCE_RMSNORM}),
     Route.A2A_FOLD: frozenset({Collective.REDUCE_SCATTER}),
+    Route.RS_AG_FOLD: frozenset({Collective.ALL_REDUCE, Collective.ALL_REDUCE_RMSNORM}),
     Route.IPC_FOLD: frozenset({Collective.ALL_REDUCE, Collective.REDUCE_SCATTER, Collective.ALL_GATHER,
                                Collective.ALL_REDUCE_RMSNORM}),
     Route.MULTICAST_GATHER: frozenset({Collective.ALL_GATHER, Collective.TOKEN_ALL_GATHER}),
@@ -278,6 +282,7 @@ class Capabilities:
     workspace_max_rows: int = 0
     workspace_bytes: int = 0
     topology: str = ""
+    hosts: int = 1  # distinct hosts the group's ranks run on (topology.py; DETCOMM_HOSTS simulates several)
     multicast: bool = False
     multicast_reason: str = "not opted in"
 
@@ -421,6 +426,16 @@ LARGE_SITE_WHY = ("max_rows above the armed rows, the workspace measured faster 
                   "docs/performance.md)")
 
 
+# rs_ag_fold against gather_fold (the route table's reason). Per rank, gather_fold receives (W-1)·M in one
+# collective and rs_ag_fold 2(W-1)/W·M in two; with a collective's fixed cost a and a link rate B per rank,
+# rs_ag_fold is the faster when (W-1)(W-2)/W · M/B > a, that is M > a·B·W/((W-1)(W-2)). a·B, the bytes a
+# rank's link moves in one collective's fixed cost: a = 20 us (an eager NCCL all-reduce of 16 KiB, 2x H200,
+# docs/performance.md) at 275 GB/s (NVLink per GPU, measured at W = 2) on one host, and at 50 GB/s (one
+# 400 Gb/s NIC per GPU, an assumption: docs/multinode.md) across hosts.
+RS_AG_LINK_BYTES_ONE_HOST = 5_500_000
+RS_AG_LINK_BYTES_HOSTS = 1_000_000
+
+
 class AutoBackend:
     """Maps sites to routes from static facts only (the site, the envelope, the group's capabilities).
 
@@ -502,7 +517,11 @@ class AutoBackend:
         if site.collective is Collective.REDUCE_SCATTER:
             out.append(RouteDecision(Route.A2A_FOLD, f"canonical fold after an all-to-all ({no_ws})"))
         else:
-            out.append(RouteDecision(Route.GATHER_FOLD, f"canonical fold after an all-gather ({no_ws})"))
+            no_rsag = self._rs_ag_refusal(site)
+            if no_rsag is None:
+                out.append(RouteDecision(Route.RS_AG_FOLD, f"{self._rs_ag_why(site)} ({no_ws})"))
+                no_rsag = "rs_ag_fold refused"
+            out.append(RouteDecision(Route.GATHER_FOLD, f"canonical fold after an all-gather ({no_ws}; {no_rsag})"))
         if site.collective is Collective.ALL_REDUCE_RMSNORM:
             from .numerics.norm import fusion_refusal  # noqa: PLC0415 (norm loads torch; routing imports none)
 
@@ -515,6 +534,38 @@ class AutoBackend:
                 "; then the canonical residual add + RMSNorm (composition"
                 + (f": {no_fuse})" if no_fuse and d.route is Route.IPC_FOLD else ")"))) for d in out]
         return out
+
+    # -- rs_ag_fold against gather_fold where no workspace serves the site (a self-contained rule) -------------
+    def _rs_ag_break_even(self) -> int:
+        """The site bytes (max_rows x one row) from which rs_ag_fold beats gather_fold on this group (the cost model
+        beside RS_AG_LINK_BYTES_ONE_HOST)."""
+        w = self.caps.world_size
+        link = RS_AG_LINK_BYTES_HOSTS if self.caps.hosts > 1 else RS_AG_LINK_BYTES_ONE_HOST
+        return -(-link * w // ((w - 1) * (w - 2)))
+
+    def _rs_ag_link(self) -> str:
+        return f"{self.caps.hosts} hosts" if self.caps.hosts > 1 else "one host"
+
+    def _rs_ag_refusal(self, site: Site) -> str | None:
+        """Why an all-reduce site without the workspace keeps gather_fold rather than rs_ag_fold (None: it takes
+        rs_ag_fold). Static: W, whether the group spans hosts, and the site's bytes at max_rows."""
+        w = self.caps.world_size
+        if w < 3:
+            return (f"W={w}: rs_ag_fold would receive as many bytes as gather_fold (2(W-1)/W = W-1) in two "
+                    "collectives instead of one")
+        nbytes = site.max_rows * site.row_numel * dtypes.size_of(site.dtype)
+        need = self._rs_ag_break_even()
+        if nbytes < need:
+            return (f"{nbytes} B at max_rows, below rs_ag_fold's break-even {need} B (W={w}, {self._rs_ag_link()}; "
+                    "docs/spec.md §3)")
+        return None
+
+    def _rs_ag_why(self, site: Site) -> str:
+        w = self.caps.world_size
+        nbytes = site.max_rows * site.row_numel * dtypes.size_of(site.dtype)
+        return (f"all-to-all of column blocks, canonical fold, all-gather of the rounded blocks: "
+                f"{2 * (w - 1) / w:.2f}x the message per rank, gather_fold {w - 1}x; {nbytes} B at max_rows >= "
+                f"break-even {self._rs_ag_break_even()} B (W={w}, {self._rs_ag_link()}; docs/spec.md §3)")
 
     # -- large all-reduce sites stay on the workspace, chunked (a self-contained rule) ------------------------
     def _workspace_chunks_large(self, site: Site) -> bool:

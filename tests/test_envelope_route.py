@@ -151,13 +151,14 @@ def test_route_is_static_no_tensor_argument() -> None:
 
 @pytest.mark.parametrize("numerics,caps,coll,dtype,op,max_rows,expected", [
     ("auto", CPU4, "all_reduce", torch.bfloat16, "sum", 2048, Route.NATIVE),
-    ("rl-bitwise", CPU4, "all_reduce", torch.bfloat16, "sum", 2048, Route.GATHER_FOLD),
+    ("rl-bitwise", CPU4, "all_reduce", torch.bfloat16, "sum", 2048, Route.RS_AG_FOLD),  # 16 MiB >= break-even
+    ("rl-bitwise", CPU4, "all_reduce", torch.bfloat16, "sum", 64, Route.GATHER_FOLD),
     ("rl-bitwise", CPU4, "reduce_scatter", torch.float16, "sum", 2048, Route.A2A_FOLD),
     ("rl-bitwise", CPU4, "all_reduce", torch.float32, "max", 2048, Route.NATIVE),
     ("rl-bitwise", CPU4, "all_reduce", torch.int32, "sum", 2048, Route.NATIVE),
     ("rl-bitwise", CPU4, "all_gather", torch.bfloat16, "sum", 2048, Route.NATIVE),
     ("rl-bitwise", GPU8_WS, "all_reduce", torch.bfloat16, "sum", 2048, Route.IPC_FOLD),
-    ("rl-bitwise", GPU8_WS, "all_reduce", torch.bfloat16, "sum", 16384, Route.GATHER_FOLD),
+    ("rl-bitwise", GPU8_WS, "all_reduce", torch.bfloat16, "sum", 16384, Route.RS_AG_FOLD),
     ("rl-bitwise", GPU8_WS, "reduce_scatter", torch.bfloat16, "sum", 2048, Route.IPC_FOLD),
     ("auto", GPU8_WS, "all_reduce", torch.bfloat16, "sum", 2048, Route.NATIVE),
 ])
@@ -170,7 +171,8 @@ def test_route_decisions(numerics, caps, coll, dtype, op, max_rows, expected) ->
 
 def test_force_deterministic_rsag_keeps_native_plus_fold() -> None:
     auto = AutoBackend(resolve_numerics("rl-bitwise", force_deterministic_rsag=True), GPU8_WS)
-    assert auto.decide(_site("all_reduce")).route is Route.GATHER_FOLD
+    assert auto.decide(_site("all_reduce")).route is Route.RS_AG_FOLD  # 16 MiB at W = 8: above its break-even
+    assert auto.decide(_site("all_reduce", max_rows=8)).route is Route.GATHER_FOLD
     assert auto.decide(_site("reduce_scatter")).route is Route.A2A_FOLD
     assert "force_deterministic_rsag" in auto.decide(_site("all_gather")).why
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -58,6 +59,20 @@ ENV_JOB = textwrap.dedent(
     """
 )
 
+# Every rank writes its own pid and its parent's (the torchrun agent), then waits to be stopped.
+WAITING_JOB = textwrap.dedent(
+    """
+    import os, sys, time
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    with open(os.path.join(sys.argv[1], ".pids%d" % dist.get_rank()), "w") as f:
+        f.write("%d %d" % (os.getpid(), os.getppid()))
+    os.replace(os.path.join(sys.argv[1], ".pids%d" % dist.get_rank()), os.path.join(sys.argv[1], "pids%d" % dist.get_rank()))
+    while True:
+        time.sleep(0.1)
+    """
+)
+
 ENV_NAMES = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
              "DETCOMM_NUMERICS", "NCCL_ALGO", "NCCL_PROTO", "NVIDIA_TF32_OVERRIDE", *MULTICAST_OFF]
 
@@ -71,7 +86,7 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-def _launch(args: list[str], *, env: dict[str, str] | None = None, timeout: float = 120) -> tuple[subprocess.CompletedProcess, float]:
+def _launch(args: list[str], *, env: dict[str, str] | None = None, timeout: float = 240) -> tuple[subprocess.CompletedProcess, float]:
     t0 = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "detcomm.launch", *args], cwd=ROOT, env=env or _env(), capture_output=True,
                           text=True, timeout=timeout)
@@ -183,20 +198,70 @@ def test_output_tags_become_one_rank_prefix() -> None:
     assert normalize("W1130 torch/distributed/elastic: closing", "torchrun") == "W1130 torch/distributed/elastic: closing"
 
 
+def _record(folder: Path, rank: int, t: float, error: str | None, status: int = 1) -> None:
+    (folder / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "world_size": 3, "time": t,
+                                                         "status": status if error else 0, "error": error}))
+
+
 def test_failure_report_puts_the_first_failure_last(tmp_path: Path) -> None:
-    for rank, t, err in ((0, 2.0, "Traceback\nRuntimeError: Connection closed by peer\n"),
-                         (2, 1.0, "Traceback (most recent call last):\n  File x\nValueError: the root cause\n")):
-        (tmp_path / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "world_size": 3, "time": t,
-                                                                "status": 1, "error": err}))
+    _record(tmp_path, 0, 2.0, "Traceback\nRuntimeError: Connection closed by peer\n")
+    _record(tmp_path, 2, 1.0, "Traceback (most recent call last):\n  File x\nValueError: the root cause\n")
     lines = failure_report(tmp_path, 1)
-    assert lines[0] == "detcomm-launch: after rank 2 failed: rank 0: RuntimeError: Connection closed by peer"
-    assert lines[1].startswith("detcomm-launch: rank 2 of 3 failed first")
+    assert lines[0] == "detcomm-launch: after rank 2 failed: rank 0 raised RuntimeError: Connection closed by peer"
+    assert lines[1].startswith("detcomm-launch: rank 2 of 3 failed first; the whole group was stopped (status 1)")
     assert lines[2:] == ["[rank2]: Traceback (most recent call last):", "[rank2]:   File x", "[rank2]: ValueError: the root cause"]
     empty = tmp_path / "none"
     empty.mkdir()
     assert "no rank recorded an error" in failure_report(empty, 3)[0]
     (empty / "failures.json").write_text(json.dumps({"1": -9}))
-    assert "rank 1 (signal SIGKILL) failed without a Python error" in failure_report(empty, 137)[0]
+    assert failure_report(empty, 137)[0].startswith("detcomm-launch: rank 1 failed first: it was killed by signal SIGKILL")
+
+
+def test_failure_report_names_the_rank_that_died_not_its_survivors(tmp_path: Path) -> None:
+    # Rank 1 was SIGKILLed (no record of its own: the torchrun agent saw -9); its peers raised afterwards.
+    _record(tmp_path, 0, 5.0, "Traceback\nRuntimeError: Connection reset by peer\n")
+    _record(tmp_path, 2, 5.1, "Traceback\nRuntimeError: Connection reset by peer\n")
+    (tmp_path / "failures.json").write_text(json.dumps({"0": 1, "1": -9, "2": 1}))
+    lines = failure_report(tmp_path, 137)
+    assert lines[-1].startswith("detcomm-launch: rank 1 of 3 failed first: it was killed by signal SIGKILL"), lines
+    assert "after rank 1 failed: rank 0 raised RuntimeError: Connection reset by peer; rank 2 raised" in lines[0]
+    # Open MPI's own line, when mpiexec ran the ranks, names the rank the same way.
+    (tmp_path / "failures.json").unlink()
+    assert failure_report(tmp_path, 137, exits={1: -9})[-1].startswith("detcomm-launch: rank 1 of 3 failed first: it was killed")
+    # A fatal signal with a faulthandler dump: its time orders it, its stack is printed last.
+    (tmp_path / "rank1.fault").write_text("Fatal Python error: Aborted\n\nThread 0x1 (most recent call first):\n  File x\n")
+    os.utime(tmp_path / "rank1.fault", (4.0, 4.0))
+    lines = failure_report(tmp_path, 134, exits={1: -6})
+    assert "rank 1 of 3 failed first: it died of signal SIGABRT" in lines[1], lines
+    assert lines[2] == "[rank1]: Fatal Python error: Aborted" and lines[-1] == "[rank1]:   File x"
+    os.utime(tmp_path / "rank1.fault", (6.0, 6.0))  # negative control: a later fault is a consequence
+    assert "rank 0 of 3 failed first" in failure_report(tmp_path, 134, exits={1: -6})[1]
+
+
+def test_failure_report_names_a_rank_that_ran_and_left_no_record(tmp_path: Path) -> None:
+    # mpiexec may abort the job for a survivor's MPI_Abort before it says that rank 1 was killed: rank 1 ran
+    # (its fault file exists), left no record and no status; the survivors' tear-down SIGTERM left theirs.
+    for r in range(3):
+        (tmp_path / f"rank{r}.fault").write_text("")
+    _record(tmp_path, 0, 5.0, "Traceback\nRuntimeError: Connection reset by peer\n")
+    (tmp_path / "rank2.term").write_text("Current thread 0x1 (most recent call first):\n  File y\n")
+    os.utime(tmp_path / "rank2.term", (5.2, 5.2))
+    lines = failure_report(tmp_path, 1)
+    assert lines[-1].startswith("detcomm-launch: rank 1 of 3 failed first: it ended without a record: killed by "
+                                "SIGKILL"), lines
+    assert "rank 0 raised RuntimeError: Connection reset by peer; rank 2 was stopped by signal SIGTERM" in lines[0]
+    _record(tmp_path, 1, 6.0, "Traceback\nValueError: later\n")  # negative control: a later error is no cause
+    assert "rank 0 of 3 failed first" in failure_report(tmp_path, 1)[1]
+
+
+def test_failure_report_names_a_rank_that_left_early_with_status_0(tmp_path: Path) -> None:
+    _record(tmp_path, 1, 3.0, None)
+    _record(tmp_path, 0, 3.5, "Traceback\nRuntimeError: Connection closed by peer\n")
+    lines = failure_report(tmp_path, 1, exits={0: 1})
+    assert lines[-1].startswith("detcomm-launch: rank 1 of 3 ended first: it exited with status 0 while the other "
+                                "ranks still ran"), lines
+    _record(tmp_path, 1, 4.0, None)  # finishing after a peer failed is no cause
+    assert "rank 0 of 3 failed first" in failure_report(tmp_path, 1, exits={0: 1})[0]
 
 
 def test_command_lines() -> None:
@@ -260,8 +325,9 @@ def _assert_torn_down(proc: subprocess.CompletedProcess, elapsed: float) -> None
     # No doubled tags, no torchrun ChildFailedError traceback, no Open MPI output tags.
     assert "[rank1]:[rank1]" not in out and "[rank1]: [rank1]" not in out
     assert "ChildFailedError" not in out and "<stdout>:" not in out and "<stderr>:" not in out, out
-    # Ranks blocked in a collective with a dead peer would otherwise wait for the gloo timeout (30 min).
-    assert elapsed < 45, f"group took {elapsed:.1f} s to go down"
+    # Ranks blocked in a collective with a dead peer would otherwise wait for the gloo timeout (30 min); starting
+    # three ranks alone takes 45 s on a loaded 2-core machine.
+    assert elapsed < 150, f"group took {elapsed:.1f} s to go down"
 
 
 @pytest.mark.slow
@@ -303,3 +369,47 @@ def test_mpi_without_mpi4py_maps_launcher_variables_and_still_tears_down(tmp_pat
     fail.write_text(FAILING_JOB)
     proc, elapsed = _launch(["--nproc", "3", "--launcher", "mpi", str(fail)], env=env)
     _assert_torn_down(proc, elapsed)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"  # a zombie has ended; only its parent's wait remains
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT], ids=["SIGKILL", "SIGINT"])
+def test_signal_to_the_launcher_pid_stops_every_rank(sig: signal.Signals, tmp_path: Path) -> None:
+    # A supervisor signals only the launcher's pid: SIGINT must be forwarded (exit 128 + 2) and SIGKILL, which
+    # nothing can forward, must still take the torchrun agent and every rank down with the launcher.
+    job = tmp_path / "wait.py"
+    job.write_text(WAITING_JOB)
+    log = (tmp_path / "launcher.log").open("w")
+    launcher = subprocess.Popen([sys.executable, "-m", "detcomm.launch", "--nproc", "3", str(job), str(tmp_path)],
+                                cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT)
+    pids: set[int] = set()
+    try:
+        deadline = time.monotonic() + 150
+        while len(list(tmp_path.glob("pids*"))) < 3:
+            assert launcher.poll() is None and time.monotonic() < deadline, (tmp_path / "launcher.log").read_text()
+            time.sleep(0.2)
+        for p in tmp_path.glob("pids*"):
+            pids.update(int(x) for x in p.read_text().split())  # each rank and its parent, the agent
+        assert len(pids) == 4, pids
+        launcher.send_signal(sig)
+        status = launcher.wait(timeout=120)
+        deadline = time.monotonic() + 30
+        while not all(_gone(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert [p for p in pids if not _gone(p)] == [], "processes outlived the launcher"
+        assert status == (-sig if sig == signal.SIGKILL else 128 + sig)
+    finally:
+        for p in pids:  # whatever a failed run left behind, by pid
+            if not _gone(p):
+                os.kill(p, signal.SIGKILL)
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+        log.close()

@@ -36,5 +36,5 @@ def test_quickstart_runs_under_the_launcher_at_w3() -> None:
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "[rank0]: W=3: 8 rows reduced alone and inside a batch of 13 -> identical bits" in proc.stdout, proc.stdout
-    assert re.search(r"^\[rank0\]: layers\.o_proj\s+all_reduce\s+sum\s+bfloat16\s+4096\s+2048\s+gather_fold\s+passed",
+    assert re.search(r"^\[rank0\]: layers\.o_proj\s+all_reduce\s+sum\s+bfloat16\s+4096\s+2048\s+rs_ag_fold\s+passed",
                      proc.stdout, re.M), proc.stdout

@@ -5,5 +5,6 @@ from .a2a_fold import A2AFoldBackend
 from .base import Bound
 from .gather_fold import GatherFoldBackend
 from .native import NativeBackend
+from .rs_ag_fold import RsAgFoldBackend
 
-__all__ = ["Bound", "NativeBackend", "GatherFoldBackend", "A2AFoldBackend"]
+__all__ = ["Bound", "NativeBackend", "GatherFoldBackend", "A2AFoldBackend", "RsAgFoldBackend"]

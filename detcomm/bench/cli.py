@@ -5,6 +5,7 @@
     detcomm-bench -b 8 -e 128M -f 2 --out results/bench  # nccl-tests style: message sizes 8 B .. 128 MiB, x2
     python -m detcomm.bench ...                        # the same without the console script
     detcomm-bench tp-layouts --quick                   # TP layouts' collective cost (detcomm/bench/tp_layouts.py)
+    detcomm-bench rs-ag --nproc 4 --mib 16             # rs_ag_fold vs gather_fold, CPU gloo (detcomm/bench/rs_ag.py)
 
 Prints a progress bar (stderr) and the markdown tables (stdout); writes results.json, results.csv, results.md
 and latency_vs_size.png, divergence_vs_size.png, ratio_vs_size.png under --out. Needs matplotlib and tqdm.
@@ -139,6 +140,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .tp_layouts import main as tp_layouts_main
 
         return tp_layouts_main(rest[1:])
+    if rest[:1] == ["rs-ag"]:
+        from .rs_ag import main as rs_ag_main
+
+        return rs_ag_main(rest[1:])
     args = _parser().parse_args(argv)
     if not args.allow_multicast:
         from detcomm.envelope import MULTICAST_OFF_ENV

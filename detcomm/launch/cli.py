@@ -3,8 +3,9 @@
     detcomm-launch --nproc 4 [--numerics rl-bitwise] [--launcher torchrun|mpi] (-m MODULE | SCRIPT) [ARGS...]
 
 The launcher builds the ranks' environment (launch.environment), runs torchrun or mpiexec as its child
-(launch.relay: one ``[rankN]:`` tag per rank line, the first failing rank's error printed last) and exits
-with the child's status, so a failing rank gives a non-zero exit.
+(launch.relay: one ``[rankN]:`` tag per rank line, the first rank that failed named last with how it ended)
+and exits with the child's status, so a failing rank gives a non-zero exit; SIGINT / SIGTERM / SIGHUP to
+the launcher's pid are forwarded to the job, and a launcher killed outright takes the job with it.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Start W detcomm ranks under torchrun or MPI with the numerics envelope's environment "
         "(NCCL_ALGO/NCCL_PROTO/NVIDIA_TF32_OVERRIDE under a bitwise envelope, DETCOMM_NUMERICS) and the "
         "multicast-off variables set before any rank starts. One failing rank takes the whole group down "
-        "with a non-zero exit, and its error is printed last. The ranks import detcomm from the interpreter's "
+        "with a non-zero exit, and the first rank that failed is named last, with its error or signal. The ranks import detcomm from the interpreter's "
         "own path: install the package (pip install -e .) or export PYTHONPATH yourself.",
     )
     p.add_argument("--nproc", type=int, required=True,

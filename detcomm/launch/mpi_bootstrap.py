@@ -9,7 +9,7 @@ starts it; a batch script may start it directly (launch/examples/slurm_mpi.sh).
 
 With mpi4py (preferred) the facts come from MPI itself and rank 0's rendezvous address is broadcast over MPI,
 so multi-node jobs need no extra configuration; an uncaught exception (or a non-zero SystemExit) on any rank
-records that rank's error (detcomm.launch.rank) and calls MPI_Abort, which makes mpiexec kill every rank at once: ranks blocked
+records how that rank ended (detcomm.launch.rank) and calls MPI_Abort, which makes mpiexec kill every rank at once: ranks blocked
 in a gloo or NCCL collective would otherwise wait for the dead peer until their timeout.
 Without mpi4py the launcher's variables are mapped instead (see ``detcomm.mpi_env``).
 """
@@ -17,6 +17,7 @@ Without mpi4py the launcher's variables are mapped instead (see ``detcomm.mpi_en
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import sys
 from collections.abc import Sequence
@@ -25,6 +26,7 @@ from detcomm.mpi_env import RankFacts, rank_facts_from_environment, torch_distri
 
 from . import rank as _rank
 from .environment import MULTICAST_OFF
+from .lifetime import die_with_parent
 
 __all__ = ["main", "free_port"]
 
@@ -76,6 +78,9 @@ def _facts_from_environment() -> tuple[RankFacts, str, int]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Bootstrap one MPI rank and run the target in this process; returns the exit status on success."""
+    # The rank dies with the MPI process that started it (mpiexec or its node daemon): one killed outright
+    # stops nothing itself (detcomm.launch.lifetime).
+    die_with_parent(signal.SIGKILL, parent=os.getppid())
     module, target, args = _rank.parse(sys.argv[1:] if argv is None else argv, prog="detcomm.launch.mpi_bootstrap")
     try:
         from mpi4py import MPI

@@ -1,18 +1,26 @@
 """Run the start-up command (torchrun or mpiexec) as a child and relay its output: every rank's line with one
-``[rankN]:`` tag whichever backend started it, and, once the group is down, the first failing rank's own
-error last, once.
+``[rankN]:`` tag whichever backend started it, and, once the group is down, the first rank that failed, how
+(its error, the signal that ended it, or an early clean exit) and its own traceback last, once.
 
 Each backend tags lines its own way: torchrun ``[rankN]:`` (its tee prefix; torch's excepthook adds a second
 ``[rankN]:`` to a traceback it prints), Open MPI ``[1,N]<stdout>:`` (--tag-output), MPICH/Intel MPI Hydra
-``[N]`` (-prepend-rank). Lines that no rank wrote (the backend's own messages) pass through unchanged. Ranks
-record their error in a folder this module creates (detcomm.launch.rank) rather than printing it, so that
-the consequences on the other ranks (a closed connection, a torn-down peer) and the backend's summary cannot
-bury it: it is printed after everything else.
+``[N]`` (-prepend-rank). Lines that no rank wrote (the backend's own messages) pass through unchanged.
+
+What the report is made of (docs/spec.md §6): each rank's own record of how it ended (detcomm.launch.rank: an
+error or a clean exit with its time, a faulthandler dump for a fatal signal), and the exit status of every rank
+that failed as its launcher saw it (the torchrun agent's ``failures.json``; Open MPI's "exited on signal" line).
+The first to fail is the earliest record; a rank that died by a signal leaving no record (SIGKILL) or exited
+non-zero without one was stopped from outside the job, never by a peer's failure, and comes first.
+
+The child runs in a process group of its own with the kernel's parent-death signal (detcomm.launch.lifetime):
+SIGINT, SIGTERM and SIGHUP sent to the launcher's pid are forwarded to that group, and a launcher killed
+outright takes the child, and with it every rank, down.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import signal
@@ -21,9 +29,11 @@ import sys
 import tempfile
 import threading
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from .lifetime import die_with_parent
 from .rank import ERRORS_ENV
 
 __all__ = ["normalize", "failure_report", "run"]
@@ -47,24 +57,81 @@ def normalize(line: str, flavor: str) -> str:
     return f"[rank{rank}]: {rest}"
 
 
-def failure_report(folder: Path, status: int) -> list[str]:
-    """The lines printed last when the job failed: the first failing rank's error, after the others' summary."""
-    recs = sorted((json.loads(p.read_text()) for p in folder.glob("rank*.json")), key=lambda r: r["time"])
-    if not recs:
-        codes = folder / "failures.json"
-        died = json.loads(codes.read_text()) if codes.is_file() else {}
-        if died:
-            what = ", ".join(f"rank {r} ({_exit(c)})" for r, c in sorted(died.items(), key=lambda kv: int(kv[0])))
-            return [f"detcomm-launch: {what} failed without a Python error (status {status}); their output is above"]
+# Open MPI's word on a rank that a signal ended ("mpirun noticed that process rank 1 with PID 42 on node n0
+# exited on signal 9 (Killed)."): the only place mpiexec names the rank.
+_OMPI_SIGNALED = re.compile(r"noticed that process rank (\d+) with PID \d+ on node \S+ exited on signal (\d+)")
+
+
+@dataclass(frozen=True)
+class _End:
+    """How one rank ended: ``time`` None for an end it could not record (killed, or exited by os._exit)."""
+
+    rank: int
+    time: float | None
+    how: str
+    detail: str = ""  # its own traceback or faulthandler dump
+    title: str = ""  # what ``detail`` is, for the report's headline
+    clean: bool = False  # exited with status 0
+
+
+def _ends(folder: Path, exits: Mapping[int, int]) -> list[_End]:
+    recs = {int(r["rank"]): r for r in (json.loads(p.read_text()) for p in folder.glob("rank*.json"))}
+    started = {int(p.stem[4:]) for p in folder.glob("rank*.fault")}  # created when a rank starts
+    faults = {int(p.stem[4:]): p for p in folder.glob("rank*.fault") if p.stat().st_size}
+    terms = {int(p.stem[4:]): p for p in folder.glob("rank*.term") if p.stat().st_size}
+    ends = []
+    for rank in sorted(set(recs) | started | set(exits)):
+        rec, code = recs.get(rank), exits.get(rank)
+        if rec is not None and rec["status"] != 0:
+            ends.append(_End(rank, rec["time"], f"raised {_last(rec['error'])}", rec["error"], "Its error:"))
+        elif rank in faults:
+            sig = _exit(code) if code is not None and code < 0 else "a fatal signal"
+            ends.append(_End(rank, faults[rank].stat().st_mtime, f"died of {sig}", faults[rank].read_text(),
+                             "Its Python stack at the signal (faulthandler):"))
+        elif rank in terms:
+            ends.append(_End(rank, terms[rank].stat().st_mtime, "was stopped by signal SIGTERM", terms[rank].read_text(),
+                             "Its Python stack at the signal (faulthandler):"))
+        elif code is not None and code < 0:
+            ends.append(_End(rank, None, f"was killed by {_exit(code)}, without a Python error (a signal from "
+                             "outside the job: a user, a supervisor, the kernel's OOM killer)"))
+        elif code:
+            ends.append(_End(rank, None, f"exited with status {code} without recording a Python error"))
+        elif rec is not None:
+            ends.append(_End(rank, rec["time"], "exited with status 0 while the other ranks still ran", clean=True))
+        else:  # it ran (its files exist) and left nothing: the two ends that run no handler
+            ends.append(_End(rank, None, "ended without a record: killed by SIGKILL (from outside the job: a user, a "
+                             "supervisor, the kernel's OOM killer) or exited through os._exit"))
+    ends.sort(key=lambda e: (e.time is not None, e.time or 0.0))
+    # A clean exit is news only before the first failure: after it, a rank finishing is no cause.
+    first_failure = next((i for i, e in enumerate(ends) if not e.clean), len(ends))
+    return ends[:first_failure] + [e for e in ends[first_failure:] if not e.clean]
+
+
+def failure_report(folder: Path, status: int, *, exits: Mapping[int, int] | None = None) -> list[str]:
+    """The lines printed last when the job failed: the first rank that failed and how, after the others.
+
+    ``exits``: exit codes by rank as the ranks' launcher saw them (negative: the signal), merged with the
+    torchrun agent's ``failures.json`` in ``folder``."""
+    seen = dict(exits or {})
+    codes = folder / "failures.json"
+    if codes.is_file():
+        seen.update({int(r): int(c) for r, c in json.loads(codes.read_text()).items()})
+    ends = _ends(folder, seen)
+    if not ends:
         return [f"detcomm-launch: the job failed (status {status}) and no rank recorded an error; see the output above"]
-    first, later = recs[0], recs[1:]
+    world = {json.loads(p.read_text())["world_size"] for p in folder.glob("rank*.json")}
+    of = f" of {world.pop()}" if len(world) == 1 else ""
+    first, later = ends[0], ends[1:]
     lines = []
     if later:
-        lines.append(f"detcomm-launch: after rank {first['rank']} failed: " +
-                     "; ".join(f"rank {r['rank']}: {_last(r['error'])[:160]}" for r in later))
-    lines.append(f"detcomm-launch: rank {first['rank']} of {first['world_size']} failed first; the whole group was "
-                 f"stopped (status {status}). Its error:")
-    lines += [f"[rank{first['rank']}]: {line}" for line in first["error"].rstrip("\n").split("\n")]
+        lines.append(f"detcomm-launch: after rank {first.rank} {'ended' if first.clean else 'failed'}: " +
+                     "; ".join(f"rank {e.rank} {e.how[:160]}" for e in later))
+    verb = "ended first" if first.clean else "failed first"
+    what = "" if first.how.startswith("raised") else f": it {first.how}"  # a raised error is quoted whole below
+    lines.append(f"detcomm-launch: rank {first.rank}{of} {verb}{what}; the whole group was stopped (status {status})."
+                 + (f" {first.title}" if first.detail else ""))
+    if first.detail:
+        lines += [f"[rank{first.rank}]: {line}" for line in first.detail.rstrip("\n").split("\n")]
     return lines
 
 
@@ -81,37 +148,59 @@ def _exit(code: int) -> str:
     return f"exit {code}"
 
 
-def _pump(src: IO[bytes], dst: IO[str], flavor: str) -> None:
+def _pump(src: IO[bytes], dst: IO[str], flavor: str, exits: dict[int, int]) -> None:
     for raw in iter(src.readline, b""):
-        dst.write(normalize(raw.decode("utf-8", "replace").rstrip("\n"), flavor) + "\n")
+        line = raw.decode("utf-8", "replace").rstrip("\n")
+        if flavor == "openmpi" and (m := _OMPI_SIGNALED.search(line)):
+            exits.setdefault(int(m.group(1)), -int(m.group(2)))
+        dst.write(normalize(line, flavor) + "\n")
         dst.flush()
     src.close()
+
+
+_FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def run(cmd: Sequence[str], env: Mapping[str, str], *, flavor: str) -> int:
     """Run ``cmd`` under ``env`` with its output relayed; return its exit status (128 + signal for a signal).
 
-    SIGTERM and SIGHUP are passed on to the child. SIGINT is not: the child is in the same process group and
-    gets the terminal's Ctrl-C itself; a second one would interrupt its own tear-down.
+    The child gets a process group of its own and dies with this process (SIGTERM: torchrun and mpiexec stop
+    their ranks on it). SIGINT, SIGTERM and SIGHUP sent to this process, a terminal's Ctrl-C included, are
+    forwarded to the child's group once each; this process then waits for the group to stop and returns
+    128 + the first such signal. The ranks' stdin is /dev/null.
     """
     folder = Path(tempfile.mkdtemp(prefix="detcomm-launch-"))
+    received: list[int] = []
+    launcher = os.getpid()
     try:
-        child = subprocess.Popen(list(cmd), env={**env, ERRORS_ENV: str(folder)}, stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE)
-        for sig in (signal.SIGTERM, signal.SIGHUP):
-            signal.signal(sig, lambda s, _f: child.send_signal(s))
-        signal.signal(signal.SIGINT, lambda _s, _f: None)
-        pumps = [threading.Thread(target=_pump, args=(child.stdout, sys.stdout, flavor), daemon=True),
-                 threading.Thread(target=_pump, args=(child.stderr, sys.stderr, flavor), daemon=True)]
+        # stdin: /dev/null. Outside the terminal's foreground group a read of the terminal stops the reader
+        # (SIGTTIN), and mpiexec reads stdin to pass it on to rank 0.
+        child = subprocess.Popen(list(cmd), env={**env, ERRORS_ENV: str(folder)}, stdin=subprocess.DEVNULL,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, process_group=0,
+                                 preexec_fn=lambda: die_with_parent(signal.SIGTERM, parent=launcher))
+
+        def forward(sig: int, _frame: object) -> None:
+            if sig not in received:  # a second Ctrl-C would interrupt the ranks' own tear-down
+                received.append(sig)
+                os.killpg(child.pid, sig)
+
+        for sig in _FORWARDED:
+            signal.signal(sig, forward)
+        exits: dict[int, int] = {}
+        pumps = [threading.Thread(target=_pump, args=(child.stdout, sys.stdout, flavor, exits), daemon=True),
+                 threading.Thread(target=_pump, args=(child.stderr, sys.stderr, flavor, exits), daemon=True)]
         for t in pumps:
             t.start()
         status = child.wait()
         for t in pumps:
             t.join(timeout=10)  # a rank that outlived the backend may still hold the pipes: do not wait for it
+        if received:
+            sys.stderr.write(f"detcomm-launch: stopped by {signal.Signals(received[0]).name}, forwarded to the job\n")
+            return 128 + received[0]
         status = status if status >= 0 else 128 - status
         if status:
             sys.stdout.flush()
-            sys.stderr.write("\n".join(failure_report(folder, status)) + "\n")
+            sys.stderr.write("\n".join(failure_report(folder, status, exits=exits)) + "\n")
             sys.stderr.flush()
         return status
     finally:

@@ -11,7 +11,7 @@ native route's float sums make no such claim and their changes are reported, not
 the expected negative control).
 
     detcomm-launch --nproc 4 --numerics rl-bitwise -m detcomm.probe collectives
-    detcomm-launch --nproc 4 -m detcomm.probe collectives --route native     # the negative control
+    detcomm-launch --nproc 4 --numerics auto -m detcomm.probe collectives --route native --expect-divergence
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from detcomm.dtypes import name_of
 from detcomm.payload import ill_conditioned
 from detcomm.route import ROUTE_INFO, Route
 
+from .envelope import ROUTE_CHOICES, probe_numerics
 from .table import emit, format_table
 
 __all__ = ["SiteSpec", "SiteResult", "SITES", "probe_site", "main"]
@@ -187,8 +188,8 @@ def format_results(results: Sequence[SiteResult], *, header: str) -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m detcomm.probe collectives", description=__doc__.split("\n\n")[0])
     p.add_argument("--numerics", default=None, help="numerics envelope (default: $DETCOMM_NUMERICS, else rl-bitwise)")
-    p.add_argument("--route", default=None, choices=[r.value for r in Route],
-                   help="force this route on the float SUM sites (refused under a bitwise envelope if not canonical)")
+    p.add_argument("--route", default=None, choices=ROUTE_CHOICES,
+                   help="force this route on the float SUM sites (native, under numerics auto: the negative control)")
     p.add_argument("--width", type=int, default=96, help="elements per row (default 96)")
     p.add_argument("--rows", type=int, default=32, help="payload rows per site (default 32)")
     p.add_argument("--max-rows", type=int, default=64, help="the sites' max_rows, the largest batch (default 64)")
@@ -206,7 +207,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     if ns.width < 1 or ns.rows < 1 or ns.max_rows < 1 or ns.per_size < 1:
         raise ValueError("--width, --rows, --max-rows and --per-size must be positive")
-    comm = detcomm.init(numerics=ns.numerics)
+    comm = detcomm.init(numerics=probe_numerics(ns.numerics, route=ns.route, command="collectives"))
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
         if ns.max_rows < world:

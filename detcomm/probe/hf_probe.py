@@ -9,7 +9,8 @@ random weights are written with ``save_pretrained`` into a temporary directory a
 head). The requests, schedules and table are the model probe's: alone at batch 1, packed twice with random
 co-batches and prefill chunking, and packed #1 rerun; half greedy, half temperature 1 with per-request
 seeds. Under a bitwise envelope every row must read 0 (exit 1 otherwise); ``--route native
---expect-divergence`` is the negative control (the native all-reduce at W >= 3 must be caught).
+--expect-divergence`` under ``--numerics auto`` is the negative control (the native all-reduce at W >= 3 must be
+caught; a bitwise envelope refuses ``--route native`` before the group starts).
 
 MoE models run their sparse blocks expert-parallel (``detcomm.hf.moe_block``): every expert on every rank by
 default; ``--ep`` spreads them (round-robin, or ``--placement-seed N``: a random placement with up to
@@ -19,7 +20,7 @@ control: the engines' rank-order sum of per-rank partials moves bits with the re
 with the batch, and with the placement.
 
     detcomm-launch --nproc 4 --numerics rl-bitwise -m detcomm.probe hf --config llama-tiny
-    detcomm-launch --nproc 4 -m detcomm.probe hf --config llama-tiny --route native --expect-divergence
+    detcomm-launch --nproc 4 --numerics auto -m detcomm.probe hf --config llama-tiny --route native --expect-divergence
     detcomm-launch --nproc 4 --numerics rl-bitwise -m detcomm.probe hf --model /models/Qwen3-0.6B --dtype bfloat16
     detcomm-launch --nproc 4 -m detcomm.probe hf --config qwen3-moe-tiny --ep --placement-seed 1 --json a.json
     detcomm-launch --nproc 4 -m detcomm.probe hf --config qwen3-moe-tiny --ep --placement-seed 2 --json b.json
@@ -46,6 +47,7 @@ import detcomm
 from detcomm.moe import COMBINE_ORDERS, Placement
 
 from .bits import bits
+from .envelope import ROUTE_CHOICES, probe_numerics
 from .model_probe import (
     TABLE_HEADERS,
     Result,
@@ -73,8 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="tiny real config with seeded random weights (default llama-tiny when --model is not given)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--numerics", default=None,
-                   help="numerics envelope (default: $DETCOMM_NUMERICS, else rl-bitwise; auto with --route native)")
-    p.add_argument("--route", default=None, help="force the route of the sum sites (native: the negative control)")
+                   help="numerics envelope (default: $DETCOMM_NUMERICS, which detcomm-launch exports, else rl-bitwise)")
+    p.add_argument("--route", default=None, choices=ROUTE_CHOICES,
+                   help="force the route of the sum sites (native, under numerics auto: the negative control)")
     p.add_argument("--backend", choices=("nccl", "gloo"), default=None,
                    help="create the process group with this backend (default: detcomm.init's, NCCL with CUDA, else gloo)")
     p.add_argument("--device", default=None,
@@ -163,7 +166,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     serving = ServingConfig(t_pad=ns.t_pad, q_block=ns.q_block, max_context=ns.max_context)
     serving.check()
     dtype = DTYPES[ns.dtype]
-    numerics = ns.numerics or os.environ.get("DETCOMM_NUMERICS") or ("auto" if ns.route == "native" else "rl-bitwise")
+    numerics = probe_numerics(ns.numerics, route=ns.route, command="hf")
     torch.set_num_threads(1)  # W ranks share the cores; one thread each also keeps kernels single-path
     name = ns.model or (ns.config or "llama-tiny")
     t0 = time.monotonic()

@@ -12,19 +12,19 @@ runs through the small tensor-parallel decoder of ``detcomm.probe.model``:
 
 Token ids and fp32 logprobs are compared with torch.equal; the table gives, per comparison and sampling
 mode, the requests that diverged and the first divergent position. Under a bitwise envelope nothing may
-diverge (exit 1 otherwise). ``--route native`` (numerics auto) is the negative control: at W >= 3 the
-native all-reduce's order follows the message size and the row's offset, and the probe must catch it
-(``--expect-divergence`` turns that into the exit status).
+diverge (exit 1 otherwise). ``--route native`` under ``--numerics auto`` is the negative control: at W >= 3
+the native all-reduce's order follows the message size and the row's offset, and the probe must catch it
+(``--expect-divergence`` turns that into the exit status). A bitwise envelope refuses ``--route native`` before
+the group starts, with the command to run instead.
 
     detcomm-launch --nproc 4 --numerics rl-bitwise -m detcomm.probe model
-    detcomm-launch --nproc 4 -m detcomm.probe model --route native --expect-divergence
+    detcomm-launch --nproc 4 --numerics auto -m detcomm.probe model --route native --expect-divergence
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import sys
 import time
@@ -36,10 +36,10 @@ import torch
 import torch.distributed as dist
 
 import detcomm
-from detcomm.envelope import DEFAULT_NUMERICS
 from detcomm.invariance import bits
 from detcomm.tp import Layout, Segment
 
+from .envelope import ROUTE_CHOICES, probe_numerics
 from .model import SITE_NAMES, ModelConfig, TPTransformer
 from .table import emit, format_table
 
@@ -318,8 +318,9 @@ def request_records(reqs: Sequence[Request], results: dict[int, Result]) -> list
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m detcomm.probe model", description=__doc__.split("\n\n")[0])
     p.add_argument("--numerics", default=None,
-                   help="numerics envelope (default: $DETCOMM_NUMERICS, else rl-bitwise; auto with --route native)")
-    p.add_argument("--route", default=None, help="force the o_proj/down_proj route (native: the negative control)")
+                   help="numerics envelope (default: $DETCOMM_NUMERICS, which detcomm-launch exports, else rl-bitwise)")
+    p.add_argument("--route", default=None, choices=ROUTE_CHOICES,
+                   help="force the o_proj/down_proj route (native, under numerics auto: the negative control)")
     p.add_argument("--requests", type=int, default=8)
     p.add_argument("--new-tokens", type=int, default=12)
     p.add_argument("--max-prompt", type=int, default=20)
@@ -349,7 +350,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if ns.max_prompt > ns.t_pad:
         raise ValueError(f"--max-prompt {ns.max_prompt} must fit one step at batch 1 (--t-pad {ns.t_pad})")
     layout = layout_from_args(ns)
-    numerics = ns.numerics or os.environ.get("DETCOMM_NUMERICS") or ("auto" if ns.route == "native" else DEFAULT_NUMERICS)
+    numerics = probe_numerics(ns.numerics, route=ns.route, command="model")
     torch.set_num_threads(1)  # W ranks share the cores; one thread each also keeps kernels single-path
     cfg = ModelConfig(layers=ns.layers, t_pad=ns.t_pad, seed=1234 + ns.seed,
                       dtype=torch.float32 if ns.dtype == "float32" else torch.bfloat16,

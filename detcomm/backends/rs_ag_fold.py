@@ -1,0 +1,75 @@
+"""The rs_ag_fold route for all-reduce: a reduce-scatter by all-to-all and the canonical fold, then an
+all-gather of the rounded blocks. The bandwidth-optimal canonical all-reduce where no workspace serves a site.
+
+A call's input (rows x row) is flattened and split into W column blocks of c = ceil(n/W) elements (the last
+zero-padded; the padding is dropped from the result). An all-to-all gives rank q block q of every rank, in rank
+order; rank q folds those W blocks (docs/spec.md §1: fp32 from +0.0 in rank order, one rounding, canonical NaN;
+``op="avg"``: the fp32 fold, one division by W, one rounding) and an all-gather of the W rounded blocks gives
+every rank the whole result, moved bit for bit (a -0.0 result stays -0.0). The fold is element-wise, so where
+the block boundaries fall moves no bit: a row's result depends only on its W inputs, not on the batch, its
+offset or W's divisibility, and equals gather_fold's and the workspace's.
+
+Bytes received per rank: (W-1)/W of the message in each collective, 2(W-1)/W in all (a ring all-reduce's),
+against gather_fold's W-1 times the message; two collectives instead of one, so the router takes it only above
+a static break-even size (route.py, ``rs_ag_refusal``).
+
+On CUDA the fold of the W blocks is one launch of the CUDA fold leaf (csrc/fold_local.cu through
+detcomm/numerics/cuda_leaf.py) on the contiguous [W, c] block the all-to-all wrote; nothing on the call path
+synchronizes with the host, so a call is capturable in a CUDA graph on an NCCL group (the call guard's header,
+read back on the host, travels only where the messages live in host memory: guard.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..numerics.fold import Leaf, average
+from ..route import BoundRoute, Collective, ReduceOp, Route, Site
+from .base import bind_from
+from .guard import CallGuard, split
+from .native import NativeBackend
+
+__all__ = ["RsAgFoldBackend"]
+
+
+class RsAgFoldBackend:
+    route = Route.RS_AG_FOLD
+
+    def __init__(self, native: NativeBackend, leaf: Leaf) -> None:
+        self.native = native
+        self.leaf = leaf
+
+    def bind(self, site: Site) -> BoundRoute:
+        guard = CallGuard(site)
+        return bind_from(self.route, site,
+                         {Collective.ALL_REDUCE: lambda x, a: self.all_reduce(x, site.op, guard=guard)})
+
+    def _exchange(self, blocks: torch.Tensor, guard: CallGuard | None) -> torch.Tensor:
+        """``blocks`` [W, c]: block q goes to rank q. Returns [W, c]: block ``rank`` of every rank, in rank order."""
+        w = self.native.world_size
+        if guard is None or not guard.applies(blocks, staged=self.native.stage):
+            return self.native.all_to_all(blocks, [1] * w, [1] * w)
+        # Every destination block carries the same header, so each rank receives all W ranks' headers.
+        header = guard.next_header().to(blocks.device)
+        msgs = torch.cat([blocks.view(torch.uint8), header.expand(w, -1)], dim=1)
+        stacked, headers = split(self.native.all_to_all(msgs, [1] * w, [1] * w), blocks[0],
+                                 contiguous=blocks.is_cuda)
+        guard.check(headers)
+        return stacked
+
+    def all_reduce(self, x: torch.Tensor, op: ReduceOp, *, guard: CallGuard | None = None) -> torch.Tensor:
+        """The canonical all-reduce of ``x`` (SUM or AVG). Collective over the group."""
+        assert op.sums, "routing sends only floating-point SUM and AVG here"
+        w = self.native.world_size
+        n = x.numel()
+        c = -(-n // w)  # elements per block; the last block is zero-padded
+        flat = x.reshape(-1)
+        if w * c != n:
+            flat = F.pad(flat, (0, w * c - n))
+        stacked = self._exchange(flat.view(w, c), guard)
+        if op is ReduceOp.AVG:
+            mine = average(self.leaf.fold(stacked, torch.float32), w, x.dtype)
+        else:
+            mine = self.leaf.fold(stacked, x.dtype)
+        return self.native.all_gather(mine)[:n].view(x.shape)
