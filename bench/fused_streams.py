@@ -61,7 +61,7 @@ def main() -> None:
     main_s = torch.cuda.current_stream(dev)
     eps32 = norm.eps_fp32(EPS)
     records: list[dict] = []
-    print(f"W={w} streams of one {torch.cuda.get_device_name(0)}, kernels {args.variant}, one-store tiers (bytes, blocks) "
+    print(f"W={w} streams of one {torch.cuda.get_device_name(0)}, kernels {args.build}, one-store tiers (bytes, blocks) "
           f"{[(t.max_bytes, t.blocks) for t in lam_views[0].lamport_tiers] if lam_views else '-'}, bf16, graphs of {args.calls} calls, "
           f"{args.warmup} warm-up replays, median of {args.iters}")
     print("| hidden | rows | fused kernel | fused us | unfused us | all_reduce us | add + norm us | "
@@ -154,7 +154,7 @@ def main() -> None:
         v.check()
     if args.json is not None:
         args.json.write_text(json.dumps({"setting": "streams", "device": torch.cuda.get_device_name(0),
-                                         "torch": torch.__version__, "world_size": w, "variant": args.variant,
+                                         "torch": torch.__version__, "world_size": w, "build": args.build,
                                          "records": records}, indent=1))
 
 
