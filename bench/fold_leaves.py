@@ -22,6 +22,7 @@ import detcomm  # noqa: F401 - registers every leaf this installation has
 from detcomm.bench.timing import median_ms_back_to_back
 from detcomm.dtypes import FLOAT_NAMES, from_name, info
 from detcomm.numerics.fold import BATCH_INVARIANT, registered_leaves
+from detcomm.tables import format_table
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,7 +42,6 @@ def main(argv: list[str] | None = None) -> int:
     hw = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads"
     rows = []
     print(f"fold leaves on {hw}: {args.rows}x{args.hidden} {args.dtype} per rank, median of {args.repeats}")
-    print("| leaf | W | fold ms | fold GB/s | copy GB/s | fold/copy |\n|---|---|---|---|---|---|")
     for leaf in leaves:
         for w in (int(v) for v in args.worlds.split(",")):
             stacked = torch.randn(w, args.rows, args.hidden, device=device).to(dtype)
@@ -58,8 +58,9 @@ def main(argv: list[str] | None = None) -> int:
             fold_bw, copy_bw = moved / t_fold / 1e9, moved / t_copy / 1e9
             rows.append({"leaf": leaf.name, "W": w, "fold_s": t_fold, "fold_GBps": fold_bw, "copy_GBps": copy_bw,
                          "ratio": fold_bw / copy_bw})
-            print(f"| {leaf.name} | {w} | {t_fold * 1e3:.2f} | {fold_bw:.1f} | {copy_bw:.1f} | {fold_bw / copy_bw:.2f} |",
-                  flush=True)
+    print(format_table(("leaf", "W", "fold ms", "fold GB/s", "copy GB/s", "fold/copy"),
+                       [[r["leaf"], r["W"], f"{r['fold_s'] * 1e3:.2f}", f"{r['fold_GBps']:.1f}", f"{r['copy_GBps']:.1f}",
+                         f"{r['ratio']:.2f}"] for r in rows], markdown=True))
     if args.out:
         Path(args.out).write_text(json.dumps({"hardware": hw, "dtype": args.dtype,
                                               "rows": args.rows, "hidden": args.hidden, "results": rows}, indent=2))

@@ -21,13 +21,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
 
-os.environ.update({"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"})
+from detcomm.envelope import MULTICAST_OFF_ENV  # torch-free: set before torch loads
+
+os.environ.update(MULTICAST_OFF_ENV)
 
 import torch  # noqa: E402
 
 from detcomm.numerics import norm  # noqa: E402
+from detcomm.tables import format_table  # noqa: E402
 from detcomm.workspace import debug  # noqa: E402
 
 EPS = 1e-6
@@ -42,7 +46,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5, help="replays before timing")
     ap.add_argument("--iters", type=int, default=40, help="timed replays (median)")
     ap.add_argument("--json", type=Path, default=None,
-                    help="also write the records here (bench/goals_table.py reads them)")
+                    help="also write the records here (bench/goals_table.py reads them: the fused goals)")
     ap.add_argument("--lamport-grid", type=int, default=None,
                     help="at most this many blocks in the forced one-store launches (Workspace lamport_grid; "
                          "default: the tiers of plan.lamport_tiers)")
@@ -64,9 +68,9 @@ def main() -> None:
     print(f"W={w} streams of one {torch.cuda.get_device_name(0)}, kernels {args.build}, one-store tiers (bytes, blocks) "
           f"{[(t.max_bytes, t.blocks) for t in lam_views[0].lamport_tiers] if lam_views else '-'}, bf16, graphs of {args.calls} calls, "
           f"{args.warmup} warm-up replays, median of {args.iters}")
-    print("| hidden | rows | fused kernel | fused us | unfused us | all_reduce us | add + norm us | "
-          "fused - all_reduce us | fused/unfused | one-store fused us | one-store all_reduce us | bits equal |")
-    print("| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    head = ("hidden", "rows", "fused kernel", "fused us", "unfused us", "all_reduce us", "add + norm us",
+            "fused - all_reduce us", "fused/unfused", "one-store fused us", "one-store all_reduce us", "bits equal")
+    table: list[list[object]] = []
     for h in (int(v) for v in args.hidden.split(",")):
         weight = (1.0 + 0.1 * torch.randn(h, device=dev)).to(torch.bfloat16)
         # Load the norm kernel before any rank spins: in one process a module load waits for the running kernels.
@@ -143,13 +147,15 @@ def main() -> None:
                 samples.sort()
                 times[name] = samples[len(samples) // 2]
                 del graphs
-            lam = (f"{times['fused_lamport']:.2f} | {times['all_reduce_lamport']:.2f}" if "fused_lamport" in times
-                   else "- | -")
-            print(f"| {h} | {n} | {kernel} | {times['fused']:.2f} | {times['unfused']:.2f} | {times['all_reduce']:.2f} | "
-                  f"{times['norm']:.2f} | {times['fused'] - times['all_reduce']:.2f} | "
-                  f"{times['fused'] / times['unfused']:.2f} | {lam} | {'yes' if same else 'NO'} |", flush=True)
+            lam = ([f"{times['fused_lamport']:.2f}", f"{times['all_reduce_lamport']:.2f}"] if "fused_lamport" in times
+                   else ["-", "-"])
+            table.append([h, n, kernel, *(f"{times[k]:.2f}" for k in ("fused", "unfused", "all_reduce", "norm")),
+                          f"{times['fused'] - times['all_reduce']:.2f}", f"{times['fused'] / times['unfused']:.2f}",
+                          *lam, "yes" if same else "NO"])
+            print(f"hidden {h} rows {n}: fused {times['fused']:.2f} us", file=sys.stderr, flush=True)  # progress
             records.append({"hidden": h, "rows": n, "world_size": w, "dtype": "bfloat16", "fused_kernel": kernel,
                             "fused_equals_unfused": same, **{k: {"median_us": v} for k, v in times.items()}})
+    print(format_table(head, table, markdown=True, align="rrlrrrrrrrrl"), flush=True)
     for v in views + (lam_views or []):
         v.check()
     if args.json is not None:

@@ -1,4 +1,4 @@
-"""The speed goals of the workspace all-reduce and of the fused all-reduce + norm from the benches' own
+"""The speed goals of the workspace's all-reduce and of the fused all-reduce + norm, read from the benches' own
 JSON, one machine kind per call.
 
     python bench/goals_table.py gpu-out/bench_streams.json gpu-out/bench_nccl.json gpu-out/fused/fused.json
@@ -21,6 +21,8 @@ import math
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
+
+from detcomm.tables import format_table
 
 KIB, MIB = 1 << 10, 1 << 20
 # The workspace's all-reduce kernels and the public call, as the bench names them.
@@ -66,7 +68,7 @@ def _median(rec: dict, col: str) -> float | None:
 
 
 def fused_goals(records: list[dict]) -> list[dict[str, str]]:
-    """Issue 14's goals, per place the fused bench ran: fused / unfused at decode sizes (rows <= DECODE_ROWS, the
+    """The fused all-reduce + norm's goals, per place the fused bench ran: fused / unfused at decode sizes (rows <= DECODE_ROWS, the
     worst shape counts), fused / NCCL + torch's norm on every shape (the worst counts), and the bits."""
     out = []
     for where in ("one GPU per rank", "streams of one GPU"):
@@ -138,9 +140,8 @@ def goals(rows: list[dict]) -> list[dict[str, str]]:
 
 
 def to_markdown(entries: list[dict[str, str]]) -> str:
-    lines = ["| measure | measured | goal | verdict |", "| --- | --- | --- | --- |"]
-    lines += [f"| {e['measure']} | {e['value']} | {e['goal']} | {e['verdict']} |" for e in entries]
-    return "\n".join(lines)
+    return format_table(("measure", "measured", "goal", "verdict"),
+                        [[e["measure"], e["value"], e["goal"], e["verdict"]] for e in entries], markdown=True)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -168,7 +168,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     import detcomm
     from detcomm.hf import ServingConfig, TPCausalLM
     from detcomm.hf.checkpoints import DTYPES
-    from detcomm.probe.table import emit, format_table
+    from detcomm.probe.table import emit
+    from detcomm.tables import format_table
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()

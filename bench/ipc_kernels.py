@@ -36,7 +36,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+from detcomm.envelope import MULTICAST_OFF_ENV as MULTICAST_OFF  # torch-free: set before torch loads
+
 os.environ.update(MULTICAST_OFF)
 
 import torch
@@ -44,6 +45,7 @@ import torch
 from detcomm.bench.timing import host_us_per_call
 from detcomm.bench.timing import median_ms_back_to_back as _median_ms
 from detcomm.dtypes import info
+from detcomm.tables import format_table
 
 SIZES = [16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 WORLDS = [2, 4, 8]
@@ -289,38 +291,31 @@ def bench_nccl(quick: bool, tmp: Path, sizes: list[int] | None = None, envs: lis
 # ---- report ------------------------------------------------------------------------------------------------
 def to_markdown(rows: list[dict], header: str) -> str:
     out = [header, ""]
-    fold = [r for r in rows if r["mode"] == "fold"]
-    if fold:
-        out += ["### Fold kernel bandwidth vs device-to-device copy (one GPU)", "",
-                "| kernel | bytes moved | time (ms) | GB/s | % of copy |", "| --- | ---: | ---: | ---: | ---: |"]
-        for r in fold:
-            pct = f"{r['pct_of_copy']:.1f}" if "pct_of_copy" in r else "100 (reference)"
-            out.append(f"| {r['kernel']} | {r['bytes']:,} | {r['ms']:.3f} | {r['GB/s']:.0f} | {pct} |")
-        out.append("")
-    lat = [r for r in rows if r["mode"] == "latency"]
-    if lat:
-        out += ["### All-reduce latency, W ranks as W streams of one GPU (bf16; us per call, median)", "",
-                "| W | size | kernel | eager | graph |", "| ---: | ---: | --- | ---: | ---: |"]
-        for r in sorted(lat, key=lambda r: (r["world"], r["bytes"])):
-            out.append(f"| {r['world']} | {_size(r['bytes'])} | {r['algo']} | {r['eager_us']:.1f} | {r['graph_us']:.1f} |")
-        out.append("")
-    host = [r for r in rows if r["mode"] == "host"]
-    if host:
-        out += ["### Host time per eager call (device idle at the start; median of 15 x 200 back-to-back calls)", "",
-                "| W | NCCL env | size | impl | host us per call |", "| ---: | --- | ---: | --- | ---: |"]
-        for r in host:
-            env = " ".join(f"{k}={v}" for k, v in r.get("nccl_env", {}).items()) or "default"
-            out.append(f"| {r['world']} | {env} | {_size(r['bytes'])} | {r['impl']} | {r['host_us']:.1f} |")
-        out.append("")
-    nc = [r for r in rows if r["mode"] == "nccl"]
-    if nc:
-        out += ["### Multi-GPU: workspace vs NCCL all_reduce (bf16; us per call, median)", "",
-                "| W | NCCL env | size | impl | eager | graph |", "| ---: | --- | ---: | --- | ---: | ---: |"]
-        for r in nc:
-            env = " ".join(f"{k}={v}" for k, v in r["nccl_env"].items()) or "default"
-            out.append(f"| {r['world']} | {env} | {_size(r['bytes'])} | {r['impl']} | {r['eager_us']:.1f} | "
-                       f"{r['graph_us']:.1f} |")
-        out.append("")
+
+    def section(title: str, head: tuple[str, ...], align: str, cells: list[list[object]]) -> None:
+        if cells:
+            out.extend([title, "", format_table(head, cells, markdown=True, align=align), ""])
+
+    def env(r: dict) -> str:
+        return " ".join(f"{k}={v}" for k, v in r.get("nccl_env", {}).items()) or "default"
+
+    section("### Fold kernel bandwidth vs device-to-device copy (one GPU)",
+            ("kernel", "bytes moved", "time (ms)", "GB/s", "% of copy"), "lrrrr",
+            [[r["kernel"], f"{r['bytes']:,}", f"{r['ms']:.3f}", f"{r['GB/s']:.0f}",
+              f"{r['pct_of_copy']:.1f}" if "pct_of_copy" in r else "100 (reference)"]
+             for r in rows if r["mode"] == "fold"])
+    section("### All-reduce latency, W ranks as W streams of one GPU (bf16; us per call, median)",
+            ("W", "size", "kernel", "eager", "graph"), "rrlrr",
+            [[r["world"], _size(r["bytes"]), r["algo"], f"{r['eager_us']:.1f}", f"{r['graph_us']:.1f}"]
+             for r in sorted((r for r in rows if r["mode"] == "latency"), key=lambda r: (r["world"], r["bytes"]))])
+    section("### Host time per eager call (device idle at the start; median of 15 x 200 back-to-back calls)",
+            ("W", "NCCL env", "size", "impl", "host us per call"), "rlrlr",
+            [[r["world"], env(r), _size(r["bytes"]), r["impl"], f"{r['host_us']:.1f}"]
+             for r in rows if r["mode"] == "host"])
+    section("### Multi-GPU: workspace vs NCCL all_reduce (bf16; us per call, median)",
+            ("W", "NCCL env", "size", "impl", "eager", "graph"), "rlrlrr",
+            [[r["world"], env(r), _size(r["bytes"]), r["impl"], f"{r['eager_us']:.1f}", f"{r['graph_us']:.1f}"]
+             for r in rows if r["mode"] == "nccl"])
     return "\n".join(out)
 
 

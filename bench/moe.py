@@ -24,6 +24,7 @@ import statistics
 from typing import Any
 
 from detcomm._spawn import LocalCluster
+from detcomm.tables import format_table
 
 QUICK = {"nproc": 4, "hidden": 256, "experts": 8, "top_k": 4, "tokens": [1, 8, 64, 2048], "iters": 20}
 FULL = {"hidden": 4096, "experts": 64, "top_k": 8, "tokens": [1, 8, 64, 2048], "iters": 30}
@@ -133,10 +134,10 @@ def main() -> None:
 
     with LocalCluster(nproc, backend=backend, pg_timeout_s=300, env=envelope_environment("rl-bitwise")) as cluster:
         rows = cluster.run(job, cfg, timeout_s=1800)[0]
-    print(f"{'tokens':>7} {'detcomm us':>12} {'(p10..p90)':>18} {'plain us':>10} {'(p10..p90)':>18} {'ratio':>6}")
-    for r in rows:
-        print(f"{r['tokens']:>7} {r['detcomm_median_us']:>12.1f} {r['detcomm_p10_us']:>8.0f}..{r['detcomm_p90_us']:<9.0f}"
-              f"{r['plain_median_us']:>10.1f} {r['plain_p10_us']:>8.0f}..{r['plain_p90_us']:<9.0f} {r['ratio']:>6.2f}")
+    print(format_table(("tokens", "detcomm us", "(p10..p90)", "plain us", "(p10..p90)", "ratio"),
+                       [[r["tokens"], f"{r['detcomm_median_us']:.1f}", f"{r['detcomm_p10_us']:.0f}..{r['detcomm_p90_us']:.0f}",
+                         f"{r['plain_median_us']:.1f}", f"{r['plain_p10_us']:.0f}..{r['plain_p90_us']:.0f}",
+                         f"{r['ratio']:.2f}"] for r in rows], align="rrrrrr"))
     if backend == "gloo":
         print("(CPU timings on a shared machine are noise beyond a factor of about 2)")
     if a.json:

@@ -46,6 +46,7 @@ import torch
 from detcomm._spawn import LocalCluster
 from detcomm.bench.timing import summarize, time_cuda_graph
 from detcomm.numerics import norm
+from detcomm.tables import format_table
 
 __all__ = ["main", "run"]
 
@@ -120,27 +121,25 @@ def run(*, rows: Sequence[int], hidden: Sequence[int], dtype: torch.dtype, calls
             for name, fn in methods.items():
                 rec[name] = _graph_us(fn, calls_per_graph=calls_per_graph, iters=iters)
             out.append(rec)
-            print(_row_md(rec), file=sys.stderr, flush=True)
+            print("  ".join(_cells(rec)), file=sys.stderr, flush=True)  # progress; the table comes at the end
     return out
 
 
 _COLS = ("torch_rms_norm", "hf_rms_norm", "detcomm_rms_norm", "torch_add_rms_norm", "detcomm_add_rms_norm")
 
 
-def _header_md() -> str:
-    head = ["hidden", "rows", *[f"{c} us" for c in _COLS], "detcomm/torch norm", "detcomm/torch add+norm",
-            "kernel == torch impl", "torch row0 changed", "detcomm row0 changed"]
-    return "| " + " | ".join(head) + " |\n|" + "---|" * len(head)
+_HEAD = ("hidden", "rows", *[f"{c} us" for c in _COLS], "detcomm/torch norm", "detcomm/torch add+norm",
+         "kernel == torch impl", "torch row0 changed", "detcomm row0 changed")
 
 
-def _row_md(rec: dict[str, object]) -> str:
+def _cells(rec: dict[str, object]) -> list[str]:
     med = {c: rec[c]["median_us"] for c in _COLS}  # type: ignore[index]
     cells = [str(rec["hidden"]), str(rec["rows"]), *[f"{med[c]:.2f}" for c in _COLS],
              f"{med['detcomm_rms_norm'] / med['torch_rms_norm']:.2f}",
              f"{med['detcomm_add_rms_norm'] / med['torch_add_rms_norm']:.2f}",
              "yes" if rec["kernel_equals_torch_impl"] else "NO", str(rec["torch_row0_changed"]),
              str(rec["detcomm_row0_changed"])]
-    return "| " + " | ".join(cells) + " |"
+    return cells
 
 
 _FUSED_COLS = ("fused", "fused_one_shot", "unfused", "nccl_torch")
@@ -209,25 +208,23 @@ def _fused_job(rank: int, world: int, rows: Sequence[int], hidden: Sequence[int]
                 rec[name] = _graph_us(fn, calls_per_graph=calls_per_graph, iters=iters, barrier=dist.barrier)
             out.append(rec)
             if rank == 0:
-                print(_fused_row_md(rec), file=sys.stderr, flush=True)
+                print("  ".join(_fused_cells(rec)), file=sys.stderr, flush=True)  # progress; the table comes at the end
     routes = str(detcomm.routes())
     detcomm.shutdown()
     return [{"routes": routes}, *out] if rank == 0 else out
 
 
-def _fused_header_md() -> str:
-    head = ["hidden", "rows", "fused kernel", *[f"{c} us" for c in _FUSED_COLS], "fused/unfused",
-            "fused/fused_one_shot", "fused/nccl_torch", "fused == unfused", "fused row0 changed"]
-    return "| " + " | ".join(head) + " |\n|" + "---|" * len(head)
+_FUSED_HEAD = ("hidden", "rows", "fused kernel", *[f"{c} us" for c in _FUSED_COLS], "fused/unfused",
+               "fused/fused_one_shot", "fused/nccl_torch", "fused == unfused", "fused row0 changed")
 
 
-def _fused_row_md(rec: dict[str, object]) -> str:
+def _fused_cells(rec: dict[str, object]) -> list[str]:
     med = {c: rec[c]["median_us"] for c in _FUSED_COLS}  # type: ignore[index]
     cells = [str(rec["hidden"]), str(rec["rows"]), str(rec["fused_kernel"]), *[f"{med[c]:.2f}" for c in _FUSED_COLS],
              f"{med['fused'] / med['unfused']:.2f}", f"{med['fused'] / med['fused_one_shot']:.2f}",
              f"{med['fused'] / med['nccl_torch']:.2f}",
              "yes" if rec["fused_equals_unfused"] else "NO", str(rec["fused_row0_changed"])]
-    return "| " + " | ".join(cells) + " |"
+    return cells
 
 
 def _main_fused(args: argparse.Namespace) -> int:
@@ -245,7 +242,7 @@ def _main_fused(args: argparse.Namespace) -> int:
                                                      "routes": routes, "records": recs}, indent=1))
     md = (f"device: {nproc}x {device}, torch {torch.__version__}, W={nproc} (one rank per GPU), {args.dtype}, "
           f"numerics=rl-bitwise, CUDA graphs, rank 0's median of {args.iters} replays of {args.calls_per_graph} "
-          f"calls\n\n" + _fused_header_md() + "\n" + "\n".join(_fused_row_md(r) for r in recs) + "\n")
+          f"calls\n\n" + format_table(_FUSED_HEAD, [_fused_cells(r) for r in recs], markdown=True, align="l" * len(_FUSED_HEAD)) + "\n")
     (args.out / "fused.md").write_text(md + "\n" + routes + "\n")
     print(md)
     print(routes)
@@ -275,7 +272,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     (args.out / "norm.json").write_text(json.dumps({"device": device, "torch": torch.__version__,
                                                     "records": recs}, indent=1))
     md = f"device: {device}, torch {torch.__version__}, {args.dtype}, CUDA graphs, median of {args.iters} replays " \
-         f"of {args.calls_per_graph} calls\n\n" + _header_md() + "\n" + "\n".join(_row_md(r) for r in recs) + "\n"
+         f"of {args.calls_per_graph} calls\n\n" + format_table(_HEAD, [_cells(r) for r in recs], markdown=True, align="l" * len(_HEAD)) + "\n"
     (args.out / "norm.md").write_text(md)
     print(md)
     bad = [r for r in recs if not r["kernel_equals_torch_impl"] or r["detcomm_row0_changed"]]

@@ -65,7 +65,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     import detcomm
     from detcomm.probe.model import ModelConfig, TPTransformer
-    from detcomm.probe.table import emit, format_table
+    from detcomm.probe.table import emit
+    from detcomm.tables import format_table
 
     phases = [p.strip() for p in ns.layouts.split(",") if p.strip()]
     if not phases or any(p not in PHASES for p in phases):

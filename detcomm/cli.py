@@ -18,20 +18,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
+from .dtypes import ALIASES
+from .tables import format_table
+
 if TYPE_CHECKING:
     import torch
 
 __all__ = ["SiteSpec", "parse_site", "main"]
 
-# Accepted dtype spellings -> torch dtype names.
-DTYPE_NAMES = {
-    "bf16": "bfloat16", "bfloat16": "bfloat16",
-    "fp16": "float16", "half": "float16", "float16": "float16",
-    "fp32": "float32", "float": "float32", "float32": "float32",
-    "int8": "int8", "uint8": "uint8",
-    "int32": "int32", "int": "int32",
-    "int64": "int64", "long": "int64",
-}
+# Accepted dtype spellings -> the dtype table's names.
+DTYPE_NAMES = ALIASES
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "token_all_gather", "all_to_all", "argmax")
 _REDUCING = ("all_reduce", "reduce_scatter")
 
@@ -193,11 +189,7 @@ def _routes(args: argparse.Namespace) -> int:
         print(f"workspace: {no_ws}")
     cols = [c for c in rows[0] if (c != "condition" or any(r["condition"] for r in rows))
             and (c != "virtual_shards" or any(r[c] != "-" for r in rows))]
-    widths = {c: max(len(c), *(len(r[c]) for r in rows)) for c in cols}
-    print("  ".join(c.ljust(widths[c]) for c in cols).rstrip())
-    print("  ".join("-" * widths[c] for c in cols))
-    for r in rows:
-        print("  ".join(r[c].ljust(widths[c]) for c in cols).rstrip())
+    print(format_table(cols, [[r[c] for c in cols] for r in rows], align="l" * len(cols)))
     return 0
 
 

@@ -7,23 +7,40 @@
 The group is a ``torch.distributed.ProcessGroup`` written in Python (the extension point torch's own
 python-process-group tests use). Underneath it holds a gloo backend for CPU tensors and, where CUDA is
 available, an NCCL backend for CUDA tensors, both on the same store; every call is routed by its tensors'
-device. What each collective does:
+device. It carries a group name (``group_name``), so DeviceMesh, DTensor, FSDP2 and torch's functional
+collectives (``torch.ops._c10d_functional``, which find a group by its name) run on it. What each collective
+does (docs/trainers.md has the user's view, docs/spec.md §1 the definitions):
 
-* ``all_reduce`` (and ``allreduce_coalesced``, ``reduce``) with ``SUM`` or ``AVG`` on bf16 / fp16 / fp32 tensors:
-  the canonical fold (docs/spec.md §2): an all-gather of the W inputs (data movement), then ``acc = +0.0;
-  for r in 0..W-1: acc += fp32(x_r)`` and one round-to-nearest-even (``detcomm.numerics.fold.reference_fold``,
-  canonical NaN). ``AVG`` divides the fp32 sum by W before that rounding. fp64 folds the same rank order in
-  fp64. The result no longer depends on where an element sits in a bucket or how large the bucket is.
-* ``reduce_scatter_tensor`` / ``reduce_scatter`` with SUM or AVG on floats: an all-to-all of the row blocks,
-  then the same fold of each block (no extra traffic).
-* ``all_gather_into_tensor``, ``all_gather``, ``broadcast``, ``all_to_all``, ``scatter``, ``gather``,
-  ``send``/``recv``, ``barrier``: delegated to gloo / NCCL (data movement: exact).
-* MIN / MAX on any dtype, and every op on integer and bool tensors: delegated (exact in any order).
-* ``PRODUCT`` and ``PREMUL_SUM`` on floats are refused (ValueError): their result depends on the order and
-  the fold defines none; multiply before a SUM instead.
+* ``all_reduce``, ``reduce`` and every coalesced form with ``SUM`` or ``AVG`` on bf16 / fp16 / fp32: the
+  canonical fold (docs/spec.md §1) through the registered batch-invariant leaf
+  (``detcomm.numerics.fold.select_leaf``): an all-gather of the W inputs (data movement), then ``acc = +0.0; for r in 0..W-1: acc += fp32(x_r)`` and one
+  round-to-nearest-even, canonical NaN. ``AVG`` divides the fp32 sum by W before that rounding. fp64 folds the
+  same rank order in fp64. The result no longer depends on where an element sits in a bucket or how large the
+  bucket is.
+* ``PREMUL_SUM(f)`` (FSDP2's divide factor, ``_make_nccl_premul_sum``) on bf16 / fp16 / fp32: each rank's
+  input times the fp32 factor, one rounding to fp32, then the canonical fold of those fp32 values to the input
+  dtype (docs/spec.md §1.1). fp64: the product and the fold in fp64.
+* ``MAX`` / ``MIN`` on bf16 / fp16 / fp32: an integer MAX / MIN of the order-preserving keys of
+  ``detcomm.numerics.keys`` (the policy of ``detcomm.all_reduce``): a NaN among an element's inputs gives the
+  canonical NaN, a zero result is +0.0, whatever the rank order. fp64: the same rules on a gather of the W inputs.
+* ``reduce_scatter_tensor`` / ``reduce_scatter`` (and their coalesced forms) with the ops above: an all-to-all
+  of the row blocks, then the same fold or key reduction of each block (no extra traffic).
+* Each tensor of a coalesced call is reduced on its own (as if called alone), whatever the list holds.
+* ``all_gather_into_tensor`` (and coalesced), ``all_gather``, ``broadcast``, ``all_to_all``, ``scatter``,
+  ``gather``, ``send``/``recv``, ``barrier``: delegated to gloo / NCCL (data movement: exact).
+* Every op on integer and bool tensors: delegated, one tensor per call (exact in any order; integer SUM wraps
+  on overflow, as in gloo and NCCL).
+* ``PRODUCT`` on floats is refused (ValueError): its result depends on the rank order and the fold defines
+  none; multiply locally and reduce with SUM.
+* Tensor subclasses that wrap one plain tensor (``AsyncCollectiveTensor``, what DTensor's ``to_local()``
+  returns) are waited for and unwrapped; the result is written through to the caller's tensor.
 
-Work objects: a delegated call returns gloo's / NCCL's own ``Work``. A folded call on CPU tensors runs its gather
-and fold inside the call and returns a finished ``Work``. On CUDA tensors the gather (NCCL, on the current
+``dist.monitored_barrier`` checks for the name "gloo" before it reaches a group; call the group's own
+``DetcommProcessGroup.monitored_barrier(timeout, wait_all_ranks=...)`` (gloo's, on the same ranks) instead.
+
+Work objects: a delegated data-movement call returns gloo's / NCCL's own ``Work``. A reduction (folded, keyed,
+or an integer one, which runs one tensor at a time) on CPU tensors runs inside the call and returns a finished
+``Work``. On CUDA tensors the gather (NCCL, on the current
 stream) and the fold are queued on the stream current at the call, with no host synchronization, and the
 returned ``Work`` behaves as NCCL's: ``wait()`` orders the caller's then-current stream after the fold and
 returns at once (the host never blocks), ``is_completed()`` asks the GPU, ``get_future()`` is a CUDA-aware
@@ -31,22 +48,24 @@ future (DDP's comm hooks use it). ``async_op=True`` therefore returns before the
 does; on CPU there is no overlap.
 
 CUDA graphs: folded CUDA calls can be captured and replayed (the gather and fold are stream work only; the
-fold's temporaries come from the graph's pool); delegated calls capture as NCCL's own do. As with torch's own NCCL backend, the group's NCCL
-communicator for a device is made by the first collective on that device, which must run outside a capture:
-one eager call per device before capturing (the usual warm-up). A capture that would be the first call on its
-device raises RuntimeError at once with that fix. Free captured graphs (and synchronize) before
-``destroy_process_group``: with a graph holding NCCL work still alive, torch 2.11's own NCCL backend hung in
-``destroy_process_group`` on two H200s.
+fold's temporaries come from the graph's pool); delegated calls capture as NCCL's own do. As with torch's own
+NCCL backend, the group's NCCL communicator for a device is made by the first collective on that device, which
+must run outside a capture: one eager call per device before capturing (the usual warm-up). A capture that would
+be the first call on its device raises ``CaptureBeforeWarmup`` at once with that fix. Free captured graphs (and
+synchronize) before ``destroy_process_group``: with a graph holding NCCL work still alive, torch 2.11's own NCCL
+backend hung in ``destroy_process_group`` on two H200s.
 
-The fold moves W x the data of a ring all-reduce (the cost of the gather_fold route, docs/performance.md).
+The fold moves W x the data of a ring all-reduce (the cost of the gather_fold route, docs/performance.md). The
+group does not yet go through detcomm's ``Communicator`` (its call guard, self-checks and the single-node
+workspace): it folds with the same leaf and keys, on its own gather.
 
 Why not ``"cpu:gloo,cuda:detcomm"``: torch replaces the whole group by a Python process group as soon as one
 device's backend is one, so the gloo half of that string would be dropped; ``"detcomm"`` serves both devices.
-Tested on torch 2.13 (CPU, gloo) and torch 2.11 with NCCL 2.28 on two H200s (eager, async, captured and
-replayed, W = 1 and 2); written against the API torch has had since 2.4 (``ProcessGroup(rank,
-size)`` subclasses, ``Backend.register_backend(name, fn, devices=...)``, ``_allgather_base`` /
-``_reduce_scatter_base``, renamed ``all_gather_single`` / ``reduce_scatter_single`` in recent releases: both
-names are served).
+Tested on torch 2.13 (CPU, gloo) and torch 2.11 with NCCL 2.28 on two H200s; written against the API torch has
+had since 2.4 (``ProcessGroup(rank, size)`` subclasses, ``Backend.register_backend(name, fn, devices=...)``).
+torch's C++ bridge to a Python group calls methods by name, and the names moved between releases
+(``_allgather_base`` / ``all_gather_single``, ``allgather_into_tensor_coalesced`` /
+``all_gather_single_coalesced``, and the same for reduce-scatter): every name is served.
 """
 
 from __future__ import annotations
@@ -64,36 +83,70 @@ from torch._C._distributed_c10d import (
     AllToAllOptions,
     PrefixStore,
     ProcessGroupGloo,
+    ReduceScatterOptions,
     Work,
 )
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
-from .numerics.fold import FLOAT_DTYPES, canonical_nan, divide_exactly, reference_fold
+from .errors import DetcommError
+from .numerics import keys
+from .numerics.fold import (
+    BATCH_INVARIANT,
+    FLOAT_DTYPES,
+    average,
+    canonical_nan,
+    canonicalize_nan,
+    divide_exactly,
+    select_leaf,
+)
 
-__all__ = ["BACKEND_NAME", "DetcommProcessGroup", "register", "folds"]
+__all__ = ["BACKEND_NAME", "CaptureBeforeWarmup", "DetcommProcessGroup", "register", "plan"]
 
 BACKEND_NAME = "detcomm"
 _log = logging.getLogger("detcomm.dist_backend")
 _R = dist.ReduceOp
+_FP64_NAN = float("nan")  # torch writes float('nan') as the quiet NaN with an empty payload, positive
 
 
-def folds(op: Any, dtype: torch.dtype) -> bool:
-    """Does a reduction with ``op`` on ``dtype`` take the canonical fold (True) or the delegated backend
-    (False)? Raises ValueError for the float reductions the backend refuses."""
+class CaptureBeforeWarmup(DetcommError):
+    """The group's first collective on a CUDA device was issued inside a CUDA graph capture."""
+
+
+# How a reduction is carried out: "fold" (SUM / AVG / PREMUL_SUM on floats), "keys" (float MAX / MIN) or
+# "delegate" (the library's own collective: exact integer and bitwise reductions).
+def plan(op: Any, dtype: torch.dtype) -> str:
+    """How the group reduces ``op`` on ``dtype``: ``"fold"``, ``"keys"`` or ``"delegate"`` (module docstring).
+    Raises ValueError for the float reductions the backend refuses. Local."""
     op = _kind(op)
     if not (dtype.is_floating_point or dtype.is_complex):
-        return False
+        return "delegate"
     if op in (_R.MIN, _R.MAX):
-        return False
-    if op in (_R.SUM, _R.AVG):
-        return True
+        if dtype.is_complex:
+            raise ValueError(f"the detcomm backend refuses {op} on {dtype}: complex numbers have no order")
+        return "keys"
+    if op in (_R.SUM, _R.AVG, _R.PREMUL_SUM):
+        return "fold"
     raise ValueError(f"the detcomm backend refuses {op} on {dtype}: a floating-point {op} depends on the order "
-                     "of the ranks and the canonical fold defines only SUM and AVG; multiply locally and reduce "
-                     "with SUM")
+                     "of the ranks and the canonical fold defines only SUM, AVG and PREMUL_SUM; multiply locally "
+                     "and reduce with SUM")
 
 
 def _kind(op: Any) -> Any:
     """The RedOpType of a ReduceOp object (as options hold it) or of a RedOpType."""
     return getattr(op, "op", op)
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor a collective reads and writes: an ``AsyncCollectiveTensor`` is waited for and its
+    storage-sharing ``elem`` returned (writing it writes the caller's tensor); the C++ library would crash on the
+    subclass itself."""
+    if isinstance(t, AsyncCollectiveTensor):
+        return t.trigger_wait()
+    return t
+
+
+def _plains(ts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    return [_plain(t) for t in ts]
 
 
 def _stream_ordered(opts: Any) -> Any:
@@ -166,26 +219,27 @@ class _FoldWork(Work):
         self.wait()
 
 
-def _fold(stacked: torch.Tensor, op: Any, world: int) -> torch.Tensor:
-    """[W, n] -> [n] in the input dtype: the canonical fold (fp64: the same rank order in fp64)."""
-    dtype, op = stacked.dtype, _kind(op)
-    if dtype in FLOAT_DTYPES:
-        if op == _R.AVG:
-            return divide_exactly(reference_fold(stacked, torch.float32), world).to(dtype)
-        return reference_fold(stacked, dtype)
-    acc = torch.zeros(stacked.shape[1:], dtype=dtype, device=stacked.device)
-    for r in range(world):
-        acc.add_(stacked[r])
-    return divide_exactly(acc, world) if op == _R.AVG else acc
+def _premultiplied(flat: torch.Tensor, op: Any) -> torch.Tensor:
+    """PREMUL_SUM's per-rank operand (docs/spec.md §1.1): fp32(x) * fp32(factor), one IEEE fp32 rounding (fp64:
+    the product in fp64). The factor is a fill on the tensor's device, so a CUDA graph can capture it."""
+    factor = op.factor
+    wide = torch.float64 if flat.dtype == torch.float64 else torch.float32
+    if isinstance(factor, torch.Tensor):
+        f = factor.to(device=flat.device, dtype=wide).reshape(())
+    else:
+        f = torch.full((), float(factor), dtype=wide, device=flat.device)
+    return flat.to(wide) * f
 
 
 class DetcommProcessGroup(dist.ProcessGroup):
     """The ``"detcomm"`` process group (module docstring). Created by torch through the registered backend;
-    every method is collective as torch's are."""
+    every collective method is collective over the group, as torch's are."""
 
     def __init__(self, store: Any, rank: int, size: int, timeout: timedelta) -> None:
         super().__init__(rank, size)  # type: ignore[call-arg]
         self._rank, self._size = rank, size
+        self._name = ""
+        self._desc = ""
         self._gloo = ProcessGroupGloo(PrefixStore("gloo/", store), rank, size, timeout)
         self._nccl = None
         if torch.cuda.is_available() and dist.is_nccl_available():
@@ -204,6 +258,23 @@ class DetcommProcessGroup(dist.ProcessGroup):
     def name(self) -> str:
         return BACKEND_NAME
 
+    # torch's ProcessGroup keeps its name on its registered backends; this group registers none (every call
+    # comes here), so it keeps the name torch assigns itself. DeviceMesh, FSDP2 and the functional collectives
+    # look groups up by it.
+    def _set_group_name(self, name: str) -> None:
+        self._name = name
+
+    @property
+    def group_name(self) -> str:  # type: ignore[override]
+        return self._name
+
+    def _set_group_desc(self, desc: str) -> None:
+        self._desc = desc
+
+    @property
+    def group_desc(self) -> str:  # type: ignore[override]
+        return self._desc
+
     def _backend(self, t: torch.Tensor) -> Any:
         if not t.is_cuda:
             return self._gloo
@@ -214,124 +285,205 @@ class DetcommProcessGroup(dist.ProcessGroup):
             if torch.cuda.is_current_stream_capturing():
                 # NCCL makes a device's communicator on its first collective; inside a capture that would hang
                 # or fail deep in NCCL, so refuse here, before anything is queued.
-                raise RuntimeError(f"the detcomm process group's first collective on {t.device} is being captured "
-                                   "in a CUDA graph; NCCL creates the communicator on first use, which a capture "
-                                   "forbids. Run one collective on this device eagerly (the usual warm-up) before "
-                                   "capturing")
+                raise CaptureBeforeWarmup(
+                    f"the detcomm process group's first collective on {t.device} is being captured in a CUDA "
+                    "graph; NCCL creates the communicator on first use, which a capture forbids. Run one "
+                    "collective on this device eagerly (the usual warm-up) before capturing")
             for dtype in FLOAT_DTYPES:  # built from host bits once, so the fold never uploads during a capture
                 canonical_nan(dtype, t.device)
             self._connected.add(t.device)
         return self._nccl
 
-    # -- the folds -------------------------------------------------------------------------------------------
+    # -- the reductions ------------------------------------------------------------------------------------
     def _gather_rows(self, flat: torch.Tensor) -> torch.Tensor:
         out = torch.empty(self._size * flat.numel(), dtype=flat.dtype, device=flat.device)
         _settle(self._backend(flat)._allgather_base(out, flat, _stream_ordered(AllgatherOptions())))
         return out.view(self._size, flat.numel())
 
-    def _fold_into(self, t: torch.Tensor, op: Any) -> None:
+    def _exchange_blocks(self, flat: torch.Tensor) -> torch.Tensor:
+        """[W * n] -> [W, n]: row r is rank r's block destined for this rank (one all-to-all)."""
+        recv = torch.empty_like(flat)
+        _settle(self._backend(flat).alltoall_base(recv, flat, [], [], _stream_ordered(AllToAllOptions())))
+        return recv.view(self._size, -1)
+
+    def _reduce_flat(self, flat: torch.Tensor, op: Any, *, scatter: bool) -> torch.Tensor:
+        """The reduction of every rank's ``flat`` (``scatter``: only this rank's block of it), in flat's dtype."""
+        how, kind = plan(op, flat.dtype), _kind(op)
+        move = self._exchange_blocks if scatter else self._gather_rows
+        if how == "keys":
+            name = "max" if kind == _R.MAX else "min"
+            if flat.dtype == torch.float64:
+                return _fp64_extremum(move(flat), name)
+            # Each element's W keys come together on this rank and reduce here: an integer MAX / MIN is exact
+            # in any order, and the keys carry the NaN and signed-zero rules.
+            k = move(keys.to_key(flat, op=name))
+            return keys.from_key(k.amax(dim=0) if name == "max" else k.amin(dim=0), flat.dtype, op=name)
+        assert how == "fold", how
+        src = _premultiplied(flat, op) if kind == _R.PREMUL_SUM else flat
+        stacked = move(src)
+        if flat.dtype == torch.float64:
+            acc = torch.zeros(stacked.shape[1:], dtype=torch.float64, device=stacked.device)
+            for r in range(self._size):
+                acc.add_(stacked[r])
+            return divide_exactly(acc, self._size) if kind == _R.AVG else acc
+        leaf = select_leaf(device_type=flat.device.type, required=frozenset({BATCH_INVARIANT}))
+        if kind == _R.AVG:
+            return average(leaf.fold(stacked, torch.float32), self._size, flat.dtype)
+        if kind == _R.PREMUL_SUM and flat.dtype != torch.float32:
+            # fp32 operands folded to fp32, then the one rounding to the input dtype (a leaf folds into its input
+            # dtype or fp32).
+            return canonicalize_nan(leaf.fold(stacked, torch.float32).to(flat.dtype))
+        return leaf.fold(stacked, flat.dtype)
+
+    def _reduce_into(self, t: torch.Tensor, op: Any) -> None:
         src = torch.view_as_real(t) if t.is_complex() else t
-        flat = src.contiguous().view(-1)
-        src.copy_(_fold(self._gather_rows(flat), op, self._size).view_as(src))
+        src.copy_(self._reduce_flat(src.contiguous().view(-1), op, scatter=False).view_as(src))
 
     def allreduce(self, tensors: Any, opts: Any = None) -> Work:  # type: ignore[override]
-        tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        tensors = _plains([tensors] if isinstance(tensors, torch.Tensor) else list(tensors))
         if opts is None:
             opts = AllreduceOptions()
         elif not hasattr(opts, "reduceOp"):
             op, opts = opts, AllreduceOptions()
             opts.reduceOp = op
-        if not all(folds(opts.reduceOp, t.dtype) for t in tensors):
-            return self._backend(tensors[0]).allreduce(tensors, opts)
-        for t in tensors:
-            self._fold_into(t, opts.reduceOp)
+        for t in tensors:  # one tensor at a time: gloo's list form would also sum the list's tensors together
+            if plan(opts.reduceOp, t.dtype) == "delegate":
+                _settle(self._backend(t).allreduce([t], _stream_ordered(_allreduce_opts(opts.reduceOp))))
+            else:
+                self._reduce_into(t, opts.reduceOp)
         return _FoldWork(tensors)
 
     def allreduce_coalesced(self, tensors: Sequence[torch.Tensor], opts: Any = None) -> Work:
         return self.allreduce(list(tensors), None if opts is None else opts.reduceOp)
 
     def reduce(self, tensors: Any, opts: Any) -> Work:  # type: ignore[override]
-        tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
-        if not all(folds(opts.reduceOp, t.dtype) for t in tensors):
+        tensors = _plains([tensors] if isinstance(tensors, torch.Tensor) else list(tensors))
+        if all(plan(opts.reduceOp, t.dtype) == "delegate" for t in tensors) and len(tensors) == 1:
             return self._backend(tensors[0]).reduce(tensors, opts)
-        for t in tensors:  # every rank computes the fold; only the root keeps it, as torch's reduce promises
+        for t in tensors:  # every rank computes the reduction; only the root keeps it, as torch's reduce promises
             keep = t.clone()
-            self._fold_into(keep, opts.reduceOp)
+            if plan(opts.reduceOp, t.dtype) == "delegate":
+                _settle(self._backend(keep).allreduce([keep], _stream_ordered(_allreduce_opts(opts.reduceOp))))
+            else:
+                self._reduce_into(keep, opts.reduceOp)
             if self._rank == opts.rootRank:
                 t.copy_(keep)
         return _FoldWork(tensors)
 
     def _reduce_scatter_flat(self, output: torch.Tensor, flat_in: torch.Tensor, opts: Any) -> Work:
-        if not folds(opts.reduceOp, flat_in.dtype):
-            return self._backend(output)._reduce_scatter_base(output, flat_in.view(-1), opts)
+        output = _plain(output)
         n = output.numel()
         if flat_in.numel() != n * self._size:
             raise ValueError(f"reduce_scatter: the input holds {flat_in.numel()} elements, expected "
                              f"{self._size} x {n} (world size x output)")
-        recv = torch.empty_like(flat_in)
-        _settle(self._backend(output).alltoall_base(recv, flat_in, [], [], _stream_ordered(AllToAllOptions())))
-        output.copy_(_fold(recv.view(self._size, n), opts.reduceOp, self._size).view_as(output))
+        if plan(opts.reduceOp, flat_in.dtype) == "delegate":
+            return self._backend(output)._reduce_scatter_base(output, flat_in, opts)
+        src = torch.view_as_real(flat_in).view(-1) if flat_in.is_complex() else flat_in
+        dst = torch.view_as_real(output) if output.is_complex() else output
+        dst.copy_(self._reduce_flat(src, opts.reduceOp, scatter=True).view_as(dst))
         return _FoldWork([output])
 
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> Work:
-        return self._reduce_scatter_flat(output, input.contiguous().view(-1), opts)
+        return self._reduce_scatter_flat(output, _plain(input).contiguous().view(-1), opts)
 
     reduce_scatter_single = _reduce_scatter_base  # type: ignore[assignment]  # torch >= 2.12 names it so
+
+    def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                        opts: Any = None) -> Work:
+        opts = opts or ReduceScatterOptions()
+        for out, inp in zip(outputs, inputs, strict=True):
+            _settle(self._reduce_scatter_base(out, inp, opts))
+        return _FoldWork(_plains(outputs))
+
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced  # type: ignore[assignment]  # torch >= 2.12
 
     def reduce_scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any) -> Work:  # type: ignore[override]
         if len(outputs) != 1:
             raise ValueError("the detcomm process group takes one output tensor per reduce_scatter call")
-        if not folds(opts.reduceOp, outputs[0].dtype):
-            return self._backend(outputs[0]).reduce_scatter(outputs, inputs, opts)
-        flat = torch.cat([t.contiguous().view(-1) for t in inputs[0]])
+        flat = torch.cat([_plain(t).contiguous().view(-1) for t in inputs[0]])
         return self._reduce_scatter_flat(outputs[0], flat, opts)
 
-    # -- delegated: data movement and exact reductions ---------------------------------------------------
+    # -- delegated: data movement ----------------------------------------------------------------------------
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Work:
-        return self._backend(input)._allgather_base(output, input, opts or AllgatherOptions())
+        return self._backend(_plain(input))._allgather_base(_plain(output), _plain(input), opts or AllgatherOptions())
 
     all_gather_single = _allgather_base  # torch >= 2.12 names it so
 
+    def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                        opts: Any = None) -> Work:
+        outputs, inputs = _plains(outputs), _plains(inputs)
+        for out, inp in zip(outputs, inputs, strict=True):
+            _settle(self._backend(inp)._allgather_base(out, inp, _stream_ordered(AllgatherOptions())))
+        return _FoldWork(outputs)
+
+    all_gather_single_coalesced = allgather_into_tensor_coalesced  # type: ignore[assignment]  # torch >= 2.12
+
     def allgather(self, outputs: Any, inputs: Any, opts: Any = None) -> Work:
+        outputs, inputs = [_plains(o) for o in outputs], _plains(inputs)
         return self._backend(inputs[0]).allgather(outputs, inputs, opts or AllgatherOptions())
 
     def allgather_coalesced(self, outputs: Any, inputs: Any, opts: Any = None) -> Work:
+        outputs, inputs = [_plains(o) for o in outputs], _plains(inputs)
         return self._backend(inputs[0]).allgather_coalesced(outputs, inputs, opts or AllgatherOptions())
 
     def broadcast(self, tensors: Any, opts: Any) -> Work:  # type: ignore[override]
-        tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        tensors = _plains([tensors] if isinstance(tensors, torch.Tensor) else list(tensors))
         return self._backend(tensors[0]).broadcast(tensors, opts)
 
     def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],
                       input_split_sizes: list[int], opts: Any = None) -> Work:
+        input, output = _plain(input), _plain(output)
         return self._backend(input).alltoall_base(output, input, output_split_sizes, input_split_sizes,
                                                   opts or AllToAllOptions())
 
     all_to_all_single = alltoall_base  # type: ignore[assignment]
 
     def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> Work:
+        outputs, inputs = _plains(outputs), _plains(inputs)
         return self._backend(inputs[0]).alltoall(outputs, inputs, opts or AllToAllOptions())
 
     def gather(self, outputs: Any, inputs: Any, opts: Any) -> Work:  # type: ignore[override]
+        outputs, inputs = [_plains(o) for o in outputs], _plains(inputs)
         return self._backend(inputs[0]).gather(outputs, inputs, opts)
 
     def scatter(self, outputs: Any, inputs: Any, opts: Any) -> Work:  # type: ignore[override]
+        outputs, inputs = _plains(outputs), [_plains(i) for i in inputs]
         return self._backend(outputs[0]).scatter(outputs, inputs, opts)
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> Work:
+        tensors = _plains(tensors)
         return self._backend(tensors[0]).send(tensors, dst, tag)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> Work:
+        tensors = _plains(tensors)
         return self._backend(tensors[0]).recv(tensors, src, tag)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> Work:
+        tensors = _plains(tensors)
         return self._backend(tensors[0]).recv_anysource(tensors, tag)
 
     def barrier(self, opts: Any = None) -> Work:
         return self._gloo.barrier(opts) if opts is not None else self._gloo.barrier()  # type: ignore[attr-defined]
 
     def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> None:
+        """gloo's monitored barrier on this group's ranks (collective). ``dist.monitored_barrier`` refuses any
+        group whose backend is not named "gloo" before it gets here; call this method on the group instead."""
         self._gloo.monitored_barrier(timeout, wait_all_ranks)  # type: ignore[attr-defined]
+
+
+def _allreduce_opts(op: Any) -> AllreduceOptions:
+    opts = AllreduceOptions()
+    opts.reduceOp = op if isinstance(op, _R) else _R(op)
+    return opts
+
+
+def _fp64_extremum(stacked: torch.Tensor, name: str) -> torch.Tensor:
+    """MAX / MIN over the rank axis of fp64 rows with the keys' rules (int32 keys would round fp64): a NaN among
+    an element's inputs gives torch's quiet NaN, a zero result is +0.0. ``amax`` of a set depends on the order
+    only through those two cases."""
+    red = stacked.amax(dim=0) if name == "max" else stacked.amin(dim=0)
+    red = torch.where(red == 0, torch.zeros_like(red), red)
+    return torch.where(torch.isnan(stacked).any(dim=0), torch.full_like(red, _FP64_NAN), red)
 
 
 def _create(store: Any, rank: int, size: int, timeout: timedelta) -> DetcommProcessGroup:

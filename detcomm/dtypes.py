@@ -24,20 +24,22 @@ if TYPE_CHECKING:
     INT_DTYPES: tuple[torch.dtype, ...]
     SUPPORTED_DTYPES: tuple[torch.dtype, ...]
 
-__all__ = ["DtypeInfo", "TABLE", "FLOAT_DTYPES", "INT_DTYPES", "SUPPORTED_DTYPES", "NAMES", "FLOAT_NAMES", "info",
-           "from_name", "name_of", "bits_view", "is_supported", "is_float", "size_of"]
+__all__ = ["DtypeInfo", "TABLE", "FLOAT_DTYPES", "INT_DTYPES", "SUPPORTED_DTYPES", "NAMES", "FLOAT_NAMES", "ALIASES", "info",
+           "from_name", "name_of", "bits_view", "is_supported", "is_float", "size_of", "suffix_of"]
 
 
 @dataclass(frozen=True)
 class DtypeInfo:
     """One dtype: ``name`` as the CLIs and JSON write it, ``size`` in bytes, ``bits`` the same-width signed
-    integer dtype its bit patterns are viewed as, ``suffix`` the CUDA kernels' name suffix (floats only)."""
+    integer dtype its bit patterns are viewed as, ``suffix`` the CUDA kernels' name suffix and ``nan_bits`` the
+    canonical NaN's bit pattern (docs/spec.md §1: the positive quiet NaN with a zero payload; floats only)."""
 
     name: str
     dtype: torch.dtype
     size: int
     bits: torch.dtype
     suffix: str | None = None
+    nan_bits: int | None = None
 
     @property
     def is_float(self) -> bool:
@@ -45,27 +47,34 @@ class DtypeInfo:
 
 
 # The table by name, torch-free: name (torch's attribute name), size in bytes, the bit view's name, the CUDA
-# kernels' suffix (floats only, so a suffix marks a float).
-_ROWS: tuple[tuple[str, int, str, str | None], ...] = (
-    ("float32", 4, "int32", "f32"),
-    ("bfloat16", 2, "int16", "bf16"),
-    ("float16", 2, "int16", "f16"),
-    ("int8", 1, "int8", None),
-    ("uint8", 1, "uint8", None),
-    ("int32", 4, "int32", None),
-    ("int64", 8, "int64", None),
+# kernels' suffix and the canonical NaN's bits (floats only, so a suffix marks a float).
+_ROWS: tuple[tuple[str, int, str, str | None, int | None], ...] = (
+    ("float32", 4, "int32", "f32", 0x7FC00000),
+    ("bfloat16", 2, "int16", "bf16", 0x7FC0),
+    ("float16", 2, "int16", "f16", 0x7E00),
+    ("int8", 1, "int8", None, None),
+    ("uint8", 1, "uint8", None, None),
+    ("int32", 4, "int32", None, None),
+    ("int64", 8, "int64", None, None),
 )
-_SIZE = {name: size for name, size, _, _ in _ROWS}
+_SIZE = {row[0]: row[1] for row in _ROWS}
+_SUFFIX = {row[0]: row[3] for row in _ROWS if row[3] is not None}
 NAMES: tuple[str, ...] = tuple(_SIZE)
-FLOAT_NAMES: tuple[str, ...] = tuple(name for name, _, _, suffix in _ROWS if suffix is not None)
+FLOAT_NAMES: tuple[str, ...] = tuple(_SUFFIX)
+# The spellings the command lines accept, by the table's name (each name spells itself too).
+ALIASES: dict[str, str] = {
+    **{name: name for name in NAMES},
+    "bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32",
+    "int": "int32", "long": "int64",
+}
 
 
 @functools.cache
 def _table() -> tuple[DtypeInfo, ...]:
     import torch
 
-    return tuple(DtypeInfo(name, getattr(torch, name), size, getattr(torch, bits), suffix)
-                 for name, size, bits, suffix in _ROWS)
+    return tuple(DtypeInfo(name, getattr(torch, name), size, getattr(torch, bits), suffix, nan_bits)
+                 for name, size, bits, suffix, nan_bits in _ROWS)
 
 
 @functools.cache
@@ -125,6 +134,14 @@ def is_float(dtype: torch.dtype | str) -> bool:
 def size_of(dtype: torch.dtype | str) -> int:
     """Bytes per element of ``dtype`` (supported; a torch dtype or its name). Torch-free."""
     return _SIZE[name_of(dtype)]
+
+
+def suffix_of(dtype: torch.dtype | str) -> str:
+    """The CUDA kernels' name suffix of float ``dtype`` (a torch dtype or its name). Torch-free."""
+    name = name_of(dtype)
+    if name not in _SUFFIX:
+        raise ValueError(f"dtype {dtype} has no CUDA kernels; the kernels fold {list(FLOAT_NAMES)}")
+    return _SUFFIX[name]
 
 
 def bits_view(dtype: torch.dtype) -> torch.dtype:

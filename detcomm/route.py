@@ -30,6 +30,7 @@ from .dtypes import name_of
 from .envelope import Resolved
 from .errors import RouteRefused
 from .tables import format_table
+from .workspace import admission
 
 if TYPE_CHECKING:
     import torch
@@ -58,6 +59,7 @@ __all__ = [
     "DEFAULT_WORKSPACE_MAX_ROWS",
     "DEFAULT_WORKSPACE_BYTES",
     "VIRTUAL_SHARD_COLLECTIVES",
+    "fusion_refusal",
 ]
 
 DEFAULT_MAX_ROWS = 8192
@@ -420,10 +422,15 @@ class RouteTable:
 _log = logging.getLogger("detcomm")
 
 
-# Why large all-reduce sites stay on the workspace (the route table's reason): the measurement behind the rule.
-LARGE_SITE_WHY = ("max_rows above the armed rows, the workspace measured faster than gather_fold at every size "
-                  "(2x H200, W=2, bf16, eager, time / NCCL's: 16 KiB 0.58 vs 2.39, 64 MiB 1.03 vs 1.61; "
-                  "docs/performance.md)")
+def fusion_refusal(resolved: Resolved, site: Site, *, world_size: int) -> str | None:
+    """Why an all_reduce_rmsnorm ``site`` on a group of ``world_size`` ranks takes the composition rather than the
+    workspace's fused kernel (None: it may fuse, and still serves only after passing the self-checks). Two owners'
+    rules: what the numerics allow (detcomm.numerics.norm.fusion_refusal) and the rows the fused kernels hold
+    (detcomm.workspace.admission). The router and the workspace route both ask this, so the route table and the
+    call agree."""
+    from .numerics.norm import fusion_refusal as numerics_refusal  # noqa: PLC0415 (norm loads torch; routing imports none)
+
+    return numerics_refusal(resolved, site) or admission.fused_layout_refusal(site, world_size)
 
 
 # rs_ag_fold against gather_fold (the route table's reason). Per rank, gather_fold receives (W-1)·M in one
@@ -495,25 +502,12 @@ class AutoBackend:
         return self._fold_candidates(site)
 
     def _fold_candidates(self, site: Site) -> list[RouteDecision]:
-        sw = self.resolved.switches
-        out: list[RouteDecision] = []
-        if sw.force_deterministic_rsag:
-            no_ws = "force_deterministic_rsag: no symmetric-memory path"
-        elif not self.caps.workspace:
-            no_ws = self.caps.workspace_reason
-        elif site.max_rows > self.caps.workspace_max_rows and not self._workspace_chunks_large(site):
-            no_ws = f"max_rows {site.max_rows} > workspace's armed {self.caps.workspace_max_rows} rows"
-        elif site.op is ReduceOp.AVG:
-            no_ws = "the workspace kernels round to the dtype; avg needs the fp32 fold"
-        else:
-            why = f"canonical fold in the CUDA-IPC workspace (max_rows <= {self.caps.workspace_max_rows})"
-            if site.max_rows > self.caps.workspace_max_rows:
-                why = f"canonical fold in the CUDA-IPC workspace, chunked: {LARGE_SITE_WHY}"
-            launches = self._launches(site)
-            if launches > 1:
-                why += f"; {launches} launches per call at max_rows (workspace_bytes={self.caps.workspace_bytes})"
-            out.append(RouteDecision(Route.IPC_FOLD, why))
-            no_ws = "ipc_fold refused"
+        """A floating-point SUM or AVG site under a batch-invariant envelope: the workspace where it admits the site
+        (detcomm.workspace.admission), then rs_ag_fold where its rule takes the site, then the fold after an
+        all-gather (a2a_fold for reduce-scatter); the fallbacks' reasons quote the workspace's refusal."""
+        ws = admission.admit(site, self.caps, self.resolved)
+        no_ws = "ipc_fold refused" if ws.serves else ws.why
+        out = [RouteDecision(Route.IPC_FOLD, ws.why)] if ws.serves else []
         if site.collective is Collective.REDUCE_SCATTER:
             out.append(RouteDecision(Route.A2A_FOLD, f"canonical fold after an all-to-all ({no_ws})"))
         else:
@@ -522,18 +516,22 @@ class AutoBackend:
                 out.append(RouteDecision(Route.RS_AG_FOLD, f"{self._rs_ag_why(site)} ({no_ws})"))
                 no_rsag = "rs_ag_fold refused"
             out.append(RouteDecision(Route.GATHER_FOLD, f"canonical fold after an all-gather ({no_ws}; {no_rsag})"))
-        if site.collective is Collective.ALL_REDUCE_RMSNORM:
-            from .numerics.norm import fusion_refusal  # noqa: PLC0415 (norm loads torch; routing imports none)
+        if site.collective is not Collective.ALL_REDUCE_RMSNORM:
+            return out
+        # The workspace fuses the all-reduce with the residual add + RMSNorm where fusion is allowed; every other
+        # route runs the site's all-reduce, then the canonical add + RMSNorm (the same bits).
+        no_fuse = fusion_refusal(self.resolved, site, world_size=self.caps.world_size) if ws.serves else None
+        return [RouteDecision(d.route, d.why + self._norm_clause(d.route, no_fuse)) for d in out]
 
-            # The workspace fuses the all-reduce with the residual add + RMSNorm where fusion is allowed; every
-            # other route runs the site's all-reduce, then the canonical add + RMSNorm (the same bits).
-            no_fuse = fusion_refusal(self.resolved, site, world_size=self.caps.world_size)
-            out = [RouteDecision(d.route, d.why + (
-                "; fused with the residual add + RMSNorm in one kernel (batch_invariant, self-checked against the "
-                "composition)" if d.route is Route.IPC_FOLD and no_fuse is None else
-                "; then the canonical residual add + RMSNorm (composition"
-                + (f": {no_fuse})" if no_fuse and d.route is Route.IPC_FOLD else ")"))) for d in out]
-        return out
+    @staticmethod
+    def _norm_clause(route: Route, no_fuse: str | None) -> str:
+        """What an all_reduce_rmsnorm site's reason adds to its all-reduce's: fused, or the composition (and why)."""
+        if route is not Route.IPC_FOLD:
+            return "; then the canonical residual add + RMSNorm (composition)"
+        if no_fuse is None:
+            return ("; fused with the residual add + RMSNorm in one kernel (batch_invariant, self-checked against the "
+                    "composition)")
+        return f"; then the canonical residual add + RMSNorm (composition: {no_fuse})"
 
     # -- rs_ag_fold against gather_fold where no workspace serves the site (a self-contained rule) -------------
     def _rs_ag_break_even(self) -> int:
@@ -567,21 +565,12 @@ class AutoBackend:
                 f"{2 * (w - 1) / w:.2f}x the message per rank, gather_fold {w - 1}x; {nbytes} B at max_rows >= "
                 f"break-even {self._rs_ag_break_even()} B (W={w}, {self._rs_ag_link()}; docs/spec.md §3)")
 
-    # -- large all-reduce sites stay on the workspace, chunked (a self-contained rule) ------------------------
-    def _workspace_chunks_large(self, site: Site) -> bool:
-        """An all-reduce site whose max_rows exceeds the armed rows still takes the workspace when one row fits a
-        launch: the workspace chunks it (same bits), and it was measured faster than gather_fold at every size
-        (LARGE_SITE_WHY). Reduce-scatter keeps a2a_fold above the armed rows (not measured against it)."""
-        if site.collective not in (Collective.ALL_REDUCE, Collective.ALL_REDUCE_RMSNORM) or self.caps.workspace_bytes <= 0:
-            return False
-        return site.row_numel * dtypes.size_of(site.dtype) <= self.caps.workspace_bytes
-
     def _virtual_candidates(self, site: Site) -> list[RouteDecision]:
         """A virtual-shard site (docs/spec.md §9.1): gather_fold or a2a_fold under every envelope, by a static
         rule. The declaration asks for bits that do not depend on W; under ``auto`` the native route would give
         other numerics without a word, so it serves such a site only when forced (outside bitwise envelopes),
-        as a negative control. An all-reduce site takes the workspace first where it is armed and one row's V/W
-        fp32 slabs fit a launch (csrc/virtual_fold.cu; `_virtual_workspace_refusal`); reduce-scatter never does."""
+        as a negative control. An all-reduce site takes the workspace first where the workspace admits it
+        (detcomm.workspace.admission: armed, and one row's V/W fp32 slabs fit a launch); reduce-scatter never does."""
         v, w = site.virtual_shards, self.caps.world_size
         assert v is not None
         if v % w:
@@ -589,6 +578,7 @@ class AutoBackend:
                 f"site {site.name!r}: virtual_shards V={v} is not divisible by the group's world size W={w} (rank r "
                 f"owns shards r*V/W .. (r+1)*V/W - 1); choose V a multiple of every TP size you will run, e.g. 8"
             )
+        ws = admission.admit(site, self.caps, self.resolved)
         if site.route is not None:
             if site.route is Route.NATIVE and self.resolved.bitwise:
                 raise ValueError(
@@ -596,69 +586,24 @@ class AutoBackend:
                     f"(W-dependent, not batch-invariant) and numerics={self.resolved.numerics!r} promises bitwise "
                     "batch invariance; drop route= (gather_fold/a2a_fold fold the V shards) or use numerics='auto'"
                 )
-            if site.route is Route.IPC_FOLD:
-                no_ws = self._virtual_workspace_refusal(site)
-                if no_ws is not None:
-                    raise ValueError(f"site {site.name!r}: route='ipc_fold' is unavailable for {v} virtual shards: "
-                                     f"{no_ws}; drop route= (gather_fold / a2a_fold fold the V shards on any group)")
+            if site.route is Route.IPC_FOLD and not ws.serves:
+                raise ValueError(f"site {site.name!r}: route='ipc_fold' is unavailable for {v} virtual shards: "
+                                 f"{ws.why}; drop route= (gather_fold / a2a_fold fold the V shards on any group)")
             return [RouteDecision(site.route, f"forced by the site's route=; {v} virtual shards")]
         shards = f"{v} virtual shards, {v // w} fp32 partials per rank"
         if site.collective is Collective.REDUCE_SCATTER:
-            shards += "; the workspace kernels fold virtual shards for all-reduce only"
+            shards += f"; {ws.why}"
             gather = RouteDecision(Route.GATHER_FOLD, f"canonical fold over the shards after an all-gather of the "
                                                       f"fp32 partials ({shards})")
             return [RouteDecision(Route.A2A_FOLD, f"canonical fold over the shards after an all-to-all of the row "
                                                   f"blocks of the fp32 partials ({shards})"), gather]
-        out: list[RouteDecision] = []
-        no_ws = self._virtual_workspace_refusal(site)
-        if no_ws is None:
-            out.append(RouteDecision(Route.IPC_FOLD, self._virtual_workspace_why(site)))
-            no_ws = "ipc_fold refused"
-        shards += f"; {no_ws}"
+        out = [RouteDecision(Route.IPC_FOLD, ws.why)] if ws.serves else []
+        shards += f"; {'ipc_fold refused' if ws.serves else ws.why}"
         return out + [
             RouteDecision(Route.GATHER_FOLD, f"canonical fold over the shards after an all-gather of the fp32 "
                                              f"partials ({shards})"),
             RouteDecision(Route.A2A_FOLD, f"all-to-all of column blocks of the fp32 partials, canonical fold, "
                                           f"all-gather of the rounded blocks ({shards})")]
-
-    # -- virtual-shard all-reduce sites on the workspace (csrc/virtual_fold.cu; a self-contained rule) ----------
-    def _virtual_slab_bytes(self, site: Site) -> int:
-        """fp32 bytes of one row's V/W slabs on one rank: what a launch must hold per row."""
-        assert site.virtual_shards is not None
-        return site.virtual_shards // self.caps.world_size * site.row_numel * 4
-
-    def _virtual_workspace_refusal(self, site: Site) -> str | None:
-        """Why a virtual-shard all-reduce site cannot take the workspace (None: it can). Static: the workspace is
-        armed and one row's V/W fp32 slabs fit one launch (workspace_bytes); more rows than a launch holds are
-        chunked (the fold is element-wise: same bits)."""
-        if self.resolved.switches.force_deterministic_rsag:
-            return "force_deterministic_rsag: no symmetric-memory path"
-        if not self.caps.workspace:
-            return self.caps.workspace_reason
-        if self._virtual_slab_bytes(site) > self.caps.workspace_bytes:
-            return (f"one row's V/W={site.virtual_shards // self.caps.world_size} fp32 slabs "  # type: ignore[operator]
-                    f"({self._virtual_slab_bytes(site)} bytes) exceed a workspace launch "
-                    f"(workspace_bytes={self.caps.workspace_bytes})")
-        return None
-
-    def _virtual_workspace_why(self, site: Site) -> str:
-        k = site.virtual_shards // self.caps.world_size  # type: ignore[operator]
-        per = self.caps.workspace_bytes // self._virtual_slab_bytes(site)
-        launches = -(-site.max_rows // per)
-        why = (f"the CUDA-IPC workspace kernels fold the V/W={k} fp32 slabs of every rank in global shard order "
-               f"({site.virtual_shards} virtual shards), one rounding")
-        if site.max_rows > self.caps.workspace_max_rows:
-            why += f"; chunked above the armed {self.caps.workspace_max_rows} rows"
-        if launches > 1:
-            why += f"; {launches} launches per call at max_rows (workspace_bytes={self.caps.workspace_bytes})"
-        return why
-
-    def _launches(self, site: Site) -> int:
-        """How many workspace launches a call at ``max_rows`` takes (rows beyond workspace_bytes are chunked)."""
-        if self.caps.workspace_bytes <= 0:
-            return 1
-        nbytes = site.max_rows * site.row_numel * dtypes.size_of(site.dtype)
-        return max(1, -(-nbytes // self.caps.workspace_bytes))
 
     def _forced(self, site: Site) -> RouteDecision:
         route = site.route
@@ -673,9 +618,9 @@ class AutoBackend:
                 f"{self.resolved.numerics!r} promises bitwise batch invariance; drop route= (the envelope "
                 "picks a canonical-fold route) or use numerics='auto'"
             )
-        if route is Route.IPC_FOLD and (not self.caps.workspace or self.resolved.switches.force_deterministic_rsag):
-            why = "force_deterministic_rsag" if self.resolved.switches.force_deterministic_rsag else self.caps.workspace_reason
-            raise ValueError(f"site {site.name!r}: route='ipc_fold' is unavailable: {why}")
+        no_ws = admission.unavailable(self.caps, self.resolved) if route is Route.IPC_FOLD else None
+        if no_ws is not None:
+            raise ValueError(f"site {site.name!r}: route='ipc_fold' is unavailable: {no_ws}")
         if route in (Route.MULTICAST_GATHER, Route.IN_SWITCH) and not self.caps.multicast:
             raise ValueError(f"site {site.name!r}: route={route.value!r} is unavailable: {self.caps.multicast_reason}")
         return RouteDecision(route, "forced by the site's route=")

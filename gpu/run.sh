@@ -13,7 +13,8 @@
 # On one GPU the multi-GPU parts skip themselves: the NCCL bench, the NCCL soak, and the fused bench falls back to W
 # streams of the one GPU (bench/fused_streams.py).
 set -u -o pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # docs/spec.md §8, children inherit
+# shellcheck source=.ci/multicast_off.sh
+. .ci/multicast_off.sh  # docs/spec.md §8, children inherit
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export DETCOMM_CACHE_DIR=${DETCOMM_CACHE_DIR:-/tmp/detcomm-kernels}
 OUT=${OUT:-./gpu-out}
@@ -96,7 +97,7 @@ if has bench; then
   fi
   say "fused bench rc=$?"; grep -E '^\| [0-9]' "$OUT/fused.log" | head -20
   # The fused kernels' other builds on two streams of GPU 0 (csrc/fused_norm_row.cuh): the load batch of 4, and the
-  # host never taking the wide kernels (hidden 8192 streams, as it does without them); on one GPU the canonical build's
+  # host never taking the wide kernels (hidden 8192 streams: what the wide kernels save); on one GPU the canonical build's
   # rows are already in fused.log (the same shapes), on several it runs here beside them
   builds="fused_batch4 fused_no_wide"; [ "$NGPU" -ge 2 ] && builds="canonical $builds"
   for build in $builds; do

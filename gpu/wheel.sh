@@ -5,7 +5,9 @@
 # package), the model probe and a short bench (bench/hf_decode.py from the checkout). Logs and results under $OUT.
 #   WHEEL_DIR=.xfer/wheel OUT=./gpu-out bash gpu/wheel.sh      (from the repository root)
 set -u -o pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+# shellcheck source=.ci/multicast_off.sh
+. .ci/multicast_off.sh  # docs/spec.md §8, children inherit
+export PYTHONUNBUFFERED=1
 export DETCOMM_CACHE_DIR=${DETCOMM_CACHE_DIR:-/tmp/detcomm-kernels}
 OUT=$(realpath -m "${OUT:-./gpu-out}"); mkdir -p "$OUT"
 REPO=$PWD

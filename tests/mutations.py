@@ -39,8 +39,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from detcomm.envelope import MULTICAST_OFF_ENV
+
 ROOT = Path(__file__).resolve().parents[1]
-MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 FAILURES = "tests/gpu/test_workspace_failures.py"
 GUARDS = "tests/test_robust_guards.py"
@@ -270,7 +271,7 @@ def make_base(root: Path, dest: Path) -> None:
 
 def _env(tree: Path) -> dict[str, str]:
     # COLUMNS: pytest cuts its summary lines ("FAILED node - why") to the terminal's width.
-    env = dict(os.environ, **MULTICAST_OFF, PYTHONDONTWRITEBYTECODE="1", COLUMNS="400")
+    env = dict(os.environ, **MULTICAST_OFF_ENV, PYTHONDONTWRITEBYTECODE="1", COLUMNS="400")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH", "")) if p)
     return env
 

@@ -314,3 +314,177 @@ def test_async_all_reduce_work(cluster) -> None:
     for r in cluster.run(job_async):
         assert r == {"waited": True, "completed": True, "fold": True, "future": True,
                      "order_matters": cluster.world_size >= 3}
+
+
+# -- MAX / MIN, coalesced calls, PREMUL_SUM, tensor subclasses, functional collectives (W = 3) ---------------------
+
+# Special values of every dtype: each element of the test rows is one 3-tuple (x_0, x_1, x_2) of these, rank q
+# holding x_q, so every placement of a NaN (two payloads, both signs), of -0.0 / +0.0 and of the infinities
+# over the ranks occurs.
+_SPECIAL = {
+    "float32": [0x7FC00000, 0xFFC00001, 0x80000000, 0x00000000, 0x3F800000, 0xBF800000, 0x7F800000, 0xFF800000],
+    "bfloat16": [0x7FC0, 0xFFC1, 0x8000, 0x0000, 0x3F80, 0xBF80, 0x7F80, 0xFF80],
+    "float16": [0x7E00, 0xFE01, 0x8000, 0x0000, 0x3C00, 0xBC00, 0x7C00, 0xFC00],
+}
+
+
+def _special_rows(dtype: str, w: int) -> list[np.ndarray]:
+    """Rank q's row: the q-th component of every w-tuple of the special values (8^w elements)."""
+    vals = np.array(_SPECIAL[dtype], dtype=np.uint64)
+    grid = np.stack(np.meshgrid(*([vals] * w), indexing="ij"), axis=-1).reshape(-1, w)
+    return [grid[:, q].astype(oracle.BITS_DTYPE[dtype]) for q in range(w)]
+
+
+def job_extrema(rank: int, w: int, kind: str) -> dict[str, bool]:
+    """all_reduce and reduce_scatter_tensor with MAX / MIN on every placement of NaN and signed zeros over the
+    ranks; each result compared with the numpy key oracle (any NaN -> canonical NaN, a zero result is +0.0)."""
+    import torch.distributed as dist
+
+    pg = _group(kind)
+    ok: dict[str, bool] = {}
+    for dtype in ("float32", "bfloat16", "float16"):
+        rows = _special_rows(dtype, w)
+        for name, op in (("max", dist.ReduceOp.MAX), ("min", dist.ReduceOp.MIN)):
+            want = oracle.ordered_key_extreme_oracle(rows, dtype, name)
+            x = to_torch(rows[rank], dtype)
+            dist.all_reduce(x, op=op, group=pg)
+            ok[f"all_reduce {dtype} {name}"] = bool(np.array_equal(to_bits(x), want))
+            n = want.size // w * w  # reduce-scatter: the first W whole blocks of the row
+            shard = torch.empty(n // w, dtype=x.dtype)
+            dist.reduce_scatter_tensor(shard, to_torch(rows[rank][:n], dtype), op=op, group=pg)
+            blk = want[:n].reshape(w, -1)[rank]
+            ok[f"reduce_scatter {dtype} {name}"] = bool(np.array_equal(to_bits(shard), blk))
+    return ok
+
+
+def test_max_min_nan_and_signed_zeros_order_free() -> None:
+    from conftest import get_cluster
+
+    for r in get_cluster(3).run(job_extrema, "detcomm"):
+        assert all(r.values()), [k for k, v in r.items() if not v]
+
+
+def test_max_min_gloo_moves_nan_and_zeros() -> None:
+    """Negative control: gloo's float MAX / MIN keeps a NaN or the sign of a zero by rank position."""
+    from conftest import get_cluster
+
+    r = get_cluster(3).run(job_extrema, "gloo")[0]
+    assert not all(r[k] for k in r if k.startswith("all_reduce"))
+
+
+def job_coalesced(rank: int, w: int) -> dict[str, object]:
+    """all_reduce_coalesced reduces every tensor of the list on its own: MAX and int64 SUM of same-shaped
+    tensors, unequal sizes, and float SUM of unequal rows against the fold oracle; the functional
+    (torch.ops._c10d_functional) coalesced forms too."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    pg = _group("detcomm")
+    a, b = torch.tensor([float(rank)]), torch.tensor([10.0 * rank])
+    dist.all_reduce_coalesced([a, b], op=dist.ReduceOp.MAX, group=pg)
+    i, j = torch.tensor([rank], dtype=torch.int64), torch.tensor([10 * rank, 1, 2], dtype=torch.int64)
+    dist.all_reduce_coalesced([i, j], group=pg)
+    ins = [[random_bits(1, n, "bfloat16", seed=20 + n, rank=q) for q in range(w)] for n in (5, 17)]
+    fs = [to_torch(x[rank], "bfloat16") for x in ins]
+    dist.all_reduce_coalesced(fs, group=pg)
+    fold_ok = all(np.array_equal(to_bits(f), oracle.fold_oracle(x, "bfloat16")) for f, x in zip(fs, ins))
+    fun = funcol.all_reduce_coalesced([to_torch(x[rank], "bfloat16") for x in ins], "sum", pg)
+    fun_ok = all(np.array_equal(to_bits(funcol.wait_tensor(f)), oracle.fold_oracle(x, "bfloat16"))
+                 for f, x in zip(fun, ins))
+    from datetime import timedelta
+
+    pg.monitored_barrier(timedelta(seconds=60), wait_all_ranks=True)  # dist.monitored_barrier accepts gloo only
+    return {"max": [a.item(), b.item()], "int": [i.tolist(), j.tolist()], "fold": fold_ok, "functional": fun_ok}
+
+
+def test_coalesced_calls_reduce_each_tensor() -> None:
+    from conftest import get_cluster
+
+    w = 3
+    for r in get_cluster(w).run(job_coalesced):
+        # gloo's allreduce of the list gave [20], [20] for the MAX (the list's tensors reduced together).
+        assert r["max"] == [float(w - 1), 10.0 * (w - 1)]
+        assert r["int"] == [[w * (w - 1) // 2], [10 * w * (w - 1) // 2, w, 2 * w]]
+        assert r["fold"] and r["functional"]
+
+
+def _premul_oracle(rows: list[np.ndarray], dtype: str, factor: float) -> np.ndarray:
+    """PREMUL_SUM (docs/spec.md §1.1): fp32(x_q) * fp32(factor) rounded once to fp32, the fold of those fp32
+    values, one rounding to `dtype`."""
+    with np.errstate(all="ignore"):
+        pre = [(oracle.widen(x, dtype) * np.float32(factor)).astype(np.float32).view(np.uint32) for x in rows]
+    return oracle.round_fp32_bits(oracle.fold_oracle(pre, "float32"), dtype)
+
+
+def job_premul(rank: int, w: int, factor: float) -> dict[str, bool]:
+    import torch.distributed as dist
+
+    pg = _group("detcomm")
+    ok: dict[str, bool] = {}
+    for dtype in ("float32", "bfloat16", "float16"):
+        rows = [ill_bits(3, 32, dtype, seed=31, rank=q).reshape(-1) for q in range(w)]
+        want = _premul_oracle(rows, dtype, factor)
+        x = to_torch(rows[rank], dtype)
+        dist.all_reduce(x, op=dist._make_nccl_premul_sum(factor), group=pg)
+        ok[f"all_reduce {dtype}"] = bool(np.array_equal(to_bits(x), want))
+        t = to_torch(rows[rank], dtype)
+        dist.all_reduce(t, op=dist._make_nccl_premul_sum(torch.tensor(factor)), group=pg)
+        ok[f"tensor factor {dtype}"] = bool(np.array_equal(to_bits(t), want))
+        n = want.size // w
+        shard = torch.empty(n, dtype=x.dtype)
+        dist.reduce_scatter_tensor(shard, to_torch(rows[rank], dtype), op=dist._make_nccl_premul_sum(factor),
+                                   group=pg)
+        ok[f"reduce_scatter {dtype}"] = bool(np.array_equal(to_bits(shard), want.reshape(w, -1)[rank]))
+        # The check can fail: rounding each product to the dtype first, or another rank order, moves bits.
+        with np.errstate(all="ignore"):
+            pre_rounded = [oracle.round_fp32_bits((oracle.widen(r, dtype) * np.float32(factor)).astype(np.float32)
+                                                  .view(np.uint32), dtype) for r in rows]
+        ok[f"discriminates {dtype}"] = (not np.array_equal(_premul_oracle(rows[::-1], dtype, factor), want)
+                                        and (dtype == "float32"
+                                             or not np.array_equal(oracle.fold_oracle(pre_rounded, dtype), want)))
+    return ok
+
+
+def test_premul_sum_folds() -> None:
+    from conftest import get_cluster
+
+    for r in get_cluster(3).run(job_premul, 1.0 / 3.0):
+        assert all(r.values()), [k for k, v in r.items() if not v]
+
+
+def job_subclass_and_functional(rank: int, w: int) -> dict[str, object]:
+    """An AsyncCollectiveTensor (what DTensor's to_local() returns) handed to dist.all_reduce / all_gather /
+    broadcast, and the functional all-gather / reduce-scatter that find the group by its name."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    pg = _group("detcomm")
+    rows = [ill_bits(2, 24, "float32", seed=41, rank=q).reshape(-1) for q in range(w)]
+    want = oracle.fold_oracle(rows, "float32")
+    mine = to_torch(rows[rank], "float32")
+    act = funcol.all_gather_tensor(mine, 0, pg)  # an AsyncCollectiveTensor
+    gathered_ok = isinstance(act, funcol.AsyncCollectiveTensor) and bool(
+        np.array_equal(to_bits(funcol.wait_tensor(act)).reshape(w, -1), np.stack(rows)))
+    sub = funcol.all_reduce(mine.clone(), "sum", pg)
+    folded_ok = bool(np.array_equal(to_bits(funcol.wait_tensor(sub)), want))
+    act = funcol.all_reduce(mine.clone(), "sum", pg)
+    assert isinstance(act, funcol.AsyncCollectiveTensor)
+    dist.all_reduce(act, group=pg)  # crashed the process (SIGSEGV) before the group unwrapped subclasses
+    twice = oracle.fold_oracle([want] * w, "float32")
+    outs = [torch.empty_like(mine) for _ in range(w)]
+    dist.all_gather(outs, funcol.all_reduce(mine.clone(), "max", pg), group=pg)
+    b = funcol.all_reduce(torch.full((3,), float(rank)), "max", pg)
+    dist.broadcast(b, src=0, group=pg)
+    shard = funcol.reduce_scatter_tensor(mine, "sum", 0, pg)
+    return {"name": pg.group_name != "", "gathered": gathered_ok, "folded": folded_ok,
+            "subclass_all_reduce": bool(np.array_equal(to_bits(act.elem), twice)),
+            "subclass_all_gather": all(torch.equal(o, outs[0]) for o in outs),
+            "subclass_broadcast": b.elem.tolist() == [float(w - 1)] * 3,
+            "reduce_scatter": bool(np.array_equal(to_bits(funcol.wait_tensor(shard)), want.reshape(w, -1)[rank]))}
+
+
+def test_subclass_inputs_and_functional_collectives() -> None:
+    from conftest import get_cluster
+
+    for r in get_cluster(3).run(job_subclass_and_functional):
+        assert all(r.values()), r

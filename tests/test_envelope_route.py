@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import inspect
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -105,6 +107,50 @@ def test_environment_for_launchers() -> None:
     target: dict[str, str] = {"NCCL_ALGO": "Tree"}
     apply_environment("rl-bitwise", env=target)
     assert target["NCCL_ALGO"] == "Ring"
+
+
+ROOT = Path(__file__).resolve().parents[1]
+_MULTICAST_SH = ROOT / ".ci" / "multicast_off.sh"
+
+
+def _exported(text: str) -> dict[str, str]:
+    """NAME=value pairs of the ``export`` lines of a shell text."""
+    out: dict[str, str] = {}
+    for line in text.splitlines():
+        if line.startswith("export "):
+            out.update(pair.split("=", 1) for pair in line.removeprefix("export ").split() if "=" in pair)
+    return out
+
+
+def _copies(paths: list[Path]) -> list[str]:
+    """Scripts that export a multicast variable themselves instead of sourcing .ci/multicast_off.sh."""
+    names = "|".join(MULTICAST_OFF_ENV)
+    return [p.name for p in paths if p != _MULTICAST_SH
+            and re.search(rf"^\s*export\b.*\b({names})=", p.read_text(errors="replace"), re.M)]
+
+
+def _shell_scripts() -> list[Path]:
+    return [p for d in (".ci", "gpu", "launch") for p in sorted((ROOT / d).rglob("*")) if p.is_file()
+            and (p.suffix == ".sh" or p.read_text(errors="replace").startswith("#!/usr/bin/env bash"))]
+
+
+def test_shell_scripts_source_the_one_multicast_off_file() -> None:
+    """docs/spec.md §8 in shell: one file holds MULTICAST_OFF_ENV's values, and the scripts that create an
+    environment source it rather than keep a copy."""
+    assert _exported(_MULTICAST_SH.read_text()) == dict(MULTICAST_OFF_ENV)
+    scripts = _shell_scripts()
+    assert len(scripts) >= 6 and _copies(scripts) == []
+    for rel in (".ci/common.sh", ".ci/hf.sh", "gpu/run.sh", "gpu/wheel.sh"):
+        assert ". .ci/multicast_off.sh" in (ROOT / rel).read_text(), rel
+
+
+def test_multicast_file_checks_can_fail(tmp_path: Path) -> None:
+    """Negative controls: a changed value, and a script with its own export, are caught."""
+    assert _exported("export NCCL_NVLS_ENABLE=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1") != dict(
+        MULTICAST_OFF_ENV)
+    own = tmp_path / "own.sh"
+    own.write_text("#!/usr/bin/env bash\nexport NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1\n")
+    assert _copies([own]) == ["own.sh"]
 
 
 def test_missing_environment_refuses_nccl_under_bitwise(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -152,6 +152,17 @@ def test_sharded_matches_unsharded(name: str, dtype: str, tmp_path, cluster2) ->
 
 
 @pytest.mark.slow
+def test_replicated_kv_heads_match_unsharded(tmp_path, cluster4) -> None:  # noqa: ANN001
+    """2 KV heads over 4 ranks: each rank's query heads attend its replicated KV head, so the engine and
+    transformers' own forward on the sharded model compute what the unsharded model does (to rounding), and
+    greedy decoding gives its tokens."""
+    directory = write_tiny_checkpoint("qwen3-kv2-tiny", str(tmp_path), seed=3)
+    for engine_err, own_err, lp_err, tokens, ref_tokens in cluster4.run(job_against_unsharded, directory, "float32"):
+        assert engine_err < 1e-4 and own_err < 1e-4 and lp_err < 1e-4, (engine_err, own_err, lp_err)
+        assert tokens == ref_tokens
+
+
+@pytest.mark.slow
 def test_fused_boundaries_bits(cluster, tmp_path) -> None:  # noqa: ANN001
     """rl-bitwise: both boundaries of every layer are fused add_norm sites (declared, in the route table, called
     with the right norm's weight); the layer-0 o_proj boundary's (y, r) bits are the composition of the ranks'
@@ -239,11 +250,44 @@ def test_head_count_refused_with_the_fix() -> None:
     cfg = tiny_config("llama-tiny")  # 24 attention heads, 12 KV heads, intermediate 384
     check_divisible(cfg, 3)
     check_divisible(cfg, 4)
-    with pytest.raises(ValueError, match=r"num_key_value_heads=12.* does not divide by 5: .*\[1, 2, 3, 4, 6, 12\]"):
+    check_divisible(cfg, 24)  # each KV head replicated over 2 ranks
+    with pytest.raises(ValueError, match=r"num_attention_heads=24 does not divide by 5.*\[1, 2, 3, 4, 6, 12, 24\]"):
         check_divisible(cfg, 5)
+    with pytest.raises(ValueError, match=r"num_key_value_heads=12 is neither a multiple of 8 nor a divisor of it.*"
+                                         r"world size in \[1, 2, 3, 4, 6, 12, 24\]"):
+        check_divisible(cfg, 8)
     cfg.num_key_value_heads = 8
-    with pytest.raises(ValueError, match=r"num_key_value_heads=8 does not divide by 3: .*world size in \[1, 2, 4, 8\]"):
+    with pytest.raises(ValueError, match=r"num_key_value_heads=8 is neither a multiple of 3.*world size in \[1, 2, 4, 8, 24\]"):
         check_divisible(cfg, 3)
+
+
+def test_kv_replication_world_sizes_and_heads() -> None:
+    """2 KV heads, 4 attention heads (qwen3-kv2-tiny): W = 4 replicates each KV head over 2 ranks; rank r holds KV
+    head r // 2 (from the definition: r // (W / num_kv_heads)); W = 3 is refused with the W that work."""
+    from detcomm.hf.shard import kv_head_of, world_sizes
+
+    cfg = tiny_config("qwen3-kv2-tiny")
+    assert world_sizes(cfg) == [1, 2, 4]
+    assert [kv_head_of(r, 4, 2) for r in range(4)] == [(0, 1), (0, 1), (1, 1), (1, 1)]
+    assert [kv_head_of(r, 2, 2) for r in range(2)] == [(0, 1), (1, 1)]
+    assert kv_head_of(0, 1, 2) == (0, 2)
+    with pytest.raises(ValueError, match=r"num_attention_heads=4 does not divide by 3.*world size in \[1, 2, 4\]"):
+        check_divisible(cfg, 3)
+
+
+def test_invariant_layouts_refuse_replicated_kv_heads() -> None:
+    """The TP-size-invariant layouts keep whole KV heads per fixed head group: W > num_kv_heads is refused with
+    the reason and the W that work for the layout, before anything is cut."""
+    import transformers
+
+    from detcomm.hf.layers import StepRows
+    from detcomm.hf.shard import shard_model
+
+    cfg = tiny_config("qwen3-kv2-tiny")
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    with pytest.raises(ValueError, match=r"layout='full_k' at W=4: .*whole KV heads.*fold' only.*W in \[1, 2\]"):
+        shard_model(model, rank=0, world=4, step=StepRows(), layout="full_k", max_rows=64)
 
 
 def test_unsupported_family_refused() -> None:

@@ -11,6 +11,7 @@ from detcomm.envelope import resolve_numerics
 from detcomm.numerics import norm
 from detcomm.numerics.fold import BATCH_INVARIANT
 from detcomm.route import AutoBackend, Capabilities, Collective, Route, Site
+from detcomm.route import fusion_refusal as route_fusion_refusal
 from detcomm.workspace import kernels, plan
 
 GPU2_WS = Capabilities(backend="nccl", device_type="cuda", world_size=2, workspace=True, workspace_max_rows=2048)
@@ -254,9 +255,12 @@ def test_sites_the_fused_kernels_would_stream_take_the_composition() -> None:
         d = AutoBackend(bitwise, caps).decide(_site((hidden,)))
         assert d.route is Route.IPC_FOLD, d
         assert ("fused with the residual add + RMSNorm in one kernel" in d.why) == fused, (hidden, d.why)
-        assert ("composition: rows of" in d.why and "slower than the composition" in d.why) == (not fused), d.why
+        assert ("composition: rows of" in d.why and "wider rows take the composition" in d.why) == (not fused), d.why
         if caps is GPU2_WS:
             bound = backend.bind(_site((hidden,)))
             assert (bound.fused is not None) == fused and bool(bound.variants) == fused, (hidden, bound)
-    assert "16384 elements exceed the 8192" in norm.fusion_refusal(bitwise, _site((16384,)), world_size=2)
-    assert norm.fusion_refusal(bitwise, _site((16384,))) is None  # no W: the envelope's rules alone
+    assert "16384 elements exceed the 8192" in route_fusion_refusal(bitwise, _site((16384,)), world_size=2)
+    assert route_fusion_refusal(bitwise, _site((8192,)), world_size=2) is None
+    assert norm.fusion_refusal(bitwise, _site((16384,))) is None  # what the numerics allow: any row length
+    assert "16384 elements exceed the 8192" in plan.fused_norm_refusal(16384, "bfloat16", 2)  # the workspace's rule
+    assert plan.fused_norm_refusal(8192, "bfloat16", 2) is None

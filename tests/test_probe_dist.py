@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from detcomm.envelope import MULTICAST_OFF_ENV
+
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
@@ -24,7 +26,7 @@ MODEL = ["--requests", "6", "--new-tokens", "8", "--max-prompt", "14"]
 
 def _run(args: list[str], *, torchrun: bool = False, timeout: float = 240) -> subprocess.CompletedProcess:
     env = dict(os.environ)
-    env.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+    env.update(MULTICAST_OFF_ENV)
     if torchrun:
         env.pop("DETCOMM_NUMERICS", None)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", *args]

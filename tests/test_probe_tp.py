@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from detcomm.envelope import MULTICAST_OFF_ENV
+
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
@@ -22,7 +24,7 @@ SMALL = ["--requests", "4", "--new-tokens", "5", "--max-prompt", "10"]
 
 def _run(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
     env = dict(os.environ)
-    env.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+    env.update(MULTICAST_OFF_ENV)
     return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout)
 

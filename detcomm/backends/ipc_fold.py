@@ -19,7 +19,7 @@ import torch
 from ..envelope import Resolved
 from ..invariance import bits_equal
 from ..numerics import norm
-from ..route import BoundRoute, Collective, ReduceOp, Route, Site
+from ..route import BoundRoute, Collective, ReduceOp, Route, Site, fusion_refusal
 from ..workspace import Workspace
 from .base import Bound, Call, bind_from
 
@@ -116,11 +116,11 @@ class IpcFoldBackend:
         return Bound(self.route, site, lambda x, a: ws.all_reduce_virtual(x, dtype=dtype, label=label), forced)
 
     def _bind_norm(self, site: Site, bound: Bound, forced: dict[str, Call]) -> FusedBound:
-        """The fused kernel serves the site when fusion is allowed (detcomm.numerics.norm.fusion_refusal at this group's W:
-        the envelope, and rows the fused kernels hold in registers) and its rows fit a launch; its variants join
-        the all-reduce's, each proven against the composition by the self-checks."""
+        """The fused kernel serves the site when fusion is allowed (route.fusion_refusal at this group's W, the rule
+        the route table states) and its rows fit a launch of this workspace; its variants join the all-reduce's,
+        each proven against the composition by the self-checks."""
         ws, label = self.workspace, site.name
-        if norm.fusion_refusal(self.resolved, site, world_size=ws.world_size) is not None:
+        if fusion_refusal(self.resolved, site, world_size=ws.world_size) is not None:
             return FusedBound(bound.route, bound.site, bound.call, forced)
         variants = ws.fused_norm_variants(site.dtype, site.shape[0], site.max_rows)
         if not variants:

@@ -22,6 +22,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from ..dtypes import size_of
+
 __all__ = ["main"]
 
 FULL_ROWS = tuple(1 << i for i in range(14))  # 1 .. 8192
@@ -41,7 +43,6 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-_ELEM = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
 def _nbytes(text: str) -> int:
@@ -74,7 +75,7 @@ def byte_sweep(minbytes: int, maxbytes: int, factor: int, *, dtypes: Sequence[st
     out = []
     for dtype in dtypes:
         for size in sizes:
-            n, rest = divmod(size, _ELEM[dtype])
+            n, rest = divmod(size, size_of(dtype))
             if rest or n == 0:
                 continue
             if n >= hidden:

@@ -8,11 +8,11 @@ synchronization in between, as nccl-tests does), eager; and CUDA-graph replay, w
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 
 __all__ = ["synced", "time_cpu", "time_cuda_eager", "time_cuda_graph", "median_ms_back_to_back", "host_us_per_call",
@@ -116,20 +116,13 @@ def _event_intervals(fn: Callable[[], object], *, iters: int, barrier: Callable[
     return [events[i].elapsed_time(events[i + 1]) / 1e3 for i in range(iters)]
 
 
-def _quantile(sorted_s: Sequence[float], q: float) -> float:
-    # Linear interpolation between order statistics (numpy's default), without numpy.
-    pos = q * (len(sorted_s) - 1)
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return sorted_s[lo] + (sorted_s[hi] - sorted_s[lo]) * (pos - lo)
-
-
 def summarize(samples: Sequence[float]) -> dict[str, float]:
-    """Median, p10 and p90 in microseconds, and the sample count."""
+    """Median, p10 and p90 in microseconds (numpy's linear interpolation between order statistics), and the
+    sample count."""
     if not samples:
         raise ValueError("no samples to summarize")
-    s = sorted(samples)
-    return {"median_us": statistics.median(s) * 1e6, "p10_us": _quantile(s, 0.1) * 1e6,
-            "p90_us": _quantile(s, 0.9) * 1e6, "n": len(s)}
+    p10, median, p90 = np.quantile(np.asarray(samples, dtype=np.float64), [0.1, 0.5, 0.9]) * 1e6
+    return {"median_us": float(median), "p10_us": float(p10), "p90_us": float(p90), "n": len(samples)}
 
 
 _BUS_FACTOR = {"all_reduce": lambda w: 2 * (w - 1) / w, "reduce_scatter": lambda w: (w - 1) / w,

@@ -36,6 +36,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from ..tables import format_table
+
 __all__ = ["LAYOUTS", "received_bytes", "job", "main"]
 
 LAYOUTS = ("native", "fold", "vs_gather", "vs_a2a", "full_k")
@@ -141,14 +143,11 @@ def format_rows(rows: Sequence[dict[str, Any]]) -> str:
     by_point: dict[tuple[int, int], dict[str, dict[str, Any]]] = {}
     for r in rows:
         by_point.setdefault((r["world_size"], r["rows"]), {})[r["layout"]] = r
-    head = "| W | rows | " + " | ".join(f"{name} us (x native)" for name in LAYOUTS) + " | bytes in/rank: " + \
-        " / ".join(LAYOUTS) + " |"
-    lines = [head, "|" + " --- |" * (3 + len(LAYOUTS))]
-    for (w, n), point in sorted(by_point.items()):
-        cells = [f"{point[name]['median_us']:.0f} ({point[name]['ratio_vs_native']:.2f})" for name in LAYOUTS]
-        nbytes = " / ".join(_human(point[name]["received_bytes"]) for name in LAYOUTS)
-        lines.append(f"| {w} | {n} | " + " | ".join(cells) + f" | {nbytes} |")
-    return "\n".join(lines)
+    head = ["W", "rows", *(f"{name} us (x native)" for name in LAYOUTS), "bytes in/rank: " + " / ".join(LAYOUTS)]
+    table = [[w, n, *(f"{point[name]['median_us']:.0f} ({point[name]['ratio_vs_native']:.2f})" for name in LAYOUTS),
+              " / ".join(_human(point[name]["received_bytes"]) for name in LAYOUTS)]
+             for (w, n), point in sorted(by_point.items())]
+    return format_table(head, table, markdown=True, align="l" * len(head))
 
 
 def _human(n: int) -> str:

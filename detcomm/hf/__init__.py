@@ -6,7 +6,8 @@ MoE blocks) served tensor-parallel over detcomm.
     lm = detcomm.hf.load("/path/to/checkpoint", dtype=torch.bfloat16)
     [(tokens, logprobs)] = lm.generate([prompt_ids], max_new_tokens=32)
 
-``load`` reads the checkpoint with transformers' ``from_pretrained``, shards it in place (``detcomm.hf.shard``:
+``load`` builds the model on the meta device and reads each rank's slices from the safetensors files
+(``detcomm.hf.sliced``; ``sliced=False``: transformers' ``from_pretrained``, then cut), shards it (``detcomm.hf.shard``:
 column-parallel q/k/v/gate/up, row-parallel o_proj/down_proj through detcomm sites named after the modules,
 vocabulary-parallel embedding and LM head; sparse MoE blocks expert-parallel, ``detcomm.hf.moe_block``) and wraps it in the fixed-width engine (``detcomm.hf.engine``,
 whose docstring says how local compute is made batch-invariant and what that costs). Needs the ``hf`` extra
@@ -17,20 +18,27 @@ from __future__ import annotations
 
 import torch
 
-from .checkpoints import TINY_CONFIGS, load_causal_lm, write_tiny_checkpoint
+from .checkpoints import TINY_CONFIGS, checkpoint_config, load_causal_lm, write_tiny_checkpoint
 from .engine import ServingConfig, StepLogits, TPCausalLM
 from .moe_block import EPConfig
-from .shard import SUPPORTED_FAMILIES, check_divisible
+from .shard import SUPPORTED_FAMILIES, check_divisible, world_sizes
+from .sliced import Checkpoint, meta_model
 
 __all__ = ["load", "TPCausalLM", "EPConfig", "ServingConfig", "StepLogits", "SUPPORTED_FAMILIES", "TINY_CONFIGS",
-           "check_divisible", "load_causal_lm", "write_tiny_checkpoint"]
+           "check_divisible", "world_sizes", "load_causal_lm", "write_tiny_checkpoint", "Checkpoint", "meta_model"]
 
 
 def load(directory: str, *, dtype: torch.dtype = torch.bfloat16, serving: ServingConfig | None = None,
-         route: str | None = None, ep: EPConfig | None = None) -> TPCausalLM:
+         route: str | None = None, ep: EPConfig | None = None, sliced: bool = True) -> TPCausalLM:
     """Load a local checkpoint directory and shard it over the detcomm group. Collective: call on every rank
-    after ``detcomm.init``. ``serving``: the step geometry (default ``ServingConfig()``: 64 rows a step, 128 tokens
+    after ``detcomm.init``. ``sliced`` (default): the model is built on the meta device and each rank reads
+    only its slices from the safetensors files (``detcomm.hf.sliced``; docs/hf.md); False: the whole model
+    through ``from_pretrained``, then cut (the same bits, W times the host memory). ``serving``: the step geometry (default ``ServingConfig()``: 64 rows a step, 128 tokens
     of KV cache a request). ``route`` forces the route of the sum sites ("native": no bitwise claim). ``ep``: where
     an MoE model's experts live (``EPConfig(placement=detcomm.moe.Placement...)``; default every expert on
     every rank)."""
-    return TPCausalLM(load_causal_lm(directory, dtype=dtype), serving or ServingConfig(), route=route, ep=ep)
+    if not sliced:
+        return TPCausalLM(load_causal_lm(directory, dtype=dtype), serving or ServingConfig(), route=route, ep=ep)
+    config = checkpoint_config(directory, dtype=dtype)
+    return TPCausalLM(meta_model(config, dtype=dtype), serving or ServingConfig(), route=route, ep=ep,
+                      checkpoint=Checkpoint(directory))

@@ -16,7 +16,8 @@ from torch import nn
 
 from .shard import SUPPORTED_FAMILIES
 
-__all__ = ["TINY_CONFIGS", "MOE_TINY_CONFIGS", "tiny_config", "write_tiny_checkpoint", "load_causal_lm", "DTYPES"]
+__all__ = ["TINY_CONFIGS", "MOE_TINY_CONFIGS", "tiny_config", "write_tiny_checkpoint", "load_causal_lm",
+           "checkpoint_config", "DTYPES"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -27,6 +28,9 @@ _COMMON: dict[str, Any] = dict(vocab_size=1024, hidden_size=192, intermediate_si
                                num_attention_heads=24, num_key_value_heads=12, head_dim=8,
                                max_position_embeddings=512, rms_norm_eps=1e-6, initializer_range=0.05)
 _MOE: dict[str, Any] = dict(num_experts_per_tok=4, output_router_logits=False, router_aux_loss_coef=0.0)
+# Grouped-query attention with fewer KV heads than ranks (4 attention heads over 2 KV heads, head_dim 48): at W = 4
+# each KV head is replicated over 2 ranks (detcomm.hf.shard).
+_KV2: dict[str, Any] = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=48)
 MOE_TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "mixtral-tiny": ("MixtralConfig", dict(_MOE, tie_word_embeddings=False, num_local_experts=8,
                                            num_experts_per_tok=2, intermediate_size=96, sliding_window=None)),
@@ -44,6 +48,8 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     # MoE (detcomm.hf.moe_block): 8 experts; Mixtral top-2 (renormalized); Qwen2-MoE top-4 unnormalized with
     # its sigmoid-gated shared expert and a dense layer 0; Qwen3-MoE top-4 renormalized (norm_topk_prob).
     **MOE_TINY_CONFIGS,
+    "qwen3-kv2-tiny": ("Qwen3Config", dict(_KV2, tie_word_embeddings=True)),
+    "qwen2-moe-kv2-tiny": ("Qwen2MoeConfig", dict(MOE_TINY_CONFIGS["qwen2-moe-tiny"][1], **_KV2)),
 }
 
 
@@ -57,9 +63,10 @@ def tiny_config(name: str) -> Any:
     return getattr(transformers, cls)(**{**_COMMON, **extra})
 
 
-def write_tiny_checkpoint(name: str, directory: str, *, seed: int) -> str:
+def write_tiny_checkpoint(name: str, directory: str, *, seed: int, max_shard_size: str | None = None) -> str:
     """Draw the weights of tiny config ``name`` from ``seed`` (CPU, fp32) and ``save_pretrained`` them into
-    ``directory``; returns the directory. Local. transformers (5.x) writes only on rank 0 of an initialized
+    ``directory`` (in several safetensors files and an index when ``max_shard_size``, e.g. "200KB", is smaller
+    than the model); returns the directory. Local. transformers (5.x) writes only on rank 0 of an initialized
     torch.distributed group, so call it before the group exists (each rank its own copy) or on one rank of
     one node."""
     import torch.distributed as dist
@@ -77,7 +84,7 @@ def write_tiny_checkpoint(name: str, directory: str, *, seed: int) -> str:
         model = transformers.AutoModelForCausalLM.from_config(config)
     finally:
         torch.random.set_rng_state(state)
-    model.save_pretrained(directory)
+    model.save_pretrained(directory, **({} if max_shard_size is None else {"max_shard_size": max_shard_size}))
     return directory
 
 
@@ -88,9 +95,9 @@ def _dtype_kwarg() -> str:
     return "dtype" if (major, minor) >= (4, 56) else "torch_dtype"  # renamed in 4.56
 
 
-def load_causal_lm(directory: str, *, dtype: torch.dtype) -> nn.Module:
-    """``AutoModelForCausalLM.from_pretrained(directory)`` in ``dtype`` with eager attention, on the CPU,
-    after checking the family. Local."""
+def checkpoint_config(directory: str, *, dtype: torch.dtype) -> Any:
+    """The transformers config of a local checkpoint directory, after checking the directory, the dtype and the
+    family. Local."""
     import transformers
 
     if not os.path.isdir(directory):
@@ -101,6 +108,15 @@ def load_causal_lm(directory: str, *, dtype: torch.dtype) -> nn.Module:
     if config.model_type not in SUPPORTED_FAMILIES:
         raise ValueError(f"{directory}: model_type {config.model_type!r} is not supported by detcomm.hf; "
                          f"supported: {', '.join(SUPPORTED_FAMILIES)}")
+    return config
+
+
+def load_causal_lm(directory: str, *, dtype: torch.dtype) -> nn.Module:
+    """``AutoModelForCausalLM.from_pretrained(directory)`` in ``dtype`` with eager attention, on the CPU,
+    after checking the family: the whole model (``detcomm.hf.sliced`` reads only a rank's slices). Local."""
+    import transformers
+
+    checkpoint_config(directory, dtype=dtype)
     model = transformers.AutoModelForCausalLM.from_pretrained(directory, attn_implementation="eager",
                                                               **{_dtype_kwarg(): dtype})
     return model.eval()

@@ -57,7 +57,8 @@ What it costs: every step pays T_pad rows of GEMM whatever its real row count (a
 does T_pad / c times the useful GEMM work: 64x at c = 1 with T_pad = 64, nothing extra at c = T_pad); each
 request's attention costs ceil(n / q_block) blocks of q_block x max_context scores per layer whatever its
 length (a decode row pays q_block rows; a short context pays for max_context keys); each request holds a
-[layers, 2, kv_heads / W, max_context, head_dim] cache from its first step; and the attention loop is one
+[layers, 2, KV heads of the rank (kv_heads / W, or 1 when W > kv_heads), max_context, head_dim] cache
+from its first step; and the attention loop is one
 small kernel chain per request per layer (launch-bound on GPUs at high concurrency). The collectives carry
 only the real rows.
 """
@@ -80,6 +81,7 @@ from ..tp import Segment, pack_segments
 from .layers import StepRows
 from .moe_block import EPConfig, EPMoEBlock
 from .shard import Shards, add_norm_site, declare_sites, fuse_boundaries, shard_model
+from .sliced import Checkpoint, fill
 
 __all__ = ["ServingConfig", "StepLogits", "TPCausalLM", "ROW_ALIGN"]
 
@@ -125,19 +127,24 @@ class StepLogits:
 class TPCausalLM:
     """This rank's shard of a transformers causal LM and the fixed-width step loop around it.
 
-    Construct on every rank after ``detcomm.init`` with the same whole model (collective: declares the
-    sites); then call ``forward``/``greedy``/``logprobs`` on every rank with the same arguments. The model is
-    sharded in place and moved to the communicator's device.
+    Construct on every rank after ``detcomm.init`` with the same whole model, or with the same meta-device model
+    (``detcomm.hf.sliced.meta_model``) and its ``checkpoint`` (each rank then reads only its slices; fold layout)
+    (collective: declares the sites); then call ``forward``/``greedy``/``logprobs`` on every rank with the same
+    arguments. The model is sharded in place and moved to the communicator's device.
     """
 
     def __init__(self, model: Any, serving: ServingConfig | None = None, *, route: str | None = None,
-                 ep: EPConfig | None = None, layout: str = "fold", virtual_shards: int | None = None) -> None:
+                 ep: EPConfig | None = None, layout: str = "fold", virtual_shards: int | None = None,
+                 checkpoint: Checkpoint | None = None) -> None:
         serving = serving or ServingConfig()
         serving.check()
         if layout not in ("fold", "virtual", "full_k"):
             raise ValueError(f"layout must be fold, virtual or full_k, got {layout!r}")
         if (virtual_shards is not None) != (layout == "virtual"):
             raise ValueError("virtual_shards is given exactly for layout='virtual'")
+        if checkpoint is not None and layout != "fold":
+            raise ValueError(f"layout={layout!r}: sliced loading cuts the fold layout (the invariant layouts' blocks are "
+                             "built from a whole weight); pass the whole model (detcomm.hf.load_causal_lm) instead")
         comm = detcomm.get_communicator()
         self.cfg = serving
         self.device = comm.device
@@ -145,6 +152,8 @@ class TPCausalLM:
         self.step_rows = StepRows()
         self.shards: Shards = shard_model(model, rank=self.rank, world=self.world, step=self.step_rows, ep=ep,
                                           layout=layout, virtual_shards=virtual_shards, max_rows=serving.t_pad)
+        if checkpoint is not None:  # a meta-device model: read this rank's slices (detcomm.hf.sliced)
+            fill(model, self.shards, checkpoint, dtype=next(model.parameters()).dtype)
         self.model: Any = model.to(self.device).eval()
         self.config: Any = model.config
         self.dtype = next(model.parameters()).dtype
@@ -210,7 +219,7 @@ class TPCausalLM:
         return torch.where(visible, zero, torch.finfo(self.dtype).min).to(self.device)
 
     def new_cache(self) -> torch.Tensor:
-        """One request's static KV cache on this rank: [layers, 2, kv_heads / W, max_context, head_dim]."""
+        """One request's static KV cache on this rank: [layers, 2, this rank's KV heads, max_context, head_dim]."""
         s = self.shards
         return torch.zeros(len(self.layers), 2, s.kv_heads, self.cfg.max_context, s.head_dim, dtype=self.dtype,
                            device=self.device)

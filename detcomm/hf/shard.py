@@ -12,13 +12,19 @@ row-parallel projection is one ``detcomm.all_reduce_residual_rmsnorm`` call, dec
 ``all_reduce_rmsnorm`` at ``<projection site>.add_norm`` (``model.layers.3.self_attn.o_proj.add_norm``); the
 plain all-reduce sites stay declared for transformers' own forward.
 
-The shapes are checked before anything is cut: a head count or FFN width that W does not divide is refused
-with the world sizes that would work.
+Grouped-query models run at more ranks than KV heads: when W is a multiple of num_key_value_heads, each KV
+head is replicated over W / num_key_value_heads ranks (rank r holds KV head r // (W / num_key_value_heads) and
+the query heads that attend to it), as vLLM, SGLang and TensorRT-LLM do. The shapes are checked before anything
+is cut: a head count or FFN width that W does not divide, or a KV head count that W neither divides nor is a
+multiple of, is refused with the world sizes that would work (``world_sizes``).
+
+``shard_model`` also runs on a model built on the meta device: it records where each cut parameter lies in
+the checkpoint (``Shards.cuts``), and ``detcomm.hf.sliced`` then reads just those slices.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -38,10 +44,20 @@ from .layers import (
 )
 from .moe_block import MOE_FAMILIES, EPConfig, EPMoEBlock, dense_ffn_width, moe_block_of
 
-__all__ = ["SUPPORTED_FAMILIES", "Shards", "check_divisible", "invariant_blocks", "shard_model", "declare_sites",
-           "add_norm_site", "fuse_boundaries"]
+__all__ = ["SUPPORTED_FAMILIES", "Shards", "Cut", "check_divisible", "world_sizes", "kv_head_of", "kv_fits",
+           "invariant_blocks", "shard_model", "declare_sites", "add_norm_site", "fuse_boundaries"]
 
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", *MOE_FAMILIES)
+
+
+@dataclass(frozen=True)
+class Cut:
+    """Where one parameter of a rank's shard lies in the checkpoint tensor of the same name: rows (``dim`` 0)
+    or columns (``dim`` 1) [start, stop). Rows past the tensor's end are zeros (the padded vocabulary shards)."""
+
+    dim: int
+    start: int
+    stop: int
 
 
 @dataclass(frozen=True)
@@ -63,6 +79,9 @@ class Shards:
     layout: str = "fold"  # "fold", "virtual" or "full_k"
     blocks: int = 1  # fixed blocks of the invariant layouts (heads, KV heads, FFN, hidden, vocabulary)
     norm_sites: tuple[str, ...] = ()  # fused layer-boundary sites of the bias-free row-parallel projections
+    # fold layout: the cut parameters (name -> Cut); every other parameter is its checkpoint tensor, whole,
+    # except the expert-parallel blocks' (EPMoEBlock). What detcomm.hf.sliced reads.
+    cuts: dict[str, Cut] = field(default_factory=dict)
 
 
 def add_norm_site(row_site: str) -> str:
@@ -78,29 +97,50 @@ def fuse_boundaries(route: str | None) -> bool:
     return route is None and detcomm.get_communicator().resolved.bitwise
 
 
-def _divisors_of_all(*values: int) -> list[int]:
-    return [w for w in range(1, min(values) + 1) if all(v % w == 0 for v in values)]
+def kv_fits(kv: int, world: int) -> bool:
+    """Whether ``world`` ranks can hold ``kv`` KV heads: whole heads each (W divides kv), or each head
+    replicated over W / kv ranks (W a multiple of kv)."""
+    return kv % world == 0 or world % kv == 0
+
+
+def world_sizes(config: Any) -> list[int]:
+    """Every W at which ``config`` shards (whole attention heads and FFN slices per rank, KV heads whole or
+    replicated), up to its attention head count."""
+    heads = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    ffn = dense_ffn_width(config)
+    return [w for w in range(1, heads + 1)
+            if heads % w == 0 and (ffn is None or ffn % w == 0) and kv_fits(kv, w)]
+
+
+def kv_head_of(rank: int, world: int, kv: int) -> tuple[int, int]:
+    """The KV heads [first, first + count) that ``rank`` holds: kv / W of them, or the one head
+    rank // (W / kv) when W > kv (each replicated over W / kv ranks). Local."""
+    if world > kv:
+        return rank // (world // kv), 1
+    return rank * (kv // world), kv // world
 
 
 def check_divisible(config: Any, world: int) -> None:
-    """Raise ValueError when W does not divide the attention heads, the KV heads or the FFN width, or the
-    family is not supported. Local (no communication)."""
+    """Raise ValueError when W does not divide the attention heads or the FFN width, W neither divides the KV
+    heads nor is a multiple of them, or the family is not supported. Local (no communication)."""
     family = getattr(config, "model_type", None)
     if family not in SUPPORTED_FAMILIES:
         raise ValueError(f"model_type {family!r} is not supported by detcomm.hf; supported: {', '.join(SUPPORTED_FAMILIES)}")
     heads = config.num_attention_heads
     kv = getattr(config, "num_key_value_heads", None) or heads
     ffn = dense_ffn_width(config)  # None: every MLP is an expert-parallel MoE block (no FFN split)
-    sizes = [("num_attention_heads", heads), ("num_key_value_heads", kv)]
-    if ffn is not None:
-        sizes.append(("intermediate_size", ffn))
-    bad = [f"{name}={v}" for name, v in sizes if v % world]
+    bad = [f"num_attention_heads={heads} does not divide by {world}"] if heads % world else []
+    if ffn is not None and ffn % world:
+        bad.append(f"intermediate_size={ffn} does not divide by {world}")
+    if not kv_fits(kv, world):
+        bad.append(f"num_key_value_heads={kv} is neither a multiple of {world} nor a divisor of it (with W a "
+                   f"multiple of {kv}, each KV head is replicated over W / {kv} ranks)")
     if bad:
-        ok = _divisors_of_all(*(v for _, v in sizes))
         raise ValueError(
-            f"tensor parallelism over {world} ranks needs whole heads and FFN slices per rank, but "
-            f"{', '.join(bad)} does not divide by {world}: run with a world size in {ok} "
-            f"(--nproc), which divides {heads} attention heads, {kv} KV heads and intermediate_size {ffn}"
+            f"tensor parallelism over {world} ranks needs whole attention heads and FFN slices per rank, and "
+            f"whole or replicated KV heads, but {'; '.join(bad)}: run with a world size in {world_sizes(config)} "
+            f"(--nproc)"
         )
 
 
@@ -131,7 +171,14 @@ def shard_model(model: Any, *, rank: int, world: int, step: StepRows, ep: EPConf
                              f"{config.model_type!r} has none: leave ep out")
         ep.check()
     blocks = 1
+    heads = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
     if layout != "fold":
+        if kv % world:
+            ok = [w for w in world_sizes(config) if kv % w == 0]
+            raise ValueError(f"layout={layout!r} at W={world}: the TP-size-invariant layouts run attention in fixed "
+                             f"head groups that each hold whole KV heads, so W must divide num_key_value_heads={kv}; "
+                             f"replicated KV heads (W > {kv}) serve layout='fold' only. Run this layout at W in {ok}")
         if config.model_type in MOE_FAMILIES:
             raise ValueError(f"layout={layout!r}: the TP-size-invariant layouts serve dense models and "
                              f"{config.model_type!r} has MoE blocks; use layout='fold' (the MoE combine is already "
@@ -145,26 +192,38 @@ def shard_model(model: Any, *, rank: int, world: int, step: StepRows, ep: EPConf
             for k in (config.num_attention_heads * model.model.layers[0].self_attn.head_dim, config.intermediate_size):
                 check_divides("--virtual-shards", k, virtual_shards, world)
     decoder = model.model
-    heads = config.num_attention_heads
-    kv = getattr(config, "num_key_value_heads", None) or heads
     ffn = dense_ffn_width(config) or 0
-    hl, kvl, fl = heads // world, kv // world, ffn // world
+    kv_first, kvl = kv_head_of(rank, world, kv)
+    hl, fl = heads // world, ffn // world
     head_dim = decoder.layers[0].self_attn.head_dim
     names = {id(m): n for n, m in model.named_modules()}
     row_sites: list[str] = []
     norm_sites: list[str] = []  # a projection with a bias keeps its plain site (the bias is added after the sum)
     moe_blocks: list[EPMoEBlock] = []
+    cuts: dict[str, Cut] = {}
+
+    def cut(module: Any, dim: int, start: int, stop: int) -> None:  # record where the module's shard lies
+        name = names[id(module)]
+        cuts[f"{name}.weight"] = Cut(dim, start, stop)
+        if module.bias is not None and dim == 0:  # a row-parallel bias is whole (added once, after the sum)
+            cuts[f"{name}.bias"] = Cut(0, start, stop)
+
     # The invariant layouts' row-parallel options, the same for every layer.
     row = dict(step=step, layout=layout, virtual_shards=virtual_shards,
                blocks=blocks if layout == "full_k" else None, max_rows=max_rows, rank=rank, world=world)
     for layer in decoder.layers:
         attn = layer.self_attn
-        q0, k0 = rank * hl * head_dim, rank * kvl * head_dim
+        q0, k0 = rank * hl * head_dim, kv_first * head_dim
         o_site = names[id(attn.o_proj)]
+        # This rank's query heads over its KV heads: the heads / kv of the model, or heads / W when each KV head is
+        # replicated (W > kv); transformers' eager attention repeats each KV head this many times.
+        attn.num_key_value_groups = hl // kvl
         if layout == "fold":
-            column_shard(attn.q_proj, q0, q0 + hl * head_dim)
-            column_shard(attn.k_proj, k0, k0 + kvl * head_dim)
-            column_shard(attn.v_proj, k0, k0 + kvl * head_dim)
+            for proj, start, stop in ((attn.q_proj, q0, q0 + hl * head_dim), (attn.k_proj, k0, k0 + kvl * head_dim),
+                                      (attn.v_proj, k0, k0 + kvl * head_dim)):
+                cut(proj, 0, start, stop)
+                column_shard(proj, start, stop)
+            cut(attn.o_proj, 1, q0, q0 + hl * head_dim)
             attn.o_proj = RowParallelLinear(attn.o_proj, q0, q0 + hl * head_dim, site=o_site, step=step)
         else:
             qb, kb = heads // blocks * head_dim, kv // blocks * head_dim
@@ -187,8 +246,10 @@ def shard_model(model: Any, *, rank: int, world: int, step: StepRows, ep: EPConf
         mlp = layer.mlp
         d_site = names[id(mlp.down_proj)]
         if layout == "fold":
-            column_shard(mlp.gate_proj, rank * fl, (rank + 1) * fl)
-            column_shard(mlp.up_proj, rank * fl, (rank + 1) * fl)
+            for proj in (mlp.gate_proj, mlp.up_proj):
+                cut(proj, 0, rank * fl, (rank + 1) * fl)
+                column_shard(proj, rank * fl, (rank + 1) * fl)
+            cut(mlp.down_proj, 1, rank * fl, (rank + 1) * fl)
             mlp.down_proj = RowParallelLinear(mlp.down_proj, rank * fl, (rank + 1) * fl, site=d_site, step=step)
         else:
             fb = ffn // blocks
@@ -205,6 +266,8 @@ def shard_model(model: Any, *, rank: int, world: int, step: StepRows, ep: EPConf
     head_sites = {k: f"{head_name}.{k}" for k in ("gather", "argmax", "stats", "logprobs")}
     # The head first: with tied embeddings both modules share one weight, which the embedding swap drops.
     if layout == "fold":
+        cuts[f"{head_name}.weight"] = Cut(0, rank * width, (rank + 1) * width)
+        cuts[f"{embed_site}.weight"] = Cut(0, rank * width, (rank + 1) * width)
         model.lm_head = VocabParallelHead(model.lm_head, rank * width, width, vocab, gather_site=head_sites["gather"])
     else:
         width = vocab // world
@@ -214,7 +277,8 @@ def shard_model(model: Any, *, rank: int, world: int, step: StepRows, ep: EPConf
                                                   step=step)
     return Shards(rank=rank, world=world, heads=hl, kv_heads=kvl, head_dim=head_dim, ffn=fl, vocab=vocab,
                   vocab_width=width, row_sites=tuple(row_sites), embed_site=embed_site, head_sites=head_sites,
-                  moe_blocks=tuple(moe_blocks), layout=layout, blocks=blocks, norm_sites=tuple(norm_sites))
+                  moe_blocks=tuple(moe_blocks), layout=layout, blocks=blocks, norm_sites=tuple(norm_sites),
+                  cuts=cuts)
 
 
 def declare_sites(shards: Shards, *, hidden: int, dtype: torch.dtype, max_rows: int, route: str | None = None,

@@ -22,14 +22,10 @@ DEFAULT_NUMERICS: str = getattr(envelope, "DEFAULT_NUMERICS", "rl-bitwise")
 # What detcomm.init() in the ranks reads when no numerics= is passed.
 NUMERICS_ENV = "DETCOMM_NUMERICS"
 
-# docs/spec.md §8: set in every environment detcomm creates, whatever the envelope says. Kept here as well as in the
-# core's envelope_environment so that the launcher's promise does not depend on a switch (allow_multicast)
-# that only a rank-side opt-in may loosen.
-MULTICAST_OFF: Mapping[str, str] = {
-    "NCCL_NVLS_ENABLE": "0",
-    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-    "NVSHMEM_DISABLE_NVLS": "1",
-}
+# docs/spec.md §8: set in every environment the launcher creates, whatever the envelope says: the launcher applies
+# the core's constant itself, so its promise does not depend on a switch (allow_multicast) that only a rank-side
+# opt-in may loosen.
+MULTICAST_OFF: Mapping[str, str] = envelope.MULTICAST_OFF_ENV
 
 
 def choose_numerics(flag: str | None, *, env: Mapping[str, str], option: str = "--numerics") -> str:

@@ -26,7 +26,7 @@ from enum import IntEnum
 
 import torch
 
-from ..dtypes import FLOAT_DTYPES, bits_view
+from ..dtypes import FLOAT_DTYPES, bits_view, info
 
 __all__ = [
     "FLOAT_DTYPES",
@@ -48,9 +48,6 @@ BATCH_INVARIANT = "batch_invariant"
 
 FoldFn = Callable[[torch.Tensor, torch.dtype], torch.Tensor]
 
-_CANONICAL_NAN_BITS = {torch.float32: 0x7FC00000, torch.bfloat16: 0x7FC0, torch.float16: 0x7E00}
-
-
 def canonical_nan(dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
     """The canonical NaN of ``dtype`` as a 0-d tensor, built from its bits (not from float('nan')).
 
@@ -61,7 +58,8 @@ def canonical_nan(dtype: torch.dtype, device: torch.device | str = "cpu") -> tor
 
 @functools.cache
 def _canonical_nan(dtype: torch.dtype, device: str) -> torch.Tensor:
-    bits = _CANONICAL_NAN_BITS[dtype]
+    bits = info(dtype).nan_bits
+    assert bits is not None, f"{dtype} has no NaN"
     int_dtype = bits_view(dtype)
     if int_dtype is torch.int16 and bits >= 0x8000:
         bits -= 0x10000

@@ -1,5 +1,5 @@
-"""The canonical residual add + RMSNorm (docs/spec.md §9), and the rule of when its composition with the canonical
-all-reduce may fuse (``fusion_refusal``; the collective itself is ``detcomm.all_reduce_residual_rmsnorm``).
+"""The canonical residual add + RMSNorm (docs/spec.md §9), and what the numerics allow of fusing its composition with
+the canonical all-reduce (``fusion_refusal``; the collective itself is ``detcomm.all_reduce_residual_rmsnorm``).
 
 For one row r of H elements (dtype bf16, fp16 or fp32) and a weight w of H elements (any of those dtypes)::
 
@@ -232,13 +232,12 @@ def add_rms_norm(s: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
 FUSED_KERNEL_FEATURES: frozenset[str] = frozenset({BATCH_INVARIANT})
 
 
-def fusion_refusal(resolved: Resolved, site: Site, *, world_size: int | None = None,
+def fusion_refusal(resolved: Resolved, site: Site, *,
                    features: frozenset[str] = FUSED_KERNEL_FEATURES) -> str | None:
-    """Why ``all_reduce_residual_rmsnorm`` at ``site`` may not take a fused kernel with ``features``; None when it
-    may (it still serves only after passing the self-checks). Routing and the workspace route both ask this, so
-    the route table and the call agree. With ``world_size``, also refuses rows the fused kernels would stream
-    (plan.fused_norm_layout): measured slower than the composition at decode sizes (docs/performance.md, fused
-    section, round 9), so such sites take the composition, with the same bits."""
+    """What the numerics allow: why ``all_reduce_residual_rmsnorm`` at ``site`` may not take a fused kernel with
+    ``features`` under ``resolved`` (the envelope's switches, the kernel's features, the rows the definition
+    takes); None when it may. The rows a route's fused kernels hold are that route's own rule
+    (detcomm.route.fusion_refusal asks both)."""
     if not resolved.switches.batch_invariant_fusion:
         why = ("layer_boundary_norm='unfused'" if resolved.switches.layer_boundary_norm == "unfused"
                else "batch_invariant_fusion=False")
@@ -249,12 +248,4 @@ def fusion_refusal(resolved: Resolved, site: Site, *, world_size: int | None = N
         return f"the fused kernel takes rows of one dimension, the site's are {list(site.shape)}"
     if not 1 <= site.shape[0] <= MAX_HIDDEN:
         return f"hidden size {site.shape[0]} outside 1..{MAX_HIDDEN}"
-    if world_size is not None:
-        from ..workspace import plan  # noqa: PLC0415 (plan needs no GPU; the lazy import keeps norm light)
-
-        dtype = str(site.dtype).removeprefix("torch.")
-        if plan.fused_norm_layout(site.shape[0], dtype, world_size) == "streaming":
-            limit = plan.fused_norm_register_max(dtype, world_size)
-            return (f"rows of {site.shape[0]} elements exceed the {limit} the fused kernels hold in registers at "
-                    f"W={world_size}; streamed, they measured slower than the composition at decode sizes")
     return None

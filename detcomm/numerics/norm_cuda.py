@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from ..dtypes import suffix_of
 from ..workspace import kernels
 
 __all__ = ["THREADS", "available", "rms_norm_cuda", "add_rms_norm_cuda"]
@@ -25,7 +26,6 @@ __all__ = ["THREADS", "available", "rms_norm_cuda", "add_rms_norm_cuda"]
 SOURCE_FILE = "rms_norm.cu"
 THREADS = 256  # one block per row; the block's threads are the definition's 256 lanes (docs/spec.md §9)
 _MAX_GRID = 65535  # rows beyond this are walked by a grid-stride loop; the bits do not depend on the grid
-_SFX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 
 _MODULES: dict[int, Any] = {}
 _FUNCTIONS: dict[tuple[int, str], Any] = {}
@@ -82,7 +82,7 @@ def rms_norm_cuda(r: torch.Tensor, weight: torch.Tensor, eps32: float) -> torch.
     rows, hidden = r.shape
     y = torch.empty_like(r)
     if rows:
-        _launch(f"detcomm_rms_norm_{_SFX[r.dtype]}_w{_SFX[weight.dtype]}", r.device, rows,
+        _launch(f"detcomm_rms_norm_{suffix_of(r.dtype)}_w{suffix_of(weight.dtype)}", r.device, rows,
                 [ctypes.c_void_p(r.data_ptr()), ctypes.c_void_p(weight.data_ptr()), ctypes.c_void_p(y.data_ptr()),
                  ctypes.c_int64(rows), ctypes.c_int64(hidden), ctypes.c_float(eps32)])
     return y
@@ -95,7 +95,7 @@ def add_rms_norm_cuda(s: torch.Tensor, residual: torch.Tensor, weight: torch.Ten
     y = torch.empty_like(s)
     r = torch.empty_like(s)
     if rows:
-        _launch(f"detcomm_add_rms_norm_{_SFX[s.dtype]}_w{_SFX[weight.dtype]}", s.device, rows,
+        _launch(f"detcomm_add_rms_norm_{suffix_of(s.dtype)}_w{suffix_of(weight.dtype)}", s.device, rows,
                 [ctypes.c_void_p(s.data_ptr()), ctypes.c_void_p(residual.data_ptr()),
                  ctypes.c_void_p(weight.data_ptr()), ctypes.c_void_p(y.data_ptr()), ctypes.c_void_p(r.data_ptr()),
                  ctypes.c_int64(rows), ctypes.c_int64(hidden), ctypes.c_float(eps32)])

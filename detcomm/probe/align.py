@@ -37,9 +37,10 @@ from detcomm.envelope import DEFAULT_NUMERICS
 from detcomm.invariance import ulp_distance
 from detcomm.tp import Segment
 
+from ..tables import format_table
 from .model import ModelConfig, TPTransformer
 from .model_probe import generate, layout_from_args, layout_label, make_requests, request_records
-from .table import emit, format_table
+from .table import emit
 
 __all__ = ["serve", "teacher_forced_logprobs", "compare", "main", "TABLE_HEADERS"]
 

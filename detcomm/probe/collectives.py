@@ -31,8 +31,9 @@ from detcomm.dtypes import name_of
 from detcomm.payload import ill_conditioned
 from detcomm.route import ROUTE_INFO, Route
 
+from ..tables import format_table
 from .envelope import ROUTE_CHOICES, probe_numerics
-from .table import emit, format_table
+from .table import emit
 
 __all__ = ["SiteSpec", "SiteResult", "SITES", "probe_site", "main"]
 

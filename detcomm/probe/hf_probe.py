@@ -4,7 +4,9 @@ rerun (docs/spec.md §7).
 The model is a local checkpoint (``--model DIR``, Llama / Mistral / Qwen2 / Qwen3, and the MoE families
 Mixtral / Qwen2-MoE / Qwen3-MoE) or a tiny real config (``--config llama-tiny|...|qwen3-moe-tiny``) whose seeded
 random weights are written with ``save_pretrained`` into a temporary directory and loaded back with
-``from_pretrained``. It runs through
+``from_pretrained``. The model is loaded sliced (``detcomm.hf.sliced``: built on the meta device, each rank
+reading only its slices of the safetensors files; ``--full-load``: transformers' ``from_pretrained`` of the whole
+model, then cut; the TP-size-invariant layouts always load whole). It runs through
 ``detcomm.hf`` (fixed-width steps, static KV caches, row-parallel o_proj/down_proj sites, vocabulary-parallel
 head). The requests, schedules and table are the model probe's: alone at batch 1, packed twice with random
 co-batches and prefill chunking, and packed #1 rerun; half greedy, half temperature 1 with per-request
@@ -46,6 +48,7 @@ import torch.distributed as dist
 import detcomm
 from detcomm.moe import COMBINE_ORDERS, Placement
 
+from ..tables import format_table
 from .bits import bits
 from .envelope import ROUTE_CHOICES, probe_numerics
 from .model_probe import (
@@ -60,7 +63,7 @@ from .model_probe import (
     ranks_agree,
     summary,
 )
-from .table import emit, format_table
+from .table import emit
 
 __all__ = ["build_parser", "main"]
 
@@ -74,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--config", choices=sorted(TINY_CONFIGS), default=None,
                      help="tiny real config with seeded random weights (default llama-tiny when --model is not given)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--full-load", action="store_true",
+                   help="load the whole model with from_pretrained, then cut it (default: each rank reads its slices)")
     p.add_argument("--numerics", default=None,
                    help="numerics envelope (default: $DETCOMM_NUMERICS, which detcomm-launch exports, else rl-bitwise)")
     p.add_argument("--route", default=None, choices=ROUTE_CHOICES,
@@ -151,7 +156,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     layout = layout_from_args(ns)
     import transformers
 
-    from ..hf import EPConfig, ServingConfig, TPCausalLM, load_causal_lm, write_tiny_checkpoint
+    from ..hf import (
+        Checkpoint,
+        EPConfig,
+        ServingConfig,
+        TPCausalLM,
+        checkpoint_config,
+        load_causal_lm,
+        meta_model,
+        write_tiny_checkpoint,
+    )
     from ..hf.checkpoints import DTYPES
     from ..hf.moe_block import MOE_FAMILIES, num_experts
 
@@ -170,14 +184,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(1)  # W ranks share the cores; one thread each also keeps kernels single-path
     name = ns.model or (ns.config or "llama-tiny")
     t0 = time.monotonic()
-    # Loaded before the process group exists: transformers saves on rank 0 only once a group is up, and each
-    # rank (each node) writes and reads its own temporary copy.
+    full_load = ns.full_load or layout != "fold"  # the invariant layouts' blocks are built from whole weights
+    tmp = None
     if ns.model:
-        hf_model = load_causal_lm(ns.model, dtype=dtype)
-    else:
-        with tempfile.TemporaryDirectory(prefix="detcomm-hf-") as d:
-            hf_model = load_causal_lm(write_tiny_checkpoint(name, d, seed=1234 + ns.seed), dtype=dtype)
-    hf_config: Any = hf_model.config
+        directory = ns.model
+    else:  # written before the process group exists: transformers saves on rank 0 only once a group is up, and
+        # each rank (each node) writes and reads its own temporary copy
+        tmp = tempfile.TemporaryDirectory(prefix="detcomm-hf-")
+        directory = write_tiny_checkpoint(name, tmp.name, seed=1234 + ns.seed)
+    hf_config: Any = checkpoint_config(directory, dtype=dtype)
     moe = hf_config.model_type in MOE_FAMILIES
     if (ns.ep or ns.placement_seed is not None or ns.combine_order != "slot") and not moe:
         raise ValueError(f"--ep/--placement-seed/--combine-order are for MoE models ({', '.join(MOE_FAMILIES)}); "
@@ -196,8 +211,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if moe:
             ep = EPConfig(placement=_placement(ns, num_experts(hf_config), world), block=ns.expert_block,
                           combine_order=ns.combine_order)
-        model = TPCausalLM(hf_model, serving, route=ns.route, ep=ep, layout=layout,
-                           virtual_shards=ns.virtual_shards)
+        if full_load:
+            model = TPCausalLM(load_causal_lm(directory, dtype=dtype), serving, route=ns.route, ep=ep, layout=layout,
+                               virtual_shards=ns.virtual_shards)
+        else:
+            model = TPCausalLM(meta_model(hf_config, dtype=dtype), serving, route=ns.route, ep=ep,
+                               checkpoint=Checkpoint(directory))
+        if tmp is not None:
+            tmp.cleanup()
         table = detcomm.routes()
         local_ok = position_invariant(model.local_ops(), t_pad=serving.t_pad, dtype=model.dtype, device=model.device)
         for block in model.shards.moe_blocks:  # each hosted expert at its own fixed shape
@@ -225,7 +246,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         title = (
             f"HF probe: {cfg.model_type} ({name}) W={world} backend={table.backend} numerics={table.numerics} "
             f"layout={layout_label(layout, ns.virtual_shards)} o_proj/down_proj route={'/'.join(row_routes)} "
-            f"dtype={ns.dtype} device={model.device} "
+            f"dtype={ns.dtype} load={'full' if full_load else 'sliced'} device={model.device} "
             f"T_pad={serving.t_pad} q_block={serving.q_block} max_context={serving.max_context} "
             f"layers={cfg.num_hidden_layers} hidden={cfg.hidden_size} heads={cfg.num_attention_heads}/"
             f"kv {getattr(cfg, 'num_key_value_heads', None) or cfg.num_attention_heads} vocab={model.shards.vocab} "
@@ -242,7 +263,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             with open(ns.json, "w") as f:
                 json.dump({"model": name, "model_type": model.config.model_type, "world_size": world,
                            "backend": table.backend, "numerics": table.numerics, "routes": routes,
-                           "dtype": ns.dtype, "t_pad": serving.t_pad, "q_block": serving.q_block,
+                           "dtype": ns.dtype, "load": "full" if full_load else "sliced", "t_pad": serving.t_pad, "q_block": serving.q_block,
                            "max_context": serving.max_context, "local_rows_invariant": local_ok,
                            "ranks_agree": agree, "passed": passed, "comparisons": records,
                            "experts": _moe_record(model, ns) if moe else None,

@@ -39,9 +39,10 @@ import detcomm
 from detcomm.invariance import bits
 from detcomm.tp import Layout, Segment
 
+from ..tables import format_table
 from .envelope import ROUTE_CHOICES, probe_numerics
 from .model import SITE_NAMES, ModelConfig, TPTransformer
-from .table import emit, format_table
+from .table import emit
 
 __all__ = ["Request", "Result", "StepModel", "make_requests", "generate", "first_divergence", "compare_runs",
            "position_invariant", "ranks_agree", "summary", "request_records", "layout_from_args", "TABLE_HEADERS",

@@ -26,7 +26,8 @@ import torch
 from detcomm.dtypes import FLOAT_NAMES, from_name, name_of
 from detcomm.invariance import changed_mask, ulp_distance
 
-from .table import emit, format_table
+from ..tables import format_table
+from .table import emit
 
 __all__ = ["Boundary", "RowMap", "map_rows", "matmul_op", "load_op", "main"]
 

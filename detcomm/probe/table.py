@@ -1,12 +1,11 @@
-"""The probes' output: tables from detcomm.tables, written so that mpiexec's per-rank tags stay whole."""
+"""The probes' output, written so that mpiexec's per-rank tags stay whole (the tables themselves come from
+detcomm.tables.format_table)."""
 
 from __future__ import annotations
 
 import sys
 
-from detcomm.tables import format_table
-
-__all__ = ["format_table", "emit"]
+__all__ = ["emit"]
 
 
 def emit(*blocks: str) -> None:

@@ -18,7 +18,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from .table import emit, format_table
+from ..tables import format_table
+from .table import emit
 
 __all__ = ["load", "compare", "main", "TABLE_HEADERS"]
 

@@ -10,10 +10,26 @@ Public surface (what the core calls; see docs/INTERFACES.md):
     ws.refused  # {module: reason} for dtypes whose kernels could not be built (refused alone)
     WorkspaceUnavailable, WorkspaceFailed (detcomm.errors)
 
-Importing this package needs neither cupy nor a GPU.
+Importing this package needs neither cupy nor a GPU, nor torch: the router reads plan and admission (torch-free)
+without loading the workspace itself, whose names load on first access (PEP 562).
 """
 
-from . import plan
-from .workspace import Workspace, WorkspaceFailed, WorkspaceUnavailable
+from __future__ import annotations
 
-__all__ = ["Workspace", "WorkspaceFailed", "WorkspaceUnavailable", "plan"]
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from . import admission, plan
+
+if TYPE_CHECKING:
+    from .workspace import Workspace, WorkspaceFailed, WorkspaceUnavailable
+
+__all__ = ["Workspace", "WorkspaceFailed", "WorkspaceUnavailable", "admission", "plan"]
+
+_LAZY = frozenset({"Workspace", "WorkspaceFailed", "WorkspaceUnavailable"})
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(".workspace", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

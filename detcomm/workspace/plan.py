@@ -13,7 +13,7 @@ import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from ..dtypes import TABLE
+from .. import dtypes
 
 # --- the device constants (DEVICE_CONSTANTS passes them to csrc/) ------------------------------------------
 MAX_WORLD = 8
@@ -69,9 +69,10 @@ def desc_index(parity: int, block: int, src: int) -> int:
 def busy_index(block: int) -> int:
     return CTRL_BASE + 2 + block
 
-# The float dtypes the kernels fold, by name (detcomm.dtypes): element bytes and kernel-name suffix.
-ELEM_SIZES = {d.name: d.size for d in TABLE if d.is_float}
-DTYPE_SUFFIX = {d.name: str(d.suffix) for d in TABLE if d.is_float}
+# The float dtypes the kernels fold, by name: element bytes and kernel-name suffix, read from detcomm.dtypes (torch-free,
+# so that the router's static view can ask the plan).
+ELEM_SIZES = {name: dtypes.size_of(name) for name in dtypes.FLOAT_NAMES}
+DTYPE_SUFFIX = {name: dtypes.suffix_of(name) for name in dtypes.FLOAT_NAMES}
 
 # --- the one-store region after the data slot (csrc/lamport_common.cuh; LAM_COUNTER_BYTES and the kinds are
 # device constants) ---------------------------------------------------------------------------------------------
@@ -489,6 +490,15 @@ def fused_norm_layout(hidden: int, dtype: str, world_size: int, *, batch: int = 
     if hidden <= fused_norm_register_elems(dtype, world_size, batch=batch):
         return "registers"
     return "wide" if hidden <= fused_norm_register_max(dtype, world_size, batch=batch, wide=wide) else "streaming"
+
+
+def fused_norm_refusal(hidden: int, dtype: str, world_size: int) -> str | None:
+    """Why the fused kernels do not serve rows of `hidden` elements at `world_size` (None: they do): rows they would
+    stream (fused_norm_layout) take the composition, with the same bits (docs/performance.md has the measurement)."""
+    if fused_norm_layout(hidden, dtype, world_size) != "streaming":
+        return None
+    return (f"rows of {hidden} elements exceed the {fused_norm_register_max(dtype, world_size)} the fused kernels "
+            f"hold in registers at W={world_size}; wider rows take the composition")
 
 
 def fused_norm_kernel(algo: str, dtype: str, weight_dtype: str, *, wide: bool = False) -> str:

@@ -7,7 +7,7 @@ import traceback
 
 import numpy as np
 
-MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+from detcomm.envelope import MULTICAST_OFF_ENV as MULTICAST_OFF  # torch-free: set before torch loads
 
 
 def run_rank(rank: int, world: int, init_file: str, cases: list, log_dir: str, one_gpu_each: bool = False) -> None:

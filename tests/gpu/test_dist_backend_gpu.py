@@ -32,7 +32,8 @@ _SCRIPT = textwrap.dedent("""
 
     def rank_main(rank, world, out_dir, tests):
         faulthandler.dump_traceback_later(45, exit=True)  # a hang prints every thread's stack, then exits
-        os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+        from detcomm.envelope import MULTICAST_OFF_ENV
+        os.environ.update(MULTICAST_OFF_ENV)
         sys.path.insert(0, tests)
         import oracle
         from datagen import ill_bits, to_bits, to_torch

@@ -72,7 +72,8 @@ _DEATH_SCRIPT = textwrap.dedent("""
     import torch.multiprocessing as mp
 
     def rank_main(rank, out_dir):
-        os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+        from detcomm.envelope import MULTICAST_OFF_ENV
+        os.environ.update(MULTICAST_OFF_ENV)
         store = dist.FileStore(os.path.join(out_dir, "store"), 2)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
         from detcomm.workspace import Workspace

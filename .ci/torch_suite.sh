@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# torch's own distributed test suite (torch.testing._internal.distributed.distributed_test) on the "detcomm"
+# backend at W = 3, on CPU: the selection in tests/torch_suite/run_distributed_test.py (docs/trainers.md lists
+# the results and why). Budget: 8 minutes on 2 cores; the suite's own per-test timeouts stay in force.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+# shellcheck source=common.sh
+. .ci/common.sh  # the multicast-off variables of docs/spec.md §8
+PYTHON="${PYTHON:-.venv/bin/python}"
+# The suite imports expecttest, one of torch's own test dependencies (not one of detcomm's).
+"$PYTHON" -c "import expecttest" 2>/dev/null || "$PYTHON" -m pip install -q expecttest
+exec timeout 480 "$PYTHON" tests/torch_suite/run_distributed_test.py --world-size 3 "$@"

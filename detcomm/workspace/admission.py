@@ -1,0 +1,116 @@
+"""Which sites the CUDA-IPC workspace (the ``ipc_fold`` route) serves, and why or why not: the workspace's answer
+to the router, from a site's static facts and the group's capabilities only, never from a call's rows.
+
+``detcomm.route.AutoBackend`` asks ``admit`` for every canonical-fold site and writes the answer into the route
+table; ``detcomm.backends.ipc_fold`` binds what it admitted. The rules, each owned here because the workspace's
+kernels and plan are what they describe:
+
+- armed: the workspace exists on the group, and ``force_deterministic_rsag`` does not exclude symmetric memory;
+- rows: ``max_rows`` within the armed rows; an all-reduce site above them still takes the workspace when one row
+  fits one launch (``workspace_bytes``), chunked with the same bits; a reduce-scatter site above them does not;
+- avg: the kernels round to the dtype, and avg needs the fp32 fold;
+- virtual shards: all-reduce sites only, where one row's V/W fp32 slabs fit one launch;
+- fusion (``all_reduce_rmsnorm``): rows the fused kernels hold in registers (``plan.fused_norm_refusal``); what
+  the numerics allow is ``detcomm.numerics.norm.fusion_refusal``'s part of the rule.
+
+docs/performance.md holds the measurements behind the rows and fusion rules. Torch-free: ``detcomm routes``
+decides without importing torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from .. import dtypes
+from ..envelope import Resolved
+from . import plan
+
+if TYPE_CHECKING:
+    from ..route import Capabilities, Site
+
+__all__ = ["Admission", "unavailable", "admit", "fused_layout_refusal"]
+
+# The collectives whose sites above the armed rows stay on the workspace, chunked (by value: the router's enum is a
+# str enum, and this layer sits below the router).
+_CHUNKS_ABOVE_ARMED = frozenset({"all_reduce", "all_reduce_rmsnorm"})
+
+
+@dataclass(frozen=True)
+class Admission:
+    """The workspace's answer for one site: ``serves``, and ``why`` it does (the route table's reason) or not (the
+    reason the fallback route's entry quotes)."""
+
+    serves: bool
+    why: str
+
+
+def unavailable(caps: Capabilities, resolved: Resolved) -> str | None:
+    """Why no site of this group can take the workspace (None: it is armed and allowed)."""
+    if resolved.switches.force_deterministic_rsag:
+        return "force_deterministic_rsag: no symmetric-memory path"
+    if not caps.workspace:
+        return caps.workspace_reason
+    return None
+
+
+def admit(site: Site, caps: Capabilities, resolved: Resolved) -> Admission:
+    """Whether the workspace serves ``site`` (a floating-point SUM or AVG site of a batch-invariant envelope, or a
+    virtual-shard all-reduce site) on a group with ``caps``, and why or why not."""
+    if site.virtual_shards is not None and site.collective.value != "all_reduce":
+        return Admission(False, "the workspace kernels fold virtual shards for all-reduce only")
+    no = unavailable(caps, resolved)
+    if no is not None:
+        return Admission(False, no)
+    if site.virtual_shards is not None:
+        return _admit_virtual(site, caps)
+    if site.max_rows > caps.workspace_max_rows and not _chunks_above_armed(site, caps):
+        return Admission(False, f"max_rows {site.max_rows} > workspace's armed {caps.workspace_max_rows} rows")
+    if site.op.value == "avg":
+        return Admission(False, "the workspace kernels round to the dtype; avg needs the fp32 fold")
+    if site.max_rows > caps.workspace_max_rows:
+        why = (f"canonical fold in the CUDA-IPC workspace, chunked: max_rows above the armed "
+               f"{caps.workspace_max_rows} rows, and an all-reduce row fits one launch")
+    else:
+        why = f"canonical fold in the CUDA-IPC workspace (max_rows <= {caps.workspace_max_rows})"
+    launches = _launches(site.max_rows * site.row_numel * dtypes.size_of(site.dtype), caps.workspace_bytes)
+    if launches > 1:
+        why += f"; {launches} launches per call at max_rows (workspace_bytes={caps.workspace_bytes})"
+    return Admission(True, why)
+
+
+def fused_layout_refusal(site: Site, world_size: int) -> str | None:
+    """The workspace's part of whether an all_reduce_rmsnorm site fuses: None where the fused kernels hold its rows
+    in registers at ``world_size`` (plan.fused_norm_refusal)."""
+    return plan.fused_norm_refusal(site.shape[0], dtypes.name_of(site.dtype), world_size)
+
+
+def _chunks_above_armed(site: Site, caps: Capabilities) -> bool:
+    """An all-reduce site whose max_rows exceeds the armed rows takes the workspace when one row fits a launch."""
+    if site.collective.value not in _CHUNKS_ABOVE_ARMED or caps.workspace_bytes <= 0:
+        return False
+    return site.row_numel * dtypes.size_of(site.dtype) <= caps.workspace_bytes
+
+
+def _launches(nbytes: int, launch_bytes: int) -> int:
+    """Launches a call of ``nbytes`` takes when each carries ``launch_bytes`` (rows beyond them are chunked)."""
+    return 1 if launch_bytes <= 0 else max(1, -(-nbytes // launch_bytes))
+
+
+def _admit_virtual(site: Site, caps: Capabilities) -> Admission:
+    """A virtual-shard all-reduce site (docs/spec.md §9.1; csrc/virtual_fold.cu): where one row's V/W fp32 slabs fit
+    one launch; more rows than a launch holds are chunked (the fold is element-wise: the same bits)."""
+    assert site.virtual_shards is not None
+    k = site.virtual_shards // caps.world_size
+    slab = k * site.row_numel * 4
+    if slab > caps.workspace_bytes:
+        return Admission(False, f"one row's V/W={k} fp32 slabs ({slab} bytes) exceed a workspace launch "
+                                f"(workspace_bytes={caps.workspace_bytes})")
+    why = (f"the CUDA-IPC workspace kernels fold the V/W={k} fp32 slabs of every rank in global shard order "
+           f"({site.virtual_shards} virtual shards), one rounding")
+    if site.max_rows > caps.workspace_max_rows:
+        why += f"; chunked above the armed {caps.workspace_max_rows} rows"
+    launches = -(-site.max_rows // (caps.workspace_bytes // slab))
+    if launches > 1:
+        why += f"; {launches} launches per call at max_rows (workspace_bytes={caps.workspace_bytes})"
+    return Admission(True, why)
