@@ -10,9 +10,9 @@ plan.lamport_max_bytes), unfused = the workspace all-reduce then detcomm.numeric
 alone (all_reduce; add + norm), so fused - all_reduce is the fused kernel's norm tail; and the one-store kernels
 forced (a second workspace with 256 KiB one-store areas; "-" where the launch does not fit them). Bits: every fused
 variant == unfused on every shape and rank, checked before timing. The fused kernel column names the paths and the
-row layout that ran (plan.fused_norm_layout). --variant fused_batch4 times the fused kernels with their load batch at
-4 chunks per lane (the canonical build: 2; csrc/fused_norm_row.cuh says why), --variant fused_no_wide streams the
-rows the canonical build gives the wide kernels.
+row layout that ran (plan.fused_norm_layout, recorded through detcomm.workspace.debug). --build fused_batch4 times
+the fused kernels with their load batch at 4 chunks per lane (the canonical build: 2; csrc/fused_norm_row.cuh says
+why), --build fused_no_wide streams the rows the canonical build gives the wide kernels.
 """
 
 # ruff: noqa: B023  (the per-shape closures run only inside their own loop iteration)
@@ -32,7 +32,7 @@ import torch  # noqa: E402
 
 from detcomm.numerics import norm  # noqa: E402
 from detcomm.tables import format_table  # noqa: E402
-from detcomm.workspace import Workspace  # noqa: E402
+from detcomm.workspace import debug  # noqa: E402
 
 EPS = 1e-6
 
@@ -50,22 +50,22 @@ def main() -> None:
     ap.add_argument("--lamport-grid", type=int, default=None,
                     help="at most this many blocks in the forced one-store launches (Workspace lamport_grid; "
                          "default: the tiers of plan.lamport_tiers)")
-    ap.add_argument("--variant", default="canonical",
-                    help="kernel build (detcomm.workspace.kernels.VARIANT_MACROS), e.g. fused_no_wide (rows the wide "
+    ap.add_argument("--build", default="canonical",
+                    help="kernel build (detcomm.workspace.kernels.BUILD_DEFINES), e.g. fused_no_wide (rows the wide "
                          "kernels serve stream instead) or fused_batch4: the fused "
                          "kernels' load batch of 4 chunks per lane instead of 2, the same bits")
     args = ap.parse_args()
     w = args.world
     dev = torch.device("cuda", 0)
-    views = Workspace.in_process(w, device=dev, capacity_bytes=8 << 20, timeout_s=30.0, _variant=args.variant)
-    lam_views = Workspace.in_process(w, device=dev, capacity_bytes=8 << 20, lamport_max_bytes=256 << 10,
-                                     timeout_s=30.0, lamport_grid=args.lamport_grid,
-                                     _variant=args.variant) if w > 1 else None
+    workspace = debug.workspace_class(args.build, record=True)  # records which fused path and layout ran
+    views = workspace.in_process(w, device=dev, capacity_bytes=8 << 20, timeout_s=30.0)
+    lam_views = workspace.in_process(w, device=dev, capacity_bytes=8 << 20, lamport_max_bytes=256 << 10,
+                                     timeout_s=30.0, lamport_grid=args.lamport_grid) if w > 1 else None
     streams = [torch.cuda.Stream(dev) for _ in range(w)]
     main_s = torch.cuda.current_stream(dev)
     eps32 = norm.eps_fp32(EPS)
     records: list[dict] = []
-    print(f"W={w} streams of one {torch.cuda.get_device_name(0)}, kernels {args.variant}, one-store tiers (bytes, blocks) "
+    print(f"W={w} streams of one {torch.cuda.get_device_name(0)}, kernels {args.build}, one-store tiers (bytes, blocks) "
           f"{[(t.max_bytes, t.blocks) for t in lam_views[0].lamport_tiers] if lam_views else '-'}, bf16, graphs of {args.calls} calls, "
           f"{args.warmup} warm-up replays, median of {args.iters}")
     head = ("hidden", "rows", "fused kernel", "fused us", "unfused us", "all_reduce us", "add + norm us",
@@ -117,10 +117,10 @@ def main() -> None:
             all_ranks("norm")
             if "all_reduce_lamport" in fns:
                 all_ranks("all_reduce_lamport")
-            for v in views:
-                v.variants_run.clear()
+            debug.record(*views)
             all_ranks("fused")
-            kernel = ",".join(sorted(k for c, _, k in views[0].variants_run if c == "all_reduce_rmsnorm"))
+            ran = views[0].variants_run or set()
+            kernel = ",".join(sorted(k for c, _, k in ran if c == "all_reduce_rmsnorm"))
             times = {}
             for name in fns:
                 graphs = []
@@ -160,7 +160,7 @@ def main() -> None:
         v.check()
     if args.json is not None:
         args.json.write_text(json.dumps({"setting": "streams", "device": torch.cuda.get_device_name(0),
-                                         "torch": torch.__version__, "world_size": w, "variant": args.variant,
+                                         "torch": torch.__version__, "world_size": w, "build": args.build,
                                          "records": records}, indent=1))
 
 

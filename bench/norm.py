@@ -151,6 +151,7 @@ def _fused_job(rank: int, world: int, rows: Sequence[int], hidden: Sequence[int]
     import torch.distributed as dist  # noqa: PLC0415
 
     import detcomm  # noqa: PLC0415
+    from detcomm.workspace import debug  # noqa: PLC0415
 
     dtype = getattr(torch, dtype_name)
     detcomm.shutdown()
@@ -196,9 +197,9 @@ def _fused_job(rank: int, world: int, rows: Sequence[int], hidden: Sequence[int]
             flags = torch.tensor([0 if same else 1, int((_bits(y_1) != _bits(y_f[:1])).sum())], device=dev)
             dist.all_reduce(flags)
             # The kernel the site's automatic choice takes for these rows (none: the site composes, not fused).
-            ws.variants_run.clear()
+            debug.record(ws)
             fused()
-            auto = sorted(v for c, _, v in ws.variants_run if c == "all_reduce_rmsnorm") or ["composition"]
+            auto = sorted(v for c, _, v in ws.variants_run or () if c == "all_reduce_rmsnorm") or ["composition"]
             rec: dict[str, object] = {"hidden": h, "rows": n, "world_size": world, "dtype": dtype_name,
                                       "fused_equals_unfused": int(flags[0]) == 0,
                                       "fused_row0_changed": int(flags[1]), "fused_kernel": ",".join(auto)}

@@ -14,9 +14,9 @@
 //   - NaN policy (project-wide): any NaN result is written as the canonical positive quiet NaN with an
 //     empty payload (fp32 0x7FC00000, bf16 0x7FC0, fp16 0x7E00); Inf stays Inf.
 //
-// Memory layout of one rank's symmetric buffer (mirrored in detcomm/workspace/plan.py, checked by a CPU
-// test that parses the #defines below):
-//   [0, DETCOMM_HEADER_BYTES)        barrier flags and start-barrier call descriptors (two copies each, see
+// Memory layout of one rank's symmetric buffer (detcomm/workspace/plan.py computes the same offsets; a CPU test
+// evaluates this header's index formulas against plan's):
+//   [0, DETCOMM_BUFFER_HEADER_BYTES) barrier flags and start-barrier call descriptors (two copies each, see
 //                                    "Barriers"), epoch counters, the abort word, the record claim and the
 //                                    per-block busy words (u32 words)
 //   [.., + DETCOMM_PROBE_BYTES)      scratch the startup peer-access proof writes through IPC handles
@@ -40,45 +40,40 @@ typedef long long i64;
 #ifndef DETCOMM_W
 #error "DETCOMM_W (the group's world size, 1..8) must be given as -DDETCOMM_W=<n>"
 #endif
-#if DETCOMM_W < 1 || DETCOMM_W > 8
-#error "DETCOMM_W must be in 1..8"
+// The constants this code shares with the host are defined once, in detcomm/workspace/plan.py (DEVICE_CONSTANTS),
+// and given to every build as -D options (detcomm/workspace/kernels.py nvrtc_options; the nvcc checks pass the same
+// options): none is defined here, so the host and the kernels cannot disagree. What they are:
+//   DETCOMM_MAX_W, DETCOMM_MAX_BLOCKS, DETCOMM_BLOCK_THREADS, DETCOMM_PACK_BYTES: group, grid and pack limits;
+//   DETCOMM_BARRIER_KINDS, DETCOMM_PARITIES, DETCOMM_BUFFER_HEADER_BYTES, DETCOMM_PROBE_BYTES, DETCOMM_DESC_WORDS:
+//     the header layout below;
+//   DETCOMM_ERR_WORDS, DETCOMM_CTRL_WORDS, DETCOMM_HOST_ABORT_WORD: the host-mapped control block of one rank (one
+//     failure record, then the host's abort word);
+//   DETCOMM_ERR_*: record tags (word 0 of the record; written last, so a tagged record is complete);
+//   DETCOMM_ABORT_BY_KERNEL, DETCOMM_ABORT_BY_HOST: values of the abort word in a header (who raised it and how);
+//   DETCOMM_KIND_*: what a call descriptor names (kernel kind << 8 | dtype code);
+//   BARRIER_START, BARRIER_MID: barrier kinds (the `kind` of a failure record; there is no end barrier: see
+//     "Barriers"); DETCOMM_WAIT_LAMPORT, DETCOMM_LAM_COUNTER_BYTES: csrc/lamport_common.cuh;
+//   DT_F32, DT_BF16, DT_F16, DT_U8: dtype codes; NORM_THREADS, NORM_CHUNK: csrc/rms_norm_common.cuh;
+//   DETCOMM_FUSED_BATCH: csrc/fused_norm_row.cuh.
+#if !defined(DETCOMM_MAX_W) || !defined(DETCOMM_MAX_BLOCKS) || !defined(DETCOMM_BLOCK_THREADS) ||              \
+    !defined(DETCOMM_PACK_BYTES) || !defined(DETCOMM_BARRIER_KINDS) || !defined(DETCOMM_PARITIES) ||            \
+    !defined(DETCOMM_BUFFER_HEADER_BYTES) || !defined(DETCOMM_PROBE_BYTES) || !defined(DETCOMM_DESC_WORDS) ||    \
+    !defined(DETCOMM_ERR_WORDS) || !defined(DETCOMM_CTRL_WORDS) || !defined(DETCOMM_HOST_ABORT_WORD) ||          \
+    !defined(DETCOMM_ERR_TIMEOUT) || !defined(DETCOMM_ERR_ABORTED) || !defined(DETCOMM_ERR_PEER_FAILED) ||       \
+    !defined(DETCOMM_ERR_MISMATCH) || !defined(DETCOMM_ERR_OVERLAP) || !defined(DETCOMM_ABORT_BY_KERNEL) ||      \
+    !defined(DETCOMM_ABORT_BY_HOST) || !defined(DETCOMM_KIND_ONE_SHOT) || !defined(DETCOMM_KIND_TWO_SHOT) ||     \
+    !defined(DETCOMM_KIND_REDUCE_SCATTER) || !defined(DETCOMM_KIND_ALL_GATHER) ||                                \
+    !defined(DETCOMM_KIND_FUSED_NORM_1SHOT) || !defined(DETCOMM_KIND_FUSED_NORM_2SHOT) ||                        \
+    !defined(DETCOMM_KIND_VIRTUAL_1SHOT) || !defined(DETCOMM_KIND_VIRTUAL_2SHOT) ||                              \
+    !defined(DETCOMM_KIND_LAMPORT) || !defined(DETCOMM_KIND_FUSED_NORM_LAMPORT) || !defined(BARRIER_START) ||    \
+    !defined(BARRIER_MID) || !defined(DETCOMM_WAIT_LAMPORT) || !defined(DETCOMM_LAM_COUNTER_BYTES) ||            \
+    !defined(DT_F32) || !defined(DT_BF16) || !defined(DT_F16) || !defined(DT_U8) || !defined(NORM_THREADS) ||    \
+    !defined(NORM_CHUNK) || !defined(DETCOMM_FUSED_BATCH)
+#error "csrc/ needs the device constants as -D options: build with detcomm.workspace.kernels.nvrtc_options (nvcc: pass kernels.constant_options())"
 #endif
-
-#define DETCOMM_MAX_W 8
-#define DETCOMM_MAX_BLOCKS 256
-#define DETCOMM_BLOCK_THREADS 512
-#define DETCOMM_PACK_BYTES 16
-#define DETCOMM_BARRIER_KINDS 2
-#define DETCOMM_PARITIES 2
-#define DETCOMM_HEADER_BYTES 131072
-#define DETCOMM_PROBE_BYTES 4096
-#define DETCOMM_DESC_WORDS 4
-// The host-mapped control block of one rank: one failure record, then the host's abort word.
-#define DETCOMM_ERR_WORDS 16
-#define DETCOMM_CTRL_WORDS 32
-#define DETCOMM_HOST_ABORT_WORD 16
-// Record tags (word 0 of the record; written last, so a tagged record is complete).
-#define DETCOMM_ERR_TIMEOUT 0xDE7C0001u
-#define DETCOMM_ERR_ABORTED 0xDE7C0002u
-#define DETCOMM_ERR_PEER_FAILED 0xDE7C0003u
-#define DETCOMM_ERR_MISMATCH 0xDE7C0004u
-#define DETCOMM_ERR_OVERLAP 0xDE7C0005u
-// Values of the abort word in a header: who raised it and how.
-#define DETCOMM_ABORT_BY_KERNEL 0x100u
-#define DETCOMM_ABORT_BY_HOST 0x200u
-// What a call descriptor names: kernel kind << 8 | dtype code.
-#define DETCOMM_KIND_ONE_SHOT 1
-#define DETCOMM_KIND_TWO_SHOT 2
-#define DETCOMM_KIND_REDUCE_SCATTER 3
-#define DETCOMM_KIND_ALL_GATHER 4
-#define DETCOMM_KIND_FUSED_NORM_1SHOT 5  // csrc/fused_rmsnorm.cu
-#define DETCOMM_KIND_FUSED_NORM_2SHOT 6
-#define DETCOMM_KIND_VIRTUAL_1SHOT 7  // csrc/virtual_fold.cu
-#define DETCOMM_KIND_VIRTUAL_2SHOT 8
-
-// Barrier kinds (the `kind` of a failure record). There is no end barrier: see "Barriers".
-#define BARRIER_START 0
-#define BARRIER_MID 1
+#if DETCOMM_W < 1 || DETCOMM_W > DETCOMM_MAX_W
+#error "DETCOMM_W must be in 1..DETCOMM_MAX_W"
+#endif
 
 // flags[kind][parity][block][source rank]: written by the source rank (remote store), read by the owner.
 __device__ __forceinline__ u32 flag_index(int kind, u32 par, int block, int src) {
@@ -101,7 +96,8 @@ __device__ __forceinline__ u32 desc_index(u32 par, int block, int src) {
 // busy[block]: set while a kernel of this rank runs that block (two kernels at once on one rank are an error).
 __device__ __forceinline__ u32 busy_index(int block) { return (u32)(DETCOMM_CTRL_BASE + 2 + block); }
 #define DETCOMM_HEADER_WORDS_USED (DETCOMM_CTRL_BASE + 2 + DETCOMM_MAX_BLOCKS)
-static_assert(DETCOMM_HEADER_WORDS_USED * 4 <= DETCOMM_HEADER_BYTES, "header layout overflows DETCOMM_HEADER_BYTES");
+static_assert(DETCOMM_HEADER_WORDS_USED * 4 <= DETCOMM_BUFFER_HEADER_BYTES,
+              "header layout overflows DETCOMM_BUFFER_HEADER_BYTES");
 
 // One module per dtype at run time (-DDETCOMM_DTYPE=<code>, see detcomm/workspace/kernels.py), so a dtype whose
 // conversions an architecture lacks is refused alone; without it (the CPU compile check) every dtype is built.
@@ -112,12 +108,8 @@ static_assert(DETCOMM_HEADER_WORDS_USED * 4 <= DETCOMM_HEADER_BYTES, "header lay
 #endif
 
 // ----------------------------------------------------------------------------------------------------
-// dtypes: code 0 = fp32, 1 = bf16, 2 = fp16, 3 = raw bytes (data movement only)
+// dtypes: DT_F32 = fp32, DT_BF16 = bf16, DT_F16 = fp16, DT_U8 = raw bytes (data movement only)
 // ----------------------------------------------------------------------------------------------------
-#define DT_F32 0
-#define DT_BF16 1
-#define DT_F16 2
-#define DT_U8 3
 
 template <int DT> struct Traits;
 
@@ -358,7 +350,7 @@ __device__ __forceinline__ void fold_direct(const typename Traits<DT>::T* x, typ
 //
 // The busy word (one kernel per rank at a time): claimed at START by each block that passes it, released by that
 // block at kernel exit (close_use) after its last access. A block that fails returns without releasing it: the
-// workspace has failed and refuses every later call anyway (as before).
+// workspace has failed and refuses every later call anyway.
 //
 // Failure instead of a hang: every spin polls the abort word in its own header (peers and the host store
 // there) and, every 256 iterations, the host's abort word in mapped pinned memory, and gives up after

@@ -24,11 +24,9 @@ __device__ __forceinline__ i64 fn_block_rows(i64 rows) {
   return rows > b ? (rows - b + G - 1) / G : 0;
 }
 
-// The fused kernels' load batch cap (chunks per lane per batch); the bench-only build "fused_batch4"
-// (detcomm/workspace/kernels.py) sets 4, the batch these kernels had before round 7, to time the two against each other.
-#ifndef DETCOMM_FUSED_BATCH
-#define DETCOMM_FUSED_BATCH 2
-#endif
+// DETCOMM_FUSED_BATCH, the fused kernels' load batch cap (chunks per lane per batch), is a device constant
+// (detcomm/workspace/plan.py FUSED_NORM_BATCH); the bench-only build "fused_batch4" (detcomm/workspace/kernels.py)
+// gives 4 instead, to time the spilling larger batch against this one.
 
 // Packs per 8-element chunk: 1 for 16-bit dtypes, 2 for fp32.
 template <int DT> struct FnChunk {
@@ -38,7 +36,7 @@ template <int DT> struct FnChunk {
   // most DETCOMM_FUSED_BATCH. A 512-thread block has 128 registers per thread; a batch of 4 (W = 2, 16-bit dtypes)
   // held 4 * W source packs plus 8 prefetched residual and weight packs and 4 packs of r, and the one-store variant
   // spilled 380 bytes per thread: capping the batch at 2 removed the spills and took 2.1 us off its graph time at 1
-  // row of 4096 bf16 (W = 2 streams of one H200: 10.34 -> 8.26 us; docs/performance.md, round 7). Rows up to twice
+  // row of 4096 bf16 (W = 2 streams of one H200: 10.34 -> 8.26 us; docs/performance.md). Rows up to twice
   // one half's batch keep registers by spreading over both halves (the wide layout, below), wider ones stream. The
   // batch only groups loads: the summation order is the lane's chunk order whatever it is.
   static constexpr int kBatch = kBudget < DETCOMM_FUSED_BATCH ? kBudget : DETCOMM_FUSED_BATCH;
@@ -63,8 +61,8 @@ template <int DT> struct FnChunk {
 //              next batch; step 7 reads r back and loads the weight (fn_norm_row). It measured slower than the
 //              composition at decode sizes, so a site whose rows would stream (H > 2C) is served by the
 //              composition (detcomm/backends/ipc_fold.py); the workspace call itself still takes this path.
-// Hidden 8192 in bf16 at W <= 4 is wide (NB = 2); at W = 2 it streamed before and cost 5.3 us after its all-reduce
-// against 1.8 us for a row of 4096 in registers (2x H200, docs/performance.md round 8).
+// Hidden 8192 in bf16 at W <= 4 is wide (NB = 2): streamed at W = 2 it cost 5.3 us after its all-reduce against
+// 1.8 us for a row of 4096 in registers (2x H200, docs/performance.md), which is why the wide layout exists.
 
 // Whether rows of H elements fit one half's registers (uniform over the block: H is the same for every thread).
 template <int DT>

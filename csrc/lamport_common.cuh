@@ -47,16 +47,14 @@
 #pragma once
 #include "detcomm_common.cuh"
 
-// What a one-store call descriptor names (kernel kind << 8 | dtype code), beside detcomm_common.cuh's kinds.
-#define DETCOMM_KIND_LAMPORT 9
-#define DETCOMM_KIND_FUSED_NORM_LAMPORT 10
-// The record kind of a one-store wait (decode_record in detcomm/workspace/plan.py names it).
-#define DETCOMM_WAIT_LAMPORT 3
-// Region layout, in bytes from the region's start (mirrored in plan.py, checked by a CPU test):
+// Device constants (detcomm/workspace/plan.py DEVICE_CONSTANTS, given as -D options): DETCOMM_KIND_LAMPORT and
+// DETCOMM_KIND_FUSED_NORM_LAMPORT, what a one-store call descriptor names (kernel kind << 8 | dtype code);
+// DETCOMM_WAIT_LAMPORT, the record kind of a one-store wait (decode_record in plan.py names it);
+// DETCOMM_LAM_COUNTER_BYTES, the counters' bytes of the region.
+// Region layout, in bytes from the region's start (plan.py computes the same offsets):
 //   [0, LAM_COUNTER_BYTES)                      counters[block]: launches this block has run (owner only)
 //   [LAM_DESC_OFF, + LAM_DESC_BYTES)            desc[buffer][block][source][4 u32]
 //   [LAM_DATA_OFF, + 2 * W * cap)               data[buffer][source]: cap bytes each (whole packs)
-#define DETCOMM_LAM_COUNTER_BYTES 4096
 #define DETCOMM_LAM_DESC_OFF DETCOMM_LAM_COUNTER_BYTES
 #define DETCOMM_LAM_DESC_BYTES (2 * DETCOMM_MAX_BLOCKS * DETCOMM_MAX_W * DETCOMM_PACK_BYTES)
 #define DETCOMM_LAM_DATA_OFF (DETCOMM_LAM_DESC_OFF + DETCOMM_LAM_DESC_BYTES)

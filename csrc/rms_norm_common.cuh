@@ -5,8 +5,8 @@
 #pragma once
 #include "detcomm_common.cuh"
 
-#define NORM_THREADS 256
-#define NORM_CHUNK 8
+// NORM_THREADS (the definition's 256 lanes) and NORM_CHUNK (8 elements per chunk) are device constants
+// (detcomm/workspace/plan.py DEVICE_CONSTANTS, given as -D options).
 #define NORM_WARPS (NORM_THREADS / 32)
 
 // 8 consecutive elements of a row widened to fp32 (missing ones read as +0.0).

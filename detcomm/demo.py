@@ -23,6 +23,7 @@ from typing import Any, cast
 import torch
 
 from . import invariance as inv
+from .deadline import DEFAULT_TIMEOUT_S
 from .tables import format_table
 
 _PROBE_ROWS = 16
@@ -111,9 +112,6 @@ def _format(result: dict[str, Any], w: int, hidden: int) -> str:
     table = format_table(["site", "route", "rows changed", "max ulps"], rows, align="llrr")
     lines += ["  " + line for line in table.split("\n")]
     return "\n".join(lines)
-
-
-DEFAULT_TIMEOUT_S = 300.0
 
 
 def _run_steps(args: argparse.Namespace, backend: str) -> dict[str, Any]:

@@ -80,7 +80,6 @@ __all__ = [
     "moe_combine",
     "slot_fold",
     "run_experts_blocked",
-    "TinyExperts",
 ]
 
 ZERO_EXPERT = -1
@@ -441,22 +440,3 @@ def run_experts_blocked(rows: torch.Tensor, expert_ids: torch.Tensor, expert_fn:
     out = torch.empty(rows.shape[0], outs[0].shape[1], dtype=outs[0].dtype, device=rows.device)
     out[torch.cat(where)] = torch.cat(outs)
     return out
-
-
-class TinyExperts:
-    """A tiny SwiGLU expert MLP per expert (the tests' and the bench's model): weights from ``seed``, shared by
-    every replica, so a replica computes the same function. ``__call__(e, x)`` is an ``expert_fn`` for
-    ``run_experts_blocked``: ``(silu(x @ w1[e]) * (x @ w3[e])) @ w2[e]`` in ``dtype``."""
-
-    def __init__(self, num_experts: int, hidden: int, ffn: int, *, seed: int, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu") -> None:
-        gen = torch.Generator().manual_seed(seed)
-        scale = hidden ** -0.5
-
-        def mat(a: int, b: int) -> torch.Tensor:
-            return (torch.randn(num_experts, a, b, generator=gen) * scale).to(device, dtype)
-
-        self.w1, self.w3, self.w2 = mat(hidden, ffn), mat(hidden, ffn), mat(ffn, hidden)
-
-    def __call__(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        return (torch.nn.functional.silu(x @ self.w1[e]) * (x @ self.w3[e])) @ self.w2[e]

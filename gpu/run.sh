@@ -99,13 +99,13 @@ if has bench; then
   fi
   say "fused bench rc=$?"; grep -E '^\| [0-9]' "$OUT/fused.log" | head -20
   # The fused kernels' other builds on two streams of GPU 0 (csrc/fused_norm_row.cuh): the load batch of 4, and the
-  # host never taking the wide kernels (hidden 8192 streams: what the wide kernels save); on one GPU the canonical build's rows are
-  # already in fused.log (the same shapes), on several it runs here beside them
-  variants="fused_batch4 fused_no_wide"; [ "$NGPU" -ge 2 ] && variants="canonical $variants"
-  for variant in $variants; do
-    timeout 120 $PY bench/fused_streams.py --world 2 --hidden 4096,8192 --rows 1,8 --variant $variant \
-      > "$OUT/fused_$variant.log" 2>&1
-    say "fused streams, $variant build rc=$?"; grep -E '^\| [0-9]' "$OUT/fused_$variant.log" | head -4
+  # host never taking the wide kernels (hidden 8192 streams: what the wide kernels save); on one GPU the canonical build's
+  # rows are already in fused.log (the same shapes), on several it runs here beside them
+  builds="fused_batch4 fused_no_wide"; [ "$NGPU" -ge 2 ] && builds="canonical $builds"
+  for build in $builds; do
+    timeout 120 $PY bench/fused_streams.py --world 2 --hidden 4096,8192 --rows 1,8 --build $build \
+      > "$OUT/fused_$build.log" 2>&1
+    say "fused streams, $build build rc=$?"; grep -E '^\| [0-9]' "$OUT/fused_$build.log" | head -4
   done
   # The eager host time of the workspace route on this host, torch's own one-kernel op beside it
   timeout 120 $PY bench/host_path.py --cuda --repeats 15 > "$OUT/host.log" 2>&1
@@ -117,7 +117,7 @@ if has bench; then
       --sizes 16 --gather-graph > "$OUT/bench_gather_graph.log" 2>&1
     say "bench gather_fold graph rc=$?"; grep -E '^\| [0-9].*(gather_fold|nccl) ' "$OUT/bench_gather_graph.log" | head -6
   fi
-  # The goals tables of docs/performance.md (issues 12 and 14) from this call's JSON (rows this machine cannot measure: "not measured")
+  # The goals tables of docs/performance.md (the workspace's and the fused kernels' speed goals) from this call's JSON (rows this machine cannot measure: "not measured")
   $PY bench/goals_table.py "$OUT/bench_streams.json" "$OUT/bench_nccl.json" "$OUT/bench_gather_graph.json" \
     "$OUT/fused/fused.json" "$OUT/fused_streams.json" 2>&1 | tee "$OUT/goals.md"
 fi

@@ -139,8 +139,8 @@ MUTATIONS: tuple[Mutation, ...] = (
       (f"{CSRC_TESTS}::test_each_dtype_is_its_own_module_and_is_refused_alone",
        f"{CSRC_TESTS}::test_dtype_module_holds_only_its_kernels"), gpu=False, limit_s=180),
     M("5-modules", "5", "each dtype is compiled as its own module, refused alone", "detcomm/workspace/kernels.py",
-      "nvrtc_options(world_size, arch, module=module, variant=variant, trap=trap)",
-      "nvrtc_options(world_size, arch, module=None, variant=variant, trap=trap)",  # mutant: one unit for all
+      "nvrtc_options(world_size, arch, module=module, build=build, trap=trap)",
+      "nvrtc_options(world_size, arch, module=None, build=build, trap=trap)",  # mutant: one unit for all
       (f"{CSRC_TESTS}::test_each_dtype_is_its_own_module_and_is_refused_alone",), gpu=False, limit_s=180),
     M("5-leaf", "5", "a refused dtype folds with the portable leaf", "detcomm/numerics/cuda_leaf.py",
       "    if ks is None or not ks.available(module):",
@@ -312,8 +312,10 @@ def mutant_builds(tree: Path, m: Mutation) -> str | None:
         return None
     cu = m.file if m.file.endswith(".cu") else "csrc/one_shot.cu"
     with tempfile.TemporaryDirectory() as tmp:
-        p = subprocess.run([nvcc, "-arch=sm_90", "-std=c++17", "-DDETCOMM_W=2", "-c", cu, "-o", f"{tmp}/k.o"],
-                           cwd=tree, capture_output=True, text=True)
+        from detcomm.workspace.kernels import constant_options  # noqa: PLC0415
+
+        p = subprocess.run([nvcc, "-arch=sm_90", "-std=c++17", "-DDETCOMM_W=2", *constant_options(), "-c", cu, "-o",
+                            f"{tmp}/k.o"], cwd=tree, capture_output=True, text=True)
     if p.returncode == 0:
         return None
     return next((line for line in p.stderr.splitlines() if "error" in line), p.stderr.strip()[:200])

@@ -61,9 +61,26 @@ def _layout(w: int, layout_seed: int) -> list[list[int]]:
     return batches
 
 
-def _experts(kind: str, dtype: str, pool: dict[str, np.ndarray]):  # type: ignore[no-untyped-def]
-    from detcomm.moe import TinyExperts
+class TinyExperts:
+    """A tiny SwiGLU expert MLP per expert (these tests' model): weights from ``seed``, shared by
+    every replica, so a replica computes the same function. ``__call__(e, x)`` is an ``expert_fn`` for
+    ``run_experts_blocked``: ``(silu(x @ w1[e]) * (x @ w3[e])) @ w2[e]`` in ``dtype``."""
 
+    def __init__(self, num_experts: int, hidden: int, ffn: int, *, seed: int, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> None:
+        gen = torch.Generator().manual_seed(seed)
+        scale = hidden ** -0.5
+
+        def mat(a: int, b: int) -> torch.Tensor:
+            return (torch.randn(num_experts, a, b, generator=gen) * scale).to(device, dtype)
+
+        self.w1, self.w3, self.w2 = mat(hidden, ffn), mat(hidden, ffn), mat(ffn, hidden)
+
+    def __call__(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        return (torch.nn.functional.silu(x @ self.w1[e]) * (x @ self.w3[e])) @ self.w2[e]
+
+
+def _experts(kind: str, dtype: str, pool: dict[str, np.ndarray]):  # type: ignore[no-untyped-def]
     if kind == "mlp":
         return TinyExperts(E, H, F, seed=5, dtype=DTYPES[dtype])
     scale = to_torch(pool["scale"], dtype)

@@ -15,8 +15,10 @@ from detcomm.workspace import kernels
 
 CU = Path(__file__).resolve().parents[1] / "csrc" / norm_cuda.SOURCE_FILE
 NVCC = shutil.which("nvcc")
+# The run-time options spelled for nvcc, the device constants included (kernels.constant_options: the headers define
+# none of them).
 FLAGS = ["-arch=sm_90", "-std=c++17", "--fmad=false", "-ftz=false", "-prec-div=true", "-prec-sqrt=true",
-         "-DDETCOMM_W=1"]
+         "-DDETCOMM_W=1", *kernels.constant_options()]
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not on PATH")

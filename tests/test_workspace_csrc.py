@@ -17,7 +17,10 @@ CSRC = Path(__file__).resolve().parents[1] / "csrc"
 # rms_norm.cu is its own run-time module (detcomm/numerics/norm_cuda.py), checked by tests/test_norm_csrc.py.
 CU_FILES = sorted(p.name for p in CSRC.glob("*.cu") if p.name != "rms_norm.cu")
 NVCC = shutil.which("nvcc")
-FLAGS = ["-arch=sm_90", "-std=c++17", "--fmad=false", "-ftz=false", "-prec-div=true", "-prec-sqrt=true"]
+# The run-time options (kernels.nvrtc_options) spelled for nvcc, the device constants included (their one source is
+# plan.DEVICE_CONSTANTS: the headers define none).
+BASE = ["-arch=sm_90", "-std=c++17", "--fmad=false", "-ftz=false", "-prec-div=true", "-prec-sqrt=true"]
+FLAGS = [*BASE, *kernels.constant_options()]
 
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc not on PATH")
 
@@ -50,6 +53,19 @@ def test_ptx_has_no_fma_and_no_ftz(cu, tmp_path):
         assert "st.release.sys" in ptx and "ld.acquire.sys" in ptx and "%globaltimer" in ptx
         assert "ld.relaxed.sys" in ptx  # the spins poll the abort word
         assert "trap;" not in ptx  # a failing barrier returns; it never destroys the context
+
+
+@needs_nvcc
+def test_headers_refuse_to_compile_without_the_device_constants(tmp_path):
+    """The device constants exist once (plan.DEVICE_CONSTANTS): a build missing one stops at the header's #error,
+    which names the fix. The control: the same preprocessing with every constant passes."""
+    dropped = [o for o in kernels.constant_options() if not o.startswith("-DDETCOMM_PACK_BYTES=")]
+    assert len(dropped) == len(kernels.constant_options()) - 1
+    for constants, ok in ((kernels.constant_options(), True), (dropped, False)):
+        p = subprocess.run([NVCC, *BASE, *constants, "-DDETCOMM_W=2", "-E", str(CSRC / "one_shot.cu"), "-o",
+                            str(tmp_path / "one_shot.i")], capture_output=True, text=True)
+        assert (p.returncode == 0) is ok, p.stderr[-2000:]
+        assert ok or "kernels.constant_options()" in p.stderr, p.stderr[-2000:]
 
 
 @needs_nvcc
@@ -106,12 +122,12 @@ def test_dtype_module_holds_only_its_kernels(tmp_path):
 @pytest.mark.parametrize("cu", ["one_shot.cu", "virtual_fold.cu"])
 def test_rotated_negative_control_compiles_differently(cu, tmp_path):
     ptx = {}
-    for variant, extra in (("canonical", []), ("rotated", [f"-D{kernels.ROTATE_MACRO}=1"])):
-        out = tmp_path / f"{variant}.ptx"
+    for build, extra in (("canonical", []), ("rotated", [f"-D{kernels.ROTATE_MACRO}=1"])):
+        out = tmp_path / f"{build}.ptx"
         p = subprocess.run([NVCC, *FLAGS, "-DDETCOMM_W=3", *extra, "-ptx", str(CSRC / cu), "-o", str(out)],
                            capture_output=True, text=True)
         assert p.returncode == 0, p.stderr
-        ptx[variant] = out.read_text()
+        ptx[build] = out.read_text()
     assert ptx["canonical"] != ptx["rotated"]
 
 
@@ -158,12 +174,12 @@ def test_nvrtc_options_are_exact():
     assert "-arch=sm_90" in opts and "--std=c++17" in opts and "-DDETCOMM_W=4" in opts
     assert not any("fast" in o or "ftz=true" in o for o in opts)
     assert kernels.ROTATE_MACRO not in " ".join(opts) and "DETCOMM_DTYPE" not in " ".join(opts)
-    assert f"-D{kernels.ROTATE_MACRO}=1" in kernels.nvrtc_options(4, "sm_90", variant="rotated")
-    assert "-DDETCOMM_TEST_STALE_FLAGS=1" in kernels.nvrtc_options(4, "sm_90", variant="stale_flags")
-    assert "-DDETCOMM_TEST_SINGLE_COPY=1" in kernels.nvrtc_options(4, "sm_90", variant="single_copy")
+    assert f"-D{kernels.ROTATE_MACRO}=1" in kernels.nvrtc_options(4, "sm_90", build="rotated")
+    assert "-DDETCOMM_TEST_STALE_FLAGS=1" in kernels.nvrtc_options(4, "sm_90", build="stale_flags")
+    assert "-DDETCOMM_TEST_SINGLE_COPY=1" in kernels.nvrtc_options(4, "sm_90", build="single_copy")
     assert "-DDETCOMM_DTYPE=1" in kernels.nvrtc_options(4, "sm_90", module="bfloat16")
     with pytest.raises(ValueError):
-        kernels.nvrtc_options(4, "sm_90", variant="fast")
+        kernels.nvrtc_options(4, "sm_90", build="fast")
     with pytest.raises(ValueError):
         kernels.nvrtc_options(4, "sm_90", module="int8")
     with pytest.raises(ValueError):
@@ -196,12 +212,12 @@ def test_nvrtc_compiles_the_runtime_module(tmp_path, monkeypatch):
     assert kernels.compile_cubin(src, kernels.nvrtc_options(3, "sm_90", module="float32")) == cubin  # from the cache
 
 
-def _spill_stores(tmp_path: Path, world: int, module: str, *defines: str) -> dict[str, int]:
+def _spill_stores(tmp_path: Path, world: int, module: str, build: str = "canonical") -> dict[str, int]:
     """ptxas's spill-store bytes of every kernel of one run-time module (the flattened source NVRTC builds)."""
     src = tmp_path / "module.cu"
     src.write_text(kernels.flatten_source())
-    p = subprocess.run([NVCC, *FLAGS, f"-DDETCOMM_W={world}", f"-DDETCOMM_DTYPE={kernels.MODULE_DTYPE_CODES[module]}",
-                        *defines, "-Xptxas", "-v", "-cubin", str(src), "-o", str(tmp_path / "m.cubin")],
+    p = subprocess.run([NVCC, *BASE, *kernels.constant_options(build), f"-DDETCOMM_W={world}",
+                        f"-DDETCOMM_DTYPE={kernels.MODULE_DTYPE_CODES[module]}", "-Xptxas", "-v", "-cubin", str(src), "-o", str(tmp_path / "m.cubin")],
                        capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
     found = re.findall(r"Function properties for (\w+)\s*\n\s*\d+ bytes stack frame, (\d+) bytes spill stores", p.stderr)
@@ -212,16 +228,17 @@ def _spill_stores(tmp_path: Path, world: int, module: str, *defines: str) -> dic
 def test_fused_kernels_keep_their_registers_at_decode_widths(tmp_path):
     """W = 2, bf16 rows and weight: no fused kernel spills, row or wide. A load batch of 4 chunks per lane made the
     one-store variant spill 380 bytes per thread, which cost it 2.1 us per call at 1 row of 4096
-    (csrc/fused_norm_row.cuh, docs/performance.md round 7); the three row layouts in one kernel spilled too, which is
+    (csrc/fused_norm_row.cuh, docs/performance.md); the three row layouts in one kernel spilled too, which is
     why the wide layout has kernels of its own. The control: the bench's fused_batch4 build spills again."""
     canonical = _spill_stores(tmp_path, 2, "bfloat16")
     fused = {n: b for n, b in canonical.items() if n.startswith("detcomm_fused_rmsnorm_") and n.endswith("_wbf16")}
     assert len(fused) == 6 and all(b == 0 for b in fused.values()), fused
-    batch4 = _spill_stores(tmp_path, 2, "bfloat16", *kernels.VARIANT_MACROS["fused_batch4"])
+    batch4 = _spill_stores(tmp_path, 2, "bfloat16", "fused_batch4")
     assert batch4["detcomm_fused_rmsnorm_lamport_bf16_wbf16"] > 0, batch4
 
 
-def _layout_asserts(world: int, want: dict[str, int], *defines: str, tmp_path: Path) -> subprocess.CompletedProcess:
+def _layout_asserts(world: int, want: dict[str, int], build: str = "canonical", *, tmp_path: Path
+                    ) -> subprocess.CompletedProcess:
     """Compiles csrc/fused_norm_row.cuh with one static_assert per dtype: the header's C (kBatch * 256 * 8, the
     elements one half holds in registers) equals `want[dtype]`."""
     codes = {"float32": "DT_F32", "bfloat16": "DT_BF16", "float16": "DT_F16"}
@@ -229,7 +246,8 @@ def _layout_asserts(world: int, want: dict[str, int], *defines: str, tmp_path: P
                    f"\"C of {d}\");\n" for d, c in want.items())
     src = tmp_path / f"layout_{world}.cu"
     src.write_text(kernels.flatten_source(["fused_norm_row.cuh"]) + body)
-    return subprocess.run([NVCC, *FLAGS, f"-DDETCOMM_W={world}", *defines, "-c", str(src), "-o", str(tmp_path / "l.o")],
+    return subprocess.run([NVCC, *BASE, *kernels.constant_options(build), f"-DDETCOMM_W={world}", "-c", str(src), "-o",
+                           str(tmp_path / "l.o")],
                           capture_output=True, text=True)
 
 
@@ -241,10 +259,10 @@ def test_the_host_layout_rule_mirrors_the_header(tmp_path):
     from detcomm.workspace import plan
 
     for world in range(1, plan.MAX_WORLD + 1):
-        for batch, defines in ((plan.FUSED_NORM_BATCH, ()), (kernels.FUSED_LAYOUT["fused_batch4"]["batch"],
-                                                               kernels.VARIANT_MACROS["fused_batch4"])):
+        for batch, build in ((plan.FUSED_NORM_BATCH, "canonical"), (kernels.FUSED_LAYOUT["fused_batch4"]["batch"],
+                                                                    "fused_batch4")):
             want = {d: plan.fused_norm_register_elems(d, world, batch=batch) for d in ("float32", "bfloat16", "float16")}
-            p = _layout_asserts(world, want, *defines, tmp_path=tmp_path)
+            p = _layout_asserts(world, want, build, tmp_path=tmp_path)
             assert p.returncode == 0, (world, batch, p.stderr[-2000:])
     p = _layout_asserts(2, {"bfloat16": 2 * plan.fused_norm_register_elems("bfloat16", 2)}, tmp_path=tmp_path)
     assert p.returncode != 0 and "C of bfloat16" in p.stderr

@@ -8,41 +8,54 @@ from pathlib import Path
 
 import pytest
 
+from barrier_sim import simulate_barrier_uses
 from detcomm.workspace import plan
 
 CUH = Path(__file__).resolve().parents[1] / "csrc" / "detcomm_common.cuh"
 
 
-def test_constants_match_the_device_header():
-    defines = dict(re.findall(r"^#define (DETCOMM_\w+) (\S+)", CUH.read_text(), re.M))
-    assert int(defines["DETCOMM_MAX_W"]) == plan.MAX_WORLD
-    assert int(defines["DETCOMM_MAX_BLOCKS"]) == plan.MAX_BLOCKS
-    assert int(defines["DETCOMM_BLOCK_THREADS"]) == plan.BLOCK_THREADS
-    assert int(defines["DETCOMM_PACK_BYTES"]) == plan.PACK_BYTES
-    assert int(defines["DETCOMM_BARRIER_KINDS"]) == plan.BARRIER_KINDS
-    assert int(defines["DETCOMM_HEADER_BYTES"]) == plan.HEADER_BYTES
-    assert int(defines["DETCOMM_PROBE_BYTES"]) == plan.PROBE_BYTES
-    assert int(defines["DETCOMM_ERR_WORDS"]) == plan.ERR_WORDS
-    assert int(defines["DETCOMM_CTRL_WORDS"]) == plan.CTRL_WORDS
-    assert int(defines["DETCOMM_HOST_ABORT_WORD"]) == plan.HOST_ABORT_WORD
-    assert int(defines["DETCOMM_DESC_WORDS"]) == plan.DESC_WORDS
-    for name in ("TIMEOUT", "ABORTED", "PEER_FAILED", "MISMATCH", "OVERLAP"):
-        assert int(defines[f"DETCOMM_ERR_{name}"].rstrip("u"), 16) == getattr(plan, f"ERR_{name}")
-    assert int(defines["DETCOMM_ABORT_BY_KERNEL"].rstrip("u"), 16) == plan.ABORT_BY_KERNEL
-    assert int(defines["DETCOMM_ABORT_BY_HOST"].rstrip("u"), 16) == plan.ABORT_BY_HOST
+CSRC = CUH.parent
+_DEFINE = re.compile(r"^\s*#\s*define\s+(\w+)", re.M)
+
+
+def _defined_constants(text: str) -> set[str]:
+    """The device constants (plan.DEVICE_CONSTANTS) a C text #defines itself."""
+    return set(_DEFINE.findall(text)) & set(plan.DEVICE_CONSTANTS)
+
+
+def test_device_constants_have_one_source():
+    """No csrc/ file defines a device constant (each comes from plan.DEVICE_CONSTANTS as a -D option), and
+    detcomm_common.cuh requires exactly the table's names. The control: a header that defines one is caught."""
+    for path in sorted(CSRC.glob("*.cu*")):
+        assert _defined_constants(path.read_text()) == set(), path.name
+    assert _defined_constants("#define DETCOMM_PACK_BYTES 16\n  #  define NORM_CHUNK 8\n") == {"DETCOMM_PACK_BYTES",
+                                                                                             "NORM_CHUNK"}
+    text = CUH.read_text()
+    guard = text[text.index("#if !defined(DETCOMM_MAX_W)"):]
+    guard = guard[:guard.index("#error")]
+    assert set(re.findall(r"defined\((\w+)\)", guard)) == set(plan.DEVICE_CONSTANTS)
+
+
+def test_device_constants_are_plan_values():
+    """The table spells plan's values: every kernel kind, dtype code and layout constant the host uses."""
+    c = plan.DEVICE_CONSTANTS
+    assert int(c["DETCOMM_MAX_W"]) == plan.MAX_WORLD and int(c["DETCOMM_BUFFER_HEADER_BYTES"]) == plan.BUFFER_HEADER_BYTES
     for code, kind in plan.KIND_CODES.items():
-        if code < plan.KIND_LAMPORT:  # the one-store kinds live in lamport_common.cuh (checked below)
-            assert int(defines[f"DETCOMM_KIND_{kind.upper()}"]) == code
+        assert int(c[f"DETCOMM_KIND_{kind.upper()}"]) == code
+    assert plan.KIND_LAMPORT == int(c["DETCOMM_KIND_LAMPORT"]) == 9
+    assert plan.KIND_FUSED_NORM_LAMPORT == int(c["DETCOMM_KIND_FUSED_NORM_LAMPORT"]) == 10
+    for name in ("TIMEOUT", "ABORTED", "PEER_FAILED", "MISMATCH", "OVERLAP"):
+        assert int(c[f"DETCOMM_ERR_{name}"].rstrip("u"), 16) == getattr(plan, f"ERR_{name}")
+    assert [int(c[m]) for m in ("DT_F32", "DT_BF16", "DT_F16", "DT_U8")] == [
+        code for code, _ in sorted(plan.DTYPE_CODES.items())]
+    assert (int(c["NORM_THREADS"]), int(c["NORM_CHUNK"]), int(c["DETCOMM_FUSED_BATCH"])) == (
+        plan.NORM_LANES, plan.NORM_CHUNK, plan.FUSED_NORM_BATCH)
 
 
-def test_one_store_constants_match_their_header():
-    text = (CUH.parent / "lamport_common.cuh").read_text()
+def test_one_store_offsets_match_their_header():
+    text = (CSRC / "lamport_common.cuh").read_text()
     defines = dict(re.findall(r"^#define (DETCOMM_\w+) (\S+)", text, re.M))
-    assert int(defines["DETCOMM_LAM_COUNTER_BYTES"]) == plan.LAM_COUNTER_BYTES
-    assert int(defines["DETCOMM_KIND_LAMPORT"]) == plan.KIND_LAMPORT == 9
-    assert plan.KIND_CODES[int(defines["DETCOMM_KIND_FUSED_NORM_LAMPORT"])] == "fused_norm_lamport"
-    assert int(defines["DETCOMM_WAIT_LAMPORT"]) == plan.WAIT_LAMPORT
-    # The offsets are expressions over other defines: check the values they stand for.
+    # The offsets are expressions over device constants: check the values they stand for.
     assert plan.LAM_DESC_OFF == plan.LAM_COUNTER_BYTES
     assert plan.LAM_DESC_BYTES == 2 * plan.MAX_BLOCKS * plan.MAX_WORLD * plan.PACK_BYTES
     assert plan.LAM_DATA_OFF == plan.LAM_DESC_OFF + plan.LAM_DESC_BYTES
@@ -182,7 +195,7 @@ def test_header_layout_matches_the_device_formulas():
     """plan's header indices (used by the host and the tests) equal the device's flag_index, epoch_index,
     desc_index and busy_index, evaluated from the header's own text, and the doubled layout fits the header."""
     text = CUH.read_text()
-    defines = dict(re.findall(r"^#define (DETCOMM_\w+) (.+?)(?:\s*//.*)?$", text, re.M))
+    defines = {**plan.DEVICE_CONSTANTS, **dict(re.findall(r"^#define (DETCOMM_\w+) (.+?)(?:\s*//.*)?$", text, re.M))}
     assert int(defines["DETCOMM_PARITIES"]) == plan.PARITIES == plan.SLOT_COPIES == 2
     bodies = {name: body for name, body in re.findall(
         r"__device__ __forceinline__ u32 (\w+_index)\([^)]*\) \{\s*return (.+?);\s*\}", text, re.S)}
@@ -205,9 +218,9 @@ def test_header_layout_matches_the_device_formulas():
             plan.epoch_index(plan.BARRIER_KINDS - 1, plan.MAX_BLOCKS - 1),
             plan.desc_index(plan.PARITIES - 1, plan.MAX_BLOCKS - 1, plan.MAX_WORLD - 1) + plan.DESC_WORDS - 1)
     assert last[0] < plan.EPOCH_BASE and last[1] < plan.DESC_BASE and last[2] < plan.CTRL_BASE
-    assert plan.busy_index(plan.MAX_BLOCKS - 1) < plan.HEADER_WORDS_USED <= plan.HEADER_BYTES // 4
-    # the barrier kinds the device names, decoded by name; there is no end barrier any more
-    kinds = dict(re.findall(r"^#define (BARRIER_\w+) (\d+)", text, re.M))
+    assert plan.busy_index(plan.MAX_BLOCKS - 1) < plan.HEADER_WORDS_USED <= plan.BUFFER_HEADER_BYTES // 4
+    # the barrier kinds the device names, decoded by name; there is no end barrier
+    kinds = {k: v for k, v in plan.DEVICE_CONSTANTS.items() if k.startswith("BARRIER_")}
     assert kinds == {"BARRIER_START": "0", "BARRIER_MID": "1"} and len(plan.BARRIER_NAMES) == plan.BARRIER_KINDS
     assert (plan.BARRIER_START, plan.BARRIER_MID) == (0, 1)
 
@@ -216,7 +229,7 @@ def test_buffer_holds_two_slot_copies():
     for cap, w, grid in ((1 << 20, 2, 132), (16, 8, 16), (37 * 48, 3, 44)):
         slot = plan.slot_bytes(cap, w, grid)
         assert plan.buffer_bytes(cap, w, grid) == plan.data_offset() + plan.SLOT_COPIES * slot
-        assert plan.data_offset() == plan.HEADER_BYTES + plan.PROBE_BYTES and plan.data_offset() % plan.PACK_BYTES == 0
+        assert plan.data_offset() == plan.BUFFER_HEADER_BYTES + plan.PROBE_BYTES and plan.data_offset() % plan.PACK_BYTES == 0
         assert slot % plan.PACK_BYTES == 0  # copy 1 starts pack-aligned
 
 
@@ -229,13 +242,13 @@ def test_parity_scheme_never_lets_a_peer_overtake_a_use():
     access per step: with the fast rank always stepping first, and under 400 random interleavings at W = 2..4
     (counters started just below the wrap), no rank ever reads a later use's slot data or descriptor, a waiting
     rank's flag only ever shows this use or the previous use of its copy, and nothing deadlocks."""
-    assert plan.simulate_barrier_uses(0, MIDS, world=2, pick=min) == []
-    assert plan.simulate_barrier_uses(0, MIDS, world=4, pick=max) == []
+    assert simulate_barrier_uses(0, MIDS, world=2, pick=min) == []
+    assert simulate_barrier_uses(0, MIDS, world=4, pick=max) == []
     rng = random.Random(12)
     for _ in range(400):
         world = rng.randint(2, 4)
         start, mid = rng.choice([0, 7, 2**31, 2**32 - 4]), rng.choice([0, 2**32 - 3])
-        assert plan.simulate_barrier_uses(start, MIDS, world=world, pick=rng.choice, mid_start=mid) == []
+        assert simulate_barrier_uses(start, MIDS, world=world, pick=rng.choice, mid_start=mid) == []
 
 
 def test_single_copy_scheme_is_overtaken():
@@ -243,12 +256,12 @@ def test_single_copy_scheme_is_overtaken():
     removed without parity). A peer one use ahead (the fast rank first) overwrites the flag this rank waits for
     (then nothing can ever pass); random interleavings also show it reading a later use's slot data and
     descriptor."""
-    got = plan.simulate_barrier_uses(0, MIDS, world=2, pick=min, copies=1)
+    got = simulate_barrier_uses(0, MIDS, world=2, pick=min, copies=1)
     assert "rank 1: start use 1: rank 0's flag shows use 2" in got and got[-1].startswith("deadlock")
     seen = set()
     rng = random.Random(13)
     for _ in range(200):
-        for line in plan.simulate_barrier_uses(0, MIDS, world=rng.randint(2, 4), pick=rng.choice, copies=1):
+        for line in simulate_barrier_uses(0, MIDS, world=rng.randint(2, 4), pick=rng.choice, copies=1):
             seen.add(next(k for k in ("flag shows", "descriptor", "read rank", "gathered", "deadlock") if k in line))
     assert {"flag shows", "descriptor", "read rank", "deadlock"} <= seen, seen
 

@@ -9,7 +9,8 @@ loaded with cupy.cuda.function.Module and launched on the caller's current torch
 step; `import detcomm` works without cupy or a GPU because cupy is imported only here, lazily.
 
 Options, all spelled out (docs/spec.md §1 forbids contraction and flush-to-zero): --std=c++17, -arch=sm_XY of the device,
---fmad=false, -ftz=false, -prec-div=true, -prec-sqrt=true, -DDETCOMM_W=<W>, -DDETCOMM_DTYPE=<code>; never
+--fmad=false, -ftz=false, -prec-div=true, -prec-sqrt=true, -DDETCOMM_W=<W>, -DDETCOMM_DTYPE=<code>, and the device
+constants of plan.DEVICE_CONSTANTS as -D<name>=<value> (their one source; the headers define none); never
 --use_fast_math. DETCOMM_WORKSPACE_TRAP=1 in the environment adds -DDETCOMM_TRAP_ON_FAILURE: a failing barrier
 then traps after writing its record (debugging only: a trap destroys the CUDA context of that rank).
 
@@ -57,24 +58,43 @@ KERNEL_FILES = ("one_shot.cu", "two_shot.cu", "reduce_scatter.cu", "all_gather.c
                 "virtual_fold.cu", "lamport.cu", "fused_rmsnorm_lamport.cu")
 ROTATE_MACRO = "DETCOMM_ROTATE_RANK_ORDER"
 TRAP_ENV = "DETCOMM_WORKSPACE_TRAP"
-# Test-only builds: "rotated" folds in the wrong rank order, "stale_flags" lets a barrier pass on an earlier use's flag,
-# "one_buffer" gives the one-store kernel a single buffer, "unmarked" pushes +0.0 unchanged (indistinguishable from an
-# empty word), "single_copy" keeps one copy of the slots, flags and descriptors (no parity). Each is a negative
-# control that a test must catch; "canonical" is the only build a workspace serves with.
-# Two are for the bench only, the same bits, timed against the canonical build (bench/fused_streams.py --variant;
-# csrc/fused_norm_row.cuh): "fused_batch4" gives the fused kernels a load batch of 4 chunks per lane instead of 2
-# (DETCOMM_FUSED_BATCH), "fused_no_wide" (the canonical cubins) never launches the wide kernels, so the rows they
-# serve (hidden 4097-8192 in bf16 at W <= 4) stream, as before they existed. FUSED_LAYOUT says how each build's
-# host picks the fused layout (plan.fused_norm_layout's batch and wide).
+# Kernel builds: the -D options a build adds to (or changes in) plan.DEVICE_CONSTANTS. "canonical" is the only
+# build a workspace serves with; the others are reached only through detcomm.workspace.debug.
+# Negative controls, each a build a test must catch: "rotated" folds in the wrong rank order, "stale_flags" lets a
+# barrier pass on an earlier use's flag, "one_buffer" gives the one-store kernel a single buffer, "unmarked" pushes
+# +0.0 unchanged (indistinguishable from an empty word), "single_copy" keeps one copy of the slots, flags and
+# descriptors (no parity).
+# Bench builds, the same bits, timed against the canonical build (bench/fused_streams.py --build;
+# csrc/fused_norm_row.cuh): "fused_batch4" gives the fused kernels a load batch of 4 chunks per lane instead of
+# plan.FUSED_NORM_BATCH, "fused_no_wide" (the canonical cubins) never launches the wide kernels, so the rows they
+# serve (hidden 4097-8192 in bf16 at W <= 4) stream. FUSED_LAYOUT says how each build's host picks the fused layout
+# (plan.fused_norm_layout's batch and wide).
 FUSED_LAYOUT: dict[str, dict[str, Any]] = {"fused_batch4": {"batch": 4}, "fused_no_wide": {"wide": False}}
-VARIANT_MACROS = {"canonical": (), "fused_batch4": (f"-DDETCOMM_FUSED_BATCH={FUSED_LAYOUT['fused_batch4']['batch']}",),
-                  "fused_no_wide": (), "rotated": (f"-D{ROTATE_MACRO}=1",),
-                  "stale_flags": ("-DDETCOMM_TEST_STALE_FLAGS=1",),
-                  "single_copy": ("-DDETCOMM_TEST_SINGLE_COPY=1",),
-                  "one_buffer": ("-DDETCOMM_TEST_ONE_BUFFER=1",),
-                  "unmarked": ("-DDETCOMM_TEST_UNMARKED=1",)}
-# One module per dtype (csrc: DETCOMM_DTYPE) and one for the byte-moving all-gather.
-MODULE_DTYPE_CODES = {"float32": 0, "bfloat16": 1, "float16": 2, "bytes": 3}
+BUILD_DEFINES: dict[str, dict[str, str]] = {
+    "canonical": {},
+    "fused_batch4": {"DETCOMM_FUSED_BATCH": str(FUSED_LAYOUT["fused_batch4"]["batch"])},
+    "fused_no_wide": {},
+    "rotated": {ROTATE_MACRO: "1"},
+    "stale_flags": {"DETCOMM_TEST_STALE_FLAGS": "1"},
+    "single_copy": {"DETCOMM_TEST_SINGLE_COPY": "1"},
+    "one_buffer": {"DETCOMM_TEST_ONE_BUFFER": "1"},
+    "unmarked": {"DETCOMM_TEST_UNMARKED": "1"},
+}
+# One module per dtype (csrc: DETCOMM_DTYPE, plan.DTYPE_CODES) and one for the byte-moving all-gather.
+MODULE_DTYPE_CODES = {name: code for code, name in plan.DTYPE_CODES.items()}
+
+
+def check_build(build: str) -> None:
+    if build not in BUILD_DEFINES:
+        raise ValueError(f"kernel build must be one of {sorted(BUILD_DEFINES)}, got {build!r}")
+
+
+def constant_options(build: str = "canonical") -> tuple[str, ...]:
+    """The -D options of the device constants (plan.DEVICE_CONSTANTS) with `build`'s additions: what every compile
+    of csrc/ passes (NVRTC here, nvcc in the CPU checks); the headers refuse to compile without them."""
+    check_build(build)
+    return tuple(f"-D{name}={value}" for name, value in {**plan.DEVICE_CONSTANTS, **BUILD_DEFINES[build]}.items())
+
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
 _PRAGMA_ONCE = re.compile(r"^\s*#\s*pragma\s+once\s*$")
@@ -113,16 +133,16 @@ def flatten_source(files: Sequence[str] = KERNEL_FILES, *, root: Path = CSRC) ->
     return "\n".join(out) + "\n"
 
 
-def nvrtc_options(world_size: int, arch: str, *, module: str | None = None, variant: str = "canonical",
+def nvrtc_options(world_size: int, arch: str, *, module: str | None = None, build: str = "canonical",
                   trap: bool = False) -> tuple[str, ...]:
-    """The exact NVRTC options of a module (no option is added behind our back: see the header). `module` is a
-    key of MODULE_DTYPE_CODES (None: every dtype in one unit, as the CPU compile check builds it)."""
+    """The exact NVRTC options of a module (no option is added behind our back: see the header), the device
+    constants included (constant_options). `module` is a key of MODULE_DTYPE_CODES (None: every dtype in one unit,
+    as the CPU compile check builds it)."""
     if not 1 <= world_size <= plan.MAX_WORLD:
         raise ValueError(f"world_size must be in 1..{plan.MAX_WORLD}, got {world_size}")
     if not re.fullmatch(r"sm_\d+[a-z]?", arch):
         raise ValueError(f"arch must look like 'sm_90', got {arch!r}")
-    if variant not in VARIANT_MACROS:
-        raise ValueError(f"variant must be one of {sorted(VARIANT_MACROS)}, got {variant!r}")
+    check_build(build)
     if module is not None and module not in MODULE_DTYPE_CODES:
         raise ValueError(f"module must be one of {sorted(MODULE_DTYPE_CODES)}, got {module!r}")
     opts: tuple[str, ...] = (
@@ -136,7 +156,7 @@ def nvrtc_options(world_size: int, arch: str, *, module: str | None = None, vari
     )
     if module is not None:
         opts += (f"-DDETCOMM_DTYPE={MODULE_DTYPE_CODES[module]}",)
-    opts += VARIANT_MACROS[variant]
+    opts += constant_options(build)
     if trap:
         opts += ("-DDETCOMM_TRAP_ON_FAILURE=1",)
     return opts
@@ -179,7 +199,7 @@ class ModuleKey:
     device_index: int
     world_size: int
     arch: str
-    variant: str
+    build: str
     trap: bool
 
 
@@ -194,7 +214,7 @@ def module_functions(module: str) -> list[str]:
                for w in plan.DTYPE_SUFFIX for wide in (False, True)])
 
 
-def compile_modules(world_size: int, arch: str, *, variant: str = "canonical", trap: bool = False,
+def compile_modules(world_size: int, arch: str, *, build: str = "canonical", trap: bool = False,
                     compile_fn: Callable[[str, Sequence[str]], bytes] = compile_cubin) -> dict[str, bytes | str]:
     """Every module's cubin, or the reason it could not be built (a str): one failing dtype refuses only itself.
     No GPU needed; `compile_fn(source, options)` is NVRTC by default (the CPU test passes an nvcc-backed one)."""
@@ -202,7 +222,7 @@ def compile_modules(world_size: int, arch: str, *, variant: str = "canonical", t
     out: dict[str, bytes | str] = {}
     for module in MODULE_DTYPE_CODES:
         try:
-            out[module] = compile_fn(source, nvrtc_options(world_size, arch, module=module, variant=variant, trap=trap))
+            out[module] = compile_fn(source, nvrtc_options(world_size, arch, module=module, build=build, trap=trap))
         except Exception as e:  # noqa: BLE001 - reported as this module's refusal, never as the whole set's
             text = str(e).strip().splitlines()
             out[module] = f"{type(e).__name__}: " + " | ".join(text[:4])[:600]
@@ -210,7 +230,7 @@ def compile_modules(world_size: int, arch: str, *, variant: str = "canonical", t
 
 
 class KernelSet:
-    """The loaded workspace kernels of one (device, W, variant), one module per dtype. Get one with
+    """The loaded workspace kernels of one (device, W, kernel build), one module per dtype. Get one with
     `kernel_set(...)`; loading is the only step that needs the GPU, and it must happen outside CUDA graph capture
     (Workspace.create does it). `refused` maps each module that could not be built or loaded to the reason."""
 
@@ -220,7 +240,7 @@ class KernelSet:
         self.refused: dict[str, str] = {}
         self._modules: list[Any] = []
         self._functions: dict[str, Any] = {}
-        built = compile_modules(key.world_size, key.arch, variant=key.variant, trap=key.trap)
+        built = compile_modules(key.world_size, key.arch, build=key.build, trap=key.trap)
         with cupy.cuda.Device(key.device_index):
             cupy.cuda.runtime.deviceSynchronize()  # makes sure the primary context exists before cuModuleLoadData
             for module, cubin in built.items():
@@ -242,7 +262,7 @@ class KernelSet:
 
     def fused_norm_layout(self, hidden: int, dtype: str) -> str:
         """plan.fused_norm_layout for this set's W and build: which fused kernel (row or wide) serves `hidden`."""
-        return plan.fused_norm_layout(hidden, dtype, self.key.world_size, **FUSED_LAYOUT.get(self.key.variant, {}))
+        return plan.fused_norm_layout(hidden, dtype, self.key.world_size, **FUSED_LAYOUT.get(self.key.build, {}))
 
     @staticmethod
     def names() -> list[str]:
@@ -292,24 +312,24 @@ _SETS: dict[ModuleKey, KernelSet] = {}
 _LOCK = threading.Lock()
 
 
-def _key(device_index: int, world_size: int, variant: str) -> ModuleKey:
+def _key(device_index: int, world_size: int, build: str) -> ModuleKey:
     import torch  # noqa: PLC0415
 
     major, minor = torch.cuda.get_device_capability(device_index)
-    return ModuleKey(device_index, world_size, f"sm_{major}{minor}", variant, os.environ.get(TRAP_ENV) == "1")
+    return ModuleKey(device_index, world_size, f"sm_{major}{minor}", build, os.environ.get(TRAP_ENV) == "1")
 
 
-def loaded_kernel_set(device_index: int, world_size: int, *, variant: str = "canonical") -> KernelSet | None:
+def loaded_kernel_set(device_index: int, world_size: int, *, build: str = "canonical") -> KernelSet | None:
     """The kernel set if already loaded in this process, else None (legal during CUDA graph capture)."""
-    return _SETS.get(_key(device_index, world_size, variant))
+    return _SETS.get(_key(device_index, world_size, build))
 
 
-def kernel_set(device_index: int, world_size: int, *, variant: str = "canonical") -> KernelSet:
+def kernel_set(device_index: int, world_size: int, *, build: str = "canonical") -> KernelSet:
     """Compile (or fetch from the disk cache) and load the kernels for this device and W. Not collective. A set
     already loaded is returned even under CUDA graph capture; loading a new one there raises."""
     import torch  # noqa: PLC0415
 
-    key = _key(device_index, world_size, variant)
+    key = _key(device_index, world_size, build)
     with _LOCK:
         ks = _SETS.get(key)
         if ks is None:

@@ -1,26 +1,29 @@
 """Host-side arithmetic of the workspace: layout constants, capacity planning, chunking, kernel geometry and the
 barrier-epoch rule. Pure Python (no torch, no CUDA), so CPU CI tests all of it.
 
-The constants mirror the #defines in csrc/detcomm_common.cuh; tests/test_workspace_plan.py parses that header
-and fails if the two drift apart.
+The constants the kernels share with the host are defined here and only here: DEVICE_CONSTANTS (at the end) spells
+each as the C macro csrc/ reads, kernels.nvrtc_options passes them to every build as -D options, and
+csrc/detcomm_common.cuh refuses to compile without them (it defines none). The header's index formulas over them
+(flag_index, ...) are checked against this module's by tests/test_workspace_plan.py.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from .. import dtypes
 
-# --- mirrored from csrc/detcomm_common.cuh -----------------------------------------------------------------
+# --- the device constants (DEVICE_CONSTANTS passes them to csrc/) ------------------------------------------
 MAX_WORLD = 8
 MAX_BLOCKS = 256
 BLOCK_THREADS = 512
 PACK_BYTES = 16
 BARRIER_KINDS = 2
 PARITIES = 2
-HEADER_BYTES = 131072
+# Bytes of the header at the start of each rank's symmetric buffer (flags, epochs, descriptors, control words).
+BUFFER_HEADER_BYTES = 131072
 PROBE_BYTES = 4096
 DESC_WORDS = 4
 ERR_WORDS = 16
@@ -48,7 +51,7 @@ CTRL_BASE = DESC_BASE + PARITIES * MAX_BLOCKS * MAX_WORLD * DESC_WORDS
 ABORT_INDEX = CTRL_BASE
 CLAIM_INDEX = CTRL_BASE + 1
 HEADER_WORDS_USED = CTRL_BASE + 2 + MAX_BLOCKS
-assert HEADER_WORDS_USED * 4 <= HEADER_BYTES
+assert HEADER_WORDS_USED * 4 <= BUFFER_HEADER_BYTES
 
 
 def flag_index(kind: int, parity: int, block: int, src: int) -> int:
@@ -71,13 +74,14 @@ def busy_index(block: int) -> int:
 ELEM_SIZES = {name: dtypes.size_of(name) for name in dtypes.FLOAT_NAMES}
 DTYPE_SUFFIX = {name: dtypes.suffix_of(name) for name in dtypes.FLOAT_NAMES}
 
-# --- mirrored from csrc/lamport_common.cuh: the one-store region after the data slot -------------------------
+# --- the one-store region after the data slot (csrc/lamport_common.cuh; LAM_COUNTER_BYTES and the kinds are
+# device constants) ---------------------------------------------------------------------------------------------
 LAM_COUNTER_BYTES = 4096
 LAM_DESC_OFF = LAM_COUNTER_BYTES
 LAM_DESC_BYTES = 2 * MAX_BLOCKS * MAX_WORLD * PACK_BYTES
 LAM_DATA_OFF = LAM_DESC_OFF + LAM_DESC_BYTES
-KIND_LAMPORT = 9
-KIND_FUSED_NORM_LAMPORT = 10
+KIND_LAMPORT = next(c for c, k in KIND_CODES.items() if k == "lamport")
+KIND_FUSED_NORM_LAMPORT = next(c for c, k in KIND_CODES.items() if k == "fused_norm_lamport")
 WAIT_LAMPORT = 3
 
 DEFAULT_MAX_ROWS_ARMED = 2048
@@ -149,7 +153,7 @@ def lamport_max_bytes(world_size: int, *, shared_gpu: bool) -> int:
       9.6. Above it the one-store kernel's extra local traffic (each rank receives, re-reads and empties W areas)
       grows with the message while the barrier it saves does not.
     - Ranks sharing one GPU: never. Two ranks as two streams of one H200 (CUDA graphs, 1 and 8 rows of 4096 bf16,
-      ten runs on 2026-12-01): one-shot was faster than the one-store kernel in 19 of the 20 pairs, by 0.3-1.3 us
+      ten runs): one-shot was faster than the one-store kernel in 19 of the 20 pairs, by 0.3-1.3 us
       (the exception: 0.04 us the other way), and the fused one-store kernel was no faster than the fused one-shot
       one (8.26 vs 8.24 us at 1 row): with no link between the ranks, the barrier it saves costs less than its
       extra pass over the areas. More ranks: every rank's W pushes land in the same HBM (W = 8: 16 KiB 15.2 vs
@@ -167,7 +171,7 @@ def lamport_max_bytes(world_size: int, *, shared_gpu: bool) -> int:
 # The one-store tiers below the largest (max bytes, blocks), for every workspace with a one-store path
 # (lamport_tiers). Why tiers: a one-store launch must run the same blocks every time (each block counts its
 # launches, csrc/lamport_common.cuh), and the blocks that own no pack of a small launch still cost it: measured on
-# 2x H200 over NVLink (W = 2, CUDA graphs, 2026-12-01), 16 KiB took 5.7 us on the full grid (132 blocks), 4.9 on
+# 2x H200 over NVLink (W = 2, CUDA graphs), 16 KiB took 5.7 us on the full grid (132 blocks), 4.9 on
 # 16 and 5.0 on 32; 256 KiB 6.3 / 6.6 / 5.7; 1 MiB 8.5 / 11.9 / 12.1 (too few stores in flight). So small
 # launches get their own sub-regions with fewer blocks, each with its own counters, descriptors and areas.
 DEFAULT_LAMPORT_TIERS: tuple[tuple[int, int], ...] = ((64 << 10, 16), (256 << 10, 32))
@@ -278,7 +282,7 @@ def buffer_bytes(capacity_bytes: int, world_size: int, grid: int, tiers: Sequenc
     """Total bytes of one rank's symmetric buffer: header (flags, epochs) + probe scratch + SLOT_COPIES data slot
     copies + the one-store region (lamport_region_bytes of its tiers, which start at lamport_offset)."""
     assert not tiers or tiers[0].offset == lamport_offset(capacity_bytes, world_size, grid), tiers
-    return (HEADER_BYTES + PROBE_BYTES + lamport_offset(capacity_bytes, world_size, grid)
+    return (BUFFER_HEADER_BYTES + PROBE_BYTES + lamport_offset(capacity_bytes, world_size, grid)
             + lamport_region_bytes(world_size, tiers))
 
 
@@ -290,11 +294,11 @@ def lamport_offset(capacity_bytes: int, world_size: int, grid: int) -> int:
 
 def data_offset() -> int:
     """Offset of data slot copy 0 in a rank's buffer; copy c starts c * slot_bytes(...) after it."""
-    return HEADER_BYTES + PROBE_BYTES
+    return BUFFER_HEADER_BYTES + PROBE_BYTES
 
 
 def probe_offset() -> int:
-    return HEADER_BYTES
+    return BUFFER_HEADER_BYTES
 
 
 # --- chunking -----------------------------------------------------------------------------------------------
@@ -446,9 +450,9 @@ FUSED_NORM_ALGOS = ("one_shot", "two_shot", "lamport")  # lamport: csrc/fused_rm
 _FUSED_NORM_TAG = {"one_shot": "1shot", "two_shot": "2shot", "lamport": "lamport"}
 
 
-# Mirrored from csrc/fused_norm_row.cuh (FnChunk, the row layouts; tests/test_workspace_csrc.py holds the mirror to
-# the header): the fused kernels' default load batch (DETCOMM_FUSED_BATCH), the lanes of a row (NORM_THREADS) and
-# the elements of a chunk (NORM_CHUNK).
+# Device constants of the fused kernels (csrc/fused_norm_row.cuh, csrc/rms_norm_common.cuh): the default load batch
+# (DETCOMM_FUSED_BATCH), the lanes of a row (NORM_THREADS) and the elements of a chunk (NORM_CHUNK).
+# tests/test_workspace_csrc.py holds fused_norm_register_elems, the host's copy of the header's C, to FnChunk.
 FUSED_NORM_BATCH = 2
 NORM_LANES = 256
 NORM_CHUNK = 8
@@ -599,103 +603,46 @@ def parity(epoch: int) -> int:
 def arrived(seen: int, expected: int) -> bool:
     """Device rule: a peer has arrived when its flag (in the copy of this use's parity) equals this use's epoch.
     Exact across the wrap because that flag holds either this use's epoch or the previous use of the same copy's,
-    expected - 2 (no peer can be a whole use ahead: simulate_barrier_uses checks it)."""
+    expected - 2 (no peer can be a whole use ahead: tests/barrier_sim.py checks it)."""
     return seen == expected
 
 
-class _Shared:
-    """The memory the simulated ranks share for one block: per rank header (flags, descriptors, counters) and data
-    slot copies, each slot copy cut into W slices (the two-shot layout)."""
-
-    def __init__(self, world: int, copies: int, start_epoch: int, mid_start: int) -> None:
-        def last(copy: int, counter: int) -> int:  # the epoch copy `copy` last held when the counter is `counter`
-            return counter if copies == 1 or parity(counter) == copy else (counter - 1) % EPOCH_MOD
-        self.counters = [[start_epoch, mid_start] for _ in range(world)]
-        # flags[owner][kind][copy][src], desc[owner][copy][src], slot[rank][copy][slice] = (use epoch, stage)
-        self.flags = [[[[last(c, start) for _ in range(world)] for c in range(copies)]
-                       for start in (start_epoch, mid_start)] for _ in range(world)]
-        self.desc = [[[last(c, start_epoch) for _ in range(world)] for c in range(copies)] for _ in range(world)]
-        self.slot = [[[(last(c, start_epoch), 1) for _ in range(world)] for c in range(copies)] for _ in range(world)]
+# --- the device constants, as the C macros csrc/ reads ----------------------------------------------------------
+def _unsigned(value: int) -> str:
+    return f"0x{value:X}u"
 
 
-def _rank_program(r: int, sh: _Shared, world: int, mids: Sequence[bool], copies: int,
-                  problems: list[str]) -> Iterator[Callable[[], bool] | None]:
-    """One rank's block through consecutive uses, one shared-memory access per step. Yields None after a step, or
-    a predicate while it waits at a barrier (the scheduler runs it only once the predicate holds)."""
-    def par(e: int) -> int:
-        return parity(e) if copies == 2 else 0
-
-    def barrier(kind: int) -> Iterator[Callable[[], bool] | None]:
-        e = next_epoch(sh.counters[r][kind])
-        q = par(e)
-        for t in range(world):  # arrive: one release store into every peer's header
-            sh.flags[t][kind][q][r] = e
-            yield None
-        # What the flag may hold while this rank waits: this use's epoch or the previous use of the same copy's.
-        allowed = (e, (e - copies) % EPOCH_MOD)
-        for t in range(world):  # wait for every peer's flag; every poll is a read the claim must hold for
-            def poll(t: int = t) -> bool:
-                seen = sh.flags[r][kind][q][t]
-                if seen not in allowed:
-                    problems.append(f"rank {r}: {BARRIER_NAMES[kind]} use {e}: rank {t}'s flag shows use {seen}")
-                return arrived(seen, e)
-            yield poll
-        sh.counters[r][kind] = e
-
-    for two_shot in mids:
-        e = next_epoch(sh.counters[r][BARRIER_START])
-        p = par(e)  # open_use: the parity of the coming START
-        for t in range(world):
-            sh.desc[t][p][r] = e  # announce_call
-            yield None
-        for s in range(world):
-            sh.slot[r][p][s] = (e, 0)  # copy-in
-            yield None
-        yield from barrier(BARRIER_START)
-        for t in range(world):  # the descriptor comparison
-            if sh.desc[r][p][t] != e:
-                problems.append(f"rank {r}: use {e}: rank {t}'s descriptor is use {sh.desc[r][p][t]}'s")
-        yield None
-        reads = [(t, r) for t in range(world)] if two_shot else [(t, s) for t in range(world) for s in range(world)]
-        for t, s in reads:  # one-shot: every slice of every slot; two-shot phase 1: slice r of every slot
-            if sh.slot[t][p][s] != (e, 0):
-                problems.append(f"rank {r}: use {e}: read rank {t}'s slice {s} of use/stage {sh.slot[t][p][s]}")
-            yield None
-        if two_shot:
-            sh.slot[r][p][r] = (e, 1)  # the folded slice, in place
-            yield None
-            yield from barrier(BARRIER_MID)
-            for t in range(world):  # phase 2: every rank's folded slice
-                if sh.slot[t][p][t] != (e, 1):
-                    problems.append(f"rank {r}: use {e}: gathered rank {t}'s slice of use/stage {sh.slot[t][p][t]}")
-                yield None
-        # no end barrier: the next use starts at once
-
-
-def simulate_barrier_uses(start_epoch: int, mids: Sequence[bool], *, world: int, pick: Callable[[list[int]], int],
-                          copies: int = 2, mid_start: int = 0) -> list[str]:
-    """Drive W ranks' block b through consecutive uses (mids[u]: use u has a MID barrier, as two-shot does), one
-    shared-memory access per step, in the order `pick` chooses among the ranks that can step (e.g. always the
-    fastest rank first, or at random). Counters start at start_epoch (START) and mid_start (MID); every copy holds
-    the previous use of that copy. copies=2 is the device's parity scheme; copies=1 the same protocol with one copy
-    of everything (what dropping the end barrier without parity would give).
-
-    Returns what went wrong, [] when nothing did: a read of a later use's slot data or descriptor ("overtaken"), a
-    flag showing a later use than the awaited one, or a deadlock (no rank can step, some not done)."""
-    if copies not in (1, 2):
-        raise ValueError(f"copies must be 1 or 2, got {copies}")
-    sh = _Shared(world, copies, start_epoch % EPOCH_MOD, mid_start % EPOCH_MOD)
-    problems: list[str] = []
-    progs = [_rank_program(r, sh, world, mids, copies, problems) for r in range(world)]
-    waiting: list[Callable[[], bool] | None] = [None] * world
-    live = set(range(world))
-    while live:
-        ready = sorted(r for r in live if (w := waiting[r]) is None or w())
-        if not ready:
-            return list(dict.fromkeys(problems)) + [f"deadlock: ranks {sorted(live)} all wait"]
-        r = pick(ready)
-        try:
-            waiting[r] = next(progs[r])
-        except StopIteration:
-            live.discard(r)
-    return list(dict.fromkeys(problems))  # a wait polls many times: each finding once
+_DTYPE_MACROS = {"float32": "DT_F32", "bfloat16": "DT_BF16", "float16": "DT_F16", "bytes": "DT_U8"}
+# Every build passes each as -D<name>=<value> (kernels.nvrtc_options); csrc/detcomm_common.cuh requires them all
+# and defines none, so a value exists once. Record tags and abort values are unsigned, as the device compares them
+# with u32 words.
+DEVICE_CONSTANTS: dict[str, str] = {
+    "DETCOMM_MAX_W": str(MAX_WORLD),
+    "DETCOMM_MAX_BLOCKS": str(MAX_BLOCKS),
+    "DETCOMM_BLOCK_THREADS": str(BLOCK_THREADS),
+    "DETCOMM_PACK_BYTES": str(PACK_BYTES),
+    "DETCOMM_BARRIER_KINDS": str(BARRIER_KINDS),
+    "DETCOMM_PARITIES": str(PARITIES),
+    "DETCOMM_BUFFER_HEADER_BYTES": str(BUFFER_HEADER_BYTES),
+    "DETCOMM_PROBE_BYTES": str(PROBE_BYTES),
+    "DETCOMM_DESC_WORDS": str(DESC_WORDS),
+    "DETCOMM_ERR_WORDS": str(ERR_WORDS),
+    "DETCOMM_CTRL_WORDS": str(CTRL_WORDS),
+    "DETCOMM_HOST_ABORT_WORD": str(HOST_ABORT_WORD),
+    "DETCOMM_ERR_TIMEOUT": _unsigned(ERR_TIMEOUT),
+    "DETCOMM_ERR_ABORTED": _unsigned(ERR_ABORTED),
+    "DETCOMM_ERR_PEER_FAILED": _unsigned(ERR_PEER_FAILED),
+    "DETCOMM_ERR_MISMATCH": _unsigned(ERR_MISMATCH),
+    "DETCOMM_ERR_OVERLAP": _unsigned(ERR_OVERLAP),
+    "DETCOMM_ABORT_BY_KERNEL": _unsigned(ABORT_BY_KERNEL),
+    "DETCOMM_ABORT_BY_HOST": _unsigned(ABORT_BY_HOST),
+    **{f"DETCOMM_KIND_{kind.upper()}": str(code) for code, kind in KIND_CODES.items()},
+    "BARRIER_START": str(BARRIER_START),
+    "BARRIER_MID": str(BARRIER_MID),
+    "DETCOMM_WAIT_LAMPORT": str(WAIT_LAMPORT),
+    "DETCOMM_LAM_COUNTER_BYTES": str(LAM_COUNTER_BYTES),
+    **{_DTYPE_MACROS[name]: str(code) for code, name in DTYPE_CODES.items()},
+    "NORM_THREADS": str(NORM_LANES),
+    "NORM_CHUNK": str(NORM_CHUNK),
+    "DETCOMM_FUSED_BATCH": str(FUSED_NORM_BATCH),
+}

@@ -10,23 +10,24 @@ import ctypes
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from ..dtypes import FLOAT_DTYPES, FLOAT_NAMES, info, name_of
 from ..errors import WorkspaceFailed, WorkspaceUnavailable
 from . import plan
-from .kernels import MODULE_DTYPE_CODES, VARIANT_MACROS, KernelSet, kernel_set
+from .kernels import MODULE_DTYPE_CODES, KernelSet, kernel_set
 
 _LOG = logging.getLogger("detcomm.workspace")
 # The device-side deadline of every barrier spin. A spin only waits while some rank has not launched its kernel
 # yet, so the deadline must outlast the longest host stall a healthy rank can have between two collectives: a
 # first-call JIT compile (torch.compile, Triton, NVRTC: seconds to tens of seconds), a full garbage collection of
 # a large heap, a checkpoint page-in. 60 s covers those with margin, and a real failure (a dead or diverged
-# rank) still surfaces within a minute; the failure no longer costs any rank its CUDA context, so a generous
-# deadline is cheap. Override per workspace (Workspace.create(timeout_s=...), which init(timeout_s=) sets).
-DEFAULT_TIMEOUT_S = 60.0
+# rank) still surfaces within a minute; a failure costs no rank its CUDA context, so a generous
+# deadline is cheap. Override per workspace (Workspace.create(timeout_s=...), which init(timeout_s=) sets). Not the
+# group's deadline (detcomm.deadline.DEFAULT_TIMEOUT_S): this one bounds the kernels' spins alone.
+DEFAULT_SPIN_DEADLINE_S = 60.0
 # Call numbers whose label is kept for failure messages (the kernels report the call they were in).
 _LABELS_KEPT = 4096
 
@@ -95,6 +96,11 @@ class Workspace:
     runs (that kernel stops at once), so it raises at the call after, or at `synchronize()`.
     """
 
+    # The kernel build (kernels.BUILD_DEFINES) and whether code paths are recorded (variants_run): "canonical" and
+    # off here; only detcomm.workspace.debug's subclasses change them (the tests' negative controls, the bench).
+    _kernel_build: ClassVar[str] = "canonical"
+    _record_variants: ClassVar[bool] = False
+
     def __init__(self, *, transport: Any, kernels: KernelSet, grid: int,
                  lamport_tiers: tuple[plan.LamportTier, ...], capacity_bytes: int,
                  max_rows_armed: int, one_shot_max_bytes: int, timeout_ns: int,
@@ -148,16 +154,16 @@ class Workspace:
         self._calls = 0
         self._labels: dict[int, str] = {}
         self.refused: dict[str, str] = dict(kernels.refused)
-        #: (collective, dtype, variant) of every code path this workspace has run, for the self-check tests.
-        self.variants_run: set[tuple[str, str, str]] = set()
+        #: (collective, dtype, variant) of every code path this workspace has run, when recording (the tests and the
+        #: bench turn it on through detcomm.workspace.debug); None otherwise, and the launches skip the record.
+        self.variants_run: set[tuple[str, str, str]] | None = set() if self._record_variants else None
 
     # ---- construction ----------------------------------------------------------------------------------
     @classmethod
     def create(cls, group: Any = None, *, device: torch.device | str | int, capacity_bytes: int, max_rows_armed: int,
                one_shot_max_bytes: int | None = None, lamport_max_bytes: int | None = None,
-               timeout_s: float = DEFAULT_TIMEOUT_S, max_grid: int = plan.DEFAULT_MAX_GRID,
-               lamport_grid: int | None = None, lamport_tiers: Sequence[tuple[int, int]] | None = None,
-               _variant: str = "canonical") -> Workspace:
+               timeout_s: float = DEFAULT_SPIN_DEADLINE_S, max_grid: int = plan.DEFAULT_MAX_GRID,
+               lamport_grid: int | None = None, lamport_tiers: Sequence[tuple[int, int]] | None = None) -> Workspace:
         """Arm a workspace over `group` (torch.distributed group; None = default). COLLECTIVE.
 
         capacity_bytes: bytes of one rank's rows one launch carries (init's workspace_bytes; more rows are chunked);
@@ -165,23 +171,20 @@ class Workspace:
         with more rows still work, chunked). one_shot_max_bytes: messages above it take two-shot (None: from the
         topology, plan.one_shot_max_bytes). lamport_max_bytes: all-reduce launches up to this size take the one-store
         kernel (None: from the topology, plan.lamport_max_bytes; 0: never). timeout_s: the device-side deadline of every barrier (see
-        DEFAULT_TIMEOUT_S for why 60 s). max_grid caps the blocks of every launch, lamport_grid those of the
+        DEFAULT_SPIN_DEADLINE_S for why 60 s). max_grid caps the blocks of every launch, lamport_grid those of the
         one-store launches alone (None: no cap below the grid). lamport_tiers: the (max bytes, blocks) tiers of the
         one-store launches below the largest (None: plan.DEFAULT_LAMPORT_TIERS; (): every one-store launch on the
         whole grid); plan.lamport_tiers says how they combine with the grid and lamport_grid. Raises ValueError for bad arguments and WorkspaceUnavailable (on every
         rank, with every rank's reason) when no kernel module, the symmetric memory or the peer-access proof
         fails. A dtype whose module cannot be built on some rank is refused alone on every rank (`refused`,
-        `variants`). `_variant` "rotated" / "stale_flags" / "single_copy" / "one_buffer" / "unmarked" build
-        negative-control kernels (tests only), "fused_batch4" the bench's other fused load batch and
-        "fused_no_wide" the fused kernels without their wide layout (kernels.VARIANT_MACROS, FUSED_LAYOUT).
+        `variants`). The kernels are the canonical build (other builds: detcomm.workspace.debug).
         """
         import torch.distributed as dist  # noqa: PLC0415
 
         from ..symm_mem import IpcSymmetricBuffer, SymmMemUnavailable  # noqa: PLC0415
 
         _refuse_under_capture("Workspace.create")
-        dev = cls._check_args(device, capacity_bytes, max_rows_armed, one_shot_max_bytes, timeout_s, _variant,
-                              lamport_max_bytes)
+        dev = cls._check_args(device, capacity_bytes, max_rows_armed, one_shot_max_bytes, timeout_s, lamport_max_bytes)
         world = dist.get_world_size(group)
         if not 1 <= world <= plan.MAX_WORLD:
             raise ValueError(f"the workspace serves groups of 1..{plan.MAX_WORLD} ranks, got {world}")
@@ -190,7 +193,7 @@ class Workspace:
         try:
             props = torch.cuda.get_device_properties(dev)
             sm_count, gpu_id = props.multi_processor_count, str(props.uuid)
-            ks = kernel_set(dev.index, world, variant=_variant)
+            ks = kernel_set(dev.index, world, build=cls._kernel_build)
             refused = ks.refused
             if len(refused) == len(MODULE_DTYPE_CODES):
                 err = "kernels: no module could be built: " + "; ".join(f"{m}: {r}" for m, r in refused.items())
@@ -198,7 +201,7 @@ class Workspace:
             err = f"kernels: {type(e).__name__}: {e}"
         table = plan.DEFAULT_LAMPORT_TIERS if lamport_tiers is None else tuple((b, n) for b, n in lamport_tiers)
         config = (capacity_bytes, max_rows_armed, one_shot_max_bytes, lamport_max_bytes, max_grid, lamport_grid, table,
-                  _variant, timeout_s)
+                  cls._kernel_build, timeout_s)
         infos: list[Any] = [None] * world
         dist.all_gather_object(infos, (err, sm_count, config, refused, gpu_id), group=group)
         reasons = [f"rank {r}: {i[0]}" for r, i in enumerate(infos) if i[0]]
@@ -236,9 +239,9 @@ class Workspace:
     def in_process(cls, world_size: int, *, device: torch.device | str | int, capacity_bytes: int,
                    max_rows_armed: int = plan.DEFAULT_MAX_ROWS_ARMED,
                    one_shot_max_bytes: int = plan.DEFAULT_ONE_SHOT_MAX_BYTES, lamport_max_bytes: int | None = None,
-                   timeout_s: float = DEFAULT_TIMEOUT_S, max_grid: int = plan.DEFAULT_MAX_GRID,
-                   lamport_grid: int | None = None, lamport_tiers: Sequence[tuple[int, int]] | None = None,
-                   _variant: str = "canonical") -> list[Workspace]:
+                   timeout_s: float = DEFAULT_SPIN_DEADLINE_S, max_grid: int = plan.DEFAULT_MAX_GRID,
+                   lamport_grid: int | None = None, lamport_tiers: Sequence[tuple[int, int]] | None = None
+                   ) -> list[Workspace]:
         """W rank views of one workspace inside this process on one GPU (the W-stream harness). NOT collective.
 
         Drive rank r's collectives from its own CUDA stream and launch all W before waiting on any: a rank's
@@ -248,8 +251,7 @@ class Workspace:
         from ..symm_mem import create_local_group  # noqa: PLC0415
 
         _refuse_under_capture("Workspace.in_process")
-        dev = cls._check_args(device, capacity_bytes, max_rows_armed, one_shot_max_bytes, timeout_s, _variant,
-                              lamport_max_bytes)
+        dev = cls._check_args(device, capacity_bytes, max_rows_armed, one_shot_max_bytes, timeout_s, lamport_max_bytes)
         if not 1 <= world_size <= plan.MAX_WORLD:
             raise ValueError(f"world_size must be in 1..{plan.MAX_WORLD}, got {world_size}")
         if lamport_max_bytes is None:
@@ -260,7 +262,7 @@ class Workspace:
                                    base=plan.lamport_offset(capacity_bytes, world_size, grid),
                                    table=plan.DEFAULT_LAMPORT_TIERS if lamport_tiers is None else lamport_tiers,
                                    max_blocks=lamport_grid)
-        ks = kernel_set(dev.index, world_size, variant=_variant)
+        ks = kernel_set(dev.index, world_size, build=cls._kernel_build)
         views = create_local_group(world_size, plan.buffer_bytes(capacity_bytes, world_size, grid, tiers),
                                    device_index=dev.index, probe_offset=plan.probe_offset())
         return [cls(transport=v, kernels=ks, grid=grid, lamport_tiers=tiers, capacity_bytes=capacity_bytes,
@@ -271,7 +273,7 @@ class Workspace:
 
     @staticmethod
     def _check_args(device: Any, capacity_bytes: int, max_rows_armed: int, one_shot_max_bytes: int | None,
-                    timeout_s: float, variant: str, lamport_max_bytes: int | None = None) -> torch.device:
+                    timeout_s: float, lamport_max_bytes: int | None = None) -> torch.device:
         dev = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
         if dev.type != "cuda":
             raise ValueError(f"the workspace lives on a CUDA device, got {dev}")
@@ -288,8 +290,6 @@ class Workspace:
                              f"{lamport_max_bytes}")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-        if variant not in VARIANT_MACROS:
-            raise ValueError(f"unknown kernel variant {variant!r}")
         return dev
 
     # ---- lifecycle -------------------------------------------------------------------------------------
@@ -476,9 +476,10 @@ class Workspace:
                              [_u64(x.data_ptr() + a * row_bytes), _i64(shard * row_elems),
                               _u64(out.data_ptr() + a * row_bytes), _i64(geo.length), _i64(geo.stride_packs)],
                              stream_ptr, label)
-            self.variants_run.add(("reduce_scatter", dtype, "reduce_scatter"))
-            if shard > per:
-                self.variants_run.add(("reduce_scatter", dtype, "chunked"))
+            if self.variants_run is not None:
+                self.variants_run.add(("reduce_scatter", dtype, "reduce_scatter"))
+                if shard > per:
+                    self.variants_run.add(("reduce_scatter", dtype, "chunked"))
         return out
 
     def all_gather(self, x: torch.Tensor, *, out: torch.Tensor | None = None, chunk_rows: int | None = None,
@@ -498,10 +499,11 @@ class Workspace:
                 self._launch("detcomm_all_gather",
                              [_u64(x.data_ptr() + a * row_bytes), _u64(out.data_ptr() + a * row_bytes),
                               _i64((b - a) * row_bytes), _i64(rows * row_bytes)], stream_ptr, label)
-            dt = str(x.dtype).removeprefix("torch.")
-            self.variants_run.add(("all_gather", dt, "all_gather"))
-            if rows > per:
-                self.variants_run.add(("all_gather", dt, "chunked"))
+            if self.variants_run is not None:
+                dt = str(x.dtype).removeprefix("torch.")
+                self.variants_run.add(("all_gather", dt, "all_gather"))
+                if rows > per:
+                    self.variants_run.add(("all_gather", dt, "chunked"))
         return out
 
     # ---- fused all-reduce + residual add + RMSNorm (csrc/fused_rmsnorm.cu) ----------------------------------
@@ -578,9 +580,10 @@ class Workspace:
                     args += [_i64(tier.offset), _i64(tier.cap)]
                     grid = tier.blocks
                 self._launch(plan.fused_norm_kernel(kind, dtype, wname, wide=wide), args, stream_ptr, label, grid=grid)
-                self.variants_run.add(("all_reduce_rmsnorm", dtype, f"fused_{kind}"))
-                self.variants_run.add(("all_reduce_rmsnorm", dtype, f"layout_{layout}"))
-            if rows > per:
+                if self.variants_run is not None:
+                    self.variants_run.add(("all_reduce_rmsnorm", dtype, f"fused_{kind}"))
+                    self.variants_run.add(("all_reduce_rmsnorm", dtype, f"layout_{layout}"))
+            if rows > per and self.variants_run is not None:
                 self.variants_run.add(("all_reduce_rmsnorm", dtype, "fused_chunked"))
         return y, r
 
@@ -656,8 +659,9 @@ class Workspace:
                 else:
                     self._launch(f"detcomm_virtual_two_shot_{sfx}",
                                  head + [_i64(plan.virtual_slices(n, self.world_size, name))], stream_ptr, label)
-                self.variants_run.add(("all_reduce_virtual", name, kind))
-            if rows > per:
+                if self.variants_run is not None:
+                    self.variants_run.add(("all_reduce_virtual", name, kind))
+            if rows > per and self.variants_run is not None:
                 self.variants_run.add(("all_reduce_virtual", name, "chunked"))
         return out
 
@@ -846,6 +850,7 @@ class _AllReduceLauncher:
             return out
         ws = self.ws
         row_elems, row_bytes = self.row_elems, self.row_bytes
+        ran = ws.variants_run
         with _InFlight(ws) as stream:
             xp, op = x.data_ptr(), out.data_ptr()
             for a in range(0, rows, per):
@@ -854,17 +859,19 @@ class _AllReduceLauncher:
                 self.call.value = ws._next_call(label)
                 if algo == "lamport" or (algo is None and n <= self.lamport_max_elems):
                     next(launch for most, launch in self.lamports if n <= most)(stream)
-                    ws.variants_run.add(self.ran["lamport"])
+                    path = "lamport"
                 elif algo == "one_shot" or (algo is None and n <= self.one_shot_max_elems):
                     self.one_shot(stream)
-                    ws.variants_run.add(self.ran["one_shot"])
+                    path = "one_shot"
                 else:
                     geo = self._slices(n)
                     self.length.value, self.stride.value = geo.length, geo.stride_packs
                     self.two_shot(stream)
-                    ws.variants_run.add(self.ran["two_shot"])
-            if rows > per:
-                ws.variants_run.add(self.ran["chunked"])
+                    path = "two_shot"
+                if ran is not None:
+                    ran.add(self.ran[path])
+            if rows > per and ran is not None:
+                ran.add(self.ran["chunked"])
         return out
 
     def _slices(self, n: int) -> plan.SliceGeometry:

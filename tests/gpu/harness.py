@@ -52,15 +52,20 @@ class Ranks:
 _CACHED: dict = {}
 
 
-def cached_ranks(world: int, *, capacity: int, variant: str = "canonical", **kw: Any) -> Ranks:
+def recorded_in_process(world: int, *, build: str = "canonical", **kw: Any) -> list[Any]:
+    """Workspace.in_process over the kernel build `build`, recording the code paths each view runs (variants_run)."""
+    from detcomm.workspace import debug
+
+    return debug.workspace_class(build, record=True).in_process(world, **kw)
+
+
+def cached_ranks(world: int, *, capacity: int, build: str = "canonical", **kw: Any) -> Ranks:
     """W in-process workspace views on cuda:0 (W streams of one GPU), built once per (world, capacity, kernel
     build, options) and shared by the tests: each build compiles and maps its buffers once."""
-    from detcomm.workspace import Workspace
-
-    key = (world, capacity, variant, tuple(sorted(kw.items())))
+    key = (world, capacity, build, tuple(sorted(kw.items())))
     if key not in _CACHED:
-        _CACHED[key] = Ranks(Workspace.in_process(world, device="cuda:0", capacity_bytes=capacity,
-                                                  max_rows_armed=4096, _variant=variant, **kw))
+        _CACHED[key] = Ranks(recorded_in_process(world, build=build, device="cuda:0", capacity_bytes=capacity,
+                                                 max_rows_armed=4096, **kw))
     return _CACHED[key]
 
 

@@ -20,11 +20,10 @@ pytestmark = pytest.mark.gpu
 
 def job_workspace_route(rank: int, w: int, shared_gpu: bool, variant: str) -> dict[str, object]:
     import detcomm
-    import detcomm.workspace as ws_mod
+    from detcomm.workspace import Workspace, debug
 
-    if variant != "canonical":
-        real = ws_mod.Workspace.create.__func__  # type: ignore[attr-defined]
-        ws_mod.Workspace.create = classmethod(lambda cls, *a, **k: real(cls, *a, _variant=variant, **k))  # type: ignore[method-assign]
+    # The communicator arms its workspace over this build, recording the code paths (variants_run) from the start.
+    Workspace.create = debug.workspace_class(variant, record=True).create  # type: ignore[method-assign]
     device = "cuda:0" if shared_gpu else None
     comm = detcomm.init(numerics="rl-bitwise", device=device)
     out: dict[str, object] = {"caps": comm.caps.workspace_reason}

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from harness import on_ranks
+from harness import on_ranks, recorded_in_process
 
 import norm_oracle
 from datagen import DTYPES, random_bits, to_bits, to_torch
@@ -115,13 +115,11 @@ FUSED_PATHS = ({"algo": "one_shot"}, {"algo": "two_shot"}, {"algo": "one_shot", 
 
 def _fused_ranks(world: int, variant: str = "canonical", *, fresh: bool = False, timeout_s: float = 60.0):
     """W in-process rank views (cached per build; fresh=True: a new workspace, for tests that fail it)."""
-    from detcomm.workspace import Workspace
-
     key = (world, variant)
     if fresh or key not in _FUSED:
         # The one-store kernels at every W (by default ranks sharing one GPU never take them).
-        views = Workspace.in_process(world, device="cuda:0", capacity_bytes=4 << 20, max_rows_armed=4096,
-                                     timeout_s=timeout_s, lamport_max_bytes=256 << 10, _variant=variant)
+        views = recorded_in_process(world, build=variant, device="cuda:0", capacity_bytes=4 << 20,
+                                    max_rows_armed=4096, timeout_s=timeout_s, lamport_max_bytes=256 << 10)
         if fresh:
             return views
         _FUSED[key] = views

@@ -134,6 +134,7 @@ def _soak_job(rank: int, w: int, seconds: float, device: str | None) -> dict[str
     import torch.distributed as dist
 
     import detcomm
+    from detcomm.workspace import debug
 
     # 1 MiB per launch: the larger calls of soak.ws and soak.big are chunked.
     comm = detcomm.init(numerics="rl-bitwise", device=device, workspace_bytes=1 << 20)
@@ -153,7 +154,7 @@ def _soak_job(rank: int, w: int, seconds: float, device: str | None) -> dict[str
     # Every kernel variant the ipc_fold sites can reach (the self-checks ran each once at declaration).
     reach = {v for args in (("all_reduce", torch.bfloat16, 512, 2048), ("all_reduce", torch.float32, 256, 8192),
                             ("reduce_scatter", torch.float16, 128, 64 * w)) for v in ws.variants(*args)}
-    ws.variants_run.clear()
+    debug.record(ws)
     rng = random.Random(1234)  # the same sequence on every rank
     torch.cuda.synchronize()
     gc.collect()

@@ -17,7 +17,7 @@ import textwrap
 import numpy as np
 import pytest
 import torch
-from harness import Ranks, run_collecting_failures
+from harness import Ranks, recorded_in_process, run_collecting_failures
 from payloads import first_mismatch, from_tensor, ill_conditioned, to_tensor
 
 from oracle import fold_oracle
@@ -177,6 +177,8 @@ def test_init_sets_the_deadline_and_checks_every_variant_before_first_use():
         import os, torch
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="{free_port()}")
         import detcomm
+        from detcomm.workspace import Workspace, debug
+        Workspace.create = debug.workspace_class(record=True).create  # the self-checks' code paths, recorded
         comm = detcomm.init(numerics="rl-bitwise", workspace_bytes=1 << 20, timeout_s=9.0)
         ws = comm._workspace
         print("TIMEOUT_NS", ws.timeout_ns)
@@ -194,11 +196,9 @@ def test_init_sets_the_deadline_and_checks_every_variant_before_first_use():
 
 
 def _ranks(world: int, **kw) -> Ranks:
-    from detcomm.workspace import Workspace
-
     kw.setdefault("lamport_max_bytes", 1 << 18)  # the one-store kernel at every W (by default never on one GPU)
 
-    return Ranks(Workspace.in_process(world, device="cuda:0", **kw))
+    return Ranks(recorded_in_process(world, device="cuda:0", **kw))
 
 
 @pytest.mark.parametrize("algo", ["lamport", "one_shot"])
@@ -382,7 +382,7 @@ def _canonical_then_control(world: int, run, *, capacity: int, variant: str,
     for v in R.views:
         v.check()
     assert bad == []
-    R = _ranks(world, capacity_bytes=capacity, timeout_s=5.0, _variant=variant, max_grid=max_grid)
+    R = _ranks(world, capacity_bytes=capacity, timeout_s=5.0, build=variant, max_grid=max_grid)
     return run_collecting_failures(R.views, lambda: run(R), default=[])
 
 

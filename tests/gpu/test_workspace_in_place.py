@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from harness import on_ranks
+from harness import on_ranks, recorded_in_process
 from payloads import first_mismatch, from_tensor, ill_conditioned, to_tensor
 
 import oracle
@@ -28,10 +28,8 @@ TRAILING = 40  # 80 B bf16 rows: rows start on 16 B boundaries only every few ro
 @pytest.mark.parametrize("world", [3])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_site_bound_all_reduce_in_place_every_kernel(world: int, dtype: str) -> None:
-    from detcomm.workspace import Workspace
-
-    views = Workspace.in_process(world, device="cuda:0", capacity_bytes=64 * 1024, max_rows_armed=4096,
-                                 one_shot_max_bytes=4096, lamport_max_bytes=1024)
+    views = recorded_in_process(world, device="cuda:0", capacity_bytes=64 * 1024, max_rows_armed=4096,
+                                one_shot_max_bytes=4096, lamport_max_bytes=1024)
     try:
         tdt = getattr(torch, dtype)
         calls = [v.bind_all_reduce(tdt, TRAILING, label="in_place") for v in views]

@@ -18,8 +18,8 @@ TRAILING = 40  # 160 B fp32 rows, 80 B bf16 rows: rows start on 16 B boundaries 
 CAPACITY = 4096 * TRAILING * 4 + 4096  # all of ROWS fit without chunking (chunking has its own test)
 
 
-def ranks(world: int, *, capacity: int = CAPACITY, variant: str = "canonical", **kw) -> Ranks:
-    return cached_ranks(world, capacity=capacity, variant=variant, **kw)
+def ranks(world: int, *, capacity: int = CAPACITY, build: str = "canonical", **kw) -> Ranks:
+    return cached_ranks(world, capacity=capacity, build=build, **kw)
 
 
 def payload(rng, world, shape, dtype, kind):
@@ -157,7 +157,7 @@ def test_negative_control_rotated_order_differs(world):
     """The rotated-rank-order build (-DDETCOMM_ROTATE_RANK_ORDER) must be caught by the same comparison that the
     canonical kernels pass: the tests can fail."""
     R = ranks(world)
-    Rot = ranks(world, variant="rotated")
+    Rot = ranks(world, build="rotated")
     rng = np.random.default_rng(17)
     dtype = "float32"
     rows = 16 * world  # divisible by W, for the reduce-scatter below

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from harness import Ranks, cached_ranks, on_ranks, run_collecting_failures
+from harness import Ranks, cached_ranks, on_ranks, recorded_in_process, run_collecting_failures
 from payloads import BITS, first_mismatch, from_tensor, ill_conditioned, random_bits, to_tensor
 
 from oracle import fold_oracle
@@ -36,9 +36,7 @@ def _ranks(world: int, **kw) -> Ranks:
 
 
 def _fresh(world: int, **kw) -> Ranks:
-    from detcomm.workspace import Workspace
-
-    return Ranks(Workspace.in_process(world, device="cuda:0", capacity_bytes=CAPACITY, lamport_max_bytes=LAMPORT, **kw))
+    return Ranks(recorded_in_process(world, device="cuda:0", capacity_bytes=CAPACITY, lamport_max_bytes=LAMPORT, **kw))
 
 
 def _zeros(world: int, shape: tuple[int, ...], dtype: str, rng) -> list[np.ndarray]:
@@ -85,7 +83,7 @@ def test_one_store_matches_the_oracle(world, dtype):
 @pytest.mark.parametrize("world", [3, 4])
 def test_rotated_control_is_caught(world):
     """The same comparison fails for a build that folds in another rank order: the oracle test can fail."""
-    Rot = _ranks(world, variant="rotated")
+    Rot = _ranks(world, build="rotated")
     rng = np.random.default_rng(5)
     bits = ill_conditioned(rng, world, (64, TRAILING), "float32")
     want = fold_oracle(bits, "float32")
@@ -104,7 +102,7 @@ def test_unmarked_zeros_would_look_empty():
         assert not o.any() and not torch.signbit(o).any(), f"rank {r}: the sum of +0.0 is +0.0"
     for v in R.views:
         v.check()
-    Bad = _fresh(2, timeout_s=0.5, _variant="unmarked")
+    Bad = _fresh(2, timeout_s=0.5, build="unmarked")
     Bad.run("all_reduce", zeros, algo="lamport")
     raised = []
     for v in Bad.views:
@@ -245,7 +243,7 @@ def test_a_peer_one_launch_ahead(variant):
     import time
 
     dtype, rows = "float32", 700  # 7000 packs: 14 blocks own packs
-    R = _fresh(2, timeout_s=5.0, _variant=variant)
+    R = _fresh(2, timeout_s=5.0, build=variant)
     p, q = R.views
     rng = np.random.default_rng(11)
     bits = [ill_conditioned(rng, 2, (rows, TRAILING), dtype) for _ in range(2)]  # [launch][rank]

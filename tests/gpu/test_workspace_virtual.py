@@ -28,8 +28,8 @@ ROWS = (1, 2, 5, 64)
 CAPACITY = 1 << 17  # 82 rows of N at S = 12: none of ROWS is chunked unless forced
 
 
-def ranks(world: int, *, capacity: int = CAPACITY, variant: str = "canonical", **kw) -> Ranks:
-    return cached_ranks(world, capacity=capacity, variant=variant, **kw)
+def ranks(world: int, *, capacity: int = CAPACITY, build: str = "canonical", **kw) -> Ranks:
+    return cached_ranks(world, capacity=capacity, build=build, **kw)
 
 
 def partials(seed: int, rows: int, n: int, dtype: str) -> np.ndarray:
@@ -158,7 +158,7 @@ def test_negative_controls_differ(world):
     """The checks above can fail: folding the peers in a rotated order (the rotated build), or folding per-rank
     pre-sums (each rank's S slabs summed in fp32 and rounded, then the plain fold over ranks), gives other bits."""
     rows = 64
-    rot = ranks(world, variant="rotated")
+    rot = ranks(world, build="rotated")
     plain = ranks(world)
     s = V // world
     for dtype in DTYPES:
@@ -209,11 +209,10 @@ def test_arguments_are_refused_before_any_launch():
 # ---- through the public API: W processes sharing one GPU (gloo side channel), self-checks on -------------------
 def job_public_api(rank: int, w: int, variant: str) -> dict[str, object]:
     import detcomm
-    import detcomm.workspace as ws_mod
+    from detcomm.workspace import Workspace, debug
 
-    if variant != "canonical":
-        real = ws_mod.Workspace.create.__func__  # type: ignore[attr-defined]
-        ws_mod.Workspace.create = classmethod(lambda cls, *a, **k: real(cls, *a, _variant=variant, **k))  # type: ignore[method-assign]
+    # The communicator arms its workspace over this build, recording the code paths (variants_run) from the start.
+    Workspace.create = debug.workspace_class(variant, record=True).create  # type: ignore[method-assign]
     comm = detcomm.init(numerics="rl-bitwise", device="cuda:0")
     s = V // w
     out: dict[str, object] = {}
