@@ -34,7 +34,7 @@ def test_init_timeout_reaches_the_workspace(monkeypatch: pytest.MonkeyPatch) -> 
 
     monkeypatch.setattr(Workspace, "create", classmethod(create))
     monkeypatch.setattr(comm_mod, "discover_topology",
-                        lambda group, device: SimpleNamespace(same_host=True, describe=lambda: "stand-in topology"))
+                        lambda group, device: SimpleNamespace(same_host=True, hosts=1, describe=lambda: "stand-in topology"))
     saved = dict(os.environ)  # init applies the envelope's environment to this process
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     try:
