@@ -45,6 +45,7 @@ import torch
 
 from detcomm._spawn import LocalCluster
 from detcomm.bench.timing import summarize, time_cuda_graph
+from detcomm.errors import WorkspaceUnavailable
 from detcomm.numerics import norm
 from detcomm.tables import format_table
 
@@ -159,7 +160,7 @@ def _fused_job(rank: int, world: int, rows: Sequence[int], hidden: Sequence[int]
     dev = comm.device
     ws = comm._workspace  # the forced one-shot column calls the armed workspace directly
     if ws is None:
-        raise RuntimeError("--fused needs the CUDA-IPC workspace armed (one GPU per rank, peer access)")
+        raise WorkspaceUnavailable("--fused needs the CUDA-IPC workspace armed (one GPU per rank, peer access)")
     eps32 = norm.eps_fp32(EPS)
     out: list[dict[str, object]] = []
     for h in hidden:

@@ -115,7 +115,7 @@ class LocalCluster:
     def run(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None) -> list[Any]:
         """Run ``fn(rank, world_size, *args)`` on every rank; return the results in rank order."""
         if not self.alive:
-            raise RuntimeError("this LocalCluster was torn down; start a new one")
+            raise ValueError("this LocalCluster was torn down; start a new one")
         for q in self._jobs:
             q.put((fn, args))
         deadline = self.pg_timeout_s + 30.0 if timeout_s is None else timeout_s

@@ -19,6 +19,9 @@ __all__ = [
     "LaunchError",
     "CollectiveFailed",
     "ConcurrentCall",
+    "CaptureUnprepared",
+    "KernelBuildFailed",
+    "NoFoldLeaf",
 ]
 
 
@@ -63,3 +66,22 @@ class CollectiveFailed(DetcommError):
 
 class ConcurrentCall(DetcommError):
     """A second thread called a collective while another call was in flight on the same communicator."""
+
+
+class CaptureUnprepared(DetcommError):
+    """A call under CUDA graph capture needed a step that capture forbids (loading kernels, allocating device
+    memory). Every such refusal has one wording (``CaptureUnprepared.before_capture``): what needed the step and
+    what to run once before capturing."""
+
+    @classmethod
+    def before_capture(cls, what: str, prepare: str) -> CaptureUnprepared:
+        return cls(f"{what} must load kernels or allocate device memory, which CUDA graph capture forbids: "
+                   f"{prepare} once before capturing")
+
+
+class KernelBuildFailed(DetcommError):
+    """NVRTC could not compile detcomm's kernels for this GPU; the message carries the compiler's log."""
+
+
+class NoFoldLeaf(DetcommError):
+    """No registered fold leaf serves the device type with the features the envelope requires."""

@@ -21,6 +21,7 @@ import torch
 
 from detcomm.dtypes import FLOAT_NAMES, from_name
 
+from ..errors import WorkspaceUnavailable
 from . import divergence as div
 from . import timing
 
@@ -133,7 +134,7 @@ def _rank_call(rank: int, world_size: int, collective: str, route: str, dtype: t
     if (collective, route) in _WS_CALLS:
         ws = _STATE["ws"]
         if ws is None:
-            raise RuntimeError("ipc_fold route requested but the workspace is not armed")
+            raise WorkspaceUnavailable("ipc_fold route requested but the workspace is not armed: run with one GPU per rank and peer access")
         method, kw = _WS_CALLS[(collective, route)]
         return lambda x: getattr(ws, method)(x, **kw)
     name = f"bench.{collective}.{_DETCOMM_ROUTE[route]}.{str(dtype).replace('torch.', '')}.{hidden}"

@@ -36,7 +36,7 @@ def _plt() -> Any:
     try:
         import matplotlib
     except ImportError as e:
-        raise RuntimeError("detcomm-bench needs matplotlib for its plots: pip install matplotlib") from e
+        raise ImportError("detcomm-bench needs matplotlib for its plots: pip install matplotlib") from e
     matplotlib.use("Agg")  # files only: no display on CI or the GPU machines
     import matplotlib.pyplot as plt
 

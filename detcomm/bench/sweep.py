@@ -279,7 +279,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     try:
         from tqdm import tqdm
     except ImportError as e:  # the progress bar is part of the contract; say what to install
-        raise RuntimeError("detcomm-bench needs tqdm for its progress bar: pip install tqdm") from e
+        raise ImportError("detcomm-bench needs tqdm for its progress bar: pip install tqdm") from e
 
     plans = plan_harnesses(cfg)
     fold_note = fold_graph_note() if cfg.device == "cuda" and cfg.graph and any(h.kind == "nccl" for h in plans) else ""

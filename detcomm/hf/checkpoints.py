@@ -73,7 +73,7 @@ def write_tiny_checkpoint(name: str, directory: str, *, seed: int, max_shard_siz
     import transformers
 
     if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
-        raise RuntimeError("write_tiny_checkpoint on rank != 0 of an initialized process group: transformers would "
+        raise ValueError("write_tiny_checkpoint on rank != 0 of an initialized process group: transformers would "
                            "write nothing; call it before init_process_group / detcomm.init, or on rank 0 only")
 
     config = tiny_config(name)

@@ -26,6 +26,7 @@ import logging
 import torch
 
 from ..dtypes import FLOAT_DTYPES, info
+from ..errors import CaptureUnprepared
 from ..workspace import plan
 from .fold import BATCH_INVARIANT, Leaf, Priority, portable_fold, register_leaf
 
@@ -45,8 +46,8 @@ def _kernels(device_index: int, w: int):  # type: ignore[no-untyped-def]
     if torch.cuda.is_current_stream_capturing():
         ks = loaded_kernel_set(device_index, w)
         if ks is None:
-            raise RuntimeError("the CUDA fold leaf's kernels must be loaded before CUDA graph capture "
-                               "(run one fold, as the startup self-checks do, before capturing)")
+            raise CaptureUnprepared.before_capture("the CUDA fold leaf",
+                                                   "run one fold (the startup self-checks do)")
         return ks
     try:
         return kernel_set(device_index, w)

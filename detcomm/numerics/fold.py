@@ -27,6 +27,7 @@ from enum import IntEnum
 import torch
 
 from ..dtypes import FLOAT_DTYPES, bits_view, info
+from ..errors import NoFoldLeaf
 
 __all__ = [
     "FLOAT_DTYPES",
@@ -192,7 +193,7 @@ def select_leaf(*, device_type: str, required: frozenset[str] = frozenset()) -> 
         have = ", ".join(
             f"{l.name}(features={sorted(l.features)}, devices={sorted(l.device_types)})" for l in registered_leaves()
         ) or "none"
-        raise RuntimeError(
+        raise NoFoldLeaf(
             f"no fold leaf for device type {device_type!r} declares the features {sorted(required)}; "
             f"registered leaves: {have}. Register one with detcomm.numerics.fold.register_leaf(Leaf(..., "
             f"features=frozenset({sorted(required)}))) or use numerics='auto'."

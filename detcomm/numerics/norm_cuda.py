@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from ..dtypes import suffix_of
+from ..errors import CaptureUnprepared
 from ..workspace import kernels
 
 __all__ = ["THREADS", "available", "rms_norm_cuda", "add_rms_norm_cuda"]
@@ -49,8 +50,7 @@ def _module(device_index: int) -> Any:
         if mod is not None:
             return mod
         if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("detcomm.rms_norm: load the norm kernels before CUDA graph capture (call it once "
-                               "outside the capture on this device)")
+            raise CaptureUnprepared.before_capture("detcomm.rms_norm", "call it on this device")
         import cupy  # noqa: PLC0415
 
         major, minor = torch.cuda.get_device_capability(device_index)

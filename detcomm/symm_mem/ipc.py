@@ -152,7 +152,7 @@ class IpcSymmetricBuffer:
                     write_probe(cupy, opened[p], probe_offset, rank, p, infos[rank][2], device_index)
                     got = read_probe(cupy, opened[p], probe_offset, p, device_index)
                     if not np.array_equal(got, probe_token(p, p, infos[p][2])):
-                        raise RuntimeError(f"read of rank {p}'s buffer through its IPC handle returned {got.tolist()}")
+                        raise SymmMemUnavailable(f"read of rank {p}'s buffer through its IPC handle returned {got.tolist()}")
                 rt.deviceSynchronize()
         except Exception as e:  # noqa: BLE001
             err = f"open/probe peers: {e}"
@@ -166,7 +166,7 @@ class IpcSymmetricBuffer:
                 for p in range(world):
                     got = read_probe(cupy, own, probe_offset, p, device_index)
                     if not np.array_equal(got, probe_token(p, rank, infos[p][2])):
-                        raise RuntimeError(f"rank {p}'s write through our IPC handle did not arrive (read {got.tolist()})")
+                        raise SymmMemUnavailable(f"rank {p}'s write through our IPC handle did not arrive (read {got.tolist()})")
         except Exception as e:  # noqa: BLE001
             err = f"probe read-back: {e}"
         errs = gather(err)

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..errors import CaptureUnprepared, KernelBuildFailed
 from . import plan
 
 
@@ -104,7 +105,7 @@ def _cupy() -> Any:
     try:
         import cupy  # noqa: PLC0415  (lazy: detcomm imports without cupy or a GPU)
     except ImportError as e:  # pragma: no cover - depends on the machine
-        raise RuntimeError("the CUDA-IPC workspace needs cupy (pip install cupy-cuda12x or cupy-cuda13x)") from e
+        raise ImportError("the CUDA-IPC workspace needs cupy (pip install cupy-cuda12x or cupy-cuda13x)") from e
     return cupy
 
 
@@ -181,7 +182,7 @@ def compile_cubin(source: str, options: Sequence[str]) -> bytes:
             nvrtc.compileProgram(prog, list(options))
         except nvrtc.NVRTCError as e:
             log = nvrtc.getProgramLog(prog)
-            raise RuntimeError(f"NVRTC failed to compile the workspace kernels ({e}):\n{log}") from None
+            raise KernelBuildFailed(f"NVRTC failed to compile the workspace kernels ({e}):\n{log}") from None
         cubin = nvrtc.getCUBIN(prog)
     finally:
         nvrtc.destroyProgram(prog)
@@ -334,7 +335,7 @@ def kernel_set(device_index: int, world_size: int, *, build: str = "canonical") 
         ks = _SETS.get(key)
         if ks is None:
             if torch.cuda.is_current_stream_capturing():
-                raise RuntimeError("detcomm workspace: kernels must be loaded before CUDA graph capture "
-                                   "(Workspace.create does it)")
+                raise CaptureUnprepared.before_capture("the detcomm workspace",
+                                                       "create the workspace (Workspace.create loads them)")
             ks = _SETS[key] = KernelSet(key)
         return ks

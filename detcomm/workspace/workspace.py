@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..dtypes import FLOAT_DTYPES, FLOAT_NAMES, info, name_of
-from ..errors import WorkspaceFailed, WorkspaceUnavailable
+from ..errors import CaptureUnprepared, ConcurrentCall, WorkspaceFailed, WorkspaceUnavailable
 from . import plan
 from .kernels import MODULE_DTYPE_CODES, KernelSet, kernel_set
 
@@ -34,10 +34,7 @@ _LABELS_KEPT = 4096
 
 def _refuse_under_capture(what: str) -> None:
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(
-            f"detcomm workspace: {what} allocates device memory and loads kernels, which CUDA graph capture forbids; "
-            "create the workspace before capturing"
-        )
+        raise CaptureUnprepared.before_capture(f"detcomm workspace: {what}", "create the workspace")
 
 
 def _u64(x: int) -> ctypes.c_uint64:
@@ -349,7 +346,7 @@ class Workspace:
             self._failure = f"detcomm workspace (rank {self.rank}) was aborted on this rank; re-create it"
             raise WorkspaceFailed(self._failure)
         if self._dead == "closed":
-            raise RuntimeError(f"detcomm workspace (rank {self.rank}) is closed")
+            raise WorkspaceFailed(f"detcomm workspace (rank {self.rank}) is closed: create a new one")
 
     def synchronize(self) -> None:
         """LOCAL: wait for this rank's work on the current stream and for this workspace's last launch, on
@@ -763,7 +760,7 @@ class _InFlight:
     def __enter__(self) -> int:
         ws = self.ws
         if not ws._lock.acquire(blocking=False):
-            raise RuntimeError(f"detcomm workspace (rank {ws.rank}): another thread is issuing a collective on it")
+            raise ConcurrentCall(f"detcomm workspace (rank {ws.rank}): another thread is issuing a collective on it")
         self.guard = None
         try:
             self.capturing = _is_capturing()
@@ -777,7 +774,7 @@ class _InFlight:
             last = ws._last_stream
             # Event queries are not allowed during capture; a captured launch does not run now anyway.
             if last is not None and last != stream and not self.capturing and _event_pending(ws):
-                raise RuntimeError(
+                raise ConcurrentCall(
                     f"detcomm workspace (rank {ws.rank}): a collective issued on stream {last:#x} is still "
                     f"in flight; one collective per workspace at a time (this call came from stream "
                     f"{stream:#x}). Synchronize the streams or use one workspace per stream.")
@@ -812,7 +809,7 @@ def _event_pending(ws: Workspace) -> bool:
     ready)."""
     status = ws._event_query(ws._done)
     if status not in (0, 600):
-        raise RuntimeError(f"detcomm workspace: cudaEventQuery failed with CUDA error {status}")
+        raise WorkspaceFailed(f"detcomm workspace: cudaEventQuery failed with CUDA error {status}")
     return status == 600
 
 
