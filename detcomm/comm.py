@@ -430,12 +430,7 @@ class Communicator:
         sc = self._site_calls.get(site if type(site) is str else _name_of(site))  # the hot path: one lookup
         if sc is None or sc.collective is not Collective.ALL_REDUCE or op != sc.op or (type(site) is not str and site is not sc.site):
             sc = self._resolve(site, Collective.ALL_REDUCE, x, op)
-        target = sc.check(x, out)
-        result = sc.run(x, NO_ARGS if target is None else CallArgs(out=target))
-        if out is not None and result is not out:
-            out.copy_(result)
-            result = out
-        return Work(result) if async_op else result
+        return sc.call(x, out, async_op)
 
     def reduce_scatter(self, x: torch.Tensor, site: str | Site, *, op: str = "sum", out: torch.Tensor | None = None,
                        async_op: bool = False) -> torch.Tensor | Work:
@@ -451,12 +446,7 @@ class Communicator:
                 name = site.name if isinstance(site, Site) else site
                 raise ValueError(_rs_rows(name, x.shape[0], self.world_size))
             sc = self._resolve(site, Collective.REDUCE_SCATTER, x, op)
-        target = sc.check(x, out)
-        result = sc.run(x, NO_ARGS if target is None else CallArgs(out=target))
-        if out is not None and result is not out:
-            out.copy_(result)
-            result = out
-        return Work(result) if async_op else result
+        return sc.call(x, out, async_op)
 
     def _is_virtual(self, site: str | Site) -> bool:
         sc = self._site_calls.get(site.name if isinstance(site, Site) else site)
@@ -468,12 +458,7 @@ class Communicator:
         sc = self._site_calls.get(site if type(site) is str else _name_of(site))
         if sc is None or sc.collective is not Collective.ALL_GATHER or (type(site) is not str and site is not sc.site):
             sc = self._resolve(site, Collective.ALL_GATHER, x, ReduceOp.SUM)
-        target = sc.check(x, out)
-        result = sc.run(x, NO_ARGS if target is None else CallArgs(out=target))
-        if out is not None and result is not out:
-            out.copy_(result)
-            result = out
-        return Work(result) if async_op else result
+        return sc.call(x, out, async_op)
 
     def all_reduce_residual_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, *,
                                     eps: float, site: str | Site) -> tuple[torch.Tensor, torch.Tensor]:
@@ -766,6 +751,16 @@ class SiteCall:
             f"site {name!r} was {self.comm._declared_as(s)}; this call contradicts it: {'; '.join(problems)}. "
             "A site is static: declare another site for this call (or cast/reshape the input)."
         )
+
+    def call(self, x: torch.Tensor, out: torch.Tensor | None, async_op: bool) -> torch.Tensor | Work:
+        """A plain collective entry (all_reduce, reduce_scatter, all_gather): validate, run, deliver into ``out``
+        where given, wrap in a ``Work`` for ``async_op``. Collective."""
+        target = self.check(x, out)
+        result = self.run(x, NO_ARGS if target is None else CallArgs(out=target))
+        if out is not None and result is not out:
+            out.copy_(result)
+            result = out
+        return Work(result) if async_op else result
 
     def run(self, x: torch.Tensor, args: CallArgs, *, rows_per_rank: Sequence[int] | None = None,
             uneven: bool = False) -> torch.Tensor:
