@@ -7,7 +7,7 @@
     print(detcomm.routes())
 
 Every collective function is collective over the site's group and returns a new tensor (the input is never
-written). Row = dim 0. See README.md for the route table, the envelopes and the self-checks.
+written). Row = dim 0. See docs/usage.md for the route table, the envelopes and the self-checks.
 """
 
 from __future__ import annotations
