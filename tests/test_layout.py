@@ -205,3 +205,14 @@ def test_the_checker_sees_the_real_packages_layers() -> None:
     planted = {**graph, "detcomm.numerics.fold": graph["detcomm.numerics.fold"] | {"detcomm.comm"}}
     assert upward(planted, entries) == ["detcomm.numerics.fold (layer 3) imports detcomm.comm (layer 6)"]
     assert cycles(planted) != []
+
+
+def test_no_test_module_imports_conftest_by_name() -> None:
+    """tests/ and tests/gpu/ each have a conftest.py, so `from conftest import ...` finds whichever pytest imported
+    last in a whole-suite run (shared helpers live in tests/clusters.py); the check itself is tried on a planted
+    line (the negative control)."""
+    pattern = re.compile(r"^\s*(from conftest import|import conftest\b)", re.M)
+    assert pattern.search("def f():\n    from conftest import get_cluster\n")
+    tests = Path(__file__).resolve().parent
+    offenders = [str(p.relative_to(tests)) for p in tests.rglob("*.py") if pattern.search(p.read_text())]
+    assert not offenders, f"import shared test helpers from tests/clusters.py, not conftest: {offenders}"

@@ -3,7 +3,7 @@ every route, autograd inputs, init's cross-rank agreement, errors that name site
 dtypes, shutdown, and the process-wide state init changes. Numeric expectations come from numpy (exact integer
 sums, tests/oracle.py for the fold), each with a negative control that shows the check can fail.
 
-Cluster jobs share one W = 3 group (tests/conftest.py); the scenarios that kill, freeze or re-create the group
+Cluster jobs share one W = 3 group (tests/clusters.py); the scenarios that kill, freeze or re-create the group
 run one process per rank (tests/calls_rank_job.py) with init's own deadline.
 """
 
@@ -31,7 +31,7 @@ W = 3
 
 @pytest.fixture
 def cluster3():  # noqa: ANN201
-    from conftest import get_cluster
+    from clusters import get_cluster
 
     return get_cluster(W)
 
