@@ -769,16 +769,7 @@ class SiteCall:
         if not comm._lock.acquire(False):
             raise comm._busy(self.name)
         try:
-            self.calls += 1
-            if comm._verifier is not None:
-                if self.agreed:  # the first call's fingerprint went before the site's implicit declaration
-                    self.agreed = False
-                else:
-                    comm._verifier.agree(self.name, self.collective, self.op, x, rows_per_rank=rows_per_rank,
-                                         uneven=uneven)
-            elif self.header is not None:
-                self.header.exchange(self.calls, -1 if uneven or rows_per_rank is not None else x.shape[self.row_dim],
-                                     rows_per_rank)
+            self._prove(x, rows_per_rank, uneven)
             return self.bound(x, args)
         except RuntimeError as e:  # torch.distributed.DistError derives from it
             if isinstance(e, DetcommError):
@@ -786,6 +777,22 @@ class SiteCall:
             raise comm._failure(self.name, self.calls, e) from e
         finally:
             comm._lock.release()
+
+    def _prove(self, x: torch.Tensor, rows_per_rank: Sequence[int] | None, uneven: bool) -> None:
+        """Count the call and prove across ranks that every rank makes it (the checker's fingerprint with checking
+        on, else the call guard's header where the group has one), before its data moves. Collective; runs under
+        the communicator's lock, for run and the fused norm alike."""
+        comm = self.comm
+        self.calls += 1
+        if comm._verifier is not None:
+            if self.agreed:  # the first call's fingerprint went before the site's implicit declaration
+                self.agreed = False
+            else:
+                comm._verifier.agree(self.name, self.collective, self.op, x, rows_per_rank=rows_per_rank,
+                                     uneven=uneven)
+        elif self.header is not None:
+            self.header.exchange(self.calls, -1 if uneven or rows_per_rank is not None else x.shape[self.row_dim],
+                                 rows_per_rank)
 
     def run_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -797,11 +804,7 @@ class SiteCall:
         if not comm._lock.acquire(False):
             raise comm._busy(self.name)
         try:
-            self.calls += 1
-            if comm._verifier is not None:
-                comm._verifier.agree(self.name, self.collective, self.op, x)
-            elif self.header is not None:
-                self.header.exchange(self.calls, x.shape[0], None)
+            self._prove(x, None, False)
             return self.fused(x, residual, weight, eps)  # type: ignore[no-any-return]
         except RuntimeError as e:
             if isinstance(e, DetcommError):
