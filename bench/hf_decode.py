@@ -166,8 +166,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     import transformers
 
     import detcomm
+    from detcomm.dtypes import from_name
     from detcomm.hf import ServingConfig, TPCausalLM
-    from detcomm.hf.checkpoints import DTYPES
     from detcomm.probe.table import emit
     from detcomm.tables import format_table
 
@@ -183,7 +183,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     max_context = -(-(ns.prompt + ns.warmup + ns.steps + 1) // 64) * 64
     serving = ServingConfig(t_pad=ns.t_pad, q_block=16, max_context=max_context)
     serving.check()
-    dtype = DTYPES[ns.dtype]
+    dtype = from_name(ns.dtype)
     backend = ns.backend or ("nccl" if torch.cuda.is_available() else "gloo")
     local = int(os.environ.get("LOCAL_RANK", "0"))
     if backend == "nccl":

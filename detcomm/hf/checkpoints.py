@@ -14,12 +14,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..dtypes import name_of
 from .shard import SUPPORTED_FAMILIES
 
 __all__ = ["TINY_CONFIGS", "MOE_TINY_CONFIGS", "tiny_config", "write_tiny_checkpoint", "load_causal_lm",
-           "checkpoint_config", "DTYPES"]
+           "checkpoint_config", "DTYPE_NAMES"]
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# The dtypes a detcomm.hf model runs in (names of detcomm.dtypes' table; from_name gives the torch dtype).
+DTYPE_NAMES = ("float32", "bfloat16")
 
 # Small enough for W=4 ranks on two CPU cores; grouped-query attention (24 heads, 12 KV heads) so every W
 # in {1, 2, 3, 4, 6, 12} divides both; Mistral's sliding window (48) binds inside the probe's contexts; Qwen2 keeps its
@@ -102,7 +104,7 @@ def checkpoint_config(directory: str, *, dtype: torch.dtype) -> Any:
 
     if not os.path.isdir(directory):
         raise ValueError(f"{directory!r} is not a directory: pass a local checkpoint directory (config.json and weights)")
-    if dtype not in DTYPES.values():
+    if name_of(dtype) not in DTYPE_NAMES:
         raise ValueError(f"dtype must be torch.float32 or torch.bfloat16, got {dtype}")
     config = transformers.AutoConfig.from_pretrained(directory)
     if config.model_type not in SUPPORTED_FAMILIES:

@@ -48,6 +48,8 @@ import torch.distributed as dist
 import detcomm
 from detcomm.moe import COMBINE_ORDERS, Placement
 
+from ..dtypes import from_name
+from ..hf.checkpoints import DTYPE_NAMES
 from ..tables import format_table
 from .bits import bits
 from .envelope import ROUTE_CHOICES, probe_numerics
@@ -76,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--model", metavar="DIR", help="local checkpoint directory (config.json + weights)")
     src.add_argument("--config", choices=sorted(TINY_CONFIGS), default=None,
                      help="tiny real config with seeded random weights (default llama-tiny when --model is not given)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--dtype", choices=DTYPE_NAMES, default="float32")
     p.add_argument("--full-load", action="store_true",
                    help="load the whole model with from_pretrained, then cut it (default: each rank reads its slices)")
     p.add_argument("--numerics", default=None,
@@ -166,7 +168,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         meta_model,
         write_tiny_checkpoint,
     )
-    from ..hf.checkpoints import DTYPES
     from ..hf.moe_block import MOE_FAMILIES, num_experts
 
     transformers.utils.logging.set_verbosity_error()
@@ -179,7 +180,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise ValueError(f"--max-prompt + --new-tokens must fit --max-context {ns.max_context}")
     serving = ServingConfig(t_pad=ns.t_pad, q_block=ns.q_block, max_context=ns.max_context)
     serving.check()
-    dtype = DTYPES[ns.dtype]
+    dtype = from_name(ns.dtype)
     numerics = probe_numerics(ns.numerics, route=ns.route, command="hf")
     torch.set_num_threads(1)  # W ranks share the cores; one thread each also keeps kernels single-path
     name = ns.model or (ns.config or "llama-tiny")

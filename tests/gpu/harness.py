@@ -87,3 +87,39 @@ def run_collecting_failures(views: Sequence[Any], run: Any, *, default: Any) -> 
         except WorkspaceFailed as e:
             failed.append(str(e))
     return out, failed
+
+
+def capture_and_replay(calls: Callable[[], dict[str, torch.Tensor]], refill: Callable[[int], None],
+                       want: Callable[[str, int], np.ndarray], *, seeds: Sequence[int]
+                       ) -> tuple[list[str], dict[str, torch.Tensor]]:
+    """The CUDA-graph check of a set of collective calls, shared by the route tests: ``calls()`` run eagerly on the
+    inputs of seed 0 (their bits against ``want(name, 0)``; this also loads kernels and creates NCCL communicators,
+    which a capture cannot), then captured once in one graph (capture_error_mode="thread_local": the other ranks'
+    processes, and torch's own threads, keep running unrelated CUDA calls) and replayed after ``refill(seed)`` for
+    each of ``seeds``. Every replayed output must equal ``want(name, seed)`` and differ from the previous replay's
+    bits (the negative control: a graph that replays stale values, or reads another buffer than the captured one,
+    fails it). Returns the problems found and the captured outputs."""
+    from datagen import to_bits
+
+    problems: list[str] = []
+    for name, t in calls().items():
+        if not np.array_equal(to_bits(t), want(name, 0)):
+            problems.append(f"{name}: eager result differs from the oracle")
+    torch.cuda.synchronize()
+    refill(0)  # an in-place call overwrote its input eagerly
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        outs = calls()
+    before = {name: to_bits(t) for name, t in outs.items()}
+    for seed in seeds:
+        refill(seed)
+        graph.replay()
+        torch.cuda.synchronize()
+        for name, t in outs.items():
+            bits = to_bits(t)
+            if not np.array_equal(bits, want(name, seed)):
+                problems.append(f"{name}: replay with seed {seed} differs from the oracle")
+            if np.array_equal(bits, before[name]):
+                problems.append(f"negative control: {name} did not change after replay with new inputs")
+            before[name] = bits
+    return problems, outs

@@ -15,9 +15,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from harness import capture_and_replay
 
 import oracle
-from datagen import ill_bits, to_bits, to_torch
+from datagen import ill_bits, to_torch
 from detcomm._spawn import LocalCluster
 
 pytestmark = pytest.mark.gpu
@@ -68,29 +69,12 @@ def job_fold_capture(rank: int, w: int) -> list[str]:
             "cap.rs": detcomm.reduce_scatter(static["cap.rs"], "cap.rs"),
         }
 
-    # Eager first: the bits, and the warm-up capture needs (kernels loaded, NCCL communicator created).
-    for name, t in calls().items():
-        if not np.array_equal(to_bits(t), want(name, 0)):
-            problems.append(f"{name}: eager result differs from the oracle")
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    for name, (_, dt, rows, _) in sites.items():
-        static[name].copy_(to_torch(_payload(rows, width, dt, 0, rank), dt).to(dev))
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        outs = calls()
-    before = {name: to_bits(t) for name, t in outs.items()}
-    for seed in (1, 2, 3):
+    def refill(seed: int) -> None:
         for name, (_, dt, rows, _) in sites.items():
             static[name].copy_(to_torch(_payload(rows, width, dt, seed, rank), dt).to(dev))
-        graph.replay()
-        torch.cuda.synchronize()
-        for name, t in outs.items():
-            bits = to_bits(t)
-            if not np.array_equal(bits, want(name, seed)):
-                problems.append(f"{name}: replay with seed {seed} differs from the oracle")
-            if np.array_equal(bits, before[name]):
-                problems.append(f"negative control: {name} did not change after replay with new inputs")
-            before[name] = bits
+
+    found, outs = capture_and_replay(calls, refill, want, seeds=(1, 2, 3))
+    problems += found
     if outs["cap.ip"] is not static["cap.ip"]:
         problems.append("cap.ip: the in-place call did not return x")
     detcomm.shutdown()

@@ -15,6 +15,7 @@ import os
 import numpy as np
 import pytest
 import torch
+from harness import capture_and_replay
 
 import oracle
 from datagen import ill_bits, to_bits, to_torch
@@ -95,26 +96,11 @@ def job_capture(rank: int, w: int) -> list[str]:
     def calls() -> dict[str, torch.Tensor]:
         return {n: detcomm.all_reduce(static[n], n, op=sites[n][2]) for n in sites}
 
-    for name, t in calls().items():  # eager first: the bits, kernels loaded, NCCL communicator created
-        if not np.array_equal(to_bits(t), want(name, 0)):
-            problems.append(f"{name}: eager result differs from the oracle")
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        outs = calls()
-    before = {n: to_bits(t) for n, t in outs.items()}
-    for seed in (1, 2):
-        for name, (dt, rows, _) in sites.items():
-            static[name].copy_(to_torch(_payload(rows, width, dt, seed, rank), dt).to(dev))
-        graph.replay()
-        torch.cuda.synchronize()
-        for name, t in outs.items():
-            bits = to_bits(t)
-            if not np.array_equal(bits, want(name, seed)):
-                problems.append(f"{name}: replay with seed {seed} differs from the oracle")
-            if np.array_equal(bits, before[name]):
-                problems.append(f"negative control: {name} did not change after replay with new inputs")
-            before[name] = bits
+    def refill(seed: int) -> None:
+        for n, (dt, rows, _) in sites.items():
+            static[n].copy_(to_torch(_payload(rows, width, dt, seed, rank), dt).to(dev))
+
+    problems += capture_and_replay(calls, refill, want, seeds=(1, 2))[0]
     detcomm.shutdown()
     return problems
 
