@@ -45,7 +45,8 @@ def test_quick_json_parses_and_covers_the_routes(quick_run: tuple[Path, str]) ->
     pts = data["points"]
     assert pts and all(p["status"] == "ok" and p["harness"] == "gloo" and p["world"] == 4 for p in pts)
     measured = {(p["collective"], p["route"]) for p in pts}
-    assert measured == {("all_reduce", "native"), ("all_reduce", "gather_fold"), ("reduce_scatter", "native"),
+    assert measured == {("all_reduce", "native"), ("all_reduce", "gather_fold"), ("all_reduce", "rs_ag_fold"),
+                        ("reduce_scatter", "native"),
                         ("reduce_scatter", "a2a_fold"), ("all_gather", "native")}
     for p in pts:
         assert p["eager"]["n"] >= 50

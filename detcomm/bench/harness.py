@@ -6,7 +6,7 @@ GPU). Both measure one point the same way and return the same dict:
      "numerics": {"changed_frac", "max_ulps"} | None}
 
 Routes by label: native and native_ring_simple (detcomm site with route="native"; the Ring/Simple one runs in a
-cluster created with NCCL_ALGO=Ring NCCL_PROTO=Simple), gather_fold and a2a_fold (detcomm sites forced to those
+cluster created with NCCL_ALGO=Ring NCCL_PROTO=Simple), gather_fold, rs_ag_fold and a2a_fold (detcomm sites forced to those
 routes, numerics="auto"), ipc_lamport / ipc_one_shot / ipc_two_shot / workspace (the CUDA-IPC workspace's
 public API, which is the only way to force one kernel: detcomm's workspace route picks by size; a forced one-store
 launch is chunked to the workspace's one-store limit).
@@ -38,7 +38,7 @@ _WS_CALLS = {
     ("all_gather", "ipc_fold"): ("all_gather", {}),
 }
 _DETCOMM_ROUTE = {"native": "native", "native_ring_simple": "native", "gather_fold": "gather_fold",
-                  "a2a_fold": "a2a_fold"}
+                  "rs_ag_fold": "rs_ag_fold", "a2a_fold": "a2a_fold"}
 
 # Per-rank state of a LocalCluster worker between jobs (each worker is its own process).
 _STATE: dict[str, Any] = {}

@@ -38,6 +38,7 @@ __all__ = ["BenchConfig", "ROUTES", "FOLD_ROUTES", "run_bench"]
 # workspace kernels are one detcomm route each, measured apart.
 ROUTES: tuple[tuple[str, str], ...] = (
     ("all_reduce", "native"), ("all_reduce", "native_ring_simple"), ("all_reduce", "gather_fold"),
+    ("all_reduce", "rs_ag_fold"),
     ("all_reduce", "ipc_lamport"), ("all_reduce", "ipc_one_shot"), ("all_reduce", "ipc_two_shot"),
     ("all_reduce", "in_switch"),
     ("reduce_scatter", "native"), ("reduce_scatter", "native_ring_simple"), ("reduce_scatter", "a2a_fold"),
@@ -46,7 +47,7 @@ ROUTES: tuple[tuple[str, str], ...] = (
     ("all_gather", "multicast_gather"),
 )
 # Canonical-fold routes whose time the ratio summary divides by native's (all-gather has no fold).
-FOLD_ROUTES = ("gather_fold", "ipc_lamport", "ipc_one_shot", "ipc_two_shot", "a2a_fold", "ipc_fold")
+FOLD_ROUTES = ("gather_fold", "rs_ag_fold", "ipc_lamport", "ipc_one_shot", "ipc_two_shot", "a2a_fold", "ipc_fold")
 _WORKSPACE = ("ipc_lamport", "ipc_one_shot", "ipc_two_shot", "ipc_fold")
 _MULTICAST = ("in_switch", "multicast_gather")
 _RING_SIMPLE_ENV = {"NCCL_ALGO": "Ring", "NCCL_PROTO": "Simple"}
@@ -221,7 +222,7 @@ def _points(cfg: BenchConfig, h: _Harness, tag: str, fold_note: str = "") -> lis
                 continue
             if c != "all_reduce" and rows % h.world:
                 continue  # reduce-scatter / all-gather split the rows over the ranks
-            no_graph = fold_note if r in ("gather_fold", "a2a_fold") else ""
+            no_graph = fold_note if r in ("gather_fold", "rs_ag_fold", "a2a_fold") else ""
             specs.append({"collective": c, "route": r, "dtype": dtype, "hidden": hidden, "rows": rows,
                           "iters": cfg.iters, "warmup": cfg.warmup, "graph_calls": cfg.graph_calls,
                           "graph": cfg.graph and not no_graph, "graph_note": no_graph, "numerics": cfg.numerics,
