@@ -768,8 +768,9 @@ class _InFlight:
             if _current_device() != ws._device_index:
                 self.guard = torch.cuda.device(ws.device)
                 self.guard.__enter__()
-            # The raw handle of the current stream (what torch.cuda.current_stream().cuda_stream returns, without
-            # the Stream object; torch's generated code reads it the same way).
+            # The raw handle of the current stream: what torch.cuda.current_stream().cuda_stream returns, without
+            # building a Stream object on every call. It is the accessor torch's own compiled kernels launch with
+            # (inductor's generated code imports it as get_raw_stream), so it is as stable as torch.compile.
             stream = torch._C._cuda_getCurrentRawStream(ws._device_index)
             last = ws._last_stream
             # Event queries are not allowed during capture; a captured launch does not run now anyway.
