@@ -16,8 +16,8 @@ What is made batch-invariant, and how:
   falls into a vector loop's scalar tail in one batch and not in another.
 * What is left is the row-parallel all-reduce (``dist.all_reduce`` on the TP group), three fp32 terms per
   element at W = 3. Its bits on detcomm are the fold's (the numpy oracle, tests/oracle.py, of the partials each
-  rank recorded). gloo's ring all-reduce cuts a buffer into 2W segments by its byte size, so the rank order in
-  which an element is summed moves with the buffer's length, i.e. with the batch: the negative control.
+  rank recorded). gloo's ring all-reduce cuts a buffer into segments (at least 2W) by its byte size, so the rank
+  order in which an element is summed moves with the buffer's length, i.e. with the batch: the negative control.
 
 At TP = 2 an all-reduce sums two terms, which commute, so no backend's order shows (gloo gives identical logits
 too); the (2, 2) mesh test proves the stack runs on the backend and that each TP reduction is the oracle's.
@@ -75,14 +75,15 @@ def write_checkpoint(directory: str) -> str:
     cfg = transformers.LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=F, num_hidden_layers=LAYERS,
                                    num_attention_heads=HEADS, num_key_value_heads=HEADS, head_dim=HEAD_DIM,
                                    tie_word_embeddings=False, max_position_embeddings=64)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg)
-    with torch.no_grad():
-        for name, mod in model.named_modules():
-            if isinstance(mod, torch.nn.Linear):
-                make = _rowwise if name.endswith(("o_proj", "down_proj")) else _colwise
-                mod.weight.copy_(make(mod.out_features, mod.in_features, sum(map(ord, name)) % 11))
-        model.model.embed_tokens.weight.normal_()
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+        with torch.no_grad():
+            for name, mod in model.named_modules():
+                if isinstance(mod, torch.nn.Linear):
+                    make = _rowwise if name.endswith(("o_proj", "down_proj")) else _colwise
+                    mod.weight.copy_(make(mod.out_features, mod.in_features, sum(map(ord, name)) % 11))
+            model.model.embed_tokens.weight.normal_()
     model.save_pretrained(directory)
     return directory
 
