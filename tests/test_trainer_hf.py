@@ -222,4 +222,5 @@ def test_hf_tp_plan_fsdp_tp_2x2_mesh(tmp_path) -> None:  # type: ignore[no-untyp
     assert _differing(res) == [0, 0, 0, 0]
     for r in res:
         assert all(run["tokens"] == r["runs"][0]["tokens"] for run in r["runs"])
+        assert all(np.array_equal(run["logits"], res[0]["runs"][0]["logits"]) for run in r["runs"])
     assert _oracle_misses(res) == 0
