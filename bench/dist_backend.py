@@ -41,7 +41,7 @@ def _job(rank: int, w: int, kind: str, numel: int, repeats: int, ddp_numel: int,
     width = 1024
     torch.manual_seed(0)
     layers = max(1, ddp_numel // (width * width))
-    model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)])
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
     ddp = DDP(model, process_group=pg, bucket_cap_mb=bucket_mib)
     inp = torch.randn(4, width, generator=torch.Generator().manual_seed(10 + rank))
     steps = []
@@ -55,6 +55,10 @@ def _job(rank: int, w: int, kind: str, numel: int, repeats: int, ddp_numel: int,
             steps.append(time.perf_counter() - t0)
         model.zero_grad(set_to_none=True)
     out["DDP step s"] = statistics.median(steps)
+    if kind == "detcomm":
+        checks = pg.checks()
+        out["self-checks"] = len(checks)
+        out["self-check s"] = sum(c.seconds for c in checks)
     dist.destroy_process_group(pg)
     return out
 
@@ -81,6 +85,7 @@ def main() -> None:
     print(f"W={a.world_size}, all_reduce {a.mib:g} MiB fp32, DDP {a.ddp_mib:g} MiB of fp32 parameters in "
           f"{a.bucket_mib:g} MiB buckets; medians of {a.repeats} (ms)")
     print(format_table(["backend", "all_reduce", "first all_reduce", "DDP step", "first DDP step"], rows))
+    print(f"detcomm: {r['self-checks']:.0f} self-checks in {r['self-check s'] * 1e3:.0f} ms (in the first calls)")
 
 
 if __name__ == "__main__":

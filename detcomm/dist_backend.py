@@ -120,6 +120,7 @@ from .dtypes import name_of
 from .envelope import resolve_numerics
 from .errors import DetcommError
 from .numerics.fold import FLOAT_DTYPES, canonical_nan, canonicalize_nan, divide_exactly
+from .selfcheck import CheckResult
 from .verify import check_from_env
 
 __all__ = ["BACKEND_NAME", "ROW_WIDTH", "CaptureBeforeWarmup", "DetcommProcessGroup", "register", "plan", "row_layout"]
@@ -423,14 +424,22 @@ class DetcommProcessGroup(dist.ProcessGroup):
         """The route table of this group's communicator for ``device``'s tensors: one site per (collective, op,
         dtype, size) the group has reduced, its route, why, and its self-check (local). Raises ValueError before
         the group's first float reduction on that device (the communicator is made by it)."""
+        return self._made(device).routes()
+
+    def checks(self, device: torch.device | str = "cpu") -> list[CheckResult]:
+        """Every self-check this group's communicator for ``device`` has run, in order (local; ValueError as for
+        ``routes``)."""
+        return self._made(device).checks()
+
+    def _made(self, device: torch.device | str) -> Communicator:
         dev = torch.device(device)
         if dev.type == "cuda" and dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
         comm = self._comms.get(dev)
         if comm is None:
             raise ValueError(f"the detcomm process group has reduced no float tensor on {dev} yet, so it has no "
-                             "communicator there (its first float reduction makes it); call routes() after one")
-        return comm.routes()
+                             "communicator there (its first float reduction makes it); ask after one")
+        return comm
 
     def shutdown(self) -> None:
         """Called by ``destroy_process_group``: release the communicators (local on a group torch created; they

@@ -554,6 +554,7 @@ def job_guard_and_routes(rank: int, w: int) -> dict[str, object]:
     dist.reduce_scatter_tensor(shard, torch.ones(7 * w), op=dist.ReduceOp.AVG, group=fresh)
     table = fresh.routes()
     sites = {e.site.name: e.decision.route.value for e in table.entries if not e.site.name.startswith("<")}
+    checked = {c.label for c in fresh.checks() if c.passed}
     error = ""
     try:
         dist.all_reduce(torch.ones(101 if rank == 0 else 100), group=fresh)
@@ -561,7 +562,7 @@ def job_guard_and_routes(rank: int, w: int) -> dict[str, object]:
         error = f"{type(e).__name__}: {e}"
     dist.destroy_process_group(fresh)
     del pg
-    return {"sites": sites, "error": error, "printed": str(table)}
+    return {"sites": sites, "error": error, "printed": str(table), "checked": sorted(checked)}
 
 
 def test_call_guard_catches_a_mismatched_size_and_routes_list_the_sites(cluster3plus) -> None:
@@ -574,6 +575,9 @@ def test_call_guard_catches_a_mismatched_size_and_routes_list_the_sites(cluster3
         assert "rank 0: site 'torch.all_reduce.sum.float32.101' call #1" in err, err
         assert "rank 1: site 'torch.all_reduce.sum.float32.100' call #2" in err, err
         assert "torch.all_reduce.sum.float32.100" in str(r["printed"])
+        # Each site's (route, collective, op, dtype, row width) was self-checked (100 elements: one row of 128).
+        assert {"gather_fold: all_reduce sum float32[128]", "native: all_reduce max bfloat16[16]",
+                "a2a_fold: reduce_scatter avg float32[8]"} <= set(r["checked"]), r["checked"]
 
 
 def job_large_bucket(rank: int, w: int) -> dict[str, object]:
