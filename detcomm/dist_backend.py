@@ -290,7 +290,7 @@ class DetcommProcessGroup(dist.ProcessGroup):
         self._connected: set[torch.device] = set()
         # detcomm's communicator per device (made by the first reduction there) and the sites declared on them.
         self._comms: dict[torch.device, Communicator] = {}
-        self._sites: set[str] = set()
+        self._sites: set[tuple[torch.device, str]] = set()
 
     # -- identity ------------------------------------------------------------------------------------------
     def getBackendName(self) -> str:
@@ -361,7 +361,7 @@ class DetcommProcessGroup(dist.ProcessGroup):
         rows, width = row_layout(n)
         coll = "reduce_scatter" if scatter else "all_reduce"
         name = f"torch.{coll}.{op}.{name_of(flat.dtype)}.{n}"
-        if name not in self._sites:
+        if (flat.device, name) not in self._sites:
             if flat.is_cuda and torch.cuda.is_current_stream_capturing():
                 raise CaptureBeforeWarmup(
                     f"the detcomm process group's first {coll} {op} of {n} {name_of(flat.dtype)} elements on "
@@ -370,7 +370,7 @@ class DetcommProcessGroup(dist.ProcessGroup):
                     "warm-up) before capturing")
             comm.site(name, collective=coll, dtype=flat.dtype, shape=(width,), max_rows=rows * (w if scatter else 1),
                       op=op)
-            self._sites.add(name)
+            self._sites.add((flat.device, name))
         pad = rows * width - n
         if scatter:
             x = flat.view(w, n)
@@ -445,9 +445,10 @@ class DetcommProcessGroup(dist.ProcessGroup):
         """Called by ``destroy_process_group``: release the communicators (local on a group torch created; they
         hold this group) before torch drops it."""
         comms, self._comms = self._comms, {}
+        self._sites.clear()
         for comm in comms.values():
             comm.close()
-        self._sites.clear()
+        super().shutdown()
 
     def _reduce_into(self, t: torch.Tensor, op: Any) -> None:
         src = torch.view_as_real(t) if t.is_complex() else t
