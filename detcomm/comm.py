@@ -103,6 +103,7 @@ class Communicator:
         workspace_bytes: int = DEFAULT_WORKSPACE_BYTES,
         check: bool = False,
         timeout_s: float | None = None,
+        stage_through_host: bool | None = None,
     ) -> None:
         for name, value in (("default_max_rows", default_max_rows), ("workspace_max_rows", workspace_max_rows),
                             ("workspace_bytes", workspace_bytes)):
@@ -122,7 +123,11 @@ class Communicator:
         self.owns_group = owns_group
         required = frozenset({BATCH_INVARIANT}) if resolved.switches.batch_invariant_collectives else frozenset()
         self.leaf: Leaf = select_leaf(device_type=self.device.type, required=required)
-        self._native = NativeBackend(group, stage_through_host=self.device.type == "cuda" and "nccl" not in self.backend_name)
+        # Whether CUDA tensors go through host memory to the library: a gloo group's do; a group that carries CUDA
+        # tensors itself under another name (the "detcomm" torch.distributed backend over NCCL) says so.
+        if stage_through_host is None:
+            stage_through_host = self.device.type == "cuda" and "nccl" not in self.backend_name
+        self._native = NativeBackend(group, stage_through_host=stage_through_host)
         self._backends: dict[Route, RouteBackend] = {
             Route.NATIVE: self._native,
             Route.GATHER_FOLD: GatherFoldBackend(self._native, self.leaf),

@@ -11,20 +11,21 @@ device. It carries a group name (``group_name``), so DeviceMesh, DTensor, FSDP2 
 collectives (``torch.ops._c10d_functional``, which find a group by its name) run on it. What each collective
 does (docs/trainers.md has the user's view, docs/spec.md §1 the definitions):
 
-* ``all_reduce``, ``reduce`` and every coalesced form with ``SUM`` or ``AVG`` on bf16 / fp16 / fp32: the
-  canonical fold (docs/spec.md §1) through the registered batch-invariant leaf
-  (``detcomm.numerics.fold.select_leaf``): an all-gather of the W inputs (data movement), then ``acc = +0.0; for r in 0..W-1: acc += fp32(x_r)`` and one
-  round-to-nearest-even, canonical NaN. ``AVG`` divides the fp32 sum by W before that rounding. fp64 folds the
-  same rank order in fp64. The result no longer depends on where an element sits in a bucket or how large the
-  bucket is.
+* ``all_reduce``, ``reduce`` and every coalesced form with ``SUM``, ``AVG``, ``MAX`` or ``MIN`` on bf16 / fp16 /
+  fp32: detcomm's own ``all_reduce`` through a ``detcomm.comm.Communicator`` over this group (below), so the
+  route, the fold leaf, the call guard and the self-checks are the runtime's: SUM / AVG the canonical fold of
+  §1 (gather_fold, or rs_ag_fold for a large tensor at W >= 3, or the CUDA-IPC workspace on one node; every
+  canonical route gives the same bits), MAX / MIN the order-preserving keys of ``detcomm.numerics.keys`` (a NaN
+  among an element's inputs gives the canonical NaN, a zero result is +0.0, whatever the rank order). fp64,
+  which detcomm's sites do not carry: the same rank order folded in fp64 on a gather of the W inputs (AVG one
+  fp64 division by W), MAX / MIN with the same rules on that gather.
 * ``PREMUL_SUM(f)`` (FSDP2's divide factor, ``_make_nccl_premul_sum``) on bf16 / fp16 / fp32: each rank's
-  input times the fp32 factor, one rounding to fp32, then the canonical fold of those fp32 values to the input
-  dtype (docs/spec.md §1.1). fp64: the product and the fold in fp64.
-* ``MAX`` / ``MIN`` on bf16 / fp16 / fp32: an integer MAX / MIN of the order-preserving keys of
-  ``detcomm.numerics.keys`` (the policy of ``detcomm.all_reduce``): a NaN among an element's inputs gives the
-  canonical NaN, a zero result is +0.0, whatever the rank order. fp64: the same rules on a gather of the W inputs.
-* ``reduce_scatter_tensor`` / ``reduce_scatter`` (and their coalesced forms) with the ops above: an all-to-all
-  of the row blocks, then the same fold or key reduction of each block (no extra traffic).
+  input times the fp32 factor, one rounding to fp32, then the canonical fold of those fp32 values (the
+  communicator's fp32 SUM site of that size) and one rounding to the input dtype (docs/spec.md §1.1). fp64:
+  the product and the fold in fp64.
+* ``reduce_scatter_tensor`` / ``reduce_scatter`` (and their coalesced forms) with the ops above: the
+  communicator's ``reduce_scatter`` (a2a_fold: an all-to-all of the row blocks and the fold of each, no extra
+  traffic; MAX / MIN on keys), fp64 as above on an all-to-all.
 * Each tensor of a coalesced call is reduced on its own (as if called alone), whatever the list holds.
 * ``all_gather_into_tensor`` (and coalesced), ``all_gather``, ``broadcast``, ``all_to_all``, ``scatter``,
   ``gather``, ``send``/``recv``, ``barrier``: delegated to gloo / NCCL (data movement: exact).
@@ -40,24 +41,49 @@ does (docs/trainers.md has the user's view, docs/spec.md §1 the definitions):
 
 Work objects: a delegated data-movement call returns gloo's / NCCL's own ``Work``. A reduction (folded, keyed,
 or an integer one, which runs one tensor at a time) on CPU tensors runs inside the call and returns a finished
-``Work``. On CUDA tensors the gather (NCCL, on the current
-stream) and the fold are queued on the stream current at the call, with no host synchronization, and the
-returned ``Work`` behaves as NCCL's: ``wait()`` orders the caller's then-current stream after the fold and
+``Work``. On CUDA tensors the route's collectives (NCCL, on the current stream) and the fold are queued on the
+stream current at the call, and the returned ``Work`` behaves as NCCL's: ``wait()`` orders the caller's then-current stream after the fold and
 returns at once (the host never blocks), ``is_completed()`` asks the GPU, ``get_future()`` is a CUDA-aware
 future (DDP's comm hooks use it). ``async_op=True`` therefore returns before the GPU has run the fold, as NCCL's
 does; on CPU there is no overlap.
 
-CUDA graphs: folded CUDA calls can be captured and replayed (the gather and fold are stream work only; the
-fold's temporaries come from the graph's pool); delegated calls capture as NCCL's own do. As with torch's own
-NCCL backend, the group's NCCL communicator for a device is made by the first collective on that device, which
-must run outside a capture: one eager call per device before capturing (the usual warm-up). A capture that would
-be the first call on its device raises ``CaptureBeforeWarmup`` at once with that fix. Free captured graphs (and
-synchronize) before ``destroy_process_group``: with a graph holding NCCL work still alive, torch 2.11's own NCCL
-backend hung in ``destroy_process_group`` on two H200s.
+How the reductions reach the runtime. The group makes one ``Communicator`` per device (CPU; each CUDA device)
+at its first float reduction there, over the group itself, with the rl-bitwise envelope whatever
+``DETCOMM_NUMERICS`` says (the backend promises the fold's bits; a trainer's gradients agree with a detcomm
+server only if both fold) and ``DETCOMM_CHECK`` as ``detcomm.init`` reads it. Making it is collective, like the
+reduction that triggers it: every rank makes its first reduction in the same order, as torch requires of every
+call. Its own traffic (the agreement at init, topology, self-checks, the call guard's header, the routes'
+all-gathers and all-to-alls) is data movement, integer MAX (the self-checks' verdict) and object all-gathers,
+which this group delegates to gloo / NCCL; none is a float reduction, so nothing recurses into the fold. A
+CUDA tensor's communicator passes CUDA tensors to the group as they are (NCCL carries them), not staged
+through host memory.
 
-The fold moves W x the data of a ring all-reduce (the cost of the gather_fold route, docs/performance.md). The
-group does not yet go through detcomm's ``Communicator`` (its call guard, self-checks and the single-node
-workspace): it folds with the same leaf and keys, on its own gather.
+A tensor becomes rows of one site per (collective, op, dtype, number of elements n), named
+``torch.<collective>.<op>.<dtype>.<n>`` (``row_layout``): up to ``ROW_WIDTH`` elements one row padded with zeros
+to the next power of two, more as rows of ``ROW_WIDTH`` elements, the last zero-padded (a reduce-scatter pads
+each rank's block the same way). The fold is element-wise and the padding is dropped, so the layout moves no
+bit. A site's self-check runs once per (route, collective, op, dtype, row width): every large tensor shares the
+``ROW_WIDTH`` checks and a small one at most one of 13 widths per (op, dtype), so a trainer's many bucket and
+parameter sizes cost a few small self-checks, not one per size (measured in docs/performance.md). The
+router's static rule then gives each site its route from its bytes (rs_ag_fold above the break-even at W >= 3,
+docs/spec.md §3): a large DDP bucket takes rs_ag_fold, 2(W-1)/W of the message received per rank instead of
+gather_fold's W-1. ``DetcommProcessGroup.routes()`` prints the sites, their routes and self-checks.
+
+Rejected: a site per tensor shape (a trainer's parameters have many shapes: one self-check each, and a
+reshape of the same bucket would change nothing but the cost); one fixed row width for every tensor (a
+scalar loss would travel padded to thousands of elements); ``PREMUL_SUM`` as a virtual-shard site with V = W
+(the same bits, but its all-reduce candidates start with gather_fold of W fp32 slabs, and its sites and checks
+would be separate from the fp32 SUM ones the premultiplied values already fit); building the communicator
+when torch constructs the group (the group is not registered yet, so no collective can run on it).
+
+CUDA graphs: a captured call must find its device's communicator and its site already made, since both are
+made by collectives that synchronize with the host: the first reduction on a device, and the first of each
+(collective, op, dtype, size), must run eagerly (the usual warm-up); inside a capture they raise
+``CaptureBeforeWarmup`` at once with that fix. Delegated calls capture as NCCL's own do, and, as with torch's
+own NCCL backend, the group's NCCL communicator for a device is made by the first collective on that device.
+Free captured graphs (and synchronize) before ``destroy_process_group``: with a graph holding NCCL work still
+alive, torch 2.11's own NCCL backend hung in ``destroy_process_group`` on two H200s. ``destroy_process_group``
+releases the group's communicators (``shutdown``).
 
 Why not ``"cpu:gloo,cuda:detcomm"``: torch replaces the whole group by a Python process group as soon as one
 device's backend is one, so the gloo half of that string would be dropped; ``"detcomm"`` serves both devices.
@@ -77,6 +103,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch._C._distributed_c10d import (
     AllgatherOptions,
     AllreduceOptions,
@@ -88,24 +115,35 @@ from torch._C._distributed_c10d import (
 )
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
+from .comm import Communicator, RouteTable
+from .dtypes import name_of
+from .envelope import resolve_numerics
 from .errors import DetcommError
-from .numerics import keys
-from .numerics.fold import (
-    BATCH_INVARIANT,
-    FLOAT_DTYPES,
-    average,
-    canonical_nan,
-    canonicalize_nan,
-    divide_exactly,
-    select_leaf,
-)
+from .numerics.fold import FLOAT_DTYPES, canonical_nan, canonicalize_nan, divide_exactly
+from .selfcheck import CheckResult
+from .verify import check_from_env
 
-__all__ = ["BACKEND_NAME", "CaptureBeforeWarmup", "DetcommProcessGroup", "register", "plan"]
+__all__ = ["BACKEND_NAME", "ROW_WIDTH", "CaptureBeforeWarmup", "DetcommProcessGroup", "register", "plan", "row_layout"]
 
 BACKEND_NAME = "detcomm"
 _log = logging.getLogger("detcomm.dist_backend")
 _R = dist.ReduceOp
 _FP64_NAN = float("nan")  # torch writes float('nan') as the quiet NaN with an empty payload, positive
+
+
+# The backend's promise: the canonical fold's bits whatever DETCOMM_NUMERICS says (a trainer's gradients and a
+# detcomm server's reductions agree only if both fold), so its communicators run the rl-bitwise envelope.
+_ENVELOPE = resolve_numerics("rl-bitwise")
+# The widest row of a site: a tensor of more elements travels as rows of this many (module docstring).
+ROW_WIDTH = 4096
+
+
+def row_layout(numel: int) -> tuple[int, int]:
+    """(rows, width) of the site a tensor of ``numel`` elements travels on: up to ``ROW_WIDTH`` elements one row
+    padded to the next power of two, more as rows of ``ROW_WIDTH`` (the last zero-padded). Local."""
+    if numel <= ROW_WIDTH:
+        return 1, 1 << max(numel - 1, 0).bit_length()
+    return -(-numel // ROW_WIDTH), ROW_WIDTH
 
 
 class CaptureBeforeWarmup(DetcommError):
@@ -250,6 +288,9 @@ class DetcommProcessGroup(dist.ProcessGroup):
             self._nccl = ProcessGroupNCCL(PrefixStore("nccl/", store), rank, size, opts)
         # CUDA devices this group has run a collective on outside a capture: NCCL made their communicator then.
         self._connected: set[torch.device] = set()
+        # detcomm's communicator per device (made by the first reduction there) and the sites declared on them.
+        self._comms: dict[torch.device, Communicator] = {}
+        self._sites: set[tuple[torch.device, str]] = set()
 
     # -- identity ------------------------------------------------------------------------------------------
     def getBackendName(self) -> str:
@@ -294,7 +335,69 @@ class DetcommProcessGroup(dist.ProcessGroup):
             self._connected.add(t.device)
         return self._nccl
 
-    # -- the reductions ------------------------------------------------------------------------------------
+    # -- the reductions: detcomm's communicator over this group ------------------------------------------------
+    def _communicator(self, device: torch.device) -> Communicator:
+        """This group's communicator for ``device``'s tensors, made by the first reduction on that device
+        (collective, like that reduction: every rank makes its first reduction in the same order). Its own
+        traffic is data movement and integer reductions, which this group delegates (module docstring)."""
+        comm = self._comms.get(device)
+        if comm is not None:
+            return comm
+        if device.type == "cuda":
+            self._backend(torch.empty(0, device=device))  # refuses a capture before NCCL is connected
+        comm = Communicator(group=self, resolved=_ENVELOPE, device=device, check=check_from_env(None),
+                            stage_through_host=False)
+        self._comms[device] = comm
+        return comm
+
+    def _folded(self, flat: torch.Tensor, op: str, *, scatter: bool) -> torch.Tensor:
+        """``op`` ("sum", "avg", "max", "min") of every rank's 1-D ``flat`` through the communicator's site for
+        this (collective, op, dtype, size); ``scatter``: this rank's block of it. Returns a 1-D tensor."""
+        w = self._size
+        n = flat.numel() // w if scatter else flat.numel()
+        if n == 0:
+            return flat[:0]
+        comm = self._communicator(flat.device)
+        rows, width = row_layout(n)
+        coll = "reduce_scatter" if scatter else "all_reduce"
+        name = f"torch.{coll}.{op}.{name_of(flat.dtype)}.{n}"
+        if (flat.device, name) not in self._sites:
+            if flat.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise CaptureBeforeWarmup(
+                    f"the detcomm process group's first {coll} {op} of {n} {name_of(flat.dtype)} elements on "
+                    f"{flat.device} is being captured in a CUDA graph; its site is declared (and self-checked) at "
+                    "its first call, which a capture forbids. Run one call of this size eagerly (the usual "
+                    "warm-up) before capturing")
+            comm.site(name, collective=coll, dtype=flat.dtype, shape=(width,), max_rows=rows * (w if scatter else 1),
+                      op=op)
+            self._sites.add((flat.device, name))
+        pad = rows * width - n
+        if scatter:
+            x = flat.view(w, n)
+            x = (F.pad(x, (0, pad)) if pad else x).reshape(w * rows, width)
+            out = comm.reduce_scatter(x, name, op=op)
+        else:
+            x = (F.pad(flat, (0, pad)) if pad else flat).view(rows, width)
+            out = comm.all_reduce(x, name, op=op)
+        assert isinstance(out, torch.Tensor)
+        return out.view(-1)[:n]
+
+    def _reduce_flat(self, flat: torch.Tensor, op: Any, *, scatter: bool) -> torch.Tensor:
+        """The reduction of every rank's ``flat`` (``scatter``: only this rank's block of it), in flat's dtype."""
+        how, kind = plan(op, flat.dtype), _kind(op)
+        flat = flat.detach()
+        if flat.dtype == torch.float64:
+            return self._reduce_fp64(flat, op, scatter=scatter)
+        if how == "keys":
+            return self._folded(flat, "max" if kind == _R.MAX else "min", scatter=scatter)
+        assert how == "fold", how
+        if kind != _R.PREMUL_SUM:
+            return self._folded(flat, "avg" if kind == _R.AVG else "sum", scatter=scatter)
+        # docs/spec.md §1.1: the fp32 products, their canonical fold in fp32, one rounding to the input dtype.
+        out = self._folded(_premultiplied(flat, op), "sum", scatter=scatter)
+        return out if flat.dtype == torch.float32 else canonicalize_nan(out.to(flat.dtype))
+
+    # fp64, which detcomm's sites do not carry: the fold and the extremum in fp64 on a gather of the W inputs.
     def _gather_rows(self, flat: torch.Tensor) -> torch.Tensor:
         out = torch.empty(self._size * flat.numel(), dtype=flat.dtype, device=flat.device)
         _settle(self._backend(flat)._allgather_base(out, flat, _stream_ordered(AllgatherOptions())))
@@ -306,34 +409,46 @@ class DetcommProcessGroup(dist.ProcessGroup):
         _settle(self._backend(flat).alltoall_base(recv, flat, [], [], _stream_ordered(AllToAllOptions())))
         return recv.view(self._size, -1)
 
-    def _reduce_flat(self, flat: torch.Tensor, op: Any, *, scatter: bool) -> torch.Tensor:
-        """The reduction of every rank's ``flat`` (``scatter``: only this rank's block of it), in flat's dtype."""
+    def _reduce_fp64(self, flat: torch.Tensor, op: Any, *, scatter: bool) -> torch.Tensor:
         how, kind = plan(op, flat.dtype), _kind(op)
         move = self._exchange_blocks if scatter else self._gather_rows
         if how == "keys":
-            name = "max" if kind == _R.MAX else "min"
-            if flat.dtype == torch.float64:
-                return _fp64_extremum(move(flat), name)
-            # Each element's W keys come together on this rank and reduce here: an integer MAX / MIN is exact
-            # in any order, and the keys carry the NaN and signed-zero rules.
-            k = move(keys.to_key(flat, op=name))
-            return keys.from_key(k.amax(dim=0) if name == "max" else k.amin(dim=0), flat.dtype, op=name)
-        assert how == "fold", how
-        src = _premultiplied(flat, op) if kind == _R.PREMUL_SUM else flat
-        stacked = move(src)
-        if flat.dtype == torch.float64:
-            acc = torch.zeros(stacked.shape[1:], dtype=torch.float64, device=stacked.device)
-            for r in range(self._size):
-                acc.add_(stacked[r])
-            return divide_exactly(acc, self._size) if kind == _R.AVG else acc
-        leaf = select_leaf(device_type=flat.device.type, required=frozenset({BATCH_INVARIANT}))
-        if kind == _R.AVG:
-            return average(leaf.fold(stacked, torch.float32), self._size, flat.dtype)
-        if kind == _R.PREMUL_SUM and flat.dtype != torch.float32:
-            # fp32 operands folded to fp32, then the one rounding to the input dtype (a leaf folds into its input
-            # dtype or fp32).
-            return canonicalize_nan(leaf.fold(stacked, torch.float32).to(flat.dtype))
-        return leaf.fold(stacked, flat.dtype)
+            return _fp64_extremum(move(flat), "max" if kind == _R.MAX else "min")
+        stacked = move(_premultiplied(flat, op) if kind == _R.PREMUL_SUM else flat)
+        acc = torch.zeros(stacked.shape[1:], dtype=torch.float64, device=stacked.device)
+        for r in range(self._size):
+            acc.add_(stacked[r])
+        return divide_exactly(acc, self._size) if kind == _R.AVG else acc
+
+    def routes(self, device: torch.device | str = "cpu") -> RouteTable:
+        """The route table of this group's communicator for ``device``'s tensors: one site per (collective, op,
+        dtype, size) the group has reduced, its route, why, and its self-check (local). Raises ValueError before
+        the group's first float reduction on that device (the communicator is made by it)."""
+        return self._made(device).routes()
+
+    def checks(self, device: torch.device | str = "cpu") -> list[CheckResult]:
+        """Every self-check this group's communicator for ``device`` has run, in order (local; ValueError as for
+        ``routes``)."""
+        return self._made(device).checks()
+
+    def _made(self, device: torch.device | str) -> Communicator:
+        dev = torch.device(device)
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        comm = self._comms.get(dev)
+        if comm is None:
+            raise ValueError(f"the detcomm process group has reduced no float tensor on {dev} yet, so it has no "
+                             "communicator there (its first float reduction makes it); ask after one")
+        return comm
+
+    def shutdown(self) -> None:
+        """Called by ``destroy_process_group``: release the communicators (local on a group torch created; they
+        hold this group) before torch drops it."""
+        comms, self._comms = self._comms, {}
+        self._sites.clear()
+        for comm in comms.values():
+            comm.close()
+        super().shutdown()
 
     def _reduce_into(self, t: torch.Tensor, op: Any) -> None:
         src = torch.view_as_real(t) if t.is_complex() else t
@@ -377,7 +492,13 @@ class DetcommProcessGroup(dist.ProcessGroup):
             raise ValueError(f"reduce_scatter: the input holds {flat_in.numel()} elements, expected "
                              f"{self._size} x {n} (world size x output)")
         if plan(opts.reduceOp, flat_in.dtype) == "delegate":
-            return self._backend(output)._reduce_scatter_base(output, flat_in, opts)
+            # The library compares the leading dimensions: hand it the output flat, as the input is.
+            if output.is_contiguous():
+                return self._backend(output)._reduce_scatter_base(output.view(-1), flat_in, opts)
+            flat_out = torch.empty(n, dtype=output.dtype, device=output.device)
+            _settle(self._backend(output)._reduce_scatter_base(flat_out, flat_in, _stream_ordered(opts)))
+            output.copy_(flat_out.view_as(output))
+            return _FoldWork([output])
         src = torch.view_as_real(flat_in).view(-1) if flat_in.is_complex() else flat_in
         dst = torch.view_as_real(output) if output.is_complex() else output
         dst.copy_(self._reduce_flat(src, opts.reduceOp, scatter=True).view_as(dst))

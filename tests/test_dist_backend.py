@@ -488,3 +488,146 @@ def test_subclass_inputs_and_functional_collectives() -> None:
 
     for r in get_cluster(3).run(job_subclass_and_functional):
         assert all(r.values()), r
+
+
+# -- the group's reductions go through detcomm's communicator: routes, self-checks, call guard (W = 3, 4) -------
+
+def job_mutant_fold(rank: int, w: int) -> dict[str, object]:
+    """A mutant of the gather_fold route (the W inputs folded in reverse rank order) on the group's communicator:
+    patched after a size's site was self-checked, it changes the backend's result (to the reversed fold's bits);
+    patched before a fresh group's first reduction, the startup self-check refuses the route on every rank."""
+    import torch.distributed as dist
+
+    import detcomm.dist_backend  # noqa: F401 - registers the backend
+    from detcomm.backends.gather_fold import GatherFoldBackend
+    from detcomm.errors import RouteRefused
+
+    inputs = [ill_bits(1, 300, "float32", seed=61, rank=q).reshape(-1) for q in range(w)]
+    want, reversed_fold = oracle.fold_oracle(inputs, "float32"), oracle.fold_oracle(inputs[::-1], "float32")
+    original = GatherFoldBackend._fold
+
+    def mutant(self, stacked, dtype, op):  # type: ignore[no-untyped-def]
+        return original(self, stacked.flip(0), dtype, op)
+
+    pg = dist.new_group(backend="detcomm")
+    x = to_torch(inputs[rank], "float32")
+    dist.all_reduce(x, group=pg)  # declares and self-checks the site of 300 fp32 elements
+    out: dict[str, object] = {"before": bool(np.array_equal(to_bits(x), want)),
+                              "discriminates": not np.array_equal(reversed_fold, want)}
+    GatherFoldBackend._fold = mutant  # type: ignore[method-assign]
+    try:
+        x = to_torch(inputs[rank], "float32")
+        dist.all_reduce(x, group=pg)
+        out["mutant reaches the backend"] = bool(np.array_equal(to_bits(x), reversed_fold))
+        fresh = dist.new_group(backend="detcomm")
+        try:
+            dist.all_reduce(to_torch(inputs[rank], "float32"), group=fresh)
+            out["refused"] = "not refused"
+        except RouteRefused as e:
+            out["refused"] = str(e)
+        dist.destroy_process_group(fresh)
+    finally:
+        GatherFoldBackend._fold = original  # type: ignore[method-assign]
+    dist.destroy_process_group(pg)
+    return out
+
+
+def test_mutant_route_reaches_backend_and_self_check_refuses_it(cluster3plus) -> None:
+    for r in cluster3plus.run(job_mutant_fold):
+        assert r["before"] and r["discriminates"] and r["mutant reaches the backend"], r
+        assert "gather_fold" in str(r["refused"]) and "(c) differs from the reference" in str(r["refused"]), r
+
+
+def job_guard_and_routes(rank: int, w: int) -> dict[str, object]:
+    """Rank 0 calls all_reduce with 101 elements where the others pass 100: every rank raises the call guard's
+    DetcommError naming the sites, the call and the ranks, before any data is reduced. Then the route table of
+    the group's communicator lists the sites the calls declared."""
+    import torch.distributed as dist
+
+    from detcomm.errors import DetcommError
+
+    pg = _group("detcomm")
+    fresh = dist.new_group(backend="detcomm")
+    dist.all_reduce(torch.ones(100), group=fresh)
+    dist.all_reduce(torch.ones(3, 5, dtype=torch.bfloat16), op=dist.ReduceOp.MAX, group=fresh)
+    shard = torch.empty(7)
+    dist.reduce_scatter_tensor(shard, torch.ones(7 * w), op=dist.ReduceOp.AVG, group=fresh)
+    table = fresh.routes()
+    sites = {e.site.name: e.decision.route.value for e in table.entries if not e.site.name.startswith("<")}
+    checked = {c.label for c in fresh.checks() if c.passed}
+    error = ""
+    try:
+        dist.all_reduce(torch.ones(101 if rank == 0 else 100), group=fresh)
+    except DetcommError as e:
+        error = f"{type(e).__name__}: {e}"
+    dist.destroy_process_group(fresh)
+    del pg
+    return {"sites": sites, "error": error, "printed": str(table), "checked": sorted(checked)}
+
+
+def test_call_guard_catches_a_mismatched_size_and_routes_list_the_sites(cluster3plus) -> None:
+    for r in cluster3plus.run(job_guard_and_routes):
+        assert r["sites"] == {"torch.all_reduce.sum.float32.100": "gather_fold",
+                              "torch.all_reduce.max.bfloat16.15": "native",
+                              "torch.reduce_scatter.avg.float32.7": "a2a_fold"}, r
+        err = str(r["error"])
+        assert err.startswith("CollectiveMismatch"), err
+        assert "rank 0: site 'torch.all_reduce.sum.float32.101' call #1" in err, err
+        assert "rank 1: site 'torch.all_reduce.sum.float32.100' call #2" in err, err
+        assert "torch.all_reduce.sum.float32.100" in str(r["printed"])
+        # Each site's (route, collective, op, dtype, row width) was self-checked (100 elements: one row of 128).
+        assert {"gather_fold: all_reduce sum float32[128]", "native: all_reduce max bfloat16[16]",
+                "a2a_fold: reduce_scatter avg float32[8]"} <= set(r["checked"]), r["checked"]
+
+
+def job_large_bucket(rank: int, w: int) -> dict[str, object]:
+    """DDP on one 1024 x 1024 fp32 layer (a bucket of 4 MiB, above rs_ag_fold's break-even at W = 4) and the
+    same scaled gradients all-reduced in 64 chunks of 16 Ki elements (below it, gather_fold): the bucket's site
+    takes rs_ag_fold, the chunks' gather_fold, and both give the numpy fold oracle's bits of every rank's local
+    gradient divided by W."""
+    import copy
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import detcomm.dist_backend  # noqa: F401 - registers the backend
+
+    torch.set_num_threads(1)
+    pg = dist.new_group(backend="detcomm")
+    torch.manual_seed(0)
+    base = torch.nn.Linear(1024, 1024)
+
+    def local(m: torch.nn.Module, q: int) -> None:
+        gen = torch.Generator().manual_seed(70 + q)
+        (m(torch.randn(4, 1024, generator=gen)) * torch.randn(4, 1024, generator=gen)).sum().backward()
+
+    scaled = []
+    for q in range(w):
+        m = copy.deepcopy(base)
+        local(m, q)
+        scaled.append([p.grad / w for p in m.parameters()])
+    want = [oracle.fold_oracle([to_bits(sc[i]) for sc in scaled], "float32") for i in range(2)]
+    m = copy.deepcopy(base)
+    local(DDP(m, process_group=pg), rank)
+    ddp_routes = {e.site.name: e.decision.route.value for e in pg.routes().entries if not e.site.name.startswith("<")}
+    ddp = [to_bits(p.grad) for p in m.parameters()]
+    flat = torch.cat([g.reshape(-1) for g in scaled[rank]])
+    chunks = list(flat.split(16384))
+    for c in chunks:
+        dist.all_reduce(c, group=pg)
+    small = [to_bits(g) for g in torch.split(flat, [1024 * 1024, 1024])]
+    all_routes = {e.site.name: e.decision.route.value for e in pg.routes().entries}
+    dist.destroy_process_group(pg)
+    return {"ddp_routes": ddp_routes, "chunk_route": all_routes["torch.all_reduce.sum.float32.16384"],
+            "ddp": all(np.array_equal(g.reshape(-1), e.reshape(-1)) for g, e in zip(ddp, want)),
+            "small": all(np.array_equal(g.reshape(-1), e.reshape(-1)) for g, e in zip(small, want)),
+            "same": all(np.array_equal(a.reshape(-1), b) for a, b in zip(ddp, small))}
+
+
+@pytest.mark.slow
+def test_large_ddp_bucket_takes_rs_ag_fold(cluster4) -> None:
+    for r in cluster4.run(job_large_bucket):
+        big = {n: route for n, route in r["ddp_routes"].items() if int(n.rsplit(".", 1)[1]) >= 1024 * 1024}
+        assert big and set(big.values()) == {"rs_ag_fold"}, r["ddp_routes"]
+        assert r["chunk_route"] == "gather_fold"
+        assert r["ddp"] and r["small"] and r["same"], r
