@@ -45,8 +45,8 @@ def job(rank: int, world_size: int, mib: int, calls: int, dtype_name: str) -> di
             received["n"] += out.numel() * out.element_size() * (world_size - 1) // world_size
             return out
 
-        native.all_to_all = lambda x, i, o: count(a2a(x, i, o))  # type: ignore[method-assign,assignment]
-        native.all_gather = lambda x: count(gather(x))  # type: ignore[method-assign]
+        native.all_to_all = lambda x, i, o, **kw: count(a2a(x, i, o, **kw))  # type: ignore[method-assign]
+        native.all_gather = lambda x, **kw: count(gather(x, **kw))  # type: ignore[method-assign]
         for r in ROUTES:
             comm.site(f"bench.{r}", collective="all_reduce", dtype=dtype, shape=(WIDTH,), max_rows=rows, route=r)
         x = torch.randn(rows, WIDTH, generator=torch.Generator().manual_seed(rank)).to(dtype)
