@@ -288,6 +288,22 @@ def test_failure_report_names_a_rank_that_left_through_os_exit(tmp_path: Path) -
     assert "killed by SIGKILL" in failure_report(tmp_path, 1)[-1]
 
 
+
+def test_failure_report_knows_the_world_size_when_no_rank_wrote_an_end_record(tmp_path: Path) -> None:
+    # Rank 1 died of SIGABRT and the survivors were stopped by SIGTERM: no end record, only the start records.
+    for r in range(3):
+        (tmp_path / f"rank{r}.start").write_text(json.dumps({"rank": r, "world_size": 3}))
+        (tmp_path / f"rank{r}.fault").write_text("")
+    (tmp_path / "rank1.fault").write_text("Fatal Python error: Aborted\n")
+    for r in (0, 2):
+        (tmp_path / f"rank{r}.term").write_text("Current thread 0x1 (most recent call first):\n")
+    (tmp_path / "failures.json").write_text(json.dumps({"1": -6}))
+    assert "rank 1 of 3 failed first: it died of signal SIGABRT" in failure_report(tmp_path, 134)[1]
+    for r in range(3):  # negative control: without the start records the world size is unknown
+        (tmp_path / f"rank{r}.start").unlink()
+    assert "rank 1 failed first" in failure_report(tmp_path, 134)[1]
+
+
 def test_command_lines() -> None:
     t = Target("detcomm.probe", ("model", "--json", "x"), module=True)
     cmd = torchrun_command(3, t, python="py")

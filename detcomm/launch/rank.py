@@ -98,6 +98,10 @@ class _RankErrors(ErrorHandler):
             super().initialize()  # faulthandler on stderr
             return
         # Kept open for the life of the process: faulthandler writes to their descriptors from a signal handler.
+        # The world size for the report, whatever this rank leaves later (a rank stopped by a signal writes no end
+        # record).
+        with open(os.path.join(self.folder, f"rank{self.rank}.start"), "w") as f:
+            json.dump({"rank": self.rank, "world_size": self.world_size}, f)
         fault, term = (open(os.path.join(self.folder, f"rank{self.rank}.{kind}"), "w") for kind in ("fault", "term"))
         self._files += [fault, term]
         faulthandler.enable(file=fault, all_threads=True)

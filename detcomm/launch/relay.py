@@ -19,6 +19,7 @@ outright takes the child, and with it every rank, down.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -127,7 +128,10 @@ def failure_report(folder: Path, status: int, *, exits: Mapping[int, int] | None
     ends = _ends(folder, seen, agent_saw=codes.is_file())
     if not ends:
         return [f"detcomm-launch: the job failed (status {status}) and no rank recorded an error; see the output above"]
-    world = {json.loads(p.read_text())["world_size"] for p in folder.glob("rank*.json")}
+    world = set()
+    for p in (*folder.glob("rank*.json"), *folder.glob("rank*.start")):
+        with contextlib.suppress(ValueError, KeyError):  # a start record cut short by the rank's death
+            world.add(json.loads(p.read_text())["world_size"])
     of = f" of {world.pop()}" if len(world) == 1 else ""
     first, later = ends[0], ends[1:]
     lines = []
