@@ -279,3 +279,84 @@ def job_matched(rank: int, w: int, mode: str) -> list[str]:
 @pytest.mark.parametrize("mode", MODES)
 def test_matched_calls_keep_the_oracles_bits(cluster34, mode: str) -> None:  # noqa: ANN001
     assert cluster34.run(job_matched, mode, timeout_s=600) == [[]] * cluster34.world_size
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The in-message guard's CUDA path: one process, an NCCL group of one rank (no peer to disagree with, so the
+# comparison and the bits are checked; the mismatch path by a header tampered with after the collective).
+
+@pytest.mark.gpu
+def test_in_message_guard_on_cuda_with_nccl(tmp_path) -> None:  # noqa: ANN001
+    import torch.distributed as dist
+
+    from detcomm.backends.guard import HEADER_BYTES, MessageGuard
+    from detcomm.backends.native import NativeBackend
+    from detcomm.errors import CollectiveMismatch
+    from detcomm.route import Collective, ReduceOp, Site
+
+    if dist.is_initialized():
+        pytest.skip("needs a process group of its own")
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        dev = torch.device("cuda", 0)
+        plain, guarded = NativeBackend(dist.group.WORLD), NativeBackend(dist.group.WORLD, in_message=True)
+
+        def run(coll: Collective, op: ReduceOp, dtype: torch.dtype, x: torch.Tensor, **kw: object):  # type: ignore[no-untyped-def]
+            site = Site(f"g.{coll.value}.{op.value}.{dtype}", coll, dtype, tuple(x.shape[1:]), 64, op)
+            g = MessageGuard(site, native=guarded)
+            g.arm(1, x.shape[0], kw.get("rows_per_rank"))  # type: ignore[arg-type]
+            fn = {Collective.ALL_REDUCE: "all_reduce", Collective.REDUCE_SCATTER: "reduce_scatter"}.get(coll)
+            if fn is not None:
+                return getattr(plain, fn)(x, op), getattr(guarded, fn)(x, op, guard=g)
+            if coll is Collective.ARGMAX:
+                return plain.argmax(x, 0), guarded.argmax(x, 0, guard=g)
+            if coll is Collective.ALL_GATHER:
+                return plain.all_gather(x), guarded.all_gather(x, guard=g)
+            return plain.all_to_all(x, [x.shape[0]], [x.shape[0]]), guarded.all_to_all(x, [x.shape[0]], [x.shape[0]], guard=g)
+
+        gen = torch.Generator(device="cpu").manual_seed(3)
+        cases = [
+            (Collective.ALL_REDUCE, ReduceOp.SUM, torch.bfloat16), (Collective.ALL_REDUCE, ReduceOp.SUM, torch.int32),
+            (Collective.ALL_REDUCE, ReduceOp.MAX, torch.float16), (Collective.ALL_REDUCE, ReduceOp.MIN, torch.int64),
+            (Collective.REDUCE_SCATTER, ReduceOp.SUM, torch.float32), (Collective.REDUCE_SCATTER, ReduceOp.MAX, torch.bfloat16),
+            (Collective.ARGMAX, ReduceOp.MAX, torch.float32), (Collective.ALL_GATHER, ReduceOp.SUM, torch.bfloat16),
+            (Collective.ALL_TO_ALL, ReduceOp.SUM, torch.float32),
+        ]
+        for coll, op, dtype in cases:
+            base = torch.randn(5, 24, generator=gen) * 100
+            x = (base if dtype.is_floating_point else base.round()).to(dtype).to(dev)
+            want, got = run(coll, op, dtype, x)
+            assert got.device == dev and got.dtype == want.dtype and got.shape == want.shape, (coll, op, dtype)
+            # W = 1: every collective returns its input (argmax: the row's index of the max), bit for bit.
+            assert torch.equal(got.cpu().view(torch.uint8), want.cpu().view(torch.uint8)), (coll, op, dtype)
+            if coll is not Collective.ARGMAX:
+                assert torch.equal(got.cpu().view(torch.uint8), x.cpu().view(torch.uint8)), (coll, op, dtype)
+        # A header that differs from this rank's own: CollectiveMismatch, naming the site and the call.
+        site = Site("g.tamper", Collective.ALL_GATHER, torch.float32, (8,), 8, ReduceOp.SUM)
+        g = MessageGuard(site, native=guarded)
+        g.arm(7, 2, None)
+        header = g.begin(torch.zeros(1, device=dev))
+        assert header is not None and header.is_cuda and header.numel() == HEADER_BYTES
+        bad = header.clone().view(1, -1)
+        bad[0, 24] ^= 1  # the call number's low byte
+        with pytest.raises(CollectiveMismatch, match=r"site 'g.tamper' call #7"):
+            g.end(bad)
+        # Inside CUDA-graph capture the guard stands aside (no host read), and the replay is exact.
+        site = Site("g.graph", Collective.ALL_REDUCE, torch.float32, (24,), 8, ReduceOp.SUM)
+        g = MessageGuard(site, native=guarded)
+        x = torch.randn(4, 24, device=dev)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            guarded.all_reduce(x, ReduceOp.SUM, guard=g)  # warm-up outside capture: the guarded path
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = guarded.all_reduce(x, ReduceOp.SUM, guard=g)
+        x.copy_(torch.arange(96, dtype=torch.float32, device=dev).view(4, 24))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y.cpu(), x.cpu())
+    finally:
+        dist.destroy_process_group()

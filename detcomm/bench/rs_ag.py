@@ -8,8 +8,8 @@ W local ranks (gloo) under rl-bitwise; two sites of one shape (rows x 4096 of ``
 rank), one forced onto each route, called alternately (a barrier before every call, so the ranks start it
 together) so that a drift of the machine's load lands on both. The time is each rank's wall time of the public
 ``detcomm.all_reduce`` call, median over the calls, the slowest rank's median reported; the bytes are what the
-route's collectives deliver to the rank from the other ranks (payload, the call guard's 16-byte headers and the
-padding of the last block), counted at the library's collectives. Both routes' results are compared bit for bit.
+route's collectives deliver to the rank from the other ranks (payload, the call guard's headers on device groups
+and the padding of the last block), counted at the library's collectives. Both routes' results are compared bit for bit.
 """
 
 from __future__ import annotations
