@@ -61,12 +61,13 @@ def guard_job(rank: int, world_size: int, calls: int, rows: int, width: int, gua
     detcomm.shutdown()
     out: dict[str, float] = {}
     x = torch.randn(rows, width)
-    for label, numerics, coll in (("all_gather", "auto", "all_gather"), ("native all_reduce", "auto", "all_reduce"),
-                                  ("gather_fold all_reduce", "rl-bitwise", "all_reduce")):
+    for label, numerics, coll, route in (("all_gather", "auto", "all_gather", None),
+                                         ("native all_reduce", "auto", "all_reduce", None),
+                                         ("gather_fold all_reduce", "rl-bitwise", "all_reduce", "gather_fold")):
         assert dist.group.WORLD is not None
         comm = Communicator(group=dist.group.WORLD, resolved=resolve_numerics(numerics),
                             _call_guard="header" if guard in ("none", "header") else "in_message")
-        site = comm.site("bench", collective=coll, dtype=torch.float32, shape=(width,), max_rows=rows)
+        site = comm.site("bench", collective=coll, dtype=torch.float32, shape=(width,), max_rows=rows, route=route)
         sc = comm._site_calls["bench"]
         if guard == "none":
             sc.header = None
@@ -92,10 +93,11 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=400)
     p.add_argument("--rows", type=int, default=8)
     p.add_argument("--width", type=int, default=64)
+    p.add_argument("--guard-only", action="store_true", help="only the call guard's modes, not check off/on")
     a = p.parse_args()
     print(f"call-check cost: gloo W={a.nproc}, all_reduce fp32 [{a.rows}, {a.width}], median of {a.calls} calls per setting")
     with LocalCluster(a.nproc) as cluster:
-        for numerics in ("auto", "rl-bitwise"):
+        for numerics in () if a.guard_only else ("auto", "rl-bitwise"):
             res: dict[bool, list[float]] = {}
             # Interleave off/on twice so a drift of the machine's load does not land on one setting.
             for check in (False, True, False, True):
