@@ -173,9 +173,9 @@ class Communicator:
         routes = sorted({e.decision.route.value for e in self.auto.table(self.auto.bound_sites()).entries})
         _log.info(
             "detcomm: init on %s W=%d rank=%d device=%s (%s) numerics=%s fold leaf=%s routes in use=%s; "
-            "workspace: %s; %d self-checks (%d failed) in %.3f s; init took %.3f s",
+            "call guard=%s; workspace: %s; %d self-checks (%d failed) in %.3f s; init took %.3f s",
             self.backend_name, self.world_size, self.rank, self.device, self.caps.topology, self.resolved.numerics,
-            self.leaf.name, ",".join(routes) or "-", self.caps.workspace_reason, len(checks), len(failed),
+            self.leaf.name, ",".join(routes) or "-", self.call_guard, self.caps.workspace_reason, len(checks), len(failed),
             self._selfchecks.seconds(), seconds)
 
     # -- startup ------------------------------------------------------------------------------------
