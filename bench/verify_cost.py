@@ -1,13 +1,13 @@
 """Cost of the call checks on CPU gloo: the cross-rank call verification (detcomm.init(check=True) /
-DETCOMM_CHECK=1) and the always-on call guard of the fold routes (detcomm/backends/guard.py).
+DETCOMM_CHECK=1) and the always-on call guard in each of its modes (detcomm/backends/guard.py).
 
     python bench/verify_cost.py [--nproc 4] [--calls 400] [--rows 8] [--width 64]
 
 For a small all_reduce (fp32, rows x width) on the native route (numerics=auto) and on gather_fold
 (rl-bitwise), the median per-call time with the check off and on, measured on every rank after a warm-up
 (rank 0's numbers printed; the medians of the ranks differ by noise only). The difference is the check's
-overhead: one all-gather of a 9-int64 fingerprint per call. The guard's cost is gather_fold with its 16-byte
-header against the same route called without it (the route built from its public pieces, ``guard_job``).
+overhead: one all-gather of a 9-int64 fingerprint per call. The call guard's cost: an all_gather, a native
+all_reduce and a gather_fold all_reduce through the communicator under each guard mode (``guard_job``).
 """
 
 from __future__ import annotations
@@ -41,34 +41,50 @@ def job(rank: int, world_size: int, numerics: str, check: bool, calls: int, rows
     return statistics.median(times)
 
 
-def guard_job(rank: int, world_size: int, calls: int, rows: int, width: int, guard: bool) -> float:
-    """The gather_fold route itself, built from its public pieces over the communicator's group and called with
-    and without its call guard: the difference is the guard alone (the communicator's call path is in neither)."""
+GUARDS = ("none", "header", "in_message", "header+in_message")
+
+
+def guard_job(rank: int, world_size: int, calls: int, rows: int, width: int, guard: str) -> dict[str, float]:
+    """Median per-call time of an all_gather, a native all_reduce (numerics=auto) and a gather_fold all_reduce
+    (rl-bitwise) under one call guard (backends/guard.py): "none" (a device group's unguarded routes before the
+    in-message guard), "header" (a host group's separate header), "in_message" (a device group's guard, here run
+    on gloo) and "header+in_message" (a host group's fold routes before their redundant in-message header was
+    dropped)."""
     import torch
+    import torch.distributed as dist
 
     import detcomm
-    from detcomm.backends.gather_fold import GatherFoldBackend
-    from detcomm.backends.guard import CallGuard
-    from detcomm.backends.native import NativeBackend
-    from detcomm.numerics.fold import BATCH_INVARIANT, select_leaf
-    from detcomm.route import ReduceOp
+    from detcomm.backends.guard import CallHeader
+    from detcomm.comm import Communicator
+    from detcomm.envelope import resolve_numerics
 
     detcomm.shutdown()
-    comm = detcomm.init(numerics="rl-bitwise")
+    out: dict[str, float] = {}
     x = torch.randn(rows, width)
-    site = comm.site("bench", collective="all_reduce", dtype=torch.float32, shape=(width,), max_rows=rows)
-    route = GatherFoldBackend(NativeBackend(comm.group),
-                              select_leaf(device_type="cpu", required=frozenset({BATCH_INVARIANT})))
-    call_guard = CallGuard(site) if guard else None
-    for _ in range(20):
-        route.all_reduce(x, ReduceOp.SUM, guard=call_guard)
-    times = []
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        route.all_reduce(x, ReduceOp.SUM, guard=call_guard)
-        times.append(time.perf_counter() - t0)
-    detcomm.shutdown()
-    return statistics.median(times)
+    for label, numerics, coll, route in (("all_gather", "auto", "all_gather", None),
+                                         ("native all_reduce", "auto", "all_reduce", None),
+                                         ("gather_fold all_reduce", "rl-bitwise", "all_reduce", "gather_fold")):
+        assert dist.group.WORLD is not None
+        comm = Communicator(group=dist.group.WORLD, resolved=resolve_numerics(numerics),
+                            call_guard="header" if guard in ("none", "header") else "in_message")
+        site = comm.site("bench", collective=coll, dtype=torch.float32, shape=(width,), max_rows=rows, route=route)
+        sc = comm._site_calls["bench"]
+        if guard == "none":
+            sc.header = None
+        elif guard == "header+in_message":
+            sc.header = CallHeader(site, native=comm._native, device=comm.device)
+        call = getattr(comm, coll)
+        for _ in range(20):
+            call(x, "bench")
+        times = []
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            call(x, "bench")
+            times.append(time.perf_counter() - t0)
+        assert comm.routes().as_dicts()[0]["route"] == ("gather_fold" if numerics == "rl-bitwise" else "native")
+        comm.close()
+        out[label] = statistics.median(times)
+    return out
 
 
 def main() -> None:
@@ -77,10 +93,11 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=400)
     p.add_argument("--rows", type=int, default=8)
     p.add_argument("--width", type=int, default=64)
+    p.add_argument("--guard-only", action="store_true", help="only the call guard's modes, not check off/on")
     a = p.parse_args()
     print(f"call-check cost: gloo W={a.nproc}, all_reduce fp32 [{a.rows}, {a.width}], median of {a.calls} calls per setting")
     with LocalCluster(a.nproc) as cluster:
-        for numerics in ("auto", "rl-bitwise"):
+        for numerics in () if a.guard_only else ("auto", "rl-bitwise"):
             res: dict[bool, list[float]] = {}
             # Interleave off/on twice so a drift of the machine's load does not land on one setting.
             for check in (False, True, False, True):
@@ -89,12 +106,14 @@ def main() -> None:
             route = "native" if numerics == "auto" else "gather_fold"
             print(f"  {route:<12} off {off * 1e6:8.1f} us   on {on * 1e6:8.1f} us   overhead {(on - off) * 1e6:8.1f} us/call "
                   f"({on / off:.2f}x)")
-        res = {}
-        for guard in (False, True, False, True):
-            res.setdefault(guard, []).append(cluster.run(guard_job, a.calls, a.rows, a.width, guard)[0])
-        off, on = min(res[False]), min(res[True])
-        print(f"  call guard (gather_fold): without {off * 1e6:8.1f} us   with {on * 1e6:8.1f} us   overhead "
-              f"{(on - off) * 1e6:8.1f} us/call ({on / off:.2f}x)")
+        # The call guard's modes, interleaved twice; the minimum of the two medians per cell.
+        seen: dict[str, list[dict[str, float]]] = {}
+        for guard in (*GUARDS, *GUARDS):
+            seen.setdefault(guard, []).append(cluster.run(guard_job, a.calls, a.rows, a.width, guard)[0])
+        print(f"  call guard per call (us): {'':<24}" + "".join(f"{g:>20}" for g in GUARDS))
+        for label in seen[GUARDS[0]][0]:
+            cells = [min(r[label] for r in seen[g]) * 1e6 for g in GUARDS]
+            print(f"  {label:<48}" + "".join(f"{c:20.1f}" for c in cells))
 
 
 if __name__ == "__main__":

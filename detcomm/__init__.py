@@ -221,7 +221,7 @@ def init(
     ``check``: before every collective call, the ranks compare a fingerprint of the call (site, collective,
     op, dtype, trailing shape, rows, sequence number) and all raise ``CollectiveMismatch`` when they differ
     (detcomm/verify.py; costs one small collective per call). None: ``$DETCOMM_CHECK``, else off; the call
-    guard's smaller header (site, call number, rows) is exchanged on host-memory groups either way.
+    guard's smaller header (site, call number, rows) guards every call either way (docs/spec.md §2).
     ``timeout_s``: the deadline of every blocking wait on the process group init creates (default
     ``DEFAULT_TIMEOUT_S``, 300 s). A group that already exists keeps the timeout it was created with; passing
     ``timeout_s`` then is an error.

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from . import envelope as _env
 from .backends import A2AFoldBackend, GatherFoldBackend, NativeBackend, RsAgFoldBackend
+from .backends import guard as _guard
 from .backends.guard import SHUTDOWN, CallHeader, shutdown_header
 from .dtypes import from_name, name_of
 from .numerics.fold import BATCH_INVARIANT, FLOAT_DTYPES, Leaf, select_leaf
@@ -104,7 +105,13 @@ class Communicator:
         check: bool = False,
         timeout_s: float | None = None,
         stage_through_host: bool | None = None,
+        call_guard: str | None = None,
     ) -> None:
+        """``stage_through_host``: whether CUDA tensors go through host memory to the library (None: a gloo
+        group's do). ``call_guard`` replaces the call guard the group's kind picks (backends/guard.py): "header" or
+        "in_message" (tests run the device groups' in-message guard on gloo), or "none", which the
+        torch.distributed backend's CUDA communicator takes: the in-message guard reads each call's headers back
+        on the host, and DDP / FSDP overlap their collectives with compute only while the host runs ahead."""
         for name, value in (("default_max_rows", default_max_rows), ("workspace_max_rows", workspace_max_rows),
                             ("workspace_bytes", workspace_bytes)):
             if isinstance(value, bool) or not isinstance(value, int):
@@ -125,9 +132,13 @@ class Communicator:
         self.leaf: Leaf = select_leaf(device_type=self.device.type, required=required)
         # Whether CUDA tensors go through host memory to the library: a gloo group's do; a group that carries CUDA
         # tensors itself under another name (the "detcomm" torch.distributed backend over NCCL) says so.
-        if stage_through_host is None:
-            stage_through_host = self.device.type == "cuda" and "nccl" not in self.backend_name
-        self._native = NativeBackend(group, stage_through_host=stage_through_host)
+        staged = (self.device.type == "cuda" and "nccl" not in self.backend_name if stage_through_host is None
+                  else stage_through_host)
+        # The one guard every call carries, from static facts (backends/guard.py): a separate header where the
+        # messages live in host memory, the header inside each route's messages where they live on the device.
+        self.call_guard = _guard.mode(world_size=self.world_size, messages_on_device=self.device.type == "cuda" and not staged,
+                                      checking=check, forced=call_guard)
+        self._native = NativeBackend(group, stage_through_host=staged, in_message=self.call_guard == _guard.IN_MESSAGE)
         self._backends: dict[Route, RouteBackend] = {
             Route.NATIVE: self._native,
             Route.GATHER_FOLD: GatherFoldBackend(self._native, self.leaf),
@@ -137,13 +148,12 @@ class Communicator:
         self._workspace: Workspace | None = None
         # One collective call at a time per communicator (SiteCall.run): the ranks pair calls by their order.
         self._lock = threading.RLock()
-        # The call guard's header (backends/guard.py) applies where messages live in host memory, and needs peers.
-        self._guarded = self.world_size > 1 and (self.device.type == "cpu" or self._native.stage)
         # The deadline in force, for the errors: init's timeout_s, detcomm's default on a group it creates,
         # else the group's own (unknown here: None).
         self.deadline_s: float | None = timeout_s if timeout_s is not None else (DEFAULT_TIMEOUT_S if owns_group else None)
         t0 = time.perf_counter()
-        self._agree_at_init(check=check, selfcheck=selfcheck, default_max_rows=default_max_rows, workspace=workspace)
+        self._agree_at_init(check=check, selfcheck=selfcheck, default_max_rows=default_max_rows, workspace=workspace,
+                            call_guard=self.call_guard)
         self.caps = self._discover_capabilities(workspace, workspace_max_rows, workspace_bytes, timeout_s)
         # Cross-rank call verification (detcomm/verify.py); timeout_s only names the group's timeout in its errors.
         self._verifier = (CallChecker(native=self._native, device=self.device, rank=self.rank,
@@ -170,9 +180,9 @@ class Communicator:
         routes = sorted({e.decision.route.value for e in self.auto.table(self.auto.bound_sites()).entries})
         _log.info(
             "detcomm: init on %s W=%d rank=%d device=%s (%s) numerics=%s fold leaf=%s routes in use=%s; "
-            "workspace: %s; %d self-checks (%d failed) in %.3f s; init took %.3f s",
+            "call guard=%s; workspace: %s; %d self-checks (%d failed) in %.3f s; init took %.3f s",
             self.backend_name, self.world_size, self.rank, self.device, self.caps.topology, self.resolved.numerics,
-            self.leaf.name, ",".join(routes) or "-", self.caps.workspace_reason, len(checks), len(failed),
+            self.leaf.name, ",".join(routes) or "-", self.call_guard, self.caps.workspace_reason, len(checks), len(failed),
             self._selfchecks.seconds(), seconds)
 
     # -- startup ------------------------------------------------------------------------------------
@@ -597,7 +607,7 @@ class Communicator:
             if self.owns_group and self._verifier is not None:
                 self._verifier.agree(SHUTDOWN, Collective.ALL_GATHER, ReduceOp.SUM,
                                      torch.empty(0, device=self.device))
-            elif self.owns_group and self._guarded:
+            elif self.owns_group and self.call_guard == _guard.HEADER:
                 shutdown_header(self._native, device=self.device, calls=calls)
         except RuntimeError as e:
             failed = e if isinstance(e, DetcommError) else self._failure(SHUTDOWN, 1, e)
@@ -645,11 +655,12 @@ class SiteCall:
     a value cached here, and a failed comparison raises its precise error, before any communication.
     ``run(x, args)`` is the one way a call reaches the route: it refuses a second thread, counts the site's user
     calls, proves across ranks that every rank makes this call (``init(check=True)``'s full comparison, else the
-    call guard's fixed-size header, backends/guard.py), calls the bound route and turns a library error into a
+    call guard: its separate fixed-size header, or the header the route carries in its messages, armed here;
+    backends/guard.py), calls the bound route and turns a library error into a
     ``PeerTimeout`` or ``CollectiveFailed`` that names the site, the call, this rank and the cause."""
 
     __slots__ = ("comm", "site", "name", "bound", "collective", "op", "dtype", "in_dtype", "ndim", "row_dim",
-                 "width", "tail", "lead", "max_rows", "device", "in_place", "mul", "div", "header", "calls",
+                 "width", "tail", "lead", "max_rows", "device", "in_place", "mul", "div", "header", "message", "calls",
                  "virtual", "fused", "agreed")
 
     def __init__(self, comm: Communicator, site: Site, bound: BoundRoute) -> None:
@@ -677,7 +688,10 @@ class SiteCall:
         # The output's rows are the input's * mul // div; a reduce_scatter's input rows must divide by div.
         self.mul = comm.world_size if site.collective is Collective.ALL_GATHER else 1
         self.div = comm.world_size if site.collective is Collective.REDUCE_SCATTER else 1
-        self.header = CallHeader(site, native=comm._native, device=comm.device) if comm._guarded else None
+        # The call guard (backends/guard.py): the separate header, or the one the route carries in its messages.
+        self.header = (CallHeader(site, native=comm._native, device=comm.device)
+                       if comm.call_guard == _guard.HEADER else None)
+        self.message = getattr(bound, "guard", None)
         self.calls = 0  # this site's user calls on this communicator (named in errors; self-checks not counted)
         self.fused = getattr(bound, "fused", None)  # the workspace's fused norm kernel, where routing chose it
         self.agreed = False  # the next call's fingerprint was already compared (Communicator._resolve)
@@ -785,7 +799,8 @@ class SiteCall:
 
     def _prove(self, x: torch.Tensor, rows_per_rank: Sequence[int] | None, uneven: bool) -> None:
         """Count the call and prove across ranks that every rank makes it (the checker's fingerprint with checking
-        on, else the call guard's header where the group has one), before its data moves. Collective; runs under
+        on, else the call guard's separate header), before its data moves; or arm the header the route carries
+        in its messages (compared before the route returns). Collective; runs under
         the communicator's lock, for run and the fused norm alike."""
         comm = self.comm
         self.calls += 1
@@ -798,6 +813,9 @@ class SiteCall:
         elif self.header is not None:
             self.header.exchange(self.calls, -1 if uneven or rows_per_rank is not None else x.shape[self.row_dim],
                                  rows_per_rank)
+        elif self.message is not None:
+            self.message.arm(self.calls, -1 if uneven or rows_per_rank is not None else x.shape[self.row_dim],
+                             rows_per_rank)
 
     def run_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:

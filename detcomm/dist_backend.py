@@ -345,8 +345,10 @@ class DetcommProcessGroup(dist.ProcessGroup):
             return comm
         if device.type == "cuda":
             self._backend(torch.empty(0, device=device))  # refuses a capture before NCCL is connected
+        # CUDA: no per-call guard (the in-message guard's host read per call would serialize DDP's and FSDP's
+        # overlap of collectives with compute); DETCOMM_CHECK=1 turns the call checker on instead.
         comm = Communicator(group=self, resolved=_ENVELOPE, device=device, check=check_from_env(None),
-                            stage_through_host=False)
+                            stage_through_host=False, call_guard="none" if device.type == "cuda" else None)
         self._comms[device] = comm
         return comm
 

@@ -46,6 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FAILURES = "tests/gpu/test_workspace_failures.py"
 GUARDS = "tests/test_robust_guards.py"
 CSRC_TESTS = "tests/test_workspace_csrc.py"
+GUARD_MODES = "tests/test_robust_guard_modes.py"
 # The failure tests run a barrier kernel ([one_shot]) and the one-store kernel ([lamport]); each mutant names the one
 # whose guard it removes.
 DEADLINE_TEST = f"{FAILURES}::test_deadline_ends_the_kernel_without_a_trap_one_record_per_rank[one_shot]"
@@ -186,6 +187,21 @@ MUTATIONS: tuple[Mutation, ...] = (
       "  if (ab == 0u) return false;",
       "  return false;  // mutant: no look at the abort word before waiting",
       (DEADLINE_TEST, DEADLINE_LAMPORT), gpu=True, limit_s=150),
+    # The call guard (detcomm/backends/guard.py): the separate header of host-memory groups, and the header inside
+    # every route's message on device groups (forced on gloo by the test, the same torch ops).
+    M("g-header", "call", "the separate call header is compared before the call's data moves",
+      "detcomm/backends/guard.py",
+      '        """Collective: raise ``CollectiveMismatch`` on every rank unless every rank makes this same call."""\n'
+      "        exchange(",
+      '        """Collective: raise ``CollectiveMismatch`` on every rank unless every rank makes this same call."""\n'
+      "        return  # mutant: the header is never exchanged\n        exchange(",
+      (f"{GUARD_MODES}::test_every_route_raises_on_a_mismatched_call[W3-header]",
+       "tests/test_robust_calls.py::test_mismatched_calls_raise_on_every_rank_on_every_route"), gpu=False, limit_s=300),
+    M("g-message", "call", "the headers inside a call's messages are compared before the call returns",
+      "detcomm/backends/guard.py",
+      "        _mismatch(self.native, got, ints, readable)",
+      "        pass  # mutant: the in-message headers are never compared",
+      (f"{GUARD_MODES}::test_every_route_raises_on_a_mismatched_call[W3-in_message]",), gpu=False, limit_s=300),
     # The one-store kernel's own descriptors (csrc/lamport_common.cuh).
     M("8-desc-lamport", "8", "peers' one-store call descriptors are compared", "csrc/lamport_common.cuh",
       "  if (v.x != mine.x || v.y != mine.y || v.z != mine.z || v.w != mine.w) {",

@@ -14,7 +14,8 @@ Scenarios (rank 1 is the faulty one, rank 0 in freeze0-*):
   freeze0-gather_fold rank 0 SIGSTOPs itself: without torchrun it hosts the rendezvous store, so the survivors'
                   timeout report meets a store that accepts bytes and never answers
   abort-native    rank 1 dies of SIGABRT (os.abort(), as a C++ std::terminate would)
-  exit0-native    rank 1 leaves the job early with status 0
+  exit0-native    rank 1 leaves the job early with status 0 (sys.exit(0): the interpreter's exit runs)
+  exit0hard-native  rank 1 leaves through os._exit(0) (no interpreter exit, no handler, status 0)
 
 ROBUST_LINGER=1 (under detcomm-launch): a survivor waits after its report; ROBUST_RERAISE=1: it raises its error
 again after the report, as a program that does not catch it would.
@@ -52,6 +53,9 @@ def main(scenario: str, out: str) -> None:
         # Die from another thread while the main thread is inside (or between) collectives.
         with open(os.path.join(out, "killed_at"), "w") as f:
             f.write(repr(time.time() + 0.3))
+        if scenario.startswith("exit0hard"):
+            time.sleep(0.3)
+            os._exit(0)  # as a program that leaves without its interpreter's exit (no handler runs)
         if scenario.startswith("exit0"):
             time.sleep(0.3)
             sys.exit(0)  # as a program whose main returns: the interpreter's exit closes the group's sockets

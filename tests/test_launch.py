@@ -264,6 +264,46 @@ def test_failure_report_names_a_rank_that_left_early_with_status_0(tmp_path: Pat
     assert "rank 0 of 3 failed first" in failure_report(tmp_path, 1, exits={0: 1})[0]
 
 
+def test_failure_report_names_a_rank_that_left_through_os_exit(tmp_path: Path) -> None:
+    # Rank 1's wrapper recorded its os._exit(0) (returned false); the survivors' errors came later.
+    (tmp_path / "rank1.json").write_text(json.dumps({"rank": 1, "world_size": 3, "time": 3.0, "status": 0,
+                                                     "error": None, "returned": False}))
+    _record(tmp_path, 0, 3.5, "Traceback\nRuntimeError: Connection reset by peer\n")
+    _record(tmp_path, 2, 3.6, "Traceback\nRuntimeError: Connection reset by peer\n")
+    (tmp_path / "failures.json").write_text(json.dumps({"0": 1, "2": 1}))
+    lines = failure_report(tmp_path, 1)
+    assert lines[-1].startswith("detcomm-launch: rank 1 of 3 ended first: it exited early (status 0, through "
+                                "os._exit: its program did not return)"), lines
+    assert "after rank 1 ended: rank 0 raised RuntimeError: Connection reset by peer" in lines[0], lines
+    # Negative control: the same exit after a peer's failure is no cause.
+    (tmp_path / "rank1.json").write_text(json.dumps({"rank": 1, "world_size": 3, "time": 4.0, "status": 0,
+                                                     "error": None, "returned": False}))
+    assert "rank 0 of 3 failed first" in failure_report(tmp_path, 1)[1]
+    # No record at all (a C-level _exit), yet the torchrun agent did not list it among the failures: status 0.
+    (tmp_path / "rank1.json").unlink()
+    (tmp_path / "rank1.fault").write_text("")
+    assert failure_report(tmp_path, 1)[-1].startswith("detcomm-launch: rank 1 of 3 failed first: it exited early "
+                                                      "(status 0 without a record"), failure_report(tmp_path, 1)
+    (tmp_path / "failures.json").unlink()  # without the agent's list the status is unknown
+    assert "killed by SIGKILL" in failure_report(tmp_path, 1)[-1]
+
+
+
+def test_failure_report_knows_the_world_size_when_no_rank_wrote_an_end_record(tmp_path: Path) -> None:
+    # Rank 1 died of SIGABRT and the survivors were stopped by SIGTERM: no end record, only the start records.
+    for r in range(3):
+        (tmp_path / f"rank{r}.start").write_text(json.dumps({"rank": r, "world_size": 3}))
+        (tmp_path / f"rank{r}.fault").write_text("")
+    (tmp_path / "rank1.fault").write_text("Fatal Python error: Aborted\n")
+    for r in (0, 2):
+        (tmp_path / f"rank{r}.term").write_text("Current thread 0x1 (most recent call first):\n")
+    (tmp_path / "failures.json").write_text(json.dumps({"1": -6}))
+    assert "rank 1 of 3 failed first: it died of signal SIGABRT" in failure_report(tmp_path, 134)[1]
+    for r in range(3):  # negative control: without the start records the world size is unknown
+        (tmp_path / f"rank{r}.start").unlink()
+    assert "rank 1 failed first" in failure_report(tmp_path, 134)[1]
+
+
 def test_command_lines() -> None:
     t = Target("detcomm.probe", ("model", "--json", "x"), module=True)
     cmd = torchrun_command(3, t, python="py")

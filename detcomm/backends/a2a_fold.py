@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from ..numerics.fold import Leaf, average, fold_shards
 from ..route import BoundRoute, Collective, ReduceOp, Route, Site
 from .base import bind_from
-from .guard import CallGuard, split
+from .guard import MessageGuard, append_each, split
 from .native import NativeBackend
 
 
@@ -37,56 +37,59 @@ class A2AFoldBackend:
         self.leaf = leaf
 
     def bind(self, site: Site) -> BoundRoute:
-        guard = CallGuard(site)
+        # The call guard inside the exchanged blocks where the group's messages live in device memory (guard.py).
+        guard = MessageGuard(site, native=self.native) if self.native.in_message else None
         if site.virtual_shards is not None:
             dtype = site.dtype
             return bind_from(self.route, site, {
                 Collective.ALL_REDUCE: lambda x, a: self.virtual_all_reduce(x, dtype, guard=guard),
                 Collective.REDUCE_SCATTER: lambda x, a: self.virtual_reduce_scatter(x, dtype, guard=guard),
-            })
+            }, guard=guard)
         return bind_from(self.route, site,
-                         {Collective.REDUCE_SCATTER: lambda x, a: self.reduce_scatter(x, site.op, guard=guard)})
+                         {Collective.REDUCE_SCATTER: lambda x, a: self.reduce_scatter(x, site.op, guard=guard)},
+                         guard=guard)
 
-    def reduce_scatter(self, x: torch.Tensor, op: ReduceOp, *, guard: CallGuard | None = None) -> torch.Tensor:
+    def reduce_scatter(self, x: torch.Tensor, op: ReduceOp, *, guard: MessageGuard | None = None) -> torch.Tensor:
         assert op.sums, "routing sends only floating-point SUM and AVG here"
         w = self.native.world_size
         n = x.shape[0] // w
         block = x.view(w, n, *x.shape[1:])
-        if guard is None or not guard.applies(x, staged=self.native.stage):
+        header = guard.begin(x) if guard is not None else None
+        if header is None:
             stacked = self.native.all_to_all(x, [n] * w, [n] * w).view(w, n, *x.shape[1:])
         else:
+            assert guard is not None
             # Every destination block carries the same header, so each rank receives all W ranks' headers.
-            header = guard.next_header().to(x.device)
-            msgs = torch.cat([block.reshape(w, -1).view(torch.uint8), header.expand(w, -1)], dim=1)
-            recv = self.native.all_to_all(msgs, [1] * w, [1] * w)
+            recv = self.native.all_to_all(append_each(block.reshape(w, -1).view(torch.uint8), header), [1] * w, [1] * w)
             stacked, headers = split(recv, block[0], contiguous=x.is_cuda)
-            guard.check(headers)
+            guard.end(headers)
         if op is ReduceOp.AVG:
             return average(self.leaf.fold(stacked, torch.float32), w, x.dtype)
         return self.leaf.fold(stacked, x.dtype)
 
     # -- virtual shards ------------------------------------------------------------------------------------------
-    def _exchange(self, blocks: torch.Tensor, guard: CallGuard | None) -> torch.Tensor:
+    def _exchange(self, blocks: torch.Tensor, guard: MessageGuard | None) -> torch.Tensor:
         """``blocks`` [W, V/W, ...]: block q goes to rank q. Returns [V, ...]: what every rank sent this rank, in
         rank order, so in shard order."""
         w = self.native.world_size
-        if guard is None or not guard.applies(blocks, staged=self.native.stage):
+        header = guard.begin(blocks) if guard is not None else None
+        if header is None:
             recv = self.native.all_to_all(blocks.reshape(w, -1), [1] * w, [1] * w)
             return recv.view(-1, *blocks.shape[2:])
-        header = guard.next_header().to(blocks.device)
-        msgs = torch.cat([blocks.reshape(w, -1).view(torch.uint8), header.expand(w, -1)], dim=1)
+        assert guard is not None
+        msgs = append_each(blocks.reshape(w, -1).view(torch.uint8), header)
         stacked, headers = split(self.native.all_to_all(msgs, [1] * w, [1] * w), blocks[0], contiguous=True)
-        guard.check(headers)
+        guard.end(headers)
         return stacked.view(-1, *blocks.shape[2:])
 
     def virtual_reduce_scatter(self, x: torch.Tensor, dtype: torch.dtype, *,
-                               guard: CallGuard | None = None) -> torch.Tensor:
+                               guard: MessageGuard | None = None) -> torch.Tensor:
         w = self.native.world_size
         k, rows = x.shape[0], x.shape[1]
         blocks = x.view(k, w, rows // w, *x.shape[2:]).transpose(0, 1)  # [dest, V/W, rows/W, *shape]
         return fold_shards(self._exchange(blocks, guard), dtype, self.leaf.fold)
 
-    def virtual_all_reduce(self, x: torch.Tensor, dtype: torch.dtype, *, guard: CallGuard | None = None) -> torch.Tensor:
+    def virtual_all_reduce(self, x: torch.Tensor, dtype: torch.dtype, *, guard: MessageGuard | None = None) -> torch.Tensor:
         w = self.native.world_size
         k, rows = x.shape[0], x.shape[1]
         n = math.prod(x.shape[2:])

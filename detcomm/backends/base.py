@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..route import CallArgs, Collective, Route, Site
+from .guard import MessageGuard
 
 Call = Callable[[torch.Tensor, CallArgs], torch.Tensor]
 
@@ -32,15 +33,20 @@ class Bound:
     # The call may be handed x itself as args.out (route.BoundRoute.in_place): it reads each input element before
     # it writes that element of the result, so an in-place call needs no copy.
     in_place: bool = False
+    # The call guard's header inside the call's own message (guard.MessageGuard), where the route carries it: the
+    # communicator arms it with each user call's number before the call. None: the route's messages are the data.
+    guard: MessageGuard | None = None
 
     def __call__(self, x: torch.Tensor, args: CallArgs) -> torch.Tensor:
         return self.call(x, args)
 
 
-def bind_from(route: Route, site: Site, table: dict[Collective, Call], *, in_place: bool = False) -> Bound:
-    """Bind ``site`` to the entry of ``table`` (the backend's methods by collective); ``in_place``: see Bound."""
+def bind_from(route: Route, site: Site, table: dict[Collective, Call], *, in_place: bool = False,
+              guard: MessageGuard | None = None) -> Bound:
+    """Bind ``site`` to the entry of ``table`` (the backend's methods by collective); ``in_place``, ``guard``: see
+    Bound."""
     # The norm composition's communication is its all-reduce (the communicator adds the residual and normalizes).
     collective = Collective.ALL_REDUCE if site.collective is Collective.ALL_REDUCE_RMSNORM else site.collective
     call = table.get(collective)
     assert call is not None, f"route {route.value} cannot carry {site.collective.value}: routing sent it here"
-    return Bound(route, site, call, in_place=in_place)
+    return Bound(route, site, call, in_place=in_place, guard=guard)

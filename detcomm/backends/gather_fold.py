@@ -16,7 +16,7 @@ import torch
 from ..numerics.fold import Leaf, average, fold_shards
 from ..route import BoundRoute, Collective, ReduceOp, Route, Site
 from .base import bind_from
-from .guard import CallGuard, append_header, split
+from .guard import MessageGuard, append, split
 from .native import NativeBackend
 
 
@@ -28,26 +28,29 @@ class GatherFoldBackend:
         self.leaf = leaf
 
     def bind(self, site: Site) -> BoundRoute:
-        guard = CallGuard(site)
+        # The call guard inside the gathered messages where the group's messages live in device memory (guard.py).
+        guard = MessageGuard(site, native=self.native) if self.native.in_message else None
         if site.virtual_shards is not None:
             dtype = site.dtype
             return bind_from(self.route, site, {
                 Collective.ALL_REDUCE: lambda x, a: self.virtual_all_reduce(x, dtype, guard=guard),
                 Collective.REDUCE_SCATTER: lambda x, a: self.virtual_reduce_scatter(x, dtype, guard=guard),
-            })
+            }, guard=guard)
         return bind_from(self.route, site, {
             Collective.ALL_REDUCE: lambda x, a: self.all_reduce(x, site.op, guard=guard),
             Collective.REDUCE_SCATTER: lambda x, a: self.reduce_scatter(x, site.op, guard=guard),
-        })
+        }, guard=guard)
 
-    def _gathered(self, x: torch.Tensor, guard: CallGuard | None, *, contiguous: bool = False) -> torch.Tensor:
+    def _gathered(self, x: torch.Tensor, guard: MessageGuard | None, *, contiguous: bool = False) -> torch.Tensor:
         w = self.native.world_size
-        if guard is None or not guard.applies(x, staged=self.native.stage):
+        header = guard.begin(x) if guard is not None else None
+        if header is None:
             return self.native.all_gather(x).view(w, *x.shape)
-        msgs = self.native.all_gather(append_header(x, guard.next_header()).view(1, -1))
+        assert guard is not None
+        msgs = self.native.all_gather(append(x, header).view(1, -1))
         # The torch leaf folds strided views; the CUDA leaf reads one contiguous [W, ...] block.
         stacked, headers = split(msgs, x, contiguous=contiguous or x.is_cuda)
-        guard.check(headers)
+        guard.end(headers)
         return stacked
 
     def _fold(self, stacked: torch.Tensor, dtype: torch.dtype, op: ReduceOp) -> torch.Tensor:
@@ -56,24 +59,24 @@ class GatherFoldBackend:
             return average(self.leaf.fold(stacked, torch.float32), stacked.shape[0], dtype)
         return self.leaf.fold(stacked, dtype)
 
-    def all_reduce(self, x: torch.Tensor, op: ReduceOp, *, guard: CallGuard | None = None) -> torch.Tensor:
+    def all_reduce(self, x: torch.Tensor, op: ReduceOp, *, guard: MessageGuard | None = None) -> torch.Tensor:
         return self._fold(self._gathered(x, guard), x.dtype, op)
 
-    def reduce_scatter(self, x: torch.Tensor, op: ReduceOp, *, guard: CallGuard | None = None) -> torch.Tensor:
+    def reduce_scatter(self, x: torch.Tensor, op: ReduceOp, *, guard: MessageGuard | None = None) -> torch.Tensor:
         n = x.shape[0] // self.native.world_size
         r = self.native.rank
         return self._fold(self._gathered(x, guard)[:, r * n : (r + 1) * n], x.dtype, op)
 
     # -- virtual shards: x is this rank's [V/W, rows, *shape] fp32 partials -------------------------------------
-    def _shards(self, x: torch.Tensor, guard: CallGuard | None) -> torch.Tensor:
+    def _shards(self, x: torch.Tensor, guard: MessageGuard | None) -> torch.Tensor:
         """All V shards' partials [V, rows, *shape] in shard order (rank r's slab j is shard r*V/W + j)."""
         return self._gathered(x, guard, contiguous=True).view(-1, *x.shape[1:])
 
-    def virtual_all_reduce(self, x: torch.Tensor, dtype: torch.dtype, *, guard: CallGuard | None = None) -> torch.Tensor:
+    def virtual_all_reduce(self, x: torch.Tensor, dtype: torch.dtype, *, guard: MessageGuard | None = None) -> torch.Tensor:
         return fold_shards(self._shards(x, guard), dtype, self.leaf.fold)
 
     def virtual_reduce_scatter(self, x: torch.Tensor, dtype: torch.dtype, *,
-                               guard: CallGuard | None = None) -> torch.Tensor:
+                               guard: MessageGuard | None = None) -> torch.Tensor:
         n = x.shape[1] // self.native.world_size
         r = self.native.rank
         return fold_shards(self._shards(x, guard)[:, r * n : (r + 1) * n], dtype, self.leaf.fold)

@@ -6,10 +6,15 @@ arithmetic, which is run-stable at a fixed size but NOT batch-invariant: a ring 
 size, so an element's association order follows its offset in the buffer.
 
 Every method is collective over the group and returns a new tensor; inputs are never written.
+
+On a group whose messages live in device memory (``in_message``) each bound call carries the call guard's header
+inside its own message (guard.py: appended to each rank's contribution for data movement, in a region of W slots
+for a reduction); elsewhere the communicator's separate header guards the call and the messages are the data alone.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -18,7 +23,9 @@ import torch.distributed as dist
 from ..numerics import keys
 from ..numerics.fold import reference_fold
 from ..route import BoundRoute, Collective, ReduceOp, Route, Site
+from . import guard as _guard
 from .base import bind_from
+from .guard import MessageGuard
 
 # torch 2.13 renamed the flat-tensor collectives (*_single) and deprecated the old names; torch 2.4-2.12
 # only have the old ones. Same signatures.
@@ -31,7 +38,7 @@ _TORCH_OP = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.MAX: dist.ReduceOp.MAX, R
 class NativeBackend:
     route = Route.NATIVE
 
-    def __init__(self, group: dist.ProcessGroup, *, stage_through_host: bool = False) -> None:
+    def __init__(self, group: dist.ProcessGroup, *, stage_through_host: bool = False, in_message: bool = False) -> None:
         self.group = group
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
@@ -39,9 +46,12 @@ class NativeBackend:
         # to run): the library sees host copies, the caller gets results back on its device. Data movement and
         # exact integer reductions only; the bits are the same either way.
         self.stage = stage_through_host
+        # The call guard travels inside every bound call's message (guard.IN_MESSAGE); the fold routes read it too.
+        self.in_message = in_message
 
     def bind(self, site: Site) -> BoundRoute:
         op = site.op
+        g = MessageGuard(site, native=self) if self.in_message else None
         if site.virtual_shards is not None:
             # Forced only, outside bitwise envelopes (route.py): each rank folds its own V/W partials, the
             # library sums the W pre-folded results in fp32 and the sum is rounded once. W-dependent bits: the
@@ -51,19 +61,19 @@ class NativeBackend:
 
             dtype = site.dtype
             return bind_from(self.route, site, {
-                Collective.ALL_REDUCE: lambda x, a: self.all_reduce(presum(x), ReduceOp.SUM).to(dtype),
-                Collective.REDUCE_SCATTER: lambda x, a: self.reduce_scatter(presum(x), ReduceOp.SUM).to(dtype),
-            })
+                Collective.ALL_REDUCE: lambda x, a: self.all_reduce(presum(x), ReduceOp.SUM, guard=g).to(dtype),
+                Collective.REDUCE_SCATTER: lambda x, a: self.reduce_scatter(presum(x), ReduceOp.SUM, guard=g).to(dtype),
+            }, guard=g)
         # A SUM (or an integer MIN/MAX) reduces the library's buffer in place; AVG and float MIN/MAX reduce keys.
         in_place = op is ReduceOp.SUM or (op is not ReduceOp.AVG and not site.is_float)
         return bind_from(self.route, site, {
-            Collective.ALL_REDUCE: lambda x, a: self.all_reduce(x, op, out=a.out),
-            Collective.REDUCE_SCATTER: lambda x, a: self.reduce_scatter(x, op),
-            Collective.ALL_GATHER: lambda x, a: self.all_gather(x),
-            Collective.TOKEN_ALL_GATHER: lambda x, a: self.token_all_gather(x, _given(a.rows_per_rank)),
-            Collective.ALL_TO_ALL: lambda x, a: self.all_to_all(x, _given(a.in_splits), _given(a.out_splits)),
-            Collective.ARGMAX: lambda x, a: self.argmax(x, a.vocab_start),
-        }, in_place=in_place)
+            Collective.ALL_REDUCE: lambda x, a: self.all_reduce(x, op, out=a.out, guard=g),
+            Collective.REDUCE_SCATTER: lambda x, a: self.reduce_scatter(x, op, guard=g),
+            Collective.ALL_GATHER: lambda x, a: self.all_gather(x, guard=g),
+            Collective.TOKEN_ALL_GATHER: lambda x, a: self.token_all_gather(x, _given(a.rows_per_rank), guard=g),
+            Collective.ALL_TO_ALL: lambda x, a: self.all_to_all(x, _given(a.in_splits), _given(a.out_splits), guard=g),
+            Collective.ARGMAX: lambda x, a: self.argmax(x, a.vocab_start, guard=g),
+        }, in_place=in_place, guard=g)
 
     def _lib(self, x: torch.Tensor) -> torch.Tensor:
         return x.cpu() if self.stage else x
@@ -72,62 +82,146 @@ class NativeBackend:
         return out.to(like.device) if self.stage else out
 
     # -- reductions ---------------------------------------------------------------------------------
-    def all_reduce(self, x: torch.Tensor, op: ReduceOp, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    def all_reduce(self, x: torch.Tensor, op: ReduceOp, *, out: torch.Tensor | None = None,
+                   guard: MessageGuard | None = None) -> torch.Tensor:
         """``out=x`` reduces x itself where the library sees x (not staged through the host); any other ``out``
-        is left to the communicator."""
+        is left to the communicator. ``guard``: the call guard's header rides in a slot region (guard.py)."""
         if op is ReduceOp.AVG:
             # gloo has no AVG: the library's SUM (not batch-invariant: this route makes no claim), one division.
-            return (self.all_reduce(x, ReduceOp.SUM).to(torch.float32) / self.world_size).to(x.dtype)
+            return (self.all_reduce(x, ReduceOp.SUM, guard=guard).to(torch.float32) / self.world_size).to(x.dtype)
         if op is ReduceOp.SUM or not x.is_floating_point():
+            header = guard.begin(x) if guard is not None else None
+            if header is not None:
+                assert guard is not None
+                return self._reduce_guarded(x, op, header, guard, out=out)
             in_place = out is x and not self.stage
             buf = x if in_place else self._lib(x).clone()
             dist.all_reduce(buf, op=_TORCH_OP[op], group=self.group)
             return x if in_place else self._back(buf, x)
-        k = self._lib(keys.to_key(x, op=op.value))
-        dist.all_reduce(k, op=_TORCH_OP[op], group=self.group)
-        return keys.from_key(self._back(k, x), x.dtype, op=op.value)
+        k = keys.to_key(x, op=op.value)
+        header = guard.begin(x) if guard is not None else None
+        if header is not None:
+            assert guard is not None
+            k = self._reduce_guarded(k, op, header, guard)
+        else:
+            k = self._lib(k)
+            dist.all_reduce(k, op=_TORCH_OP[op], group=self.group)
+            k = self._back(k, x)
+        return keys.from_key(k, x.dtype, op=op.value)
 
-    def reduce_scatter(self, x: torch.Tensor, op: ReduceOp) -> torch.Tensor:
+    def _reduce_guarded(self, x: torch.Tensor, op: ReduceOp, header: torch.Tensor, guard: MessageGuard, *,
+                        out: torch.Tensor | None = None) -> torch.Tensor:
+        """All-reduce ``x`` (SUM, or an integer MIN/MAX) with the W-slot region appended; the headers are compared
+        before the result is returned. The buffer replaces the copy of ``x`` the unguarded call makes."""
+        region = _guard.slots(header, rank=self.rank, world_size=self.world_size, dtype=x.dtype, op=op.value)
+        buf = self._lib(torch.cat([x.reshape(-1), region]))
+        dist.all_reduce(buf, op=_TORCH_OP[op], group=self.group)
+        buf = self._back(buf, x)
+        n = x.numel()
+        guard.end(_guard.read_slots(buf[n:], world_size=self.world_size))
+        result = buf[:n].view(x.shape)
+        if out is x:
+            return x.copy_(result)
+        return result
+
+    def reduce_scatter(self, x: torch.Tensor, op: ReduceOp, *, guard: MessageGuard | None = None) -> torch.Tensor:
         if op is ReduceOp.AVG:
-            return (self.reduce_scatter(x, ReduceOp.SUM).to(torch.float32) / self.world_size).to(x.dtype)
+            return (self.reduce_scatter(x, ReduceOp.SUM, guard=guard).to(torch.float32) / self.world_size).to(x.dtype)
         keyed = op is not ReduceOp.SUM and x.is_floating_point()
-        src = self._lib(keys.to_key(x, op=op.value) if keyed else x)
-        out = torch.empty((src.shape[0] // self.world_size, *src.shape[1:]), dtype=src.dtype, device=src.device)
-        reduce_scatter_flat(out, src, op=_TORCH_OP[op], group=self.group)
-        out = self._back(out, x)
+        src = keys.to_key(x, op=op.value) if keyed else x
+        w = self.world_size
+        header = guard.begin(x) if guard is not None else None
+        if header is None:
+            src = self._lib(src)
+            out = torch.empty((src.shape[0] // w, *src.shape[1:]), dtype=src.dtype, device=src.device)
+            reduce_scatter_flat(out, src, op=_TORCH_OP[op], group=self.group)
+            out = self._back(out, x)
+        else:
+            assert guard is not None
+            # Every destination block carries the W slots, so every rank receives every rank's header.
+            region = _guard.slots(header, rank=self.rank, world_size=w, dtype=src.dtype, op=op.value)
+            blocks = src.reshape(w, -1)
+            buf = self._lib(torch.cat([blocks, region.expand(w, -1)], dim=1))
+            mine = torch.empty(buf.shape[1], dtype=buf.dtype, device=buf.device)
+            reduce_scatter_flat(mine, buf.reshape(-1), op=_TORCH_OP[op], group=self.group)
+            mine = self._back(mine, x)
+            n = blocks.shape[1]
+            guard.end(_guard.read_slots(mine[n:], world_size=w))
+            out = mine[:n].view(src.shape[0] // w, *src.shape[1:])
         return keys.from_key(out, x.dtype, op=op.value) if keyed else out
 
-    def argmax(self, logits: torch.Tensor, vocab_start: int) -> torch.Tensor:
-        k = self._lib(keys.argmax_keys(logits, vocab_start))
+    def argmax(self, logits: torch.Tensor, vocab_start: int, *, guard: MessageGuard | None = None) -> torch.Tensor:
+        k = keys.argmax_keys(logits, vocab_start)
+        header = guard.begin(logits) if guard is not None else None
+        if header is not None:
+            assert guard is not None
+            return keys.argmax_index(self._reduce_guarded(k, ReduceOp.MAX, header, guard))
+        k = self._lib(k)
         dist.all_reduce(k, op=dist.ReduceOp.MAX, group=self.group)
         return keys.argmax_index(self._back(k, logits))
 
     # -- data movement ------------------------------------------------------------------------------
-    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
-        src = self._lib(x)
-        out = torch.empty((x.shape[0] * self.world_size, *x.shape[1:]), dtype=x.dtype, device=src.device)
-        all_gather_flat(out, src, group=self.group)
-        return self._back(out, x)
+    def all_gather(self, x: torch.Tensor, *, guard: MessageGuard | None = None) -> torch.Tensor:
+        header = guard.begin(x) if guard is not None else None
+        if header is not None:
+            assert guard is not None
+            # Each rank's contribution is its bytes and its header; the payloads are copied out of the messages.
+            msgs = self._gather_flat(self._lib(_guard.append(x, header)).view(1, -1))
+            stacked, headers = _guard.split(self._back(msgs, x), x, contiguous=True)
+            guard.end(headers)
+            return stacked.view(x.shape[0] * self.world_size, *x.shape[1:])
+        return self._back(self._gather_flat(self._lib(x)), x)
 
-    def token_all_gather(self, x: torch.Tensor, rows_per_rank: Sequence[int]) -> torch.Tensor:
+    def _gather_flat(self, src: torch.Tensor) -> torch.Tensor:
+        out = torch.empty((src.shape[0] * self.world_size, *src.shape[1:]), dtype=src.dtype, device=src.device)
+        all_gather_flat(out, src, group=self.group)
+        return out
+
+    def token_all_gather(self, x: torch.Tensor, rows_per_rank: Sequence[int], *,
+                         guard: MessageGuard | None = None) -> torch.Tensor:
         # Pad every rank's rows to the largest count so one fixed-size gather serves uneven inputs on every
         # library, then drop the padding.
         pad = max(rows_per_rank)
         if all(r == pad for r in rows_per_rank):
-            return self.all_gather(x)
+            return self.all_gather(x, guard=guard)
         padded = torch.zeros((pad, *x.shape[1:]), dtype=x.dtype, device=x.device)
         padded[: x.shape[0]] = x
-        gathered = self.all_gather(padded)
+        gathered = self.all_gather(padded, guard=guard)
         parts = [gathered[r * pad : r * pad + n] for r, n in enumerate(rows_per_rank)]
         return torch.cat(parts, dim=0)
 
-    def all_to_all(self, x: torch.Tensor, in_splits: Sequence[int], out_splits: Sequence[int]) -> torch.Tensor:
+    def all_to_all(self, x: torch.Tensor, in_splits: Sequence[int], out_splits: Sequence[int], *,
+                   guard: MessageGuard | None = None) -> torch.Tensor:
+        header = guard.begin(x) if guard is not None else None
+        if header is not None:
+            assert guard is not None
+            return self._all_to_all_guarded(x, in_splits, out_splits, header, guard)
         src = self._lib(x)
         out = torch.empty((sum(out_splits), *x.shape[1:]), dtype=x.dtype, device=src.device)
         dist.all_to_all_single(
             out, src, output_split_sizes=list(out_splits), input_split_sizes=list(in_splits), group=self.group
         )
         return self._back(out, x)
+
+    def _all_to_all_guarded(self, x: torch.Tensor, in_splits: Sequence[int], out_splits: Sequence[int],
+                            header: torch.Tensor, guard: MessageGuard) -> torch.Tensor:
+        """Each destination block followed by the header, as bytes: every rank receives every rank's header."""
+        row = x.element_size() * math.prod(x.shape[1:])
+        flat = x.reshape(-1).view(torch.uint8)
+        parts, at = [], 0
+        for n in in_splits:
+            parts += [flat[at : at + n * row], header]
+            at += n * row
+        src = self._lib(torch.cat(parts))
+        sizes = [n * row + _guard.HEADER_BYTES for n in out_splits]
+        recv = torch.empty(sum(sizes), dtype=torch.uint8, device=src.device)
+        dist.all_to_all_single(recv, src, output_split_sizes=sizes,
+                               input_split_sizes=[n * row + _guard.HEADER_BYTES for n in in_splits], group=self.group)
+        recv = self._back(recv, x)
+        pieces = recv.split(sizes)
+        guard.end(torch.stack([p[-_guard.HEADER_BYTES:] for p in pieces]))
+        payload = torch.cat([p[: -_guard.HEADER_BYTES] for p in pieces])
+        return payload.view(x.dtype).view(sum(out_splits), *x.shape[1:])
 
     def exchange_splits(self, in_splits: Sequence[int], device: torch.device) -> list[int]:
         """Each rank's row count destined for this rank (one small all-to-all of the split vectors)."""

@@ -15,8 +15,8 @@ a static break-even size (route.py, ``rs_ag_refusal``).
 
 On CUDA the fold of the W blocks is one launch of the CUDA fold leaf (csrc/fold_local.cu through
 detcomm/numerics/cuda_leaf.py) on the contiguous [W, c] block the all-to-all wrote; nothing on the call path
-synchronizes with the host, so a call is capturable in a CUDA graph on an NCCL group (the call guard's header,
-read back on the host, travels only where the messages live in host memory: guard.py).
+synchronizes with the host but the call guard's comparison (guard.py: on an NCCL group the header travels in the
+all-to-all's blocks and is read back after it; inside a CUDA-graph capture it is left out, so a call is capturable).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from ..numerics.fold import Leaf, average
 from ..route import BoundRoute, Collective, ReduceOp, Route, Site
 from .base import bind_from
-from .guard import CallGuard, split
+from .guard import MessageGuard, append_each, split
 from .native import NativeBackend
 
 __all__ = ["RsAgFoldBackend"]
@@ -41,24 +41,26 @@ class RsAgFoldBackend:
         self.leaf = leaf
 
     def bind(self, site: Site) -> BoundRoute:
-        guard = CallGuard(site)
+        # The call guard inside the exchanged blocks where the group's messages live in device memory (guard.py).
+        guard = MessageGuard(site, native=self.native) if self.native.in_message else None
         return bind_from(self.route, site,
-                         {Collective.ALL_REDUCE: lambda x, a: self.all_reduce(x, site.op, guard=guard)})
+                         {Collective.ALL_REDUCE: lambda x, a: self.all_reduce(x, site.op, guard=guard)}, guard=guard)
 
-    def _exchange(self, blocks: torch.Tensor, guard: CallGuard | None) -> torch.Tensor:
+    def _exchange(self, blocks: torch.Tensor, guard: MessageGuard | None) -> torch.Tensor:
         """``blocks`` [W, c]: block q goes to rank q. Returns [W, c]: block ``rank`` of every rank, in rank order."""
         w = self.native.world_size
-        if guard is None or not guard.applies(blocks, staged=self.native.stage):
+        header = guard.begin(blocks) if guard is not None else None
+        if header is None:
             return self.native.all_to_all(blocks, [1] * w, [1] * w)
+        assert guard is not None
         # Every destination block carries the same header, so each rank receives all W ranks' headers.
-        header = guard.next_header().to(blocks.device)
-        msgs = torch.cat([blocks.view(torch.uint8), header.expand(w, -1)], dim=1)
+        msgs = append_each(blocks.view(torch.uint8), header)
         stacked, headers = split(self.native.all_to_all(msgs, [1] * w, [1] * w), blocks[0],
                                  contiguous=blocks.is_cuda)
-        guard.check(headers)
+        guard.end(headers)
         return stacked
 
-    def all_reduce(self, x: torch.Tensor, op: ReduceOp, *, guard: CallGuard | None = None) -> torch.Tensor:
+    def all_reduce(self, x: torch.Tensor, op: ReduceOp, *, guard: MessageGuard | None = None) -> torch.Tensor:
         """The canonical all-reduce of ``x`` (SUM or AVG). Collective over the group."""
         assert op.sums, "routing sends only floating-point SUM and AVG here"
         w = self.native.world_size

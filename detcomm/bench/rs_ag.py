@@ -8,8 +8,8 @@ W local ranks (gloo) under rl-bitwise; two sites of one shape (rows x 4096 of ``
 rank), one forced onto each route, called alternately (a barrier before every call, so the ranks start it
 together) so that a drift of the machine's load lands on both. The time is each rank's wall time of the public
 ``detcomm.all_reduce`` call, median over the calls, the slowest rank's median reported; the bytes are what the
-route's collectives deliver to the rank from the other ranks (payload, the call guard's 16-byte headers and the
-padding of the last block), counted at the library's collectives. Both routes' results are compared bit for bit.
+route's collectives deliver to the rank from the other ranks (payload, the call guard's headers on device groups
+and the padding of the last block), counted at the library's collectives. Both routes' results are compared bit for bit.
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ def job(rank: int, world_size: int, mib: int, calls: int, dtype_name: str) -> di
             received["n"] += out.numel() * out.element_size() * (world_size - 1) // world_size
             return out
 
-        native.all_to_all = lambda x, i, o: count(a2a(x, i, o))  # type: ignore[method-assign,assignment]
-        native.all_gather = lambda x: count(gather(x))  # type: ignore[method-assign]
+        native.all_to_all = lambda x, i, o, **kw: count(a2a(x, i, o, **kw))  # type: ignore[method-assign]
+        native.all_gather = lambda x, **kw: count(gather(x, **kw))  # type: ignore[method-assign]
         for r in ROUTES:
             comm.site(f"bench.{r}", collective="all_reduce", dtype=dtype, shape=(WIDTH,), max_rows=rows, route=r)
         x = torch.randn(rows, WIDTH, generator=torch.Generator().manual_seed(rank)).to(dtype)

@@ -8,8 +8,12 @@ names the first rank that failed and how (docs/spec.md §6), after the whole gro
 - an error (an uncaught exception, a non-zero exit): torchelastic's error file ($TORCHELASTIC_ERROR_FILE, which
   the torchrun agent reads into its failure summary), through torchelastic's ``ErrorHandler``; and, when the
   launcher created ``$DETCOMM_LAUNCH_ERRORS`` on this host, ``rank<R>.json`` there with the exact time;
-- a clean exit: ``rank<R>.json`` with status 0 and the time, so a rank that left while its peers still
-  needed it is named (torchrun counts only non-zero exits as failures);
+- a clean exit (the program returned, or raised ``SystemExit``): ``rank<R>.json`` with status 0, the time and
+  ``returned``, so a rank that left while its peers still needed it is named (torchrun counts only non-zero
+  exits as failures);
+- an exit through ``os._exit(status)`` (no interpreter exit, no handler runs): the wrapper replaces
+  ``os._exit`` in this process, so the record is written first, with the status, the time and ``returned``
+  false: the program did not finish (a zero status from torchrun would otherwise look like success);
 - a fatal signal (SIGABRT from a C++ terminate, SIGSEGV, ...): torchelastic's handler enables faulthandler,
   which writes the Python stack of every thread to ``rank<R>.fault``; its modification time is the moment of
   the fault. The file is created when the rank starts, so its presence says the rank ran;
@@ -17,8 +21,8 @@ names the first rank that failed and how (docs/spec.md §6), after the whole gro
   the stack to ``rank<R>.term`` from the signal handler itself, even while the rank waits inside a C++
   collective, then the signal takes its default course.
 
-Only SIGKILL (and ``os._exit``) leave no record; the launcher takes their exit status from the torchrun agent
-or mpiexec where those report it.
+Only SIGKILL (and a C-level ``_exit``) leave no record; the launcher takes their exit status from the torchrun
+agent or mpiexec where those report it.
 
 The records are read after the group is down, so the consequences on the other ranks (a closed connection, a
 torn-down peer) cannot bury the cause. Without that folder (a batch script starting a bootstrap by hand, a
@@ -37,7 +41,7 @@ import sys
 import time
 import traceback
 from collections.abc import Sequence
-from typing import IO
+from typing import IO, NoReturn
 
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
@@ -94,13 +98,18 @@ class _RankErrors(ErrorHandler):
             super().initialize()  # faulthandler on stderr
             return
         # Kept open for the life of the process: faulthandler writes to their descriptors from a signal handler.
+        # The world size for the report, whatever this rank leaves later (a rank stopped by a signal writes no end
+        # record).
+        with open(os.path.join(self.folder, f"rank{self.rank}.start"), "w") as f:
+            json.dump({"rank": self.rank, "world_size": self.world_size}, f)
         fault, term = (open(os.path.join(self.folder, f"rank{self.rank}.{kind}"), "w") for kind in ("fault", "term"))
         self._files += [fault, term]
         faulthandler.enable(file=fault, all_threads=True)
         faulthandler.register(signal.SIGTERM, file=term, all_threads=True, chain=True)
 
-    def end(self, status: int, error: str | None) -> None:
-        """Record how the target ended: ``error`` None for a clean exit."""
+    def end(self, status: int, error: str | None, *, returned: bool = True) -> None:
+        """Record how the target ended: ``error`` None for a clean exit; ``returned`` False for an exit that
+        skipped the end of the program (``os._exit``)."""
         when = time.time()
         if error is not None:
             file = self._get_error_file_path()
@@ -112,7 +121,7 @@ class _RankErrors(ErrorHandler):
             path = os.path.join(self.folder, f"rank{self.rank}.json")
             with open(path + ".tmp", "w") as f:
                 json.dump({"rank": self.rank, "world_size": self.world_size, "time": when, "status": status,
-                           "error": error}, f)
+                           "error": error, "returned": returned}, f)
             os.replace(path + ".tmp", path)  # the launcher never reads half a record
         elif error is not None:
             sys.stdout.flush()
@@ -125,10 +134,27 @@ def _last(error: str) -> str:
     return error.strip().splitlines()[-1] if error.strip() else "(no message)"
 
 
+def _record_os_exit(errors: _RankErrors) -> None:
+    """Make ``os._exit`` in this process record the early end before it happens (a forked child, which has
+    another pid, exits untouched)."""
+    real, me = os._exit, os.getpid()
+
+    def _exit(status: int) -> NoReturn:
+        if os.getpid() == me:
+            try:
+                errors.end(status, None if status == 0 else f"exited through os._exit({status})", returned=False)
+            except BaseException:  # noqa: BLE001, S110 - the exit itself must happen whatever the record does
+                pass
+        real(status)
+
+    os._exit = _exit
+
+
 def run(rank: int, world_size: int, module: bool, target: str, args: Sequence[str]) -> int:
     """Run the target in this process; return its exit status (0 on success), how it ended recorded."""
     errors = _RankErrors(rank, world_size)
     errors.initialize()
+    _record_os_exit(errors)
     try:
         _run_target(module, target, args)
     except SystemExit as exc:

@@ -19,6 +19,7 @@ outright takes the child, and with it every rank, down.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -64,7 +65,7 @@ _OMPI_SIGNALED = re.compile(r"noticed that process rank (\d+) with PID \d+ on no
 
 @dataclass(frozen=True)
 class _End:
-    """How one rank ended: ``time`` None for an end it could not record (killed, or exited by os._exit)."""
+    """How one rank ended: ``time`` None for an end it could not record (killed, or a C-level _exit)."""
 
     rank: int
     time: float | None
@@ -74,7 +75,9 @@ class _End:
     clean: bool = False  # exited with status 0
 
 
-def _ends(folder: Path, exits: Mapping[int, int]) -> list[_End]:
+def _ends(folder: Path, exits: Mapping[int, int], *, agent_saw: bool = False) -> list[_End]:
+    """How each rank ended, the first failure first. ``agent_saw``: ``exits`` is the torchrun agent's list of
+    every rank that failed, so a rank missing from it ended with status 0."""
     recs = {int(r["rank"]): r for r in (json.loads(p.read_text()) for p in folder.glob("rank*.json"))}
     started = {int(p.stem[4:]) for p in folder.glob("rank*.fault")}  # created when a rank starts
     faults = {int(p.stem[4:]): p for p in folder.glob("rank*.fault") if p.stat().st_size}
@@ -82,7 +85,10 @@ def _ends(folder: Path, exits: Mapping[int, int]) -> list[_End]:
     ends = []
     for rank in sorted(set(recs) | started | set(exits)):
         rec, code = recs.get(rank), exits.get(rank)
-        if rec is not None and rec["status"] != 0:
+        if rec is not None and not rec.get("returned", True):  # os._exit: its program did not finish
+            ends.append(_End(rank, rec["time"], f"exited early (status {rec['status']}, through os._exit: its "
+                             "program did not return)", clean=rec["status"] == 0))
+        elif rec is not None and rec["status"] != 0:
             ends.append(_End(rank, rec["time"], f"raised {_last(rec['error'])}", rec["error"], "Its error:"))
         elif rank in faults:
             sig = _exit(code) if code is not None and code < 0 else "a fatal signal"
@@ -98,9 +104,12 @@ def _ends(folder: Path, exits: Mapping[int, int]) -> list[_End]:
             ends.append(_End(rank, None, f"exited with status {code} without recording a Python error"))
         elif rec is not None:
             ends.append(_End(rank, rec["time"], "exited with status 0 while the other ranks still ran", clean=True))
-        else:  # it ran (its files exist) and left nothing: the two ends that run no handler
+        elif agent_saw:  # the torchrun agent lists every rank it saw fail: this one exited with status 0
+            ends.append(_End(rank, None, "exited early (status 0 without a record, as a C-level _exit leaves it: "
+                             "its program did not return)"))
+        else:  # it ran (its files exist) and left nothing: the ends that run no handler
             ends.append(_End(rank, None, "ended without a record: killed by SIGKILL (from outside the job: a user, a "
-                             "supervisor, the kernel's OOM killer) or exited through os._exit"))
+                             "supervisor, the kernel's OOM killer) or exited through a C-level _exit"))
     ends.sort(key=lambda e: (e.time is not None, e.time or 0.0))
     # A clean exit is news only before the first failure: after it, a rank finishing is no cause.
     first_failure = next((i for i, e in enumerate(ends) if not e.clean), len(ends))
@@ -116,10 +125,13 @@ def failure_report(folder: Path, status: int, *, exits: Mapping[int, int] | None
     codes = folder / "failures.json"
     if codes.is_file():
         seen.update({int(r): int(c) for r, c in json.loads(codes.read_text()).items()})
-    ends = _ends(folder, seen)
+    ends = _ends(folder, seen, agent_saw=codes.is_file())
     if not ends:
         return [f"detcomm-launch: the job failed (status {status}) and no rank recorded an error; see the output above"]
-    world = {json.loads(p.read_text())["world_size"] for p in folder.glob("rank*.json")}
+    world = set()
+    for p in (*folder.glob("rank*.json"), *folder.glob("rank*.start")):
+        with contextlib.suppress(ValueError, KeyError):  # a start record cut short by the rank's death
+            world.add(json.loads(p.read_text())["world_size"])
     of = f" of {world.pop()}" if len(world) == 1 else ""
     first, later = ends[0], ends[1:]
     lines = []
