@@ -53,7 +53,8 @@ def hash_text(text: str) -> int:
 
 def site_hash(site: Site) -> int:
     """The site's signature: what a call must match besides the name (collective, op, dtype, trailing shape)."""
-    return hash_text(f"{site.collective.value}|{site.op.value}|{site.dtype}|{site.shape}|{site.virtual_shards}")
+    tree = "" if site.shard_fold == "order" else f"|{site.shard_fold}"
+    return hash_text(f"{site.collective.value}|{site.op.value}|{site.dtype}|{site.shape}|{site.virtual_shards}{tree}")
 
 
 def exchange(native, header: list[int], readable: str, *, device: torch.device) -> None:  # type: ignore[no-untyped-def]
@@ -124,7 +125,8 @@ class CallGuard:
 
     def check(self, headers: torch.Tensor) -> None:
         """``headers``: [W, 16] uint8, one row per rank (every rank holds the same W rows)."""
-        got = headers.cpu().contiguous().view(torch.int64).view(-1, 2).tolist()
+        # A copy: a header that follows an odd count of 4-byte elements starts off an 8-byte boundary.
+        got = headers.cpu().clone(memory_format=torch.contiguous_format).view(torch.int64).view(-1, 2).tolist()
         mine = [self.site_id, self.calls]
         if all(h == mine for h in got):
             return
