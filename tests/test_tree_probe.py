@@ -1,6 +1,6 @@
 """The tree order end to end (gloo on CPU, through detcomm-launch): the model probe's requests in the layout
 ``--virtual-shards 8 --shard-fold tree`` give identical token ids and logprob bits at W = 1, 2 and 4, on
-gather_fold and with the row-parallel sums forced onto a2a_fold; a W = 1 trainer reproduces W = 2 and W = 4
+gather_fold and with the row-parallel sums forced onto a2a_fold (the HF probe's at W = 1 and 2); a W = 1 trainer reproduces W = 2 and W = 4
 servers' sampling-time logprobs by teacher forcing in that layout. The negative controls of the layouts (the
 plain fold differs across W) are tests/test_probe_tp.py's; the tree's own (the shard-order fold gives other
 bits) are tests/test_tree_fold.py's. CI (.ci/probes.sh) runs the probe at W = 1, 2, 4 too.
@@ -67,3 +67,16 @@ def test_shard_fold_needs_virtual_shards() -> None:
     proc = _run(["detcomm.launch", "--nproc", "1", "--numerics", "rl-bitwise", "-m", "detcomm.probe", "model",
                  *SMALL, "--shard-fold", "tree"])
     assert proc.returncode != 0 and "pass --virtual-shards V too" in proc.stdout + proc.stderr
+
+
+def test_hf_probe_tree_across_widths(tmp_path: Path) -> None:
+    """The HF probe (a transformers Llama-architecture model sharded by detcomm.hf) in the tree layout."""
+    pytest.importorskip("transformers")
+    paths = []
+    for w in (1, 2):
+        p = tmp_path / f"hf{w}.json"
+        _launch(w, "hf", *SMALL, *TREE, "--json", str(p))
+        paths.append(str(p))
+    assert json.loads(Path(paths[1]).read_text())["shard_fold"] == "tree"
+    out = _ok(_run(["detcomm.probe", "tp-compare", *paths]))
+    assert "virtual V=8 tree" in out and "PASS" in out

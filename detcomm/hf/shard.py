@@ -153,7 +153,8 @@ def invariant_blocks(config: Any) -> int:
 
 
 def shard_model(model: Any, *, rank: int, world: int, step: StepRows, ep: EPConfig | None = None,
-                layout: str = "fold", virtual_shards: int | None = None, max_rows: int = 0) -> Shards:
+                layout: str = "fold", virtual_shards: int | None = None, max_rows: int = 0,
+                shard_fold: str = "order") -> Shards:
     """Cut ``model`` (a transformers *ForCausalLM of a supported family, still whole) to this rank's shard,
     in place. A sparse MoE block becomes an ``EPMoEBlock`` with this rank's experts of ``ep.placement``
     (default ``EPConfig()``: every expert on every rank). Local; the sites it names must then be declared with
@@ -162,7 +163,8 @@ def shard_model(model: Any, *, rank: int, world: int, step: StepRows, ep: EPConf
     ``layout``: "fold" (the plain Megatron layout), or "virtual" (``virtual_shards`` V) / "full_k": the
     TP-size-invariant layouts (docs/spec.md §9.1) of dense models: column-parallel projections in
     ``invariant_blocks`` fixed blocks, o_proj / down_proj through ``detcomm.tp.RowParallelLinear``, the LM head in
-    fixed vocabulary blocks; ``max_rows`` is then the step width."""
+    fixed vocabulary blocks; ``max_rows`` is then the step width. ``shard_fold``: the virtual shards' order
+    ("order" or "tree", docs/spec.md §9.1 "The tree order")."""
     config = model.config
     check_divisible(config, world)
     if ep is not None:
@@ -209,7 +211,7 @@ def shard_model(model: Any, *, rank: int, world: int, step: StepRows, ep: EPConf
             cuts[f"{name}.bias"] = Cut(0, start, stop)
 
     # The invariant layouts' row-parallel options, the same for every layer.
-    row = dict(step=step, layout=layout, virtual_shards=virtual_shards,
+    row = dict(step=step, layout=layout, virtual_shards=virtual_shards, shard_fold=shard_fold,
                blocks=blocks if layout == "full_k" else None, max_rows=max_rows, rank=rank, world=world)
     for layer in decoder.layers:
         attn = layer.self_attn
