@@ -203,6 +203,34 @@ def job_selfcheck(rank: int, w: int) -> dict[str, object]:
     return {"checks": checks, "rows": rows, "bad": bad, "table": text}
 
 
+def job_bytes(rank: int, w: int, rows: int, hidden: int) -> dict[str, int]:
+    """Bytes this rank receives in one gather_fold call of a tree site and of a shard-order site (every all-gather
+    the call makes, its call guard's headers included), counted at the library boundary."""
+    import detcomm
+
+    comm = detcomm.init(numerics="rl-bitwise", selfcheck=False)
+    native = comm._native
+    got = {"n": 0}
+    gather = native.all_gather
+
+    def counted(x: torch.Tensor) -> torch.Tensor:
+        got["n"] += (w - 1) * x.numel() * x.element_size()
+        return gather(x)
+
+    native.all_gather = counted  # type: ignore[method-assign]
+    out: dict[str, int] = {}
+    x = torch.randn(V // w, rows, hidden)
+    for fold in ("tree", "order"):
+        detcomm.site(f"b.{fold}", collective="all_reduce", dtype=torch.bfloat16, shape=(hidden,), max_rows=rows,
+                     route="gather_fold", virtual_shards=V, shard_fold=fold)
+        got["n"] = 0
+        detcomm.all_reduce(x, f"b.{fold}")
+        out[fold] = got["n"]
+    native.all_gather = gather  # type: ignore[method-assign]
+    detcomm.shutdown()
+    return out
+
+
 def job_refusal(rank: int, w: int) -> list[tuple[str, str, str]]:
     """Declaring tree sites that cannot be served: each refusal on every rank, before any communication."""
     import detcomm
@@ -391,3 +419,14 @@ def test_detcomm_routes_shows_the_tree(capsys: pytest.CaptureFixture[str]) -> No
     assert (rows["r"]["route"], rows["r"]["virtual_shards"]) == ("a2a_fold", "8 tree")
     assert main(["routes", "--world-size", "3", "--site", "o:all_reduce:bf16:4096:64:vs=8:fold=tree"]) == 2
     assert "shard_fold='order'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("w", [2, 4])
+def test_gather_fold_bytes(w: int) -> None:
+    """gather_fold receives one fp32 row per peer for a tree site and V/W for a shard-order site (docs/spec.md
+    §9.1's wire cost), plus at most a few hundred bytes of call-guard headers."""
+    rows, hidden = 16, 256
+    for r in get_cluster(w).run(job_bytes, rows, hidden, timeout_s=300):
+        tree, order = (w - 1) * rows * hidden * 4, (w - 1) * (V // w) * rows * hidden * 4
+        assert tree <= r["tree"] < tree + 512, (w, r, tree)
+        assert order <= r["order"] < order + 512, (w, r, order)
