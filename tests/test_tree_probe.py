@@ -80,3 +80,20 @@ def test_hf_probe_tree_across_widths(tmp_path: Path) -> None:
     assert json.loads(Path(paths[1]).read_text())["shard_fold"] == "tree"
     out = _ok(_run(["detcomm.probe", "tp-compare", *paths]))
     assert "virtual V=8 tree" in out and "PASS" in out
+
+
+def test_hf_moe_probe_tree_across_widths(tmp_path: Path) -> None:
+    """An MoE model (Qwen2-MoE: routed experts, the sigmoid-gated shared expert, a dense layer 0) in the tree layout:
+    W = 1 and W = 4 with a random expert placement give the same bits (docs/spec.md §9.5). Negative control: the
+    plain fold layout of the same model differs between W = 1 and W = 2 (o_proj's sum follows W)."""
+    pytest.importorskip("transformers")
+    moe = ["--config", "qwen2-moe-tiny"]
+    paths = {}
+    for name, w, extra in (("tree1", 1, TREE), ("tree4", 4, [*TREE, "--ep", "--placement-seed", "1"]),
+                           ("fold1", 1, []), ("fold2", 2, [])):
+        paths[name] = str(tmp_path / f"{name}.json")
+        _launch(w, "hf", *moe, *SMALL, *extra, "--json", paths[name])
+    out = _ok(_run(["detcomm.probe", "tp-compare", paths["tree1"], paths["tree4"]]))
+    assert "virtual V=8 tree" in out and "PASS: identical token ids and logprob bits at W = 1, 4" in out
+    proc = _run(["detcomm.probe", "tp-compare", paths["fold1"], paths["fold2"], "--expect-divergence"])
+    assert proc.returncode == 0 and "DIFFERENT" in proc.stdout, proc.stdout

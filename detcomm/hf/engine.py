@@ -176,7 +176,8 @@ class TPCausalLM:
         if self.invariant:
             for layer in self.layers:
                 layer.self_attn.o_proj.layer.declare()
-                layer.mlp.down_proj.layer.declare()
+                if layer.mlp not in self.shards.moe_blocks:  # an MoE block's sites: declare_sites
+                    layer.mlp.down_proj.layer.declare()
             model.lm_head.head.declare()
             detcomm.site(self.shards.head_sites["gather"], collective="all_gather", dtype=torch.float32,
                          shape=(self.shards.vocab_width,), max_rows=serving.t_pad)
