@@ -430,3 +430,26 @@ def test_gather_fold_bytes(w: int) -> None:
         tree, order = (w - 1) * rows * hidden * 4, (w - 1) * (V // w) * rows * hidden * 4
         assert tree <= r["tree"] < tree + 512, (w, r, tree)
         assert order <= r["order"] < order + 512, (w, r, order)
+
+
+@pytest.mark.gpu
+def test_cuda_tree_bits_and_graph_capture() -> None:
+    """On a GPU the tree's torch adds give the oracle's bits (no FMA, no flush), and the fold replays inside a
+    CUDA graph with the same bits (the host routes' local part is capturable)."""
+    from detcomm.numerics.tree import subtree, tree_fold
+
+    for (dt, n), exp in EXPECTED.items():
+        leaves = to_torch(PARTIALS[(dt, n)], "float32").cuda()
+        assert np.array_equal(to_bits(tree_fold(leaves, getattr(torch, dt))), exp), (dt, n)
+        # W = 4 in one process: four subtree roots, then the top levels.
+        roots = torch.stack([subtree(leaves[2 * r : 2 * r + 2]) for r in range(4)])
+        assert np.array_equal(to_bits(tree_fold(roots, getattr(torch, dt))), exp), (dt, n)
+        static = leaves.clone()
+        tree_fold(static, getattr(torch, dt))  # outside capture first: the canonical NaN is cached per device
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = tree_fold(static, getattr(torch, dt))
+        static.copy_(leaves)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert np.array_equal(to_bits(out), exp), (dt, n)
