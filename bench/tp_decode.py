@@ -11,6 +11,7 @@ width T_pad; prompts prefilled untimed):
   fold     the plain Megatron layers, o_proj / down_proj on the canonical fold routes (rl-bitwise): batch-
            invariant at one W, not across W;
   virtual  virtual shards (``--virtual-shards V``, default 8): the same bits at every W dividing V;
+  tree     virtual shards in the tree order (``shard_fold="tree"``): one fp32 partial per rank on the wire;
   full_k   full-K GEMMs on fixed column blocks and all-gathers: the same bits at every W dividing the blocks;
   native   the plain layers with o_proj / down_proj forced onto the library's all-reduce (numerics auto).
 
@@ -34,7 +35,7 @@ from hf_decode import add_decode_arguments, time_decode
 
 __all__ = ["build_parser", "main", "PHASES"]
 
-PHASES = ("fold", "virtual", "full_k", "native")
+PHASES = ("fold", "virtual", "tree", "full_k", "native")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -92,9 +93,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     for phase in phases:
         detcomm.init(numerics="auto" if phase == "native" else "rl-bitwise", device=device)
         try:
-            layout = "fold" if phase == "native" else phase
+            layout = "fold" if phase == "native" else "virtual" if phase == "tree" else phase
             model = TPTransformer(cfg, device=device, layout=layout,  # type: ignore[arg-type]
-                                  virtual_shards=ns.virtual_shards if phase == "virtual" else None)
+                                  virtual_shards=ns.virtual_shards if layout == "virtual" else None,
+                                  shard_fold="tree" if phase == "tree" else "order")
             model.declare_sites(route="native" if phase == "native" else None)
             # An untimed pass first: a process's first steps pay one-time costs (allocator, kernel caches).
             time_decode(model, [1], ns, vocab=cfg.vocab)

@@ -383,6 +383,7 @@ def site(
     group: dist.ProcessGroup | None = None,
     route: str | None = None,
     virtual_shards: int | None = None,
+    shard_fold: str = "order",
 ) -> Site:
     """Declare a call site: its route is decided now, once, from these static properties.
 
@@ -401,10 +402,14 @@ def site(
     (all_reduce) or a2a_fold (reduce_scatter) under every envelope, and self-checked with V inputs on
     declaration; ``route="native"`` (outside bitwise envelopes) sums pre-folded per-rank partials instead: a
     W-dependent negative control.
+
+    ``shard_fold="tree"`` (V a power of two; docs/spec.md §9.1 "The tree order"): the V partials are summed by a
+    fixed balanced binary tree instead of the shard-order fold; each rank folds its own subtree and only its root,
+    one fp32 value per element, crosses the wire. The same bits at every W that is a power of two dividing V.
     """
     return get_communicator(group).site(
         name, collective=collective, dtype=dtype, shape=shape, max_rows=max_rows, op=op, route=route,
-        virtual_shards=virtual_shards,
+        virtual_shards=virtual_shards, shard_fold=shard_fold,
     )
 
 

@@ -45,7 +45,7 @@ _DEFAULT_SITES = (
 )
 
 SITE_HELP = """\
---site NAME:COLLECTIVE:DTYPE:SHAPE:MAX_ROWS[:OP][:vs=V]   (repeatable; default: a TP decoder layer's sites)
+--site NAME:COLLECTIVE:DTYPE:SHAPE:MAX_ROWS[:OP][:vs=V[:fold=tree]]   (repeatable; default: a TP decoder layer's sites)
   COLLECTIVE  all_reduce, reduce_scatter, all_gather, token_all_gather, all_to_all, argmax
   DTYPE       bf16|bfloat16, fp16|half|float16, fp32|float|float32, int8, uint8, int32|int, int64|long
   SHAPE       one row's trailing shape: 4096, or 4,128 (also 4x128); empty for one value per row
@@ -53,10 +53,13 @@ SITE_HELP = """\
   OP          sum (default), max or min, for all_reduce and reduce_scatter only; argmax is a max by
               definition; the gathers and all_to_all move data and take no op
   vs=V        virtual shards (docs/spec.md §9.1): all_reduce/reduce_scatter sum of V fp32 partial sums
+  fold=tree   after vs=V (a power of two): the fixed balanced tree over the shards ("The tree order"), one fp32
+              partial per rank on the wire; fold=order (the default) folds the shards in order
 examples:
   detcomm routes --backend nccl --world-size 8 --site o_proj:all_reduce:bf16:4096:2048
   detcomm routes --backend gloo --world-size 4 --site lm_head:argmax:bf16:19008:64 --json
   detcomm routes --world-size 4 --site o_proj:all_reduce:bf16:4096:2048:sum:vs=8
+  detcomm routes --world-size 4 --site o_proj:all_reduce:bf16:4096:2048:sum:vs=8:fold=tree
   detcomm routes --backend nccl --world-size 16 --nodes 2      (two 8-GPU nodes: docs/multinode.md)
 """
 
@@ -72,12 +75,20 @@ class SiteSpec:
     max_rows: int
     op: str
     virtual_shards: int | None = None
+    shard_fold: str = "order"
 
 
 def parse_site(spec: str) -> SiteSpec:
     """``NAME:COLLECTIVE:DTYPE:SHAPE:MAX_ROWS[:OP]`` (see SITE_HELP); ValueError naming what is wrong."""
     parts = spec.split(":")
     virtual_shards = None
+    shard_fold = "order"
+    if len(parts) > 6 and parts[-1].strip().lower().startswith("fold="):
+        shard_fold = parts.pop().strip().lower()[5:]
+        if shard_fold not in ("order", "tree"):
+            raise ValueError(f"--site {spec!r}: fold={shard_fold!r} must be order or tree (after vs=V)")
+        if not parts[-1].strip().lower().startswith("vs="):
+            raise ValueError(f"--site {spec!r}: fold= orders virtual shards: give vs=V before it")
     if len(parts) > 5 and parts[-1].strip().lower().startswith("vs="):
         v = parts.pop().strip()[3:]
         if not v.isdigit():
@@ -114,7 +125,7 @@ def parse_site(spec: str) -> SiteSpec:
     else:
         op = "sum"
     return SiteSpec(name, coll, DTYPE_NAMES[dtype.lower()], tuple(int(d) for d in dims), int(max_rows), op,
-                    virtual_shards)
+                    virtual_shards, shard_fold)
 
 
 def _routes(args: argparse.Namespace) -> int:
@@ -162,7 +173,7 @@ def _routes(args: argparse.Namespace) -> int:
         # The dtype by name: Site's checks and the router read only its name and size (detcomm.dtypes), so the
         # static view decides exactly as init would without importing torch.
         s = Site(spec.name, Collective(spec.collective), cast("torch.dtype", spec.dtype), spec.shape,
-                 spec.max_rows, ReduceOp(spec.op), virtual_shards=spec.virtual_shards)
+                 spec.max_rows, ReduceOp(spec.op), virtual_shards=spec.virtual_shards, shard_fold=spec.shard_fold)
         d = live.decide(s)
         condition = ""
         if arms:
@@ -172,7 +183,8 @@ def _routes(args: argparse.Namespace) -> int:
         rows.append({"site": s.name, "collective": s.collective.value,
                      "op": spec.op if s.collective.reduces or s.collective is Collective.ARGMAX else "",
                      "dtype": spec.dtype, "shape": ",".join(map(str, s.shape)),
-                     "virtual_shards": "-" if s.virtual_shards is None else str(s.virtual_shards),
+                     "virtual_shards": ("-" if s.virtual_shards is None else str(s.virtual_shards)
+                                        + (" tree" if s.shard_fold == "tree" else "")),
                      "max_rows": str(s.max_rows),
                      "route": d.route.value, "condition": condition, "why": d.why})
     if args.json:

@@ -282,6 +282,7 @@ class Communicator:
         op: str | ReduceOp = "sum",
         route: str | Route | None = None,
         virtual_shards: int | None = None,
+        shard_fold: str = "order",
     ) -> Site:
         """Declare a call site (see ``detcomm.site``). Collective when it runs a new self-check."""
         self._check_open()
@@ -299,6 +300,7 @@ class Communicator:
             group=self.group_label,
             route=None if route is None else _enum(Route, route, "route", name),
             virtual_shards=virtual_shards,
+            shard_fold=shard_fold,
         )
         return self._declare(s)
 

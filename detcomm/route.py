@@ -59,6 +59,7 @@ __all__ = [
     "DEFAULT_WORKSPACE_MAX_ROWS",
     "DEFAULT_WORKSPACE_BYTES",
     "VIRTUAL_SHARD_COLLECTIVES",
+    "SHARD_FOLDS",
     "fusion_refusal",
 ]
 
@@ -152,6 +153,9 @@ _CARRIES: Mapping[Route, frozenset[Collective]] = {
 # the fp32 partials; a2a_fold exchanges column blocks (all-reduce) or row blocks (reduce-scatter) of them; the
 # native route (outside bitwise envelopes, forced only) sums each rank's pre-folded partials in the library.
 VIRTUAL_SHARD_COLLECTIVES = frozenset({Collective.ALL_REDUCE, Collective.REDUCE_SCATTER})
+# How a virtual-shard site combines its V partials (docs/spec.md §9.1): the fold in shard order (the default, any W
+# dividing V) or the fixed balanced binary tree ("The tree order": one fp32 partial per rank on the wire).
+SHARD_FOLDS = ("order", "tree")
 _VIRTUAL_ROUTES = frozenset({Route.GATHER_FOLD, Route.A2A_FOLD, Route.NATIVE, Route.IPC_FOLD})
 
 
@@ -172,6 +176,9 @@ class Site:
         virtual_shards: V for a virtual-shard site (docs/spec.md §9.1): every call passes this rank's V/W fp32
             partial sums and the result is the canonical fold over the V shards, the same bits for every W that
             divides V. None: the plain fold over the W ranks.
+        shard_fold: how a virtual-shard site combines its V partials: "order" (the fold over shards 0..V-1, every
+            W dividing V) or "tree" (the fixed balanced binary tree of docs/spec.md §9.1 "The tree order": V a
+            power of two, W a power of two dividing V; one fp32 partial per rank on the wire).
     """
 
     name: str
@@ -184,6 +191,7 @@ class Site:
     route: Route | None = None
     implicit: bool = field(default=False, compare=False)
     virtual_shards: int | None = None
+    shard_fold: str = "order"
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str):
@@ -215,8 +223,14 @@ class Site:
         if self.op is ReduceOp.AVG and not dtypes.is_float(self.dtype):
             raise ValueError(f"site {self.name!r}: op='avg' takes floating-point inputs (an integer average "
                              f"rounds); use op='sum' and divide, got {self.dtype}")
+        if self.shard_fold not in SHARD_FOLDS:
+            raise ValueError(f"site {self.name!r}: shard_fold must be one of {list(SHARD_FOLDS)}, got "
+                             f"{self.shard_fold!r}")
         if self.virtual_shards is not None:
             self._check_virtual_shards()
+        elif self.shard_fold != "order":
+            raise ValueError(f"site {self.name!r}: shard_fold={self.shard_fold!r} orders the sum of virtual shards; "
+                             "declare virtual_shards=V too (e.g. 8), or drop shard_fold")
         elif self.route is not None and self.collective not in _CARRIES[self.route]:
             raise ValueError(
                 f"site {self.name!r}: route {self.route.value!r} cannot carry {self.collective.value}; routes that "
@@ -243,6 +257,10 @@ class Site:
             raise ValueError(f"site {self.name!r}: virtual_shards sums (op='sum'), got op={self.op.value!r}; an "
                              "average or an extreme of partial sums is not a layer's output: declare op='sum' (divide "
                              "afterwards for a mean), or drop virtual_shards")
+        if self.shard_fold == "tree" and v & (v - 1):
+            raise ValueError(f"site {self.name!r}: shard_fold='tree' is a balanced binary tree over the V shards, so "
+                             f"V must be a power of two, got virtual_shards={v}; choose e.g. 8, or "
+                             "shard_fold='order' (any V)")
         if self.route is not None and self.route not in _VIRTUAL_ROUTES:
             raise ValueError(f"site {self.name!r}: route {self.route.value!r} cannot carry a virtual-shard site"
                              f"; routes that can: {sorted(r.value for r in _VIRTUAL_ROUTES)}")
@@ -269,6 +287,8 @@ class Site:
         dt = name_of(self.dtype)
         op = f" {self.op.value}" if self.collective.reduces else ""
         vs = "" if self.virtual_shards is None else f" virtual_shards={self.virtual_shards}"
+        if self.shard_fold != "order":
+            vs += f" shard_fold={self.shard_fold}"
         return f"{self.collective.value}{op} {dt}[rows<={self.max_rows}, {', '.join(map(str, self.shape))}]{vs}"
 
 
@@ -390,6 +410,7 @@ class RouteEntry:
             "why": self.decision.why,
             "selfcheck": self.selfcheck,
             "virtual_shards": s.virtual_shards,
+            "shard_fold": None if s.virtual_shards is None else s.shard_fold,
         }
 
 
@@ -411,12 +432,27 @@ class RouteTable:
         cols: tuple[str, ...] = ("site", "collective", "op", "dtype", "shape", "max_rows", "route", "selfcheck", "why")
         if any(e.site.virtual_shards is not None for e in self.entries):  # the column only where a site has them
             cols = (*cols[:5], "virtual_shards", *cols[5:])
-        rows = [["x".join(map(str, d[c])) if c == "shape" else ("-" if d[c] is None else str(d[c]))  # type: ignore[call-overload]
+        rows = [["x".join(map(str, d[c])) if c == "shape" else ("-" if d[c] is None else _cell(d, c))  # type: ignore[call-overload]
                  for c in cols] for d in self.as_dicts()]
         head = f"detcomm routes: numerics={self.numerics} backend={self.backend} W={self.world_size} fold leaf={self.leaf}"
         if self.note:
             head += "\n" + self.note
         return format_table(cols, rows, title=head, align="l" * len(cols)) + ("" if rows else "\n(no sites declared)")
+
+
+def _order_v(w: int) -> int:
+    """A shard count the shard-order fold serves at W and at 1, 2, 4 (the lcm of W and 8)."""
+    a, b = w, 8
+    while b:
+        a, b = b, a % b
+    return w * 8 // a
+
+
+def _cell(d: Mapping[str, object], col: str) -> str:
+    """A route table cell; a tree site's virtual_shards reads "V tree" (the shard order is the unmarked default)."""
+    if col == "virtual_shards" and d.get("shard_fold") == "tree":
+        return f"{d[col]} tree"
+    return str(d[col])
 
 
 _log = logging.getLogger("detcomm")
@@ -466,9 +502,10 @@ class AutoBackend:
         self._backends = dict(backends or {})
         self._checker = checker
         self._bound: dict[Site, tuple[BoundRoute, RouteDecision, str]] = {}
-        # (route, collective, op, virtual shards?) -> why it was refused: a route that failed a check serves that
-        # collective for no dtype or shape on this group (a virtual-shard site runs other code on the route).
-        self._refused: dict[tuple[Route, Collective, ReduceOp, bool], str] = {}
+        # (route, collective, op, shard fold of a virtual-shard site or None) -> why it was refused: a route that
+        # failed a check serves that collective for no dtype or shape on this group (a virtual-shard site, and each
+        # shard fold, runs other code on the route).
+        self._refused: dict[tuple[Route, Collective, ReduceOp, str | None], str] = {}
 
     # -- the static policy -------------------------------------------------------------------------------------
     def decide(self, site: Site) -> RouteDecision:
@@ -573,6 +610,15 @@ class AutoBackend:
         (detcomm.workspace.admission: armed, and one row's V/W fp32 slabs fit a launch); reduce-scatter never does."""
         v, w = site.virtual_shards, self.caps.world_size
         assert v is not None
+        tree = site.shard_fold == "tree"
+        if tree and v % w:
+            # V is a power of two (Site), so W divides V exactly when W is a power of two no larger than V.
+            raise ValueError(
+                f"site {site.name!r}: shard_fold='tree' at W={w}: rank r folds the subtree of shards r*V/W .. "
+                f"(r+1)*V/W - 1, so W must be a power of two dividing V={v}; shard_fold='order' serves every W "
+                f"dividing V (declare V a multiple of every TP size you will run, e.g. {_order_v(w)}, with V/W fp32 "
+                "partials per rank on the wire)"
+            )
         if v % w:
             raise ValueError(
                 f"site {site.name!r}: virtual_shards V={v} is not divisible by the group's world size W={w} (rank r "
@@ -589,7 +635,10 @@ class AutoBackend:
             if site.route is Route.IPC_FOLD and not ws.serves:
                 raise ValueError(f"site {site.name!r}: route='ipc_fold' is unavailable for {v} virtual shards: "
                                  f"{ws.why}; drop route= (gather_fold / a2a_fold fold the V shards on any group)")
-            return [RouteDecision(site.route, f"forced by the site's route=; {v} virtual shards")]
+            return [RouteDecision(site.route, f"forced by the site's route=; {v} virtual shards"
+                                                  f"{', tree order' if tree else ''}")]
+        if tree:
+            return self._tree_candidates(site, ws)
         shards = f"{v} virtual shards, {v // w} fp32 partials per rank"
         if site.collective is Collective.REDUCE_SCATTER:
             shards += f"; {ws.why}"
@@ -604,6 +653,30 @@ class AutoBackend:
                                              f"partials ({shards})"),
             RouteDecision(Route.A2A_FOLD, f"all-to-all of column blocks of the fp32 partials, canonical fold, "
                                           f"all-gather of the rounded blocks ({shards})")]
+
+    def _tree_candidates(self, site: Site, ws: admission.Admission) -> list[RouteDecision]:
+        """A tree-order virtual-shard site (docs/spec.md §9.1 "The tree order"): every rank folds its own subtree
+        and sends one fp32 root per element. All-reduce: the workspace where it admits the site, then gather_fold
+        (one collective: the decode route), then a2a_fold (reduce-scatter of column blocks, all-gather of the
+        rounded blocks: the bandwidth route, forced with route='a2a_fold'). Reduce-scatter: a2a_fold's row-block
+        exchange, then gather_fold."""
+        v, w = site.virtual_shards, self.caps.world_size
+        assert v is not None
+        local = (f"{v} virtual shards in the tree order, each rank folds its subtree of {v // w} and sends one fp32 "
+                 f"root per element")
+        if site.collective is Collective.REDUCE_SCATTER:
+            local += f"; {ws.why}"
+            return [RouteDecision(Route.A2A_FOLD, f"all-to-all of the row blocks of the subtree roots, the top "
+                                                  f"log2(W) levels of the tree ({local})"),
+                    RouteDecision(Route.GATHER_FOLD, f"all-gather of the subtree roots, the top log2(W) levels of "
+                                                     f"the tree ({local})")]
+        out = [RouteDecision(Route.IPC_FOLD, ws.why)] if ws.serves else []
+        local += f"; {'ipc_fold refused' if ws.serves else ws.why}"
+        return out + [
+            RouteDecision(Route.GATHER_FOLD, f"all-gather of the subtree roots, the top log2(W) levels of the tree "
+                                             f"({local})"),
+            RouteDecision(Route.A2A_FOLD, f"all-to-all of column blocks of the subtree roots, the top log2(W) "
+                                          f"levels, all-gather of the rounded blocks ({local})")]
 
     def _forced(self, site: Site) -> RouteDecision:
         route = site.route
@@ -643,7 +716,7 @@ class AutoBackend:
             return hit[0]
         refused: list[str] = []
         for cand in self.candidates(site):
-            kind = (cand.route, site.collective, site.op, site.virtual_shards is not None)
+            kind = (cand.route, site.collective, site.op, None if site.virtual_shards is None else site.shard_fold)
             if kind in self._refused:
                 refused.append(f"{cand.route.value}: {self._refused[kind]}")
                 continue

@@ -12,7 +12,11 @@ call, an ill-conditioned payload (detcomm.payload) is reduced
 
 A virtual-shard site (docs/spec.md §9.1) is checked the same way with V inputs: each rank passes its V/W fp32
 partials of a payload whose cancelling pairs are spread over all V shards (so any reordering of shards shows
-after rounding, at W = 1 too), and (c) compares with ``reference_fold`` of all V shards stacked.
+after rounding, at W = 1 too), and (c) compares with ``reference_fold`` of all V shards stacked. A tree-order
+site (docs/spec.md §9.1 "The tree order") compares with the tree's definition (``numerics.tree.reference_tree``),
+and its payload holds placed cancellations: +big and -big on the last leaf of one subtree and the first of its
+sibling, at every level of the tree, on two sibling leaves, and an all -0.0 element, so that the shard-order
+fold, another pairing, a reversed fold and a tree without its +0.0 each give other bits, at W = 1 too.
 
 The verdict is agreed across ranks (one integer MAX), so a failing route is refused on every rank with the
 same reason. Everything here is collective over the communicator's group.
@@ -41,6 +45,7 @@ from .invariance import (
 )
 from .invariance import rows_changed as _rows_differing
 from .numerics.fold import average, canonical_nan, reference_fold
+from .numerics.tree import reference_tree
 from .payload import ill_conditioned, with_specials
 from .route import NO_ARGS, BoundRoute, CallArgs, Collective, ReduceOp, Route
 
@@ -62,12 +67,15 @@ class CheckKey:
     shape: tuple[int, ...]
     variant: str = ""  # a forced kernel variant of the route ("" = the route's own choice)
     virtual_shards: int | None = None  # V of a virtual-shard site: the check folds V fp32 partials
+    shard_fold: str = "order"  # a virtual-shard site's order over its V partials ("order" or "tree")
 
     def label(self) -> str:
         dt = name_of(self.dtype)
         op = f" {self.op.value}" if self.collective.reduces else ""
         variant = f" [{self.variant}]" if self.variant else ""
         vs = "" if self.virtual_shards is None else f" virtual_shards={self.virtual_shards}"
+        if self.virtual_shards is not None and self.shard_fold != "order":
+            vs += f" shard_fold={self.shard_fold}"
         return f"{self.route.value}{variant}: {self.collective.value}{op} {dt}{list(self.shape)}{vs}"
 
 
@@ -131,8 +139,46 @@ def _shard_payload(key: CheckKey, rows: int, *, seed: int, rank: int, w: int, de
     for j in range(k):
         shard = rank * k + j
         p = ill_conditioned(rows, key.shape, key.dtype, seed=seed, rank=shard, world_size=v).to(torch.float32)
+        if key.shard_fold == "tree":
+            p = _tree_placed(p, shard, v, key.dtype)
         slabs.append(p * factor)
     return torch.stack(slabs, dim=1).to(device)
+
+
+def _tree_placements(v: int) -> list[tuple[int, int] | None]:
+    """Where a tree check puts +big and -big (shard pairs), None for an element of -0.0 on every shard (which a
+    tree without the root's +0.0 leaves -0.0). First the root's split (V/2 - 1, V/2): the tree cancels the pair
+    only at the root, after each half absorbed its smalls, where the shard-order fold cancels it at once and keeps
+    the smalls after it. Then two sibling leaves (0, 1), which the tree cancels first and another pairing or a
+    reversed fold does not. Then the split of the first node of every lower level."""
+    out: list[tuple[int, int] | None] = [None]
+    if v >= 2:
+        out.append((v // 2 - 1, v // 2))
+    if v >= 4:
+        out.append((0, 1))
+    m = 4
+    while m < v:
+        out.append((m // 2 - 1, m // 2))
+        m *= 2
+    return out
+
+
+def _tree_placed(p: torch.Tensor, shard: int, v: int, dtype: torch.dtype) -> torch.Tensor:
+    """Shard ``shard``'s payload ``p`` with placed cancellations: the first elements take every placement once
+    (so a check of one-element rows still meets each), then every even element cycles through them; the other
+    elements keep the ill-conditioned values (subnormals, zeros, triads)."""
+    big, small = (2.0**14, 2.0**-12) if dtype == torch.float16 else (2.0**100, 1.0)
+    flat = p.reshape(-1).clone()
+    places = _tree_placements(v)
+    chosen = [(e, places[e]) for e in range(min(len(places), flat.numel()))]
+    chosen += [(e, places[(e // 2) % len(places)]) for e in range(len(places) + len(places) % 2, flat.numel(), 2)]
+    for e, place in chosen:
+        if place is None:
+            flat[e] = -0.0
+        else:
+            plus, minus = place
+            flat[e] = big if shard == plus else -big if shard == minus else small * (1 + (shard + 1) / 32)
+    return flat.view_as(p)
 
 
 def _payload(key: CheckKey, rows: int, *, seed: int, rank: int, w: int, device: torch.device) -> torch.Tensor:
@@ -188,6 +234,8 @@ def _checks(key: CheckKey, execute: Callable[[torch.Tensor], torch.Tensor], *, w
     if key.collective is Collective.ARGMAX:
         full = stacked.permute(1, 0, 2).reshape(b, -1).to(torch.float32)
         ref = torch.argmax(full, dim=-1)
+    elif key.virtual_shards is not None and key.shard_fold == "tree":
+        ref = reference_tree(stacked.to(torch.float32), key.dtype)
     elif key.op is ReduceOp.SUM:
         ref = reference_fold(stacked, key.dtype)
     elif key.op is ReduceOp.AVG:
@@ -226,8 +274,8 @@ class SelfChecks:
                 if site.collective is Collective.ARGMAX else NO_ARGS)
         calls: dict[str, Callable[[torch.Tensor, CallArgs], torch.Tensor]] = {"": bound}
         calls.update(getattr(bound, "variants", {}))
-        keys = [CheckKey(bound.route, site.collective, site.op, site.dtype, site.shape, v, site.virtual_shards)
-                for v in calls]
+        keys = [CheckKey(bound.route, site.collective, site.op, site.dtype, site.shape, v, site.virtual_shards,
+                         site.shard_fold) for v in calls]
         if self.native.world_size > 1 and any(k not in self.results for k in keys):
             # The checks are collectives: ranks that declared the site differently would pair unrelated check
             # calls and refuse a sound route; prove first that every rank checks the same site.

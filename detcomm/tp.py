@@ -15,6 +15,8 @@ every shape the arithmetic sees, whatever W is:
   - ``"virtual"``: the reduction dimension is split into V fixed virtual shards; shard v's partial
     ``x[:, K_v] @ W[K_v, :]`` is an fp32 GEMM of one fixed shape, and the all-reduce folds the V partials in
     shard order (a site with ``virtual_shards=V``): the same bits for every W dividing V, W = 1 included.
+    ``shard_fold="tree"`` sums them by the fixed balanced tree instead (V a power of two; W a power of two
+    dividing V): each rank folds its own V/W partials and one fp32 value per element crosses the wire.
   - ``"full_k"``: an all-gather of the K-wide input, then every rank computes its N/W output columns as full-K
     GEMMs in fixed column blocks, then an all-gather of the output columns. No cross-rank sum at all: the
     value a TP=1 layer with the same column blocks computes, for every W dividing the block count.
@@ -118,20 +120,24 @@ class RowParallelLinear:
     """``y = x @ W`` with x's K columns sharded over the ranks (rank r holds columns r*K/W .. (r+1)*K/W - 1);
     every rank returns the whole [rows, N] output, identical bits on every rank.
 
-    ``layout``: "fold", "virtual" (``virtual_shards`` V; W must divide V) or "full_k" (``blocks`` fixed output
-    column blocks; W must divide ``blocks``). ``site``: the call site's name (full_k declares
+    ``layout``: "fold", "virtual" (``virtual_shards`` V; W must divide V; ``shard_fold`` "order" or "tree",
+    docs/spec.md §9.1 "The tree order") or "full_k" (``blocks`` fixed output column blocks; W must divide
+    ``blocks``). ``site``: the call site's name (full_k declares
     ``<site>.gather_in`` and ``<site>.gather_out``). ``max_rows``: the most real rows a call carries.
     Call ``declare()`` once after ``detcomm.init`` (collective), then the layer on every rank."""
 
     def __init__(self, weight: torch.Tensor, *, site: str, layout: Layout, max_rows: int,
                  virtual_shards: int | None = None, blocks: int | None = None, route: str | None = None,
                  rank: int | None = None, world: int | None = None, dtype: torch.dtype | None = None,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", shard_fold: str = "order") -> None:
         rank, world = _matrix_and_group(weight, "in, out", rank, world)
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
         if (virtual_shards is not None) != (layout == "virtual"):
             raise ValueError("virtual_shards is given exactly for layout='virtual'")
+        if shard_fold != "order" and layout != "virtual":
+            raise ValueError(f"shard_fold={shard_fold!r} orders the sum of virtual shards: it needs layout='virtual'")
+        self.shard_fold = shard_fold
         if (blocks is not None) != (layout == "full_k"):
             raise ValueError("blocks is given exactly for layout='full_k'")
         k, n = weight.shape
@@ -165,7 +171,8 @@ class RowParallelLinear:
                          max_rows=self.max_rows, route=self.route)
         elif self.layout == "virtual":
             detcomm.site(self.site, collective="all_reduce", dtype=self.dtype, shape=(self.out_features,),
-                         max_rows=self.max_rows, route=self.route, virtual_shards=self.virtual_shards)
+                         max_rows=self.max_rows, route=self.route, virtual_shards=self.virtual_shards,
+                         shard_fold=self.shard_fold)
         else:
             detcomm.site(f"{self.site}.gather_in", collective="all_gather", dtype=self.dtype,
                          shape=(self.in_features // self.world,), max_rows=self.max_rows)

@@ -350,7 +350,8 @@ def test_bench_tp_layouts_runs(cluster2: LocalCluster) -> None:
     assert sorted((r["rows"], r["layout"]) for r in rows) == sorted((n, name) for n in (1, 4) for name in tp_layouts.LAYOUTS)
     r, h, k, w, v = 4, 64, 128, 2, 8
     want = {"native": 2 * (w - 1) / w * r * h * 2, "fold": (w - 1) * r * h * 2, "vs_gather": (w - 1) * v / w * r * h * 4,
-            "vs_a2a": (w - 1) / w * r * h * (4 * v / w + 2), "full_k": (w - 1) / w * r * (k + h) * 2}
+            "vs_a2a": (w - 1) / w * r * h * (4 * v / w + 2), "full_k": (w - 1) / w * r * (k + h) * 2,
+            "vs_tree": (w - 1) * r * h * 4, "vs_tree_a2a": (w - 1) / w * r * h * (4 + 2)}
     for row in rows:
         if row["rows"] == r:
             assert row["received_bytes"] == want[row["layout"]], row

@@ -13,6 +13,9 @@ shard r*V/W + j):
     all-gather of the rounded blocks gives every rank the whole rows. Each rank receives the other ranks' V/W
     fp32 slabs of its column block (1/W of a row) and their rounded blocks: W times fewer fp32 bytes than
     gather_fold, in two collectives instead of one (byte counts: docs/spec.md §9.1).
+A tree-order site (``shard_fold="tree"``, docs/spec.md §9.1 "The tree order") exchanges the same blocks of its
+subtree root (this rank's V/W slabs folded locally, one fp32 value per element) and folds the top log2(W) levels
+of the tree over the W received blocks: the reduce-scatter of a plain fold with fp32 messages.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ..numerics import tree
 from ..numerics.fold import Leaf, average, fold_shards
 from ..route import BoundRoute, Collective, ReduceOp, Route, Site
 from .base import bind_from
@@ -39,6 +43,12 @@ class A2AFoldBackend:
     def bind(self, site: Site) -> BoundRoute:
         # The call guard inside the exchanged blocks where the group's messages live in device memory (guard.py).
         guard = MessageGuard(site, native=self.native) if self.native.in_message else None
+        if site.virtual_shards is not None and site.shard_fold == "tree":
+            dtype = site.dtype
+            return bind_from(self.route, site, {
+                Collective.ALL_REDUCE: lambda x, a: self.tree_all_reduce(x, dtype, guard=guard),
+                Collective.REDUCE_SCATTER: lambda x, a: self.tree_reduce_scatter(x, dtype, guard=guard),
+            }, guard=guard)
         if site.virtual_shards is not None:
             dtype = site.dtype
             return bind_from(self.route, site, {
@@ -72,12 +82,15 @@ class A2AFoldBackend:
         """``blocks`` [W, V/W, ...]: block q goes to rank q. Returns [V, ...]: what every rank sent this rank, in
         rank order, so in shard order."""
         w = self.native.world_size
+        # contiguous: a reshape of permuted blocks can be a strided view (one element per block and slab), which
+        # neither the library nor the byte view of the guarded message takes.
+        flat = blocks.reshape(w, -1).contiguous()
         header = guard.begin(blocks) if guard is not None else None
         if header is None:
-            recv = self.native.all_to_all(blocks.reshape(w, -1), [1] * w, [1] * w)
+            recv = self.native.all_to_all(flat, [1] * w, [1] * w)
             return recv.view(-1, *blocks.shape[2:])
         assert guard is not None
-        msgs = append_each(blocks.reshape(w, -1).view(torch.uint8), header)
+        msgs = append_each(flat.view(torch.uint8), header)
         stacked, headers = split(self.native.all_to_all(msgs, [1] * w, [1] * w), blocks[0], contiguous=True)
         guard.end(headers)
         return stacked.view(-1, *blocks.shape[2:])
@@ -97,5 +110,24 @@ class A2AFoldBackend:
         flat = F.pad(x.reshape(k, rows, n), (0, w * c - n))
         blocks = flat.view(k, rows, w, c).permute(2, 0, 1, 3)  # [dest, V/W, rows, c]
         mine = fold_shards(self._exchange(blocks, guard), dtype, self.leaf.fold)  # [rows, c] in dtype
+        whole = self.native.all_gather(mine.contiguous()).view(w, rows, c)
+        return whole.permute(1, 0, 2).reshape(rows, w * c)[:, :n].reshape(rows, *x.shape[2:])
+
+    # -- the tree order: the blocks carry this rank's subtree root, one fp32 value per element -------------------
+    def tree_reduce_scatter(self, x: torch.Tensor, dtype: torch.dtype, *,
+                            guard: MessageGuard | None = None) -> torch.Tensor:
+        w = self.native.world_size
+        rows = x.shape[1]
+        blocks = tree.subtree(x).reshape(w, 1, rows // w, *x.shape[2:])  # [dest, 1, rows/W, *shape]
+        return tree.tree_fold(self._exchange(blocks, guard), dtype)
+
+    def tree_all_reduce(self, x: torch.Tensor, dtype: torch.dtype, *, guard: MessageGuard | None = None) -> torch.Tensor:
+        w = self.native.world_size
+        rows = x.shape[1]
+        n = math.prod(x.shape[2:])
+        c = -(-n // w)  # columns per block; the last block is zero-padded
+        flat = F.pad(tree.subtree(x).reshape(rows, n), (0, w * c - n))
+        blocks = flat.view(rows, w, c).permute(1, 0, 2).unsqueeze(1)  # [dest, 1, rows, c]
+        mine = tree.tree_fold(self._exchange(blocks, guard), dtype)  # [rows, c] in dtype
         whole = self.native.all_gather(mine.contiguous()).view(w, rows, c)
         return whole.permute(1, 0, 2).reshape(rows, w * c)[:, :n].reshape(rows, *x.shape[2:])

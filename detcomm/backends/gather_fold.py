@@ -6,13 +6,16 @@ row's W inputs: not on the row count, its offset, or the stream.
 
 A virtual-shard site (docs/spec.md §9.1) gathers every rank's V/W fp32 partials instead: rank r's slab j is
 global shard r*V/W + j, so the gathered [W, V/W, ...] block is the V shards in shard order, and every rank folds
-all V of them (V/W fp32 slabs per rank on the wire, against one dtype row for a plain site).
+all V of them (V/W fp32 slabs per rank on the wire, against one dtype row for a plain site). A tree-order site
+(``shard_fold="tree"``, docs/spec.md §9.1 "The tree order") folds its own subtree first and gathers one fp32 root
+per rank (rank order is the tree's leaf order); every rank folds the top log2(W) levels.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..numerics import tree
 from ..numerics.fold import Leaf, average, fold_shards
 from ..route import BoundRoute, Collective, ReduceOp, Route, Site
 from .base import bind_from
@@ -30,6 +33,12 @@ class GatherFoldBackend:
     def bind(self, site: Site) -> BoundRoute:
         # The call guard inside the gathered messages where the group's messages live in device memory (guard.py).
         guard = MessageGuard(site, native=self.native) if self.native.in_message else None
+        if site.virtual_shards is not None and site.shard_fold == "tree":
+            dtype = site.dtype
+            return bind_from(self.route, site, {
+                Collective.ALL_REDUCE: lambda x, a: self.tree_all_reduce(x, dtype, guard=guard),
+                Collective.REDUCE_SCATTER: lambda x, a: self.tree_reduce_scatter(x, dtype, guard=guard),
+            }, guard=guard)
         if site.virtual_shards is not None:
             dtype = site.dtype
             return bind_from(self.route, site, {
@@ -80,3 +89,17 @@ class GatherFoldBackend:
         n = x.shape[1] // self.native.world_size
         r = self.native.rank
         return fold_shards(self._shards(x, guard)[:, r * n : (r + 1) * n], dtype, self.leaf.fold)
+
+    # -- the tree order: x is this rank's [V/W, rows, *shape] fp32 partials, the leaves of its subtree ------------
+    def _roots(self, x: torch.Tensor, guard: MessageGuard | None) -> torch.Tensor:
+        """Every rank's subtree root [W, rows, *shape] fp32, in rank order (the top levels' leaf order)."""
+        return self._gathered(tree.subtree(x).contiguous(), guard)
+
+    def tree_all_reduce(self, x: torch.Tensor, dtype: torch.dtype, *, guard: MessageGuard | None = None) -> torch.Tensor:
+        return tree.tree_fold(self._roots(x, guard), dtype)
+
+    def tree_reduce_scatter(self, x: torch.Tensor, dtype: torch.dtype, *,
+                            guard: MessageGuard | None = None) -> torch.Tensor:
+        n = x.shape[1] // self.native.world_size
+        r = self.native.rank
+        return tree.tree_fold(self._roots(x, guard)[:, r * n : (r + 1) * n], dtype)

@@ -102,7 +102,8 @@ def hash_text(text: str) -> int:
 
 def site_hash(site: Site) -> int:
     """The site's signature: what a call must match besides the name (collective, op, dtype, trailing shape)."""
-    return hash_text(f"{site.collective.value}|{site.op.value}|{site.dtype}|{site.shape}|{site.virtual_shards}")
+    tree = "" if site.shard_fold == "order" else f"|{site.shard_fold}"
+    return hash_text(f"{site.collective.value}|{site.op.value}|{site.dtype}|{site.shape}|{site.virtual_shards}{tree}")
 
 
 def _padded(header: Sequence[int]) -> list[int]:
@@ -204,7 +205,8 @@ class MessageGuard:
         opened, self._open = self._open, None
         assert opened is not None, "end() without begin()"
         ints, readable = opened
-        got = headers.to("cpu", torch.uint8).contiguous().view(torch.int64).view(-1, HEADER_INTS).tolist()
+        # A copy: a header that follows an odd count of 4-byte elements starts off an 8-byte boundary.
+        got = headers.to("cpu", torch.uint8).clone(memory_format=torch.contiguous_format).view(torch.int64).view(-1, HEADER_INTS).tolist()
         _mismatch(self.native, got, ints, readable)
 
 

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from ..numerics import keys
+from ..numerics import keys, tree
 from ..numerics.fold import reference_fold
 from ..route import BoundRoute, Collective, ReduceOp, Route, Site
 from . import guard as _guard
@@ -56,8 +56,11 @@ class NativeBackend:
             # Forced only, outside bitwise envelopes (route.py): each rank folds its own V/W partials, the
             # library sums the W pre-folded results in fp32 and the sum is rounded once. W-dependent bits: the
             # negative control of the canonical fold over the V shards.
+            # A tree-order site pre-folds its own subtree instead (equal to the tree at W = 1 and W = 2 only).
+            tree_order = site.shard_fold == "tree"
+
             def presum(x: torch.Tensor) -> torch.Tensor:
-                return reference_fold(x, torch.float32)
+                return tree.subtree(x) if tree_order else reference_fold(x, torch.float32)
 
             dtype = site.dtype
             return bind_from(self.route, site, {

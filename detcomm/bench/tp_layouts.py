@@ -13,6 +13,9 @@ Layouts (output width H = --hidden, reduction width K = --k, bf16 output, V = --
   vs_gather each rank's V/W fp32 partials [V/W, rows, H], gather_fold over the V shards: the same bits at every
             W dividing V
   vs_a2a    the same partials, a2a_fold (all-to-all of column blocks, fold, all-gather of the rounded blocks)
+  vs_tree   the same partials on a tree-order site (shard_fold="tree"), gather_fold: each rank folds its subtree
+            and sends one fp32 row; the same bits at every power-of-two W dividing V
+  vs_tree_a2a  the tree-order site on a2a_fold (column blocks of the subtree roots)
   full_k    all-gather of the K-wide bf16 activation (each rank holds K/W columns) and of the output (each
             rank computes H/W columns with the full K): no cross-rank sum at all; the column interleave copies
             are included
@@ -40,7 +43,7 @@ from ..tables import format_table
 
 __all__ = ["LAYOUTS", "received_bytes", "job", "main"]
 
-LAYOUTS = ("native", "fold", "vs_gather", "vs_a2a", "full_k")
+LAYOUTS = ("native", "fold", "vs_gather", "vs_a2a", "vs_tree", "vs_tree_a2a", "full_k")
 DECODE_ROWS = (1, 4, 16, 64)
 PREFILL_ROWS = (512, 1024, 2048, 4096)
 QUICK = {"rows": (1, 16, 64, 512), "hidden": 4096, "k": 4096, "iters": 12, "worlds": (2, 4)}
@@ -59,6 +62,11 @@ def received_bytes(layout: str, *, rows: int, hidden: int, k: int, w: int, v: in
     if layout == "vs_a2a":
         c = -(-hidden // w)
         return (w - 1) * (v // w) * rows * c * 4 + (w - 1) * rows * c * elem
+    if layout == "vs_tree":  # the tree order: one fp32 subtree root per rank
+        return (w - 1) * rows * hidden * 4
+    if layout == "vs_tree_a2a":
+        c = -(-hidden // w)
+        return (w - 1) * rows * c * 4 + (w - 1) * rows * c * elem
     if layout == "full_k":
         return (w - 1) * rows * (k // w) * elem + (w - 1) * rows * (hidden // w) * elem
     raise ValueError(f"unknown layout {layout!r}; expected one of {LAYOUTS}")
@@ -98,6 +106,10 @@ def job(rank: int, w: int, cfg: dict[str, Any]) -> list[dict[str, Any]]:
                             virtual_shards=v, route="gather_fold")
         s_va = detcomm.site(f"tp.vs_a2a.{rows}", collective="all_reduce", dtype=bf16, shape=(h,), max_rows=rows,
                             virtual_shards=v, route="a2a_fold")
+        s_vt = detcomm.site(f"tp.vs_tree.{rows}", collective="all_reduce", dtype=bf16, shape=(h,), max_rows=rows,
+                            virtual_shards=v, shard_fold="tree", route="gather_fold")
+        s_vta = detcomm.site(f"tp.vs_tree_a2a.{rows}", collective="all_reduce", dtype=bf16, shape=(h,),
+                             max_rows=rows, virtual_shards=v, shard_fold="tree", route="a2a_fold")
         s_act = detcomm.site(f"tp.full_k.act.{rows}", collective="all_gather", dtype=bf16, shape=(k // w,),
                              max_rows=rows)
         s_out = detcomm.site(f"tp.full_k.out.{rows}", collective="all_gather", dtype=bf16, shape=(h // w,),
@@ -113,6 +125,8 @@ def job(rank: int, w: int, cfg: dict[str, Any]) -> list[dict[str, Any]]:
             "fold": lambda: detcomm.all_reduce(x, s_fold),
             "vs_gather": lambda: detcomm.all_reduce(partials, s_vg),
             "vs_a2a": lambda: detcomm.all_reduce(partials, s_va),
+            "vs_tree": lambda: detcomm.all_reduce(partials, s_vt),
+            "vs_tree_a2a": lambda: detcomm.all_reduce(partials, s_vta),
             "full_k": full_k,
         }
 
@@ -126,7 +140,7 @@ def job(rank: int, w: int, cfg: dict[str, Any]) -> list[dict[str, Any]]:
         base = stats["native"]["median_us"]
         for name in LAYOUTS:
             route = {"native": "native", "fold": fold_route, "vs_gather": "gather_fold", "vs_a2a": "a2a_fold",
-                     "full_k": "native all_gather x2"}[name]
+                     "vs_tree": "gather_fold", "vs_tree_a2a": "a2a_fold", "full_k": "native all_gather x2"}[name]
             out.append({
                 "layout": name, "route": route, "rows": rows, "hidden": h, "k": k, "world_size": w,
                 "virtual_shards": v if name.startswith("vs") else None, "device": str(dev), "dtype": "bf16",

@@ -135,7 +135,7 @@ class TPCausalLM:
 
     def __init__(self, model: Any, serving: ServingConfig | None = None, *, route: str | None = None,
                  ep: EPConfig | None = None, layout: str = "fold", virtual_shards: int | None = None,
-                 checkpoint: Checkpoint | None = None) -> None:
+                 checkpoint: Checkpoint | None = None, shard_fold: str = "order") -> None:
         serving = serving or ServingConfig()
         serving.check()
         if layout not in ("fold", "virtual", "full_k"):
@@ -151,7 +151,8 @@ class TPCausalLM:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.step_rows = StepRows()
         self.shards: Shards = shard_model(model, rank=self.rank, world=self.world, step=self.step_rows, ep=ep,
-                                          layout=layout, virtual_shards=virtual_shards, max_rows=serving.t_pad)
+                                          layout=layout, virtual_shards=virtual_shards, max_rows=serving.t_pad,
+                                          shard_fold=shard_fold)
         if checkpoint is not None:  # a meta-device model: read this rank's slices (detcomm.hf.sliced)
             fill(model, self.shards, checkpoint, dtype=next(model.parameters()).dtype)
         self.model: Any = model.to(self.device).eval()
@@ -175,7 +176,8 @@ class TPCausalLM:
         if self.invariant:
             for layer in self.layers:
                 layer.self_attn.o_proj.layer.declare()
-                layer.mlp.down_proj.layer.declare()
+                if layer.mlp not in self.shards.moe_blocks:  # an MoE block's sites: declare_sites
+                    layer.mlp.down_proj.layer.declare()
             model.lm_head.head.declare()
             detcomm.site(self.shards.head_sites["gather"], collective="all_gather", dtype=torch.float32,
                          shape=(self.shards.vocab_width,), max_rows=serving.t_pad)

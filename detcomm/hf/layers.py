@@ -188,13 +188,14 @@ class InvariantRowLinear(nn.Module):
     added once after. Only the step's real rows travel; filler rows come back as zeros. Collective."""
 
     def __init__(self, linear: nn.Linear, start: int, stop: int, *, site: str, step: StepRows, layout: str,
-                 virtual_shards: int | None, blocks: int | None, max_rows: int, rank: int, world: int) -> None:
+                 virtual_shards: int | None, blocks: int | None, max_rows: int, rank: int, world: int,
+                 shard_fold: str = "order") -> None:
         super().__init__()
         from detcomm.tp import RowParallelLinear as TPRow
 
         self.layer = TPRow(linear.weight.data.t(), site=site, layout=layout, max_rows=max_rows,  # type: ignore[arg-type]
                            virtual_shards=virtual_shards, blocks=blocks, rank=rank, world=world,
-                           device=linear.weight.device)
+                           device=linear.weight.device, shard_fold=shard_fold)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.data.clone(), requires_grad=False)
         self.in_features, self.out_features = stop - start, linear.out_features
         self.weight = nn.Parameter(linear.weight.data[:, start:stop].clone(), requires_grad=False)  # local_ops' GEMM

@@ -153,16 +153,18 @@ def invariant_blocks(config: Any) -> int:
 
 
 def shard_model(model: Any, *, rank: int, world: int, step: StepRows, ep: EPConfig | None = None,
-                layout: str = "fold", virtual_shards: int | None = None, max_rows: int = 0) -> Shards:
+                layout: str = "fold", virtual_shards: int | None = None, max_rows: int = 0,
+                shard_fold: str = "order") -> Shards:
     """Cut ``model`` (a transformers *ForCausalLM of a supported family, still whole) to this rank's shard,
     in place. A sparse MoE block becomes an ``EPMoEBlock`` with this rank's experts of ``ep.placement``
     (default ``EPConfig()``: every expert on every rank). Local; the sites it names must then be declared with
     ``declare_sites`` (collective).
 
     ``layout``: "fold" (the plain Megatron layout), or "virtual" (``virtual_shards`` V) / "full_k": the
-    TP-size-invariant layouts (docs/spec.md §9.1) of dense models: column-parallel projections in
+    TP-size-invariant layouts (docs/spec.md §9.1): column-parallel projections in
     ``invariant_blocks`` fixed blocks, o_proj / down_proj through ``detcomm.tp.RowParallelLinear``, the LM head in
-    fixed vocabulary blocks; ``max_rows`` is then the step width."""
+    fixed vocabulary blocks; ``max_rows`` is then the step width. ``shard_fold``: the virtual shards' order
+    ("order" or "tree", docs/spec.md §9.1 "The tree order")."""
     config = model.config
     check_divisible(config, world)
     if ep is not None:
@@ -179,10 +181,6 @@ def shard_model(model: Any, *, rank: int, world: int, step: StepRows, ep: EPConf
             raise ValueError(f"layout={layout!r} at W={world}: the TP-size-invariant layouts run attention in fixed "
                              f"head groups that each hold whole KV heads, so W must divide num_key_value_heads={kv}; "
                              f"replicated KV heads (W > {kv}) serve layout='fold' only. Run this layout at W in {ok}")
-        if config.model_type in MOE_FAMILIES:
-            raise ValueError(f"layout={layout!r}: the TP-size-invariant layouts serve dense models and "
-                             f"{config.model_type!r} has MoE blocks; use layout='fold' (the MoE combine is already "
-                             "placement- and batch-invariant)")
         blocks = invariant_blocks(config)
         from detcomm.tp import check_divides
 
@@ -209,7 +207,7 @@ def shard_model(model: Any, *, rank: int, world: int, step: StepRows, ep: EPConf
             cuts[f"{name}.bias"] = Cut(0, start, stop)
 
     # The invariant layouts' row-parallel options, the same for every layer.
-    row = dict(step=step, layout=layout, virtual_shards=virtual_shards,
+    row = dict(step=step, layout=layout, virtual_shards=virtual_shards, shard_fold=shard_fold,
                blocks=blocks if layout == "full_k" else None, max_rows=max_rows, rank=rank, world=world)
     for layer in decoder.layers:
         attn = layer.self_attn
@@ -292,6 +290,8 @@ def declare_sites(shards: Shards, *, hidden: int, dtype: torch.dtype, max_rows: 
     if shards.layout != "fold":
         detcomm.site(shards.embed_site, collective="all_reduce", dtype=dtype, shape=(hidden,), max_rows=max_rows,
                      route=route)
+        for block in shards.moe_blocks:
+            block.declare(dtype=dtype, max_rows=max_rows)
         return
     for name in (shards.embed_site, *shards.row_sites):
         detcomm.site(name, collective="all_reduce", dtype=dtype, shape=(hidden,), max_rows=max_rows, route=route)

@@ -61,11 +61,12 @@ def serve(ns: argparse.Namespace) -> int:
                          f"{ns.max_prompt + ns.new_tokens - 1} tokens) must fit one forward of --t-pad {ns.t_pad} rows")
     spec = {"layers": ns.layers, "t_pad": ns.t_pad, "seed": 1234 + ns.seed, "dtype": ns.dtype,
             "max_context": max(64, ns.max_prompt + ns.new_tokens), "layout": layout,
-            "virtual_shards": ns.virtual_shards}
+            "virtual_shards": ns.virtual_shards, "shard_fold": ns.shard_fold}
     torch.set_num_threads(1)
     comm = detcomm.init(numerics=ns.numerics or os.environ.get("DETCOMM_NUMERICS") or DEFAULT_NUMERICS)
     try:
-        model = TPTransformer(_config(spec), device=comm.device, layout=layout, virtual_shards=ns.virtual_shards)
+        model = TPTransformer(_config(spec), device=comm.device, layout=layout, virtual_shards=ns.virtual_shards,
+                              shard_fold=ns.shard_fold)
         model.declare_sites()
         reqs = make_requests(ns.requests, vocab=model.cfg.vocab, new_tokens=ns.new_tokens, max_prompt=ns.max_prompt,
                              seed=ns.seed)
@@ -78,7 +79,7 @@ def serve(ns: argparse.Namespace) -> int:
         with open(ns.out, "w") as f:
             json.dump({"world_size": world, "numerics": numerics, "device_type": device.type, "model": spec,
                        "requests": request_records(reqs, results)}, f, indent=2)
-        emit(f"align serve: W={world} layout={layout_label(layout, ns.virtual_shards)} numerics={numerics} "
+        emit(f"align serve: W={world} layout={layout_label(layout, ns.virtual_shards, ns.shard_fold)} numerics={numerics} "
              f"requests={len(reqs)} new_tokens={ns.new_tokens}: wrote {ns.out}")
     return 0
 
@@ -142,7 +143,7 @@ def train(ns: argparse.Namespace) -> int:
                             device=device)
         try:
             model = TPTransformer(_config(spec), device=comm.device, layout=spec["layout"],
-                                  virtual_shards=spec["virtual_shards"])
+                                  virtual_shards=spec["virtual_shards"], shard_fold=spec.get("shard_fold", "order"))
             model.declare_sites()
             trained = {r["rid"]: teacher_forced_logprobs(model, r["prompt"], r["tokens"]) for r in server["requests"]}
         finally:
@@ -156,7 +157,8 @@ def train(ns: argparse.Namespace) -> int:
     if rank == 0:
         title = (f"trainer alignment: server W={server['world_size']} (KV-cache decode, packed) vs trainer W={world} "
                  f"(teacher forcing, one forward per sequence, process group backend={backend}, device={device.type}); "
-                 f"layout={layout_label(spec['layout'], spec['virtual_shards'])} dtype={spec['dtype']} "
+                 f"layout={layout_label(spec['layout'], spec['virtual_shards'], spec.get('shard_fold', 'order'))} "
+                 f"dtype={spec['dtype']} "
                  f"T_pad={spec['t_pad']}")
         verdict = (f"PASS: all {total} trainer logprobs equal the server's sampling-time logprobs bit for bit"
                    if passed else f"FAIL: {bad}/{total} trainer logprobs differ from the server's")
@@ -174,6 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="generate at this launch's W and write the sampling-time logprobs")
     s.add_argument("--out", required=True, metavar="PATH", help="where rank 0 writes the rollout (JSON)")
     s.add_argument("--virtual-shards", type=int, default=None, metavar="V", help="virtual-shard layout (W | V)")
+    s.add_argument("--shard-fold", choices=("order", "tree"), default="order",
+                   help="with --virtual-shards: the shard-order fold or the fixed balanced tree (V, W powers of two)")
     s.add_argument("--full-k", action="store_true", help="full-K layout")
     s.add_argument("--requests", type=int, default=8)
     s.add_argument("--new-tokens", type=int, default=12)

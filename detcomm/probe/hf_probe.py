@@ -98,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--virtual-shards", type=int, default=None, metavar="V",
                    help="TP-size-invariant layout: o_proj/down_proj fold V fixed virtual shards (W must divide V)")
+    p.add_argument("--shard-fold", choices=("order", "tree"), default="order",
+                   help="with --virtual-shards: sum the V partials in shard order (any W dividing V) or by the fixed "
+                        "balanced tree (V and W powers of two; one fp32 partial per rank on the wire)")
     p.add_argument("--full-k", action="store_true",
                    help="TP-size-invariant layout: o_proj/down_proj as full-K GEMMs on fixed column blocks")
     p.add_argument("--json", metavar="PATH", help="rank 0 writes per request the token ids and logprob bits (hex)")
@@ -214,7 +217,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                           combine_order=ns.combine_order)
         if full_load:
             model = TPCausalLM(load_causal_lm(directory, dtype=dtype), serving, route=ns.route, ep=ep, layout=layout,
-                               virtual_shards=ns.virtual_shards)
+                               virtual_shards=ns.virtual_shards, shard_fold=ns.shard_fold)
         else:
             model = TPCausalLM(meta_model(hf_config, dtype=dtype), serving, route=ns.route, ep=ep,
                                checkpoint=Checkpoint(directory))
@@ -246,7 +249,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = model.config
         title = (
             f"HF probe: {cfg.model_type} ({name}) W={world} backend={table.backend} numerics={table.numerics} "
-            f"layout={layout_label(layout, ns.virtual_shards)} o_proj/down_proj route={'/'.join(row_routes)} "
+            f"layout={layout_label(layout, ns.virtual_shards, ns.shard_fold)} o_proj/down_proj route={'/'.join(row_routes)} "
             f"dtype={ns.dtype} load={'full' if full_load else 'sliced'} device={model.device} "
             f"T_pad={serving.t_pad} q_block={serving.q_block} max_context={serving.max_context} "
             f"layers={cfg.num_hidden_layers} hidden={cfg.hidden_size} heads={cfg.num_attention_heads}/"
@@ -269,7 +272,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                            "ranks_agree": agree, "passed": passed, "comparisons": records,
                            "experts": _moe_record(model, ns) if moe else None,
                            "requests": per_request, "seconds": elapsed, "layout": layout,
-                           "virtual_shards": ns.virtual_shards}, f, indent=2)
+                           "virtual_shards": ns.virtual_shards, "shard_fold": ns.shard_fold}, f, indent=2)
     if ns.expect_divergence:
         return 0 if diverged_any else 1
     return 0 if passed else 1

@@ -109,7 +109,7 @@ class TPTransformer:
     fixed-block vocabulary head."""
 
     def __init__(self, cfg: ModelConfig, *, pad: bool = True, device: torch.device | str = "cpu",
-                 layout: Layout = "fold", virtual_shards: int | None = None) -> None:
+                 layout: Layout = "fold", virtual_shards: int | None = None, shard_fold: str = "order") -> None:
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
         if (virtual_shards is not None) != (layout == "virtual"):
@@ -118,7 +118,7 @@ class TPTransformer:
         self.device = dev = torch.device(device)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         cfg.check(self.world, layout=layout, virtual_shards=virtual_shards)
-        self.pad, self.layout, self.virtual_shards = pad, layout, virtual_shards
+        self.pad, self.layout, self.virtual_shards, self.shard_fold = pad, layout, virtual_shards, shard_fold
         self.invariant = layout != "fold"
         self.fuse = False  # declare_sites decides (fused layer boundaries under a bitwise envelope)
         self.heads_local = cfg.heads // self.world
@@ -137,7 +137,8 @@ class TPTransformer:
 
         def row(m: torch.Tensor, site: str) -> RowParallelLinear:
             return RowParallelLinear(m, site=site, layout=layout, max_rows=cfg.t_pad, virtual_shards=virtual_shards,
-                                     blocks=blocks if layout == "full_k" else None, dtype=dt, device=dev)
+                                     blocks=blocks if layout == "full_k" else None, dtype=dt, device=dev,
+                                     shard_fold=shard_fold)
 
         def vec(n: int) -> torch.Tensor:
             return (1.0 + 0.1 * torch.randn(n, generator=g)).to(dt).to(dev)

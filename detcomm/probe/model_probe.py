@@ -298,13 +298,17 @@ def layout_from_args(ns: argparse.Namespace) -> Layout:
         raise ValueError("--virtual-shards and --full-k are two layouts: pass one")
     if ns.virtual_shards is not None and ns.virtual_shards < 1:
         raise ValueError(f"--virtual-shards must be >= 1, got {ns.virtual_shards}")
+    if getattr(ns, "shard_fold", "order") != "order" and ns.virtual_shards is None:
+        raise ValueError("--shard-fold orders the sum of virtual shards: pass --virtual-shards V too")
     if ns.full_k and getattr(ns, "route", None):
         raise ValueError("--route forces the o_proj/down_proj all-reduce; the full-K layout has none")
     return "virtual" if ns.virtual_shards is not None else "full_k" if ns.full_k else "fold"
 
 
-def layout_label(layout: str, virtual_shards: int | None) -> str:
-    return f"virtual V={virtual_shards}" if layout == "virtual" else layout
+def layout_label(layout: str, virtual_shards: int | None, shard_fold: str = "order") -> str:
+    if layout != "virtual":
+        return layout
+    return f"virtual V={virtual_shards}" + (" tree" if shard_fold == "tree" else "")
 
 
 def request_records(reqs: Sequence[Request], results: dict[int, Result]) -> list[dict]:
@@ -333,6 +337,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--virtual-shards", type=int, default=None, metavar="V",
                    help="TP-size-invariant layout: o_proj/down_proj fold V fixed virtual shards (W must divide V)")
+    p.add_argument("--shard-fold", choices=("order", "tree"), default="order",
+                   help="with --virtual-shards: sum the V partials in shard order (any W dividing V) or by the fixed "
+                        "balanced tree (V and W powers of two; one fp32 partial per rank on the wire)")
     p.add_argument("--full-k", action="store_true",
                    help="TP-size-invariant layout: o_proj/down_proj as full-K GEMMs on fixed column blocks")
     p.add_argument("--json", metavar="PATH",
@@ -361,7 +368,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
         model = TPTransformer(cfg, pad=not ns.no_pad, device=comm.device, layout=layout,
-                              virtual_shards=ns.virtual_shards)
+                              virtual_shards=ns.virtual_shards, shard_fold=ns.shard_fold)
         model.declare_sites(route=ns.route)
         table = detcomm.routes()
         local_ok = local_rows_invariant(model)
@@ -382,7 +389,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if rank == 0:
         title = (
             f"model probe: W={world} backend={table.backend} numerics={table.numerics} "
-            f"layout={layout_label(layout, ns.virtual_shards)} "
+            f"layout={layout_label(layout, ns.virtual_shards, ns.shard_fold)} "
             f"o_proj/down_proj route={routes.get(SITE_NAMES['o_proj'], '-')}/{routes.get(SITE_NAMES['down_proj'], '-')} "
             f"dtype={ns.dtype} T_pad={'off' if ns.no_pad else cfg.t_pad} layers={cfg.layers} "
             f"hidden={cfg.hidden} vocab={cfg.vocab} ({cfg.vocab // world}/rank) requests={len(reqs)} "
@@ -397,7 +404,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                            "routes": routes, "dtype": ns.dtype, "t_pad": None if ns.no_pad else cfg.t_pad,
                            "local_rows_invariant": local_ok, "ranks_agree": agree, "passed": passed,
                            "comparisons": records, "seconds": elapsed,
-                           "layout": layout, "virtual_shards": ns.virtual_shards,
+                           "layout": layout, "virtual_shards": ns.virtual_shards, "shard_fold": ns.shard_fold,
                            "requests": request_records(reqs, alone)}, f, indent=2)
     if ns.expect_divergence:
         return 0 if diverged_any else 1

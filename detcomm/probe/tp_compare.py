@@ -8,6 +8,8 @@ negative control). One process, no process group.
 
     for w in 1 2 4; do detcomm-launch --nproc $w -m detcomm.probe model --virtual-shards 8 --json vs$w.json; done
     python -m detcomm.probe tp-compare vs1.json vs2.json vs4.json
+
+The tree order (``--virtual-shards 8 --shard-fold tree``) compares the same way at W = 1, 2, 4.
 """
 
 from __future__ import annotations
@@ -45,7 +47,9 @@ def _alone(record: dict[str, Any]) -> dict[str, Any]:
 
 def _label(run: dict[str, Any]) -> str:
     layout = run.get("layout", "fold")
-    return f"virtual V={run['virtual_shards']}" if layout == "virtual" else layout
+    if layout != "virtual":
+        return layout
+    return f"virtual V={run['virtual_shards']}" + (" tree" if run.get("shard_fold") == "tree" else "")
 
 
 def _first(a: dict[str, Any], b: dict[str, Any]) -> str | None:

@@ -59,6 +59,8 @@ def admit(site: Site, caps: Capabilities, resolved: Resolved) -> Admission:
     virtual-shard all-reduce site) on a group with ``caps``, and why or why not."""
     if site.virtual_shards is not None and site.collective.value != "all_reduce":
         return Admission(False, "the workspace kernels fold virtual shards for all-reduce only")
+    if site.virtual_shards is not None and site.shard_fold != "order":
+        return Admission(False, "the workspace kernels fold virtual shards in shard order only")
     no = unavailable(caps, resolved)
     if no is not None:
         return Admission(False, no)
