@@ -7,6 +7,7 @@
 #   kernels   the workspace kernels' GPU tests (one-store, failures and their negative controls)
 #   tests     the in-process and in-place workspace tests and the fused norm tests
 #   core      the CUDA core, fold capture, virtual shards, the trainer backend, robustness, processes per GPU
+#   tree      the tree-order virtual-shard kernels (plain and fused) and the host routes' tree on CUDA
 #   mutants   the failure-guard mutants (tests/mutations.py --gpu-only; MUTANTS=1,1b,... for a subset)
 #   bench     the stream and NCCL benches, gather_fold captured, the fused bench, the host path
 #   soak      the 40 s soak over every route: processes sharing one GPU, and one GPU per rank where >= 2
@@ -35,10 +36,10 @@ if [ -n "${LANES:-}" ]; then
   for lane in $LANES; do i=$((i + 1)); echo "== lane $i: $lane"; grep -v '^\[0 s\] [0-9]* GPU' "$OUT/lane$i.txt"; done
   exit 0
 fi
-# Stage names: the groups below, or kernels (= lamport,failures), tests (= inprocess,norm), core (= corecuda,robust).
+# Stage names: the groups below, or kernels (= lamport,failures), tests (= inprocess,norm), core (= corecuda,robust,tree).
 expanded=
 for t in ${STAGES//,/ }; do
-  case $t in kernels) t=lamport,failures ;; tests) t=inprocess,norm ;; core) t=corecuda,robust ;; esac
+  case $t in kernels) t=lamport,failures ;; tests) t=inprocess,norm ;; core) t=corecuda,robust,tree ;; esac
   expanded+="$t,"
 done
 STAGES=$expanded
@@ -66,11 +67,12 @@ has lamport && group lamport "$(lim 220)" tests/gpu/test_workspace_lamport.py
 has failures && group failures "$(lim 330)" tests/gpu/test_workspace_failures.py
 has inprocess && group inprocess "$(lim 300)" tests/gpu/test_workspace_inprocess.py tests/gpu/test_workspace_in_place.py
 has norm && group norm "$(lim 250)" tests/gpu/test_norm_gpu.py
+has tree && group tree "$(lim 240)" tests/gpu/test_workspace_tree.py tests/test_tree_fold.py
 has corecuda && group core "$(lim 260)" tests/gpu/test_core_cuda.py tests/gpu/test_core_workspace.py \
   tests/gpu/test_fold_capture.py tests/gpu/test_workspace_virtual.py tests/gpu/test_dist_backend_gpu.py \
   tests/gpu/test_rs_ag_fold_gpu.py
 has robust && group robust "$(lim 300)" tests/gpu/test_robust_gpu.py tests/gpu/test_workspace_multiproc.py \
-  tests/gpu/test_failed_call_output.py -k "not soak"
+  tests/gpu/test_failed_call_output.py tests/test_robust_guard_modes.py -k "not soak"
 if has mutants; then
   timeout 560 $PY tests/mutations.py --gpu-only --jobs 6 ${MUTANTS:+--only $MUTANTS} > "$OUT/mutations.log" 2>&1
   say "mutants rc=$?: $(grep -E 'mutant/test pairs caught' "$OUT/mutations.log" | tail -1)"
