@@ -22,6 +22,7 @@ from ..invariance import bits_equal
 from ..numerics import norm
 from ..route import BoundRoute, Collective, ReduceOp, Route, Site, fusion_refusal
 from ..workspace import Workspace
+from ..workspace.admission import shard_fold
 from .base import Bound, Call, bind_from
 
 # (x, residual, weight, eps) -> (y, r): the fused all-reduce + residual add + RMSNorm of one site.
@@ -111,11 +112,27 @@ class IpcFoldBackend:
         ws, label, dtype = self.workspace, site.name, site.dtype
         shards = site.virtual_shards // ws.world_size
         forced: dict[str, Call] = {}
+        if shard_fold(site) == "tree":
+            return self._bind_tree(site, shards)
         for v in ws.virtual_variants(dtype, site.row_numel, site.max_rows, shards):
             kw: dict[str, object] = {"chunk_rows": 1} if v == "chunked" else {"algo": v}
             forced[v] = lambda x, a, kw=kw: ws.all_reduce_virtual(  # type: ignore[misc]
                 x, dtype=dtype, label=label, **kw)
         return Bound(self.route, site, lambda x, a: ws.all_reduce_virtual(x, dtype=dtype, label=label), forced)
+
+    def _bind_tree(self, site: Site, shards: int) -> Bound:
+        """A tree-order virtual-shard all-reduce site (shard_fold="tree", csrc/tree_fold.cu): calls pass this rank's
+        [V/W, rows, *shape] fp32 partials; the site's launches are prepared once (Workspace.bind_all_reduce_tree).
+        Every kernel variant its rows can reach (Workspace.tree_variants) is exposed forced, so the self-checks prove
+        each against the tree's reference."""
+        ws, label, dtype = self.workspace, site.name, site.dtype
+        forced: dict[str, Call] = {}
+        for v in ws.tree_variants(dtype, site.row_numel, site.max_rows, shards):
+            kw: dict[str, object] = {"chunk_rows": 1} if v == "chunked" else {"algo": v}
+            forced[v] = lambda x, a, kw=kw: ws.all_reduce_tree(  # type: ignore[misc]
+                x, dtype=dtype, label=label, **kw)
+        fast = ws.bind_all_reduce_tree(dtype, site.row_numel, shards, label=label)
+        return Bound(self.route, site, lambda x, a: fast(x, a.out), forced)
 
     def _bind_norm(self, site: Site, bound: Bound, forced: dict[str, Call]) -> FusedBound:
         """The fused kernel serves the site when fusion is allowed (route.fusion_refusal at this group's W, the rule
