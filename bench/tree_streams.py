@@ -17,6 +17,7 @@ so the first workspace of each W does not compile them one after the other.
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 from concurrent.futures import ProcessPoolExecutor
 
@@ -39,7 +40,9 @@ def _compile(job: tuple[int, str, str]) -> str:
 def prewarm(worlds: list[int]) -> None:
     major, minor = torch.cuda.get_device_capability(0)
     jobs = [(w, f"sm_{major}{minor}", m) for w in worlds for m in kernels.MODULE_DTYPE_CODES]
-    with ProcessPoolExecutor(max_workers=min(len(jobs), os.cpu_count() or 1)) as pool:
+    # spawn: the parent has a CUDA context, which forked children must not inherit (they only run NVRTC)
+    with ProcessPoolExecutor(max_workers=min(len(jobs), os.cpu_count() or 1),
+                             mp_context=multiprocessing.get_context("spawn")) as pool:
         for done in pool.map(_compile, jobs):
             print(f"compiled {done}", flush=True)
 
@@ -66,7 +69,7 @@ def main() -> None:
     head = ("W", "rows", "plain us", "tree us", "order us", "tree/plain", "order/plain", "one-store plain us",
             "one-store tree us", "one-store tree/plain")
     table: list[list[object]] = []
-    for w in (int(x) for x in args.world.split(",")):
+    for w in (int(x) for x in args.world.split(",") if x):  # --world "": only --prewarm
         s = v // w
         views = Workspace.in_process(w, device=dev, capacity_bytes=cap, timeout_s=30.0)
         lam = Workspace.in_process(w, device=dev, capacity_bytes=cap, lamport_max_bytes=1 << 20, timeout_s=30.0)

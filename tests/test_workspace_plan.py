@@ -561,3 +561,49 @@ def test_tree_variants_are_the_kernels_some_row_count_takes():
     assert plan.tree_kernel("lamport", "bfloat16") == "detcomm_tree_lamport_bf16"
     with pytest.raises(ValueError):
         plan.tree_kernel("chunked", "float32")
+
+
+class _TreeSite:
+    """A site declared shard_fold="tree" (Site.shard_fold): every other attribute is the wrapped Site's."""
+
+    shard_fold = "tree"
+
+    def __init__(self, site: object) -> None:
+        self._site = site
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._site, name)
+
+
+def test_tree_sites_are_admitted_where_the_tree_kernels_fold_them():
+    """admission.admit for a tree site: served where W is a power of two dividing V and one fp32 row fits a launch
+    (the slabs per rank do not count: the local subtree is folded before the slot), else refused with the rule.
+    The control: the same site in shard order is refused where its V/W slabs do not fit, the tree is not."""
+    import torch
+
+    from detcomm.envelope import resolve_numerics
+    from detcomm.route import Capabilities, Collective, Site
+    from detcomm.workspace import admission
+
+    bitwise = resolve_numerics("rl-bitwise")
+
+    def caps(world: int, nbytes: int) -> Capabilities:
+        return Capabilities(backend="nccl", device_type="cuda", world_size=world, workspace=True,
+                            workspace_max_rows=64, workspace_bytes=nbytes)
+
+    site = Site("s", Collective.ALL_REDUCE, torch.bfloat16, (4096,), 64, virtual_shards=64)
+    tree = _TreeSite(site)
+    assert admission.shard_fold(site) == "order" and admission.shard_fold(tree) == "tree"
+    got = admission.admit(tree, caps(2, 1 << 20), bitwise)
+    assert got.serves and "tree kernels" in got.why and "V/W=32" in got.why, got
+    # 16 KiB: one fp32 row of 4096 fits, the order site's 32 slabs do not.
+    assert admission.admit(tree, caps(2, 16 << 10), bitwise).serves
+    assert not admission.admit(site, caps(2, 16 << 10), bitwise).serves
+    assert "launches per call" in admission.admit(tree, caps(2, 16 << 10), bitwise).why
+    small = admission.admit(tree, caps(2, 8 << 10), bitwise)
+    assert not small.serves and "one fp32 row" in small.why, small
+    odd = _TreeSite(Site("s", Collective.ALL_REDUCE, torch.bfloat16, (4096,), 64, virtual_shards=12))
+    assert "power of two" in admission.admit(odd, caps(4, 1 << 20), bitwise).why
+    wide = _TreeSite(Site("s", Collective.ALL_REDUCE, torch.bfloat16, (4096,), 64, virtual_shards=256))
+    assert "at most 64 shards per rank" in admission.admit(wide, caps(2, 1 << 20), bitwise).why
+    assert admission.admit(wide, caps(4, 1 << 20), bitwise).serves
