@@ -69,7 +69,8 @@ typedef long long i64;
     !defined(BARRIER_MID) || !defined(DETCOMM_WAIT_LAMPORT) || !defined(DETCOMM_LAM_COUNTER_BYTES) ||            \
     !defined(DT_F32) || !defined(DT_BF16) || !defined(DT_F16) || !defined(DT_U8) || !defined(NORM_THREADS) ||    \
     !defined(NORM_CHUNK) || !defined(DETCOMM_FUSED_BATCH) || !defined(DETCOMM_KIND_TREE_LAMPORT) ||              \
-    !defined(DETCOMM_KIND_TREE_1SHOT) || !defined(DETCOMM_KIND_TREE_2SHOT) || !defined(DETCOMM_TREE_MAX_LOG)
+    !defined(DETCOMM_KIND_TREE_1SHOT) || !defined(DETCOMM_KIND_TREE_2SHOT) || !defined(DETCOMM_TREE_MAX_LOG) ||     \
+    !defined(DETCOMM_KIND_FUSED_NORM_TREE_1SHOT) || !defined(DETCOMM_KIND_FUSED_NORM_TREE_2SHOT)
 #error "csrc/ needs the device constants as -D options: build with detcomm.workspace.kernels.nvrtc_options (nvcc: pass kernels.constant_options())"
 #endif
 #if DETCOMM_W < 1 || DETCOMM_W > DETCOMM_MAX_W

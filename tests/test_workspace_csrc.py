@@ -232,7 +232,8 @@ def test_fused_kernels_keep_their_registers_at_decode_widths(tmp_path):
     (csrc/fused_norm_row.cuh, docs/performance.md); the three row layouts in one kernel spilled too, which is
     why the wide layout has kernels of its own. The control: the bench's fused_batch4 build spills again."""
     canonical = _spill_stores(tmp_path, 2, "bfloat16")
-    fused = {n: b for n, b in canonical.items() if n.startswith("detcomm_fused_rmsnorm_") and n.endswith("_wbf16")}
+    fused = {n: b for n, b in canonical.items() if n.startswith("detcomm_fused_rmsnorm_") and n.endswith("_wbf16")
+             and "_tree_" not in n}
     assert len(fused) == 6 and all(b == 0 for b in fused.values()), fused
     batch4 = _spill_stores(tmp_path, 2, "bfloat16", "fused_batch4")
     assert batch4["detcomm_fused_rmsnorm_lamport_bf16_wbf16"] > 0, batch4
@@ -310,3 +311,19 @@ def test_tree_kernels_keep_their_registers(world, tmp_path):
     found = dict(re.findall(r"Function properties for (detcomm_tree_\w+)\s*\n\s*\d+ bytes stack frame, (\d+) bytes "
                             r"spill", p.stderr))
     assert int(found["detcomm_tree_lamport_bf16"]) > 16, found
+
+
+@needs_nvcc
+def test_every_listed_kernel_is_an_entry_of_its_module(tmp_path):
+    """KernelSet loads exactly kernels.module_functions(module) from each module: a name missing from the module's
+    code would refuse the whole module at run time. Each module's flattened source (what NVRTC builds) defines
+    every listed name and nothing else."""
+    src = tmp_path / "module.cu"
+    src.write_text(kernels.flatten_source())
+    for module, code in kernels.MODULE_DTYPE_CODES.items():
+        out = tmp_path / f"{module}.ptx"
+        p = subprocess.run([NVCC, *FLAGS, "-DDETCOMM_W=2", f"-DDETCOMM_DTYPE={code}", "-ptx", str(src), "-o", str(out)],
+                           capture_output=True, text=True)
+        assert p.returncode == 0, p.stderr[-2000:]
+        entries = set(re.findall(r"\.entry (\w+)", out.read_text()))
+        assert entries == set(kernels.module_functions(module)), (module, entries ^ set(kernels.module_functions(module)))

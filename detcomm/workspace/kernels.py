@@ -213,6 +213,8 @@ def module_functions(module: str) -> list[str]:
                                                   "virtual_one_shot", "virtual_two_shot", "lamport")]
             + [plan.tree_kernel(algo, module) for algo in plan.TREE_ALGOS]
             + [plan.fused_norm_kernel(algo, module, w, wide=wide) for algo in plan.FUSED_NORM_ALGOS
+               for w in plan.DTYPE_SUFFIX for wide in (False, True)]
+            + [plan.fused_norm_kernel(algo, module, w, wide=wide, tree=True) for algo in plan.FUSED_NORM_TREE_ALGOS
                for w in plan.DTYPE_SUFFIX for wide in (False, True)])
 
 

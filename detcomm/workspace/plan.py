@@ -38,7 +38,8 @@ ABORT_BY_KERNEL = 0x100
 ABORT_BY_HOST = 0x200
 KIND_CODES = {1: "one_shot", 2: "two_shot", 3: "reduce_scatter", 4: "all_gather", 5: "fused_norm_1shot",
               6: "fused_norm_2shot", 7: "virtual_1shot", 8: "virtual_2shot", 9: "lamport",
-              10: "fused_norm_lamport", 11: "tree_lamport", 12: "tree_1shot", 13: "tree_2shot"}
+              10: "fused_norm_lamport", 11: "tree_lamport", 12: "tree_1shot", 13: "tree_2shot",
+              14: "fused_norm_tree_1shot", 15: "fused_norm_tree_2shot"}
 DTYPE_CODES = {0: "float32", 1: "bfloat16", 2: "float16", 3: "bytes"}
 # The `kind` word of a failure record (BARRIER_START, BARRIER_MID); there is no end barrier.
 BARRIER_NAMES = ("start", "mid")
@@ -615,11 +616,24 @@ def fused_norm_refusal(hidden: int, dtype: str, world_size: int) -> str | None:
             f"hold in registers at W={world_size}; wider rows take the composition")
 
 
-def fused_norm_kernel(algo: str, dtype: str, weight_dtype: str, *, wide: bool = False) -> str:
+def fused_norm_kernel(algo: str, dtype: str, weight_dtype: str, *, wide: bool = False, tree: bool = False) -> str:
     """The fused kernel's name for rows of `dtype` and a weight of `weight_dtype` (dtype names); `wide`: the kernel
-    of the wide layout (fused_norm_layout), which serves only rows of C < H <= 2C elements."""
-    tag = _FUSED_NORM_TAG[algo] + ("_wide" if wide else "")
+    of the wide layout (fused_norm_layout), which serves only rows of C < H <= 2C elements; `tree`: the variant
+    whose input is a tree-order virtual-shard site's fp32 partials (one_shot and two_shot only)."""
+    if tree and algo not in FUSED_NORM_TREE_ALGOS:
+        raise ValueError(f"the fused tree kernels are {FUSED_NORM_TREE_ALGOS}, got {algo!r}")
+    tag = ("tree_" if tree else "") + _FUSED_NORM_TAG[algo] + ("_wide" if wide else "")
     return f"detcomm_fused_rmsnorm_{tag}_{DTYPE_SUFFIX[dtype]}_w{DTYPE_SUFFIX[weight_dtype]}"
+
+
+# The fused tree variants (csrc/fused_rmsnorm.cu, TREE): the barrier kernels; their slot rows are fp32 rows.
+FUSED_NORM_TREE_ALGOS = ("one_shot", "two_shot")
+
+
+def fused_norm_tree_rows_per_launch(hidden: int, *, grid: int, slot_bytes: int) -> int:
+    """Rows one fused tree launch carries: its slot rows are this rank's fp32 subtree roots, so fp32 rows of
+    `hidden` (fused_norm_rows_per_launch of float32)."""
+    return fused_norm_rows_per_launch(hidden, "float32", grid=grid, slot_bytes=slot_bytes)
 
 
 def fused_norm_rows_per_launch(hidden: int, dtype: str, *, grid: int, slot_bytes: int) -> int:

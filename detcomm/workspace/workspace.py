@@ -585,6 +585,65 @@ class Workspace:
                 self.variants_run.add(("all_reduce_rmsnorm", dtype, "fused_chunked"))
         return y, r
 
+    def all_reduce_rmsnorm_tree(self, partials: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                                eps32: float, *, algo: str | None = None, chunk_rows: int | None = None,
+                                label: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """COLLECTIVE. (y, r) of docs/spec.md §9.2 whose step 1 is the tree-order virtual-shard all-reduce (§9.1,
+        shard_fold="tree") of ``partials``, this rank's contiguous fp32 [S, rows, H] (S = V/W; slab j is global
+        shard rank*S + j), in one kernel per launch (csrc/fused_rmsnorm.cu, the tree variants): the same bits as
+        all_reduce_tree then detcomm.numerics.norm.add_rms_norm. residual: contiguous [rows, H] of the site's dtype
+        D; weight: [H] of any float dtype; eps32 as all_reduce_rmsnorm.
+
+        algo: None chooses per launch by its fp32 input bytes (rows * H * 4: one-shot up to one_shot_max_bytes,
+        two-shot above); "one_shot" / "two_shot" force one. chunk_rows forces chunking. Every choice gives the
+        same bits."""
+        if algo not in (None, *plan.FUSED_NORM_TREE_ALGOS):
+            raise ValueError(f"algo must be None or one of {plan.FUSED_NORM_TREE_ALGOS}, got {algo!r}")
+        dtype = self._fold_dtype(residual)
+        self._check_tensor(partials)
+        if partials.dtype != torch.float32 or partials.dim() != 3 or partials.shape[1:] != residual.shape:
+            raise ValueError(f"partials must be float32 [S, rows, H] with [rows, H] = the residual's "
+                             f"{list(residual.shape)}, got {partials.dtype} {list(partials.shape)}")
+        shards = partials.shape[0]
+        why = plan.tree_refusal(shards * self.world_size, self.world_size)
+        if why is not None:
+            raise ValueError(f"{why} (this call passes S={shards} slabs per rank)")
+        assert residual.dim() == 2 and weight.shape == residual.shape[1:], (residual.shape, weight.shape)
+        rows, hidden = residual.shape
+        y, r = torch.empty_like(residual), torch.empty_like(residual)
+        if rows == 0 or hidden == 0:
+            return y, r
+        per = plan.fused_norm_tree_rows_per_launch(hidden, grid=self.grid, slot_bytes=self._slot_bytes)
+        if per < 1:
+            raise WorkspaceUnavailable(f"an fp32 row of {hidden} elements does not fit one fused launch of this "
+                                       "workspace")
+        if chunk_rows is not None:
+            if not 1 <= chunk_rows <= per:
+                raise ValueError(f"chunk_rows must be in 1..{per} (rows one launch carries), got {chunk_rows}")
+            per = chunk_rows
+        row_bytes = hidden * residual.element_size()
+        wname = name_of(weight.dtype)
+        layout = self._kernels.fused_norm_layout(hidden, dtype)
+        wide = layout == "wide"
+        x_stride = rows * hidden
+        with self._collective() as stream_ptr:
+            for a, b in plan.chunks(rows, per):
+                kind = algo or ("one_shot" if (b - a) * hidden * plan.F32_BYTES <= self.one_shot_max_bytes
+                                else "two_shot")
+                off = a * row_bytes
+                args = [_u64(partials.data_ptr() + a * hidden * plan.F32_BYTES), _i64(x_stride),
+                        ctypes.c_int32(shards), _u64(residual.data_ptr() + off), _u64(weight.data_ptr()),
+                        _u64(y.data_ptr() + off), _u64(r.data_ptr() + off), _i64(b - a), _i64(hidden),
+                        ctypes.c_float(eps32)]
+                self._launch(plan.fused_norm_kernel(kind, dtype, wname, wide=wide, tree=True), args, stream_ptr,
+                             label)
+                if self.variants_run is not None:
+                    self.variants_run.add(("all_reduce_rmsnorm_tree", dtype, f"fused_{kind}"))
+                    self.variants_run.add(("all_reduce_rmsnorm_tree", dtype, f"layout_{layout}"))
+            if rows > per and self.variants_run is not None:
+                self.variants_run.add(("all_reduce_rmsnorm_tree", dtype, "fused_chunked"))
+        return y, r
+
     # ---- virtual-shard all-reduce (csrc/virtual_fold.cu, docs/spec.md §9.1) -------------------------------
     def virtual_variants(self, dtype: torch.dtype, row_numel: int, max_rows: int, shards_per_rank: int) -> list[str]:
         """LOCAL: the code paths of a virtual-shard all-reduce site (plan.virtual_variants: "one_shot", "two_shot",

@@ -61,17 +61,20 @@ def order_oracle(bits: np.ndarray, dtype: str) -> np.ndarray:
     return round_fp32_bits(acc.view(np.uint32), dtype)
 
 
-def partials(seed: int, v: int, rows: int, n: int, dtype: str) -> np.ndarray:
+def partials(seed: int, v: int, rows: int, n: int, dtype: str, *, specials: bool = True) -> np.ndarray:
     """[V, rows, n] fp32 bits: values at the dtype's scale with bits below its precision, and adversarial columns:
     a ±big pair split across the tree's halves with small terms beside them (the tree and the shard order give
     different sums), all -0.0 (+0.0 out), tiny negatives (a negative sum that rounds to -0.0 in bf16/fp16),
     subnormal fp32 sums, +huge +huge -huge (Inf or finite by the grouping), NaN with payloads and either sign,
-    Inf - Inf, a lone -Inf, values whose sum overflows the output dtype."""
+    Inf - Inf, a lone -Inf, values whose sum overflows the output dtype. specials=False leaves out the NaN, Inf and
+    overflow columns (a fused norm's row holding one is NaN or zero throughout, which would hide the rest)."""
     rng = np.random.default_rng([seed, v, rows, n, len(dtype)])
     m = rows * n
     scale = np.float32(2.0) ** rng.integers(-12, 12, (v, m)).astype(np.float32)
     p = (rng.standard_normal((v, m)).astype(np.float32) * scale).astype(np.float32)
     kind = rng.integers(0, 11, m)
+    if not specials:
+        kind[(kind >= 3) & (kind <= 7)] = 10
     big, small = np.float32(2.0**40), np.float32(1.0)  # small is absorbed by big in fp32
     huge = np.float32(3.0e38)
     a = rng.integers(0, v, m)
@@ -299,3 +302,59 @@ def test_arguments_are_refused_before_any_launch():
     with pytest.raises(ValueError, match="out must be"):
         view.all_reduce_tree(x, dtype=torch.bfloat16, out=torch.empty(4, 8, device="cuda:0"))
     assert view._calls == R.views[1]._calls  # nothing launched: the ranks still agree
+
+
+# ---- the fused all-reduce + residual add + RMSNorm on the tree (csrc/fused_rmsnorm.cu, the tree variants) -----
+EPS = 1e-6
+
+
+def norm_oracle(s_bits: np.ndarray, res_bits: np.ndarray, w_bits: np.ndarray, dtype: str) -> tuple:
+    from norm_oracle import residual_add_oracle, rms_norm_oracle
+
+    r = residual_add_oracle(s_bits, res_bits, dtype)
+    return rms_norm_oracle(r, w_bits, dtype, dtype, EPS), r
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_fused_norm_on_the_tree_matches_the_oracle_and_the_composition(world, dtype):
+    """(y, r) of the fused tree kernels, one-shot, two-shot, the automatic choice and forced chunking, in every
+    row layout (registers, wide, streaming: hidden 1000 / 4096, 6000, 9000 in bf16), equal the oracle's (the tree
+    oracle's s, then the numpy residual add and RMSNorm of docs/spec.md §9.2) and the workspace composition's
+    (all_reduce_tree, then detcomm.numerics.norm.add_rms_norm) on every rank. The control: the same oracle fed the
+    shard-order s gives other bits."""
+    from detcomm.numerics import norm
+
+    v = 8
+    s = v // world
+    R = ranks(world, capacity=8 << 20)
+    eps32 = norm.eps_fp32(EPS)
+    for hidden in (1000, 4096, 6000, 9000):
+        for rows in (1, 7, 64):
+            bits = partials(60 + rows, v, rows, hidden, dtype, specials=False)
+            rng = np.random.default_rng([rows, hidden])
+            res_bits = partials(61 + rows, 1, rows, hidden, "float32", specials=False)[0]
+            res_bits = round_fp32_bits(res_bits, dtype)  # a residual of the site's dtype, specials included
+            w_bits = round_fp32_bits((rng.standard_normal(hidden).astype(np.float32) * 0.5 + 1).view(np.uint32), dtype)
+            y_want, r_want = norm_oracle(tree_oracle(bits, dtype), res_bits, w_bits, dtype)
+            y_order, _ = norm_oracle(order_oracle(bits, dtype), res_bits, w_bits, dtype)
+            assert not np.array_equal(y_want, y_order)
+            xs = split(bits, world)
+            res = to_tensor(res_bits, dtype, "cuda:0")
+            w = to_tensor(w_bits, dtype, "cuda:0")
+            comp = on_ranks(R.streams, lambda r: R.views[r].all_reduce_tree(xs[r], dtype=getattr(torch, dtype)))
+            ref = [norm.add_rms_norm(c, res, w, eps=EPS) for c in comp]
+            for kw in ({"algo": "one_shot"}, {"algo": "two_shot"}, {}, {"chunk_rows": 3},
+                       {"chunk_rows": 2, "algo": "two_shot"}):
+                got = on_ranks(R.streams, lambda r: R.views[r].all_reduce_rmsnorm_tree(xs[r], res, w, eps32, **kw))
+                what = f"fused tree W={world} {dtype} H={hidden} rows={rows} {kw}"
+                for k, ((y, r_), (yc, rc)) in enumerate(zip(got, ref)):
+                    yb, rb = from_tensor(y), from_tensor(r_)
+                    assert np.array_equal(rb, r_want), f"{what} r, rank {k}: {first_mismatch(rb, r_want)}"
+                    assert np.array_equal(yb, y_want), f"{what} y, rank {k}: {first_mismatch(yb, y_want)}"
+                    assert np.array_equal(yb, from_tensor(yc)) and np.array_equal(rb, from_tensor(rc)), what
+    ran = R.views[0].variants_run
+    for k in ("fused_one_shot", "fused_two_shot", "fused_chunked", "layout_registers", "layout_wide",
+              "layout_streaming"):
+        assert ("all_reduce_rmsnorm_tree", dtype, k) in ran, (k, ran)
+    assert s >= 1
