@@ -6,7 +6,8 @@ Each rank view of an in-process workspace captures its calls in its own CUDA gra
 graphs are replayed together: --warmup replays first, then the median of --iters replays, us per call. Columns:
 plain = the site-bound plain fold of a bf16 [rows, H] tensor (Workspace.bind_all_reduce, the route's hot path);
 tree = the site-bound tree call on this rank's fp32 [V/W, rows, H] partials (Workspace.bind_all_reduce_tree);
-order = the shard-order virtual-shard kernel on the same partials (Workspace.all_reduce_virtual); each on the
+order = the shard-order virtual-shard kernel on the same partials (Workspace.all_reduce_virtual); fused plain /
+fused tree = the fused all-reduce + residual + RMSNorm on the bf16 rows / on the tree's partials; each on the
 default path of ranks sharing a GPU (no one-store kernel: plan.lamport_max_bytes), then the one-store kernels forced
 on a second workspace ("-" where a launch does not fit its areas). The tree/plain columns are the goals' ratios
 (docs/performance.md). --prewarm compiles every W's kernel modules in parallel first (NVRTC into the disk cache),
@@ -27,6 +28,7 @@ os.environ.update(MULTICAST_OFF_ENV)
 
 import torch  # noqa: E402
 
+from detcomm.numerics import norm  # noqa: E402
 from detcomm.tables import format_table  # noqa: E402
 from detcomm.workspace import Workspace, kernels  # noqa: E402
 
@@ -62,12 +64,14 @@ def main() -> None:
         prewarm([int(w) for w in args.prewarm.split(",")])
     dev = torch.device("cuda", 0)
     h, v = args.hidden, args.shards
+    eps32 = norm.eps_fp32(1e-6)
+    weight = (1.0 + 0.1 * torch.randn(h, device=dev)).to(torch.bfloat16)
     rows_list = [int(r) for r in args.rows.split(",")]
     cap = max(rows_list) * h * 4
     print(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, bf16 rows of {h}, V={v}, graphs of "
           f"{args.calls} calls, {args.warmup} warm-up replays, median of {args.iters}", flush=True)
     head = ("W", "rows", "plain us", "tree us", "order us", "tree/plain", "order/plain", "one-store plain us",
-            "one-store tree us", "one-store tree/plain")
+            "one-store tree us", "one-store tree/plain", "fused plain us", "fused tree us", "fused tree/plain")
     table: list[list[object]] = []
     for w in (int(x) for x in args.world.split(",") if x):  # --world "": only --prewarm
         s = v // w
@@ -81,10 +85,13 @@ def main() -> None:
             xs = [torch.randn(n, h, device=dev).to(torch.bfloat16) for _ in range(w)]
             ps = [torch.randn(s, n, h, device=dev) for _ in range(w)]
             outs = [torch.empty(n, h, dtype=torch.bfloat16, device=dev) for _ in range(w)]
+            res = [torch.randn(n, h, device=dev).to(torch.bfloat16) for _ in range(w)]
             fns = {
                 "plain": lambda r: plain_b[r](xs[r], outs[r]),
                 "tree": lambda r: tree_b[r](ps[r], outs[r]),
                 "order": lambda r: views[r].all_reduce_virtual(ps[r], dtype=torch.bfloat16, out=outs[r]),
+                "fused_plain": lambda r: views[r].all_reduce_rmsnorm(xs[r], res[r], weight, eps32, label="fp"),
+                "fused_tree": lambda r: views[r].all_reduce_rmsnorm_tree(ps[r], res[r], weight, eps32, label="ft"),
             }
             if n * h * 2 <= lam[0].lamport_max_bytes:
                 fns["plain_lamport"] = lambda r: lam[r].all_reduce(xs[r], out=outs[r], algo="lamport")
@@ -128,11 +135,13 @@ def main() -> None:
                 lam_cols = [f"{times['plain_lamport']:.2f}", f"{times['tree_lamport']:.2f}",
                             f"{times['tree_lamport'] / times['plain_lamport']:.2f}"]
             table.append([w, n, *(f"{times[k]:.2f}" for k in ("plain", "tree", "order")),
-                          f"{times['tree'] / times['plain']:.2f}", f"{times['order'] / times['plain']:.2f}", *lam_cols])
+                          f"{times['tree'] / times['plain']:.2f}", f"{times['order'] / times['plain']:.2f}", *lam_cols,
+                          f"{times['fused_plain']:.2f}", f"{times['fused_tree']:.2f}",
+                          f"{times['fused_tree'] / times['fused_plain']:.2f}"])
             print(f"W={w} rows {n}: tree/plain {times['tree'] / times['plain']:.2f}", flush=True)
         for x in views + lam:
             x.check()
-    print(format_table(head, table, markdown=True, align="rrrrrrrrrr"), flush=True)
+    print(format_table(head, table, markdown=True, align="r" * len(head)), flush=True)
 
 
 if __name__ == "__main__":
