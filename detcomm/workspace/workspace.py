@@ -585,6 +585,15 @@ class Workspace:
                 self.variants_run.add(("all_reduce_rmsnorm", dtype, "fused_chunked"))
         return y, r
 
+    def fused_norm_tree_variants(self, dtype: torch.dtype, hidden: int, max_rows: int) -> list[str]:
+        """LOCAL: the fused tree kernels' code paths for rows of `hidden` elements (plan.fused_norm_tree_variants:
+        "fused_one_shot", "fused_two_shot", "fused_chunked"); [] when they cannot serve them (dtype refused, an fp32
+        row larger than a fused launch)."""
+        if dtype not in FLOAT_DTYPES or name_of(dtype) in self.refused:
+            return []
+        return plan.fused_norm_tree_variants(hidden=hidden, max_rows=max_rows, grid=self.grid,
+                                             slot_bytes=self._slot_bytes, one_shot_max_bytes=self.one_shot_max_bytes)
+
     def all_reduce_rmsnorm_tree(self, partials: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                                 eps32: float, *, algo: str | None = None, chunk_rows: int | None = None,
                                 label: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:

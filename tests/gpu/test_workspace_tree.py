@@ -304,6 +304,31 @@ def test_arguments_are_refused_before_any_launch():
     assert view._calls == R.views[1]._calls  # nothing launched: the ranks still agree
 
 
+def on_threads(streams, fn):
+    """fn(r) for every rank, each in its own thread on rank r's stream (calls that synchronize inside), joined."""
+    import threading
+
+    out: list = [None] * len(streams)
+    errors: list[BaseException] = []
+
+    def work(r: int) -> None:
+        try:
+            with torch.cuda.stream(streams[r]):
+                out[r] = fn(r)
+                torch.cuda.current_stream().synchronize()
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(r,)) for r in range(len(streams))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    if errors:
+        raise errors[0]
+    return out
+
+
 # ---- the fused all-reduce + residual add + RMSNorm on the tree (csrc/fused_rmsnorm.cu, the tree variants) -----
 EPS = 1e-6
 
@@ -358,3 +383,46 @@ def test_fused_norm_on_the_tree_matches_the_oracle_and_the_composition(world, dt
               "layout_streaming"):
         assert ("all_reduce_rmsnorm_tree", dtype, k) in ran, (k, ran)
     assert s >= 1
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_route_binds_a_tree_norm_site_to_the_fused_tree_kernels(world):
+    """ipc_fold binds an all_reduce_rmsnorm site whose all-reduce is the tree (a stand-in site object with
+    shard_fold="tree": the router's own site declaration is the host side's) to the fused tree kernels: every
+    variant the binding exposes runs its self-check call (fused vs composition, raising on any differing bit) and
+    returns the tree's s; the fused call gives the oracle's (y, r)."""
+    from types import SimpleNamespace
+
+    from detcomm.backends.ipc_fold import IpcFoldBackend
+    from detcomm.envelope import resolve_numerics
+    from detcomm.route import Collective, ReduceOp
+
+    v, rows, hidden, dtype = 8, 7, 4096, "bfloat16"
+    site = SimpleNamespace(name="tree.add_norm", collective=Collective.ALL_REDUCE_RMSNORM, dtype=torch.bfloat16,
+                           shape=(hidden,), max_rows=64, op=ReduceOp.SUM, virtual_shards=v, shard_fold="tree",
+                           row_numel=hidden)
+    R = ranks(world, capacity=8 << 20)
+    bound = [IpcFoldBackend(view, resolved=resolve_numerics("rl-bitwise")).bind(site) for view in R.views]  # type: ignore[arg-type]
+    assert all(b.fused is not None for b in bound), [b.note for b in bound]
+    names = sorted(bound[0].variants)
+    assert {"fused_one_shot", "fused_two_shot", "lamport", "one_shot"} <= set(names), names
+    bits = partials(80, v, rows, hidden, dtype, specials=False)
+    xs = split(bits, world)
+    want = tree_oracle(bits, dtype)
+    from detcomm.numerics import norm
+
+    # The self-check calls compare bits on the host (a synchronization inside each rank's call), so each rank runs in
+    # its own thread on its own stream; the norm kernel is loaded first (a module load waits for running kernels).
+    norm.add_rms_norm(torch.zeros(1, hidden, device="cuda:0", dtype=torch.bfloat16),
+                      torch.zeros(1, hidden, device="cuda:0", dtype=torch.bfloat16),
+                      torch.ones(hidden, device="cuda:0", dtype=torch.bfloat16), eps=EPS)
+    torch.cuda.synchronize()
+    for name in names:
+        got = on_threads(R.streams, lambda r: bound[r].variants[name](xs[r], None))
+        check_all([from_tensor(g) for g in got], want, f"bound variant {name} W={world}")
+    res = to_tensor(round_fp32_bits(partials(81, 1, rows, hidden, "float32", specials=False)[0], dtype), dtype, "cuda:0")
+    w = torch.ones(hidden, dtype=torch.bfloat16, device="cuda:0")
+    y_want, r_want = norm_oracle(want, from_tensor(res), from_tensor(w), dtype)
+    got = on_ranks(R.streams, lambda r: bound[r].fused(xs[r], res, w, EPS))
+    for k, (y, r_) in enumerate(got):
+        assert np.array_equal(from_tensor(r_), r_want) and np.array_equal(from_tensor(y), y_want), f"fused rank {k}"
