@@ -190,18 +190,18 @@ __device__ __forceinline__ void fn_s_chunk(const FnIn<DT, TWO, TREE>& in, int u,
 #pragma unroll
       for (int i = 0; i < 4; ++i) sv[h * 4 + i] = v[i];
     }
-    return;
-  }
-  uint4 packs[FnChunk<DT>::kPacks];
+  } else {
+    uint4 packs[FnChunk<DT>::kPacks];
 #pragma unroll
-  for (int h = 0; h < FnChunk<DT>::kPacks; ++h) {
-    if constexpr (TWO) {
-      packs[h] = in.v[u][h][0];
-    } else {
-      packs[h] = fold_pack<DT>(in.v[u][h], rank);
+    for (int h = 0; h < FnChunk<DT>::kPacks; ++h) {
+      if constexpr (TWO) {
+        packs[h] = in.v[u][h][0];
+      } else {
+        packs[h] = fold_pack<DT>(in.v[u][h], rank);
+      }
     }
+    widen_packs<DT>(packs, sv);
   }
-  widen_packs<DT>(packs, sv);
 }
 
 // The s-packs of local row m of this block from the workspace slots (the Src of csrc/fused_norm_row.cuh).
