@@ -139,7 +139,7 @@ def test_every_algorithm_matches_the_tree_oracle(world, dtype):
     small one_shot_max_bytes sends auto to two-shot all give the oracle's bits on every rank; every code path of
     Workspace.tree_variants ran."""
     R = ranks(world)
-    R2 = ranks(world, one_shot_max_bytes=256)
+    R2 = cached_ranks(world, capacity=CAPACITY, one_shot_max_bytes=256)  # no one-store path: auto is two-shot
     for v in SHARDS[world]:
         for rows, n in ((1, N), (7, N), (64, N), (2048, 72)):
             if rows == 2048 and v > 16 and dtype != "bfloat16":
