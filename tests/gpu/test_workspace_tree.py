@@ -146,8 +146,13 @@ def test_every_algorithm_matches_the_tree_oracle(world, dtype):
                 continue  # the large payload once per V and W is enough; the kernels' tails are the small rows'
             bits = partials(world, v, rows, n, dtype)
             want = tree_oracle(bits, dtype)
-            for kw in ({"algo": "lamport"}, {"algo": "one_shot"}, {"algo": "two_shot"}, {}, {"chunk_rows": 3},
-                       {"chunk_rows": 2, "algo": "two_shot"}):
+            # Chunks of 2-3 rows, at most ~20 launches per call: W streams of one process issue every rank's
+            # launches from one thread, and a call of ~1000 launches fills the driver's launch queue while rank 0's
+            # first kernel waits for rank 1's, which the blocked thread has not issued yet (seen on the H200: a
+            # 60 s timeout at 1024 launches of 2 rows; 683 launches of 3 rows passed).
+            c = 3 if rows < 2048 else 113
+            for kw in ({"algo": "lamport"}, {"algo": "one_shot"}, {"algo": "two_shot"}, {}, {"chunk_rows": c},
+                       {"chunk_rows": c - 1, "algo": "two_shot"}):
                 check_all(run(R, bits, dtype, **kw), want, f"W={world} V={v} {dtype} rows={rows} {kw}")
             check_all(run(R2, bits, dtype), want, f"W={world} V={v} {dtype} rows={rows} auto two-shot")
     view = R.views[0]
@@ -405,7 +410,8 @@ def test_the_route_binds_a_tree_norm_site_to_the_fused_tree_kernels(world):
     bound = [IpcFoldBackend(view, resolved=resolve_numerics("rl-bitwise")).bind(site) for view in R.views]  # type: ignore[arg-type]
     assert all(b.fused is not None for b in bound), [b.note for b in bound]
     names = sorted(bound[0].variants)
-    assert {"fused_one_shot", "fused_two_shot", "lamport", "one_shot"} <= set(names), names
+    # 64 rows of 4096 publish at most 1 MiB of fp32: every tree launch of the site takes the one-store kernel
+    assert names == ["fused_one_shot", "fused_two_shot", "lamport"], names
     bits = partials(80, v, rows, hidden, dtype, specials=False)
     xs = split(bits, world)
     want = tree_oracle(bits, dtype)
