@@ -75,9 +75,10 @@ class Workspace:
     """One rank's armed CUDA-IPC workspace (or one rank view of an in-process group).
 
     Collective calls (every rank of the group must make them, in the same order, with the same shapes):
-    `create`, `all_reduce`, `all_reduce_virtual`, `reduce_scatter`, `all_gather`, `close`. Local calls: `abort`,
-    `check`, `synchronize`, `error_record`, `variants`, `virtual_variants`, `bind_all_reduce` (once per site; the
-    call it returns is collective). `in_process` is not collective (one process plays every rank); its rank views'
+    `create`, `all_reduce`, `all_reduce_virtual`, `all_reduce_tree`, `all_reduce_rmsnorm`, `all_reduce_rmsnorm_tree`,
+    `reduce_scatter`, `all_gather`, `close`. Local calls: `abort`, `check`, `synchronize`, `error_record`,
+    `variants`, `virtual_variants`, `tree_variants`, `fused_norm_variants`, `fused_norm_tree_variants`,
+    `bind_all_reduce` and `bind_all_reduce_tree` (once per site; the call they return is collective). `in_process` is not collective (one process plays every rank); its rank views'
     collectives must still be called once per rank, each from its own stream.
 
     Inputs are contiguous tensors on the workspace's device, [rows, *trailing], rows along dim 0. One collective
