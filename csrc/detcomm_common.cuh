@@ -54,7 +54,7 @@ typedef long long i64;
 //   BARRIER_START, BARRIER_MID: barrier kinds (the `kind` of a failure record; there is no end barrier: see
 //     "Barriers"); DETCOMM_WAIT_LAMPORT, DETCOMM_LAM_COUNTER_BYTES: csrc/lamport_common.cuh;
 //   DT_F32, DT_BF16, DT_F16, DT_U8: dtype codes; NORM_THREADS, NORM_CHUNK: csrc/rms_norm_common.cuh;
-//   DETCOMM_FUSED_BATCH: csrc/fused_norm_row.cuh.
+//   DETCOMM_FUSED_BATCH: csrc/fused_norm_row.cuh; DETCOMM_TREE_MAX_LOG: csrc/tree_fold.cu.
 #if !defined(DETCOMM_MAX_W) || !defined(DETCOMM_MAX_BLOCKS) || !defined(DETCOMM_BLOCK_THREADS) ||              \
     !defined(DETCOMM_PACK_BYTES) || !defined(DETCOMM_BARRIER_KINDS) || !defined(DETCOMM_PARITIES) ||            \
     !defined(DETCOMM_BUFFER_HEADER_BYTES) || !defined(DETCOMM_PROBE_BYTES) || !defined(DETCOMM_DESC_WORDS) ||    \
@@ -68,7 +68,9 @@ typedef long long i64;
     !defined(DETCOMM_KIND_LAMPORT) || !defined(DETCOMM_KIND_FUSED_NORM_LAMPORT) || !defined(BARRIER_START) ||    \
     !defined(BARRIER_MID) || !defined(DETCOMM_WAIT_LAMPORT) || !defined(DETCOMM_LAM_COUNTER_BYTES) ||            \
     !defined(DT_F32) || !defined(DT_BF16) || !defined(DT_F16) || !defined(DT_U8) || !defined(NORM_THREADS) ||    \
-    !defined(NORM_CHUNK) || !defined(DETCOMM_FUSED_BATCH)
+    !defined(NORM_CHUNK) || !defined(DETCOMM_FUSED_BATCH) || !defined(DETCOMM_KIND_TREE_LAMPORT) ||              \
+    !defined(DETCOMM_KIND_TREE_1SHOT) || !defined(DETCOMM_KIND_TREE_2SHOT) || !defined(DETCOMM_TREE_MAX_LOG) ||     \
+    !defined(DETCOMM_KIND_FUSED_NORM_TREE_1SHOT) || !defined(DETCOMM_KIND_FUSED_NORM_TREE_2SHOT)
 #error "csrc/ needs the device constants as -D options: build with detcomm.workspace.kernels.nvrtc_options (nvcc: pass kernels.constant_options())"
 #endif
 #if DETCOMM_W < 1 || DETCOMM_W > DETCOMM_MAX_W

@@ -391,7 +391,7 @@ def test_refusals() -> None:
                 if w == 3 else ("no error", []),
                 "V=6": ("ValueError", ["power of two", "virtual_shards=6", "shard_fold='order'"]),
                 "ipc_fold": ("ValueError", ["power of two dividing V=8"] if w == 3 else
-                             ["route='ipc_fold' is unavailable", "shard order only"]),
+                             ["route='ipc_fold' is unavailable", "no CUDA-IPC workspace"]),
                 "no virtual shards": ("ValueError", ["declare virtual_shards=V"]),
                 "unknown fold": ("ValueError", ["shard_fold must be one of"]),
             }

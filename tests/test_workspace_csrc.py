@@ -39,7 +39,8 @@ def test_nvcc_compiles(cu, world, tmp_path):
 
 
 @needs_nvcc
-@pytest.mark.parametrize("cu", ["one_shot.cu", "two_shot.cu", "reduce_scatter.cu", "fold_local.cu", "virtual_fold.cu"])
+@pytest.mark.parametrize("cu", ["one_shot.cu", "two_shot.cu", "reduce_scatter.cu", "fold_local.cu", "virtual_fold.cu",
+                                "tree_fold.cu"])
 def test_ptx_has_no_fma_and_no_ftz(cu, tmp_path):
     out = tmp_path / "k.ptx"
     p = subprocess.run([NVCC, *FLAGS, "-DDETCOMM_W=4", "-ptx", str(CSRC / cu), "-o", str(out)], capture_output=True, text=True)
@@ -119,7 +120,7 @@ def test_dtype_module_holds_only_its_kernels(tmp_path):
 
 
 @needs_nvcc
-@pytest.mark.parametrize("cu", ["one_shot.cu", "virtual_fold.cu"])
+@pytest.mark.parametrize("cu", ["one_shot.cu", "virtual_fold.cu", "tree_fold.cu"])
 def test_rotated_negative_control_compiles_differently(cu, tmp_path):
     ptx = {}
     for build, extra in (("canonical", []), ("rotated", [f"-D{kernels.ROTATE_MACRO}=1"])):
@@ -231,7 +232,8 @@ def test_fused_kernels_keep_their_registers_at_decode_widths(tmp_path):
     (csrc/fused_norm_row.cuh, docs/performance.md); the three row layouts in one kernel spilled too, which is
     why the wide layout has kernels of its own. The control: the bench's fused_batch4 build spills again."""
     canonical = _spill_stores(tmp_path, 2, "bfloat16")
-    fused = {n: b for n, b in canonical.items() if n.startswith("detcomm_fused_rmsnorm_") and n.endswith("_wbf16")}
+    fused = {n: b for n, b in canonical.items() if n.startswith("detcomm_fused_rmsnorm_") and n.endswith("_wbf16")
+             and "_tree_" not in n}
     assert len(fused) == 6 and all(b == 0 for b in fused.values()), fused
     batch4 = _spill_stores(tmp_path, 2, "bfloat16", "fused_batch4")
     assert batch4["detcomm_fused_rmsnorm_lamport_bf16_wbf16"] > 0, batch4
@@ -266,3 +268,62 @@ def test_the_host_layout_rule_mirrors_the_header(tmp_path):
             assert p.returncode == 0, (world, batch, p.stderr[-2000:])
     p = _layout_asserts(2, {"bfloat16": 2 * plan.fused_norm_register_elems("bfloat16", 2)}, tmp_path=tmp_path)
     assert p.returncode != 0 and "C of bfloat16" in p.stderr
+
+
+@needs_nvcc
+def test_tree_fold_entry_points_per_dtype_module(tmp_path):
+    """Each dtype module of csrc/tree_fold.cu defines exactly the three tree kernels module_functions lists (the
+    names plan.tree_kernel gives the host)."""
+    for module, code in kernels.MODULE_DTYPE_CODES.items():
+        out = tmp_path / f"{module}.ptx"
+        p = subprocess.run([NVCC, *FLAGS, "-DDETCOMM_W=4", f"-DDETCOMM_DTYPE={code}", "-ptx",
+                            str(CSRC / "tree_fold.cu"), "-o", str(out)], capture_output=True, text=True)
+        assert p.returncode == 0, p.stderr
+        entries = set(re.findall(r"\.entry (\w+)", out.read_text()))
+        want = {n for n in kernels.module_functions(module) if n.startswith("detcomm_tree_")}
+        assert entries == want and (module == "bytes" or len(want) == 3), (module, entries)
+
+
+@needs_nvcc
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_tree_kernels_keep_their_registers(world, tmp_path):
+    """No tree kernel spills at W = 2 / 4 in any dtype, nor the barrier ones at W = 8; the one-store kernel of
+    16-bit dtypes at W = 8 spills at most 16 bytes per thread (csrc/tree_fold.cu: the wide-subtree counter is out
+    of line for it). The control: that counter inlined spills more there."""
+    for module in ("float32", "bfloat16", "float16"):
+        spills = _spill_stores(tmp_path, world, module)
+        tree = {n: b for n, b in spills.items() if n.startswith("detcomm_tree_")}
+        assert len(tree) == 3, tree
+        for name, b in tree.items():
+            bound = 16 if world == 8 and "lamport" in name and module != "float32" else 0
+            assert b <= bound, (module, tree)
+    if world != 8:
+        return
+    alt = tmp_path / "tree_inline.cu"
+    src = kernels.flatten_source(["tree_fold.cu"])
+    assert "__device__ __noinline__ void tree_local_blocks" in src
+    alt.write_text(src.replace("__device__ __noinline__ void tree_local_blocks",
+                               "__device__ __forceinline__ void tree_local_blocks"))
+    p = subprocess.run([NVCC, *BASE, *kernels.constant_options(), "-DDETCOMM_W=8",
+                        f"-DDETCOMM_DTYPE={kernels.MODULE_DTYPE_CODES['bfloat16']}", "-Xptxas", "-v", "-cubin", str(alt),
+                        "-o", str(tmp_path / "alt.cubin")], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    found = dict(re.findall(r"Function properties for (detcomm_tree_\w+)\s*\n\s*\d+ bytes stack frame, (\d+) bytes "
+                            r"spill", p.stderr))
+    assert int(found["detcomm_tree_lamport_bf16"]) > 16, found
+
+
+@needs_nvcc
+def test_every_listed_kernel_is_an_entry_of_its_module(tmp_path):
+    """KernelSet loads exactly kernels.module_functions(module) from each module: a name missing from the module's
+    code would refuse the whole module at run time. Each module's flattened source (what NVRTC builds) defines
+    every listed name and nothing else."""
+    src = tmp_path / "module.cu"
+    src.write_text(kernels.flatten_source())
+    for module, code in kernels.MODULE_DTYPE_CODES.items():
+        out = tmp_path / f"{module}.ptx"
+        p = subprocess.run([NVCC, *FLAGS, "-DDETCOMM_W=2", f"-DDETCOMM_DTYPE={code}", "-ptx", str(src), "-o", str(out)],
+                           capture_output=True, text=True)
+        assert p.returncode == 0, p.stderr[-2000:]
+        entries = set(re.findall(r"\.entry (\w+)", out.read_text()))
+        assert entries == set(kernels.module_functions(module)), (module, entries ^ set(kernels.module_functions(module)))

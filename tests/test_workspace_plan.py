@@ -500,3 +500,109 @@ def test_one_store_protocol_two_buffers_are_enough(world):
     assert all(_one_store_schedule(world, 8, 2, rng) is None for _ in range(400))
     bad = [p for p in (_one_store_schedule(world, 8, 1, rng) for _ in range(400)) if p is not None]
     assert bad, "the single-buffer mirror never went wrong: the check is blind"
+
+
+def test_tree_refusal_names_the_rule():
+    """The tree kernels fold V a power of two over W a power of two dividing V, with V/W within the local tree."""
+    for v, w in ((8, 1), (8, 2), (8, 4), (8, 8), (64, 1), (128, 2), (2, 2)):
+        assert plan.tree_refusal(v, w) is None, (v, w)
+    assert "power of two" in plan.tree_refusal(12, 4)
+    assert "shard_fold='order'" in plan.tree_refusal(8, 3)
+    assert "shard_fold='order'" in plan.tree_refusal(4, 8)
+    assert str(plan.TREE_MAX_SHARDS_PER_RANK) in plan.tree_refusal(256, 2)
+    assert plan.TREE_MAX_SHARDS_PER_RANK == 1 << int(plan.DEVICE_CONSTANTS["DETCOMM_TREE_MAX_LOG"])
+
+
+def test_tree_launch_bytes_and_rows_stay_in_the_slot_and_the_areas():
+    """A tree launch publishes one fp32 row per rank in whole units: rows per launch = capacity // (row * 4),
+    whatever S is, and every kernel's slot use stays inside slot_bytes; the one-store rows are the most whose
+    published bytes fit lamport_max (so one more row does not), and a tier's area (lamport_area_bytes) holds them."""
+    assert plan.tree_launch_bytes(1, "bfloat16") == 32 and plan.tree_launch_bytes(1, "float32") == 16
+    assert plan.tree_launch_bytes(9, "float16") == 64
+    for world in (1, 2, 4, 8):
+        for dtype in ("float32", "bfloat16", "float16"):
+            for grid in (1, 33, 132):
+                for cap, numel in ((16, 1), (1000, 3), (1 << 16, 33), (12345, 7), (1 << 20, 4096)):
+                    rows = plan.tree_rows_per_launch(cap, numel, world_size=world, dtype=dtype, grid=grid)
+                    assert rows == cap // (numel * 4)
+                    if rows:
+                        slot = plan.slot_bytes(cap, world, grid)
+                        for algo in ("one_shot", "two_shot"):
+                            assert plan.tree_slot_bytes_used(rows * numel, world, dtype, algo) <= slot
+            for lam in (0, 15, 16, 100, 64 << 10, 1 << 20):
+                for numel in (1, 7, 33, 4096):
+                    k = plan.tree_lamport_rows(numel, dtype, lam)
+                    assert k == 0 or plan.tree_launch_bytes(k * numel, dtype) <= lam <= plan.lamport_area_bytes(lam)
+                    assert plan.tree_launch_bytes((k + 1) * numel, dtype) > lam
+    with pytest.raises(ValueError):
+        plan.tree_slot_bytes_used(8, 1, "float32", "lamport")
+
+
+def test_tree_variants_are_the_kernels_some_row_count_takes():
+    """tree_variants equals a brute force over every row count 1..max_rows (each launch's kernel by tree_algo, a
+    call above the launch's rows chunked), for one-store limits on and off; the kernel names exist per dtype."""
+    for dtype in ("float32", "bfloat16"):
+        for numel in (1, 33, 4096):
+            for cap in (1 << 12, 1 << 20, 8 << 20):
+                for lam in (0, 64 << 10, 1 << 20):
+                    for one in (256, 512 << 10, plan.ONE_SHOT_ALWAYS):
+                        for max_rows in (1, 7, 64, 2048):
+                            got = plan.tree_variants(row_numel=numel, max_rows=max_rows, world_size=4, dtype=dtype,
+                                                     capacity_bytes=cap, grid=33, one_shot_max_bytes=one,
+                                                     lamport_max=lam)
+                            per = plan.tree_rows_per_launch(cap, numel, world_size=4, dtype=dtype, grid=33)
+                            if per < 1:
+                                assert got == []
+                                continue
+                            seen = {plan.tree_algo(min(k, per) * numel, dtype, lamport_max=min(lam, cap),
+                                                   one_shot_max_bytes=one) for k in range(1, max_rows + 1)}
+                            want = [a for a in plan.TREE_ALGOS if a in seen] + (["chunked"] if max_rows > per else [])
+                            assert got == want, (dtype, numel, cap, lam, one, max_rows, got, want)
+    assert plan.tree_kernel("lamport", "bfloat16") == "detcomm_tree_lamport_bf16"
+    with pytest.raises(ValueError):
+        plan.tree_kernel("chunked", "float32")
+
+
+class _TreeSite:
+    """A site declared shard_fold="tree" (Site.shard_fold): every other attribute is the wrapped Site's."""
+
+    shard_fold = "tree"
+
+    def __init__(self, site: object) -> None:
+        self._site = site
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._site, name)
+
+
+def test_tree_sites_are_admitted_where_the_tree_kernels_fold_them():
+    """admission.admit for a tree site: served where W is a power of two dividing V and one fp32 row fits a launch
+    (the slabs per rank do not count: the local subtree is folded before the slot), else refused with the rule.
+    The control: the same site in shard order is refused where its V/W slabs do not fit, the tree is not."""
+    import torch
+
+    from detcomm.envelope import resolve_numerics
+    from detcomm.route import Capabilities, Collective, Site
+    from detcomm.workspace import admission
+
+    bitwise = resolve_numerics("rl-bitwise")
+
+    def caps(world: int, nbytes: int) -> Capabilities:
+        return Capabilities(backend="nccl", device_type="cuda", world_size=world, workspace=True,
+                            workspace_max_rows=64, workspace_bytes=nbytes)
+
+    site = Site("s", Collective.ALL_REDUCE, torch.bfloat16, (4096,), 64, virtual_shards=64)
+    tree = _TreeSite(site)
+    got = admission.admit(tree, caps(2, 1 << 20), bitwise)
+    assert got.serves and "tree kernels" in got.why and "V/W=32" in got.why, got
+    # 16 KiB: one fp32 row of 4096 fits, the order site's 32 slabs do not.
+    assert admission.admit(tree, caps(2, 16 << 10), bitwise).serves
+    assert not admission.admit(site, caps(2, 16 << 10), bitwise).serves
+    assert "launches per call" in admission.admit(tree, caps(2, 16 << 10), bitwise).why
+    small = admission.admit(tree, caps(2, 8 << 10), bitwise)
+    assert not small.serves and "one fp32 row" in small.why, small
+    odd = _TreeSite(Site("s", Collective.ALL_REDUCE, torch.bfloat16, (4096,), 64, virtual_shards=12))
+    assert "power of two" in admission.admit(odd, caps(4, 1 << 20), bitwise).why
+    wide = _TreeSite(Site("s", Collective.ALL_REDUCE, torch.bfloat16, (4096,), 64, virtual_shards=256))
+    assert "at most 64 shards per rank" in admission.admit(wide, caps(2, 1 << 20), bitwise).why
+    assert admission.admit(wide, caps(4, 1 << 20), bitwise).serves

@@ -60,6 +60,25 @@ def _proving(ws: Workspace, run: Fused, label: str) -> Call:
     return call
 
 
+def _proving_tree(ws: Workspace, run: Fused, label: str, dtype: torch.dtype) -> Call:
+    """_proving for a tree site's fused variant: x is this rank's [V/W, rows, H] fp32 partials; the composition is
+    Workspace.all_reduce_tree, then detcomm.numerics.norm.add_rms_norm; returns s for the fold's checks."""
+
+    def call(x: torch.Tensor, _a: object) -> torch.Tensor:
+        hidden = x.shape[-1]
+        residual = x[0].flip(-1).to(dtype).contiguous()  # this rank's own residual, a function of its partials
+        weight = (1 + torch.arange(hidden, device=x.device) % 7 / 8).to(dtype)
+        y, r = run(x, residual, weight, _CHECK_EPS)
+        s = ws.all_reduce_tree(x, dtype=dtype, label=label)
+        y_ref, r_ref = norm.add_rms_norm(s, residual, weight, eps=_CHECK_EPS)
+        if not (bits_equal(y, y_ref) and bits_equal(r, r_ref)):
+            raise RouteRefused(f"fused tree (y, r) differ from the composition's (y: {int((y != y_ref).sum())}, "
+                               f"r: {int((r != r_ref).sum())} elements)")
+        return s
+
+    return call
+
+
 class IpcFoldBackend:
     route = Route.IPC_FOLD
 
@@ -106,16 +125,70 @@ class IpcFoldBackend:
         """A virtual-shard all-reduce site: calls pass this rank's [V/W, rows, *shape] fp32 partials. Every kernel
         variant the site's rows can reach (Workspace.virtual_variants) is exposed forced, so the self-checks prove
         each against the reference fold of the V shards."""
-        assert site.collective is Collective.ALL_REDUCE, "routing sends only virtual-shard all-reduce here"
         assert site.virtual_shards is not None
         ws, label, dtype = self.workspace, site.name, site.dtype
         shards = site.virtual_shards // ws.world_size
         forced: dict[str, Call] = {}
+        if site.shard_fold == "tree":
+            assert site.collective in (Collective.ALL_REDUCE, Collective.ALL_REDUCE_RMSNORM), site.collective
+            bound = self._bind_tree(site, shards)
+            if site.collective is Collective.ALL_REDUCE_RMSNORM:
+                return self._bind_tree_norm(site, bound)
+            return bound
+        assert site.collective is Collective.ALL_REDUCE, "routing sends only virtual-shard all-reduce here"
         for v in ws.virtual_variants(dtype, site.row_numel, site.max_rows, shards):
             kw: dict[str, object] = {"chunk_rows": 1} if v == "chunked" else {"algo": v}
             forced[v] = lambda x, a, kw=kw: ws.all_reduce_virtual(  # type: ignore[misc]
                 x, dtype=dtype, label=label, **kw)
         return Bound(self.route, site, lambda x, a: ws.all_reduce_virtual(x, dtype=dtype, label=label), forced)
+
+    def _bind_tree(self, site: Site, shards: int) -> Bound:
+        """A tree-order virtual-shard all-reduce site (shard_fold="tree", csrc/tree_fold.cu): calls pass this rank's
+        [V/W, rows, *shape] fp32 partials; the site's launches are prepared once (Workspace.bind_all_reduce_tree).
+        Every kernel variant its rows can reach (Workspace.tree_variants) is exposed forced, so the self-checks prove
+        each against the tree's reference."""
+        ws, label, dtype = self.workspace, site.name, site.dtype
+        forced: dict[str, Call] = {}
+        for v in ws.tree_variants(dtype, site.row_numel, site.max_rows, shards):
+            kw: dict[str, object] = {"chunk_rows": 1} if v == "chunked" else {"algo": v}
+            forced[v] = lambda x, a, kw=kw: ws.all_reduce_tree(  # type: ignore[misc]
+                x, dtype=dtype, label=label, **kw)
+        fast = ws.bind_all_reduce_tree(dtype, site.row_numel, shards, label=label)
+        return Bound(self.route, site, lambda x, a: fast(x, a.out), forced)
+
+    def _bind_tree_norm(self, site: Site, bound: Bound) -> FusedBound:
+        """An all_reduce_rmsnorm site whose all-reduce is the tree (docs/spec.md §9.2 "Tree sites"): calls pass this
+        rank's [V/W, rows, H] fp32 partials. The fused tree kernels (Workspace.all_reduce_rmsnorm_tree) serve it
+        where fusion is allowed (route.fusion_refusal, as for plain sites) and an fp32 row fits a fused launch; each
+        of their variants joins the all-reduce's, proven against the composition (all_reduce_tree, then the
+        canonical add + norm) by the self-checks."""
+        ws, label = self.workspace, site.name
+        forced = dict(bound.variants)
+        if fusion_refusal(self.resolved, site, world_size=ws.world_size) is not None:
+            return FusedBound(bound.route, bound.site, bound.call, forced)
+        variants = ws.fused_norm_tree_variants(site.dtype, site.shape[0], site.max_rows)
+        if not variants:
+            return FusedBound(bound.route, bound.site, bound.call, forced,
+                              note=" [not fused: an fp32 row does not fit one fused launch of the workspace; "
+                                   "composition]")
+        dtype = site.dtype
+        for v in variants:
+            kw: dict[str, object] = {"chunk_rows": 1} if v == "fused_chunked" else {"algo": v.removeprefix("fused_")}
+
+            def run(x: torch.Tensor, res: torch.Tensor, w: torch.Tensor, eps: float,
+                    kw: dict[str, object] = kw) -> tuple[torch.Tensor, torch.Tensor]:
+                return ws.all_reduce_rmsnorm_tree(x, res, w, norm.eps_fp32(eps), label=label,
+                                                  **kw)  # type: ignore[arg-type]
+
+            forced[v] = _proving_tree(ws, run, label, dtype)
+
+        def fused(x: torch.Tensor, res: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+            hidden = res.shape[-1]
+            y, r = ws.all_reduce_rmsnorm_tree(x.view(x.shape[0], -1, hidden), res.view(-1, hidden), w,
+                                              norm.eps_fp32(eps), label=label)
+            return y.view(res.shape), r.view(res.shape)
+
+        return FusedBound(bound.route, bound.site, bound.call, forced, fused=fused)
 
     def _bind_norm(self, site: Site, bound: Bound, forced: dict[str, Call]) -> FusedBound:
         """The fused kernel serves the site when fusion is allowed (route.fusion_refusal at this group's W, the rule

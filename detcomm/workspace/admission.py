@@ -9,7 +9,9 @@ kernels and plan are what they describe:
 - rows: ``max_rows`` within the armed rows; an all-reduce site above them still takes the workspace when one row
   fits one launch (``workspace_bytes``), chunked with the same bits; a reduce-scatter site above them does not;
 - avg: the kernels round to the dtype, and avg needs the fp32 fold;
-- virtual shards: all-reduce sites only, where one row's V/W fp32 slabs fit one launch;
+- virtual shards: all-reduce sites only, where one row's V/W fp32 slabs fit one launch; a tree-order site
+  (``shard_fold="tree"``) where the tree kernels fold its V over this W (``plan.tree_refusal``) and one fp32 row
+  fits one launch (the local subtree is folded before the slot, so V/W does not count);
 - fusion (``all_reduce_rmsnorm``): rows the fused kernels hold in registers (``plan.fused_norm_refusal``); what
   the numerics allow is ``detcomm.numerics.norm.fusion_refusal``'s part of the rule.
 
@@ -59,8 +61,6 @@ def admit(site: Site, caps: Capabilities, resolved: Resolved) -> Admission:
     virtual-shard all-reduce site) on a group with ``caps``, and why or why not."""
     if site.virtual_shards is not None and site.collective.value != "all_reduce":
         return Admission(False, "the workspace kernels fold virtual shards for all-reduce only")
-    if site.virtual_shards is not None and site.shard_fold != "order":
-        return Admission(False, "the workspace kernels fold virtual shards in shard order only")
     no = unavailable(caps, resolved)
     if no is not None:
         return Admission(False, no)
@@ -103,6 +103,8 @@ def _admit_virtual(site: Site, caps: Capabilities) -> Admission:
     """A virtual-shard all-reduce site (docs/spec.md §9.1; csrc/virtual_fold.cu): where one row's V/W fp32 slabs fit
     one launch; more rows than a launch holds are chunked (the fold is element-wise: the same bits)."""
     assert site.virtual_shards is not None
+    if site.shard_fold == "tree":
+        return _admit_tree(site, caps)
     k = site.virtual_shards // caps.world_size
     slab = k * site.row_numel * 4
     if slab > caps.workspace_bytes:
@@ -113,6 +115,30 @@ def _admit_virtual(site: Site, caps: Capabilities) -> Admission:
     if site.max_rows > caps.workspace_max_rows:
         why += f"; chunked above the armed {caps.workspace_max_rows} rows"
     launches = -(-site.max_rows // (caps.workspace_bytes // slab))
+    if launches > 1:
+        why += f"; {launches} launches per call at max_rows (workspace_bytes={caps.workspace_bytes})"
+    return Admission(True, why)
+
+
+def _admit_tree(site: Site, caps: Capabilities) -> Admission:
+    """A tree-order virtual-shard all-reduce site (csrc/tree_fold.cu): where the tree kernels fold V over this W
+    (plan.tree_refusal) and one fp32 row fits one launch; each rank folds its V/W shards in the kernel that
+    publishes them, so a launch carries one fp32 row per rank and more rows are chunked (the same bits)."""
+    assert site.virtual_shards is not None
+    no = plan.tree_refusal(site.virtual_shards, caps.world_size)
+    if no is not None:
+        return Admission(False, no)
+    row = site.row_numel * plan.F32_BYTES
+    if row > caps.workspace_bytes:
+        return Admission(False, f"one fp32 row ({row} bytes) exceeds a workspace launch "
+                                f"(workspace_bytes={caps.workspace_bytes})")
+    k = site.virtual_shards // caps.world_size
+    why = (f"the CUDA-IPC workspace's tree kernels: each rank folds its V/W={k} fp32 shards as a subtree and "
+           f"publishes one fp32 row, the top levels after the exchange ({site.virtual_shards} virtual shards, "
+           f"shard_fold='tree'), one rounding")
+    if site.max_rows > caps.workspace_max_rows:
+        why += f"; chunked above the armed {caps.workspace_max_rows} rows"
+    launches = -(-site.max_rows // (caps.workspace_bytes // row))
     if launches > 1:
         why += f"; {launches} launches per call at max_rows (workspace_bytes={caps.workspace_bytes})"
     return Admission(True, why)

@@ -38,7 +38,8 @@ ABORT_BY_KERNEL = 0x100
 ABORT_BY_HOST = 0x200
 KIND_CODES = {1: "one_shot", 2: "two_shot", 3: "reduce_scatter", 4: "all_gather", 5: "fused_norm_1shot",
               6: "fused_norm_2shot", 7: "virtual_1shot", 8: "virtual_2shot", 9: "lamport",
-              10: "fused_norm_lamport"}
+              10: "fused_norm_lamport", 11: "tree_lamport", 12: "tree_1shot", 13: "tree_2shot",
+              14: "fused_norm_tree_1shot", 15: "fused_norm_tree_2shot"}
 DTYPE_CODES = {0: "float32", 1: "bfloat16", 2: "float16", 3: "bytes"}
 # The `kind` word of a failure record (BARRIER_START, BARRIER_MID); there is no end barrier.
 BARRIER_NAMES = ("start", "mid")
@@ -445,6 +446,120 @@ def virtual_variants(*, row_numel: int, shards_per_rank: int, max_rows: int, wor
     return _by_launch_bytes(per, shards_per_rank * row_numel * F32_BYTES, max_rows, one_shot_max_bytes)
 
 
+# --- tree-order virtual-shard all-reduce (csrc/tree_fold.cu) -----------------------------------------------
+# Each rank passes S = V/W fp32 slabs per call and folds its own subtree while it reads them, so a launch's slot (or
+# one-store area) holds one fp32 row per rank whatever S is. Units are csrc/virtual_fold.cu's (one output pack:
+# pack_elems of the output dtype, i.e. 16 or 32 bytes of fp32). TREE_MAX_LOG (a device constant) bounds the local
+# subtree: S <= 2^TREE_MAX_LOG (csrc/tree_fold.cu tree_local).
+TREE_MAX_LOG = 6
+TREE_MAX_SHARDS_PER_RANK = 1 << TREE_MAX_LOG
+TREE_ALGOS = ("lamport", "one_shot", "two_shot")
+
+
+def _power_of_two(x: int) -> bool:
+    return x >= 1 and x & (x - 1) == 0
+
+
+def tree_refusal(virtual_shards: int, world_size: int) -> str | None:
+    """Why the tree kernels cannot fold V = virtual_shards shards over W = world_size ranks (None: they can): the
+    tree needs V a power of two and W a power of two dividing V, and each rank's subtree of V/W leaves within the
+    kernels' local tree (TREE_MAX_SHARDS_PER_RANK)."""
+    if not _power_of_two(virtual_shards):
+        return f"shard_fold='tree' needs virtual_shards a power of two, got {virtual_shards}"
+    if not _power_of_two(world_size) or virtual_shards % world_size:
+        return (f"shard_fold='tree' needs W a power of two dividing virtual_shards={virtual_shards}, got W="
+                f"{world_size}; shard_fold='order' serves every W dividing V")
+    if virtual_shards // world_size > TREE_MAX_SHARDS_PER_RANK:
+        return (f"the workspace's tree kernels fold at most {TREE_MAX_SHARDS_PER_RANK} shards per rank locally, "
+                f"got V/W={virtual_shards // world_size}")
+    return None
+
+
+def tree_launch_bytes(n_elems: int, dtype: str) -> int:
+    """fp32 bytes one rank publishes in a tree launch of n output elements: n rounded up to whole units, 4 bytes
+    each. It picks the kernel (one-store up to the tier's max_bytes, one-shot up to one_shot_max_bytes) and is what
+    the one-store area and the one-shot slot hold."""
+    return _round_up(n_elems, pack_elems(dtype)) * F32_BYTES
+
+
+def tree_slot_bytes_used(n_elems: int, world_size: int, dtype: str, algo: str) -> int:
+    """Slot bytes one tree launch writes: one fp32 row in whole units (one-shot), or W slices of L elements
+    (two-shot, virtual_slices)."""
+    if algo == "one_shot":
+        return tree_launch_bytes(n_elems, dtype)
+    if algo == "two_shot":
+        return world_size * virtual_slices(n_elems, world_size, dtype) * F32_BYTES
+    raise ValueError(f"algo must be one_shot or two_shot, got {algo!r}")
+
+
+def tree_rows_per_launch(capacity_bytes: int, row_numel: int, *, world_size: int, dtype: str, grid: int) -> int:
+    """Rows of one tree launch: capacity_bytes // (row_numel * 4), the fp32 bytes of one published row (S does
+    not count: the local subtree is folded before the slot); 0 when not even one row fits. Either kernel's rounding
+    to whole units stays inside the slot's padding (checked here)."""
+    if row_numel < 1:
+        raise ValueError(f"row_numel must be >= 1, got {row_numel}")
+    rows = capacity_bytes // (row_numel * F32_BYTES)
+    if rows < 1:
+        return 0
+    n = rows * row_numel
+    used = max(tree_slot_bytes_used(n, world_size, dtype, a) for a in ("one_shot", "two_shot"))
+    return rows if used <= slot_bytes(capacity_bytes, world_size, grid) else 0
+
+
+def tree_lamport_rows(row_numel: int, dtype: str, lamport_max: int) -> int:
+    """The most rows a one-store tree launch carries: tree_launch_bytes(rows * row_numel) <= lamport_max (0: none)."""
+    if row_numel < 1:
+        raise ValueError(f"row_numel must be >= 1, got {row_numel}")
+    units = (max(lamport_max, 0) // F32_BYTES) // pack_elems(dtype)
+    return units * pack_elems(dtype) // row_numel
+
+
+def tree_algo(n_elems: int, dtype: str, *, lamport_max: int, one_shot_max_bytes: int) -> str:
+    """The kernel a tree launch of n output elements takes: the one-store kernel up to lamport_max published bytes
+    (tree_launch_bytes), one-shot up to one_shot_max_bytes, two-shot above. Every choice gives the same bits."""
+    nbytes = tree_launch_bytes(n_elems, dtype)
+    if nbytes <= lamport_max:
+        return "lamport"
+    return "one_shot" if nbytes <= one_shot_max_bytes else "two_shot"
+
+
+def tree_variants(*, row_numel: int, max_rows: int, world_size: int, dtype: str, capacity_bytes: int, grid: int,
+                  one_shot_max_bytes: int, lamport_max: int = 0) -> list[str]:
+    """The code paths tree calls of 1..max_rows rows can take ("lamport", "one_shot", "two_shot", "chunked"), each
+    launch choosing by tree_algo; [] when one row does not fit a launch."""
+    if max_rows < 1:
+        raise ValueError(f"max_rows must be >= 1, got {max_rows}")
+    per = tree_rows_per_launch(capacity_bytes, row_numel, world_size=world_size, dtype=dtype, grid=grid)
+    if per < 1:
+        return []
+    top = min(max_rows, per)
+    lam = min(lamport_max, capacity_bytes)
+    # The launch bytes grow with the rows, so the kernels reached are those of 1 row, of `top` rows and between.
+    reached = {tree_algo(k * row_numel, dtype, lamport_max=lam, one_shot_max_bytes=one_shot_max_bytes)
+               for k in _tree_breakpoints(row_numel, dtype, top, lam, one_shot_max_bytes)}
+    return [a for a in TREE_ALGOS if a in reached] + (["chunked"] if max_rows > per else [])
+
+
+def _tree_breakpoints(row_numel: int, dtype: str, top: int, lamport_max: int, one_shot_max_bytes: int) -> set[int]:
+    """Row counts 1..top that cover every kernel tree_algo picks: 1, top, and the first count above each limit."""
+    ks = {1, top}
+    for limit in (lamport_max, one_shot_max_bytes):
+        if limit < 0:
+            continue
+        units = (min(limit, 1 << 62) // F32_BYTES) // pack_elems(dtype)
+        k = units * pack_elems(dtype) // row_numel + 1  # the fewest rows whose launch bytes exceed the limit
+        if k <= top:
+            ks.add(k)
+    return ks
+
+
+def tree_kernel(algo: str, dtype: str) -> str:
+    """The tree kernel's name (csrc/tree_fold.cu) for an output dtype."""
+    if algo not in TREE_ALGOS:
+        raise ValueError(f"algo must be one of {TREE_ALGOS}, got {algo!r}")
+    return f"detcomm_tree_{algo}_{DTYPE_SUFFIX[dtype]}"
+
+
 # --- fused all-reduce + residual add + RMSNorm (csrc/fused_rmsnorm.cu) ---------------------------------------
 FUSED_NORM_ALGOS = ("one_shot", "two_shot", "lamport")  # lamport: csrc/fused_rmsnorm_lamport.cu
 _FUSED_NORM_TAG = {"one_shot": "1shot", "two_shot": "2shot", "lamport": "lamport"}
@@ -501,11 +616,33 @@ def fused_norm_refusal(hidden: int, dtype: str, world_size: int) -> str | None:
             f"hold in registers at W={world_size}; wider rows take the composition")
 
 
-def fused_norm_kernel(algo: str, dtype: str, weight_dtype: str, *, wide: bool = False) -> str:
+def fused_norm_kernel(algo: str, dtype: str, weight_dtype: str, *, wide: bool = False, tree: bool = False) -> str:
     """The fused kernel's name for rows of `dtype` and a weight of `weight_dtype` (dtype names); `wide`: the kernel
-    of the wide layout (fused_norm_layout), which serves only rows of C < H <= 2C elements."""
-    tag = _FUSED_NORM_TAG[algo] + ("_wide" if wide else "")
+    of the wide layout (fused_norm_layout), which serves only rows of C < H <= 2C elements; `tree`: the variant
+    whose input is a tree-order virtual-shard site's fp32 partials (one_shot and two_shot only)."""
+    if tree and algo not in FUSED_NORM_TREE_ALGOS:
+        raise ValueError(f"the fused tree kernels are {FUSED_NORM_TREE_ALGOS}, got {algo!r}")
+    tag = ("tree_" if tree else "") + _FUSED_NORM_TAG[algo] + ("_wide" if wide else "")
     return f"detcomm_fused_rmsnorm_{tag}_{DTYPE_SUFFIX[dtype]}_w{DTYPE_SUFFIX[weight_dtype]}"
+
+
+# The fused tree variants (csrc/fused_rmsnorm.cu, TREE): the barrier kernels; their slot rows are fp32 rows.
+FUSED_NORM_TREE_ALGOS = ("one_shot", "two_shot")
+
+
+def fused_norm_tree_rows_per_launch(hidden: int, *, grid: int, slot_bytes: int) -> int:
+    """Rows one fused tree launch carries: its slot rows are this rank's fp32 subtree roots, so fp32 rows of
+    `hidden` (fused_norm_rows_per_launch of float32)."""
+    return fused_norm_rows_per_launch(hidden, "float32", grid=grid, slot_bytes=slot_bytes)
+
+
+def fused_norm_tree_variants(*, hidden: int, max_rows: int, grid: int, slot_bytes: int,
+                             one_shot_max_bytes: int) -> list[str]:
+    """The fused tree kernels' code paths calls of 1..max_rows rows can take ("fused_one_shot", "fused_two_shot",
+    "fused_chunked"), each launch choosing by its fp32 input bytes (rows * hidden * 4) against one_shot_max_bytes as
+    Workspace.all_reduce_rmsnorm_tree does; [] when one fp32 row does not fit a launch."""
+    per = fused_norm_tree_rows_per_launch(hidden, grid=grid, slot_bytes=slot_bytes)
+    return [f"fused_{v}" for v in _by_launch_bytes(per, hidden * F32_BYTES, max_rows, one_shot_max_bytes)]
 
 
 def fused_norm_rows_per_launch(hidden: int, dtype: str, *, grid: int, slot_bytes: int) -> int:
@@ -645,4 +782,5 @@ DEVICE_CONSTANTS: dict[str, str] = {
     "NORM_THREADS": str(NORM_LANES),
     "NORM_CHUNK": str(NORM_CHUNK),
     "DETCOMM_FUSED_BATCH": str(FUSED_NORM_BATCH),
+    "DETCOMM_TREE_MAX_LOG": str(TREE_MAX_LOG),
 }

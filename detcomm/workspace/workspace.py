@@ -75,9 +75,10 @@ class Workspace:
     """One rank's armed CUDA-IPC workspace (or one rank view of an in-process group).
 
     Collective calls (every rank of the group must make them, in the same order, with the same shapes):
-    `create`, `all_reduce`, `all_reduce_virtual`, `reduce_scatter`, `all_gather`, `close`. Local calls: `abort`,
-    `check`, `synchronize`, `error_record`, `variants`, `virtual_variants`, `bind_all_reduce` (once per site; the
-    call it returns is collective). `in_process` is not collective (one process plays every rank); its rank views'
+    `create`, `all_reduce`, `all_reduce_virtual`, `all_reduce_tree`, `all_reduce_rmsnorm`, `all_reduce_rmsnorm_tree`,
+    `reduce_scatter`, `all_gather`, `close`. Local calls: `abort`, `check`, `synchronize`, `error_record`,
+    `variants`, `virtual_variants`, `tree_variants`, `fused_norm_variants`, `fused_norm_tree_variants`,
+    `bind_all_reduce` and `bind_all_reduce_tree` (once per site; the call they return is collective). `in_process` is not collective (one process plays every rank); its rank views'
     collectives must still be called once per rank, each from its own stream.
 
     Inputs are contiguous tensors on the workspace's device, [rows, *trailing], rows along dim 0. One collective
@@ -145,6 +146,7 @@ class Workspace:
         self._event_record = runtime.eventRecord
         self._event_query = runtime.eventQuery
         self._all_reduce_cache: dict[tuple[str, int], _AllReduceLauncher] = {}
+        self._tree_cache: dict[tuple[str, str, int, int], _TreeLauncher] = {}
         self._dead: str | None = None
         self._failure: str | None = None
         # Launch numbers: every launch carries one, peers compare them at the start barrier; labels name them.
@@ -584,6 +586,74 @@ class Workspace:
                 self.variants_run.add(("all_reduce_rmsnorm", dtype, "fused_chunked"))
         return y, r
 
+    def fused_norm_tree_variants(self, dtype: torch.dtype, hidden: int, max_rows: int) -> list[str]:
+        """LOCAL: the fused tree kernels' code paths for rows of `hidden` elements (plan.fused_norm_tree_variants:
+        "fused_one_shot", "fused_two_shot", "fused_chunked"); [] when they cannot serve them (dtype refused, an fp32
+        row larger than a fused launch)."""
+        if dtype not in FLOAT_DTYPES or name_of(dtype) in self.refused:
+            return []
+        return plan.fused_norm_tree_variants(hidden=hidden, max_rows=max_rows, grid=self.grid,
+                                             slot_bytes=self._slot_bytes, one_shot_max_bytes=self.one_shot_max_bytes)
+
+    def all_reduce_rmsnorm_tree(self, partials: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                                eps32: float, *, algo: str | None = None, chunk_rows: int | None = None,
+                                label: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """COLLECTIVE. (y, r) of docs/spec.md §9.2 whose step 1 is the tree-order virtual-shard all-reduce (§9.1,
+        shard_fold="tree") of ``partials``, this rank's contiguous fp32 [S, rows, H] (S = V/W; slab j is global
+        shard rank*S + j), in one kernel per launch (csrc/fused_rmsnorm.cu, the tree variants): the same bits as
+        all_reduce_tree then detcomm.numerics.norm.add_rms_norm. residual: contiguous [rows, H] of the site's dtype
+        D; weight: [H] of any float dtype; eps32 as all_reduce_rmsnorm.
+
+        algo: None chooses per launch by its fp32 input bytes (rows * H * 4: one-shot up to one_shot_max_bytes,
+        two-shot above); "one_shot" / "two_shot" force one. chunk_rows forces chunking. Every choice gives the
+        same bits."""
+        if algo not in (None, *plan.FUSED_NORM_TREE_ALGOS):
+            raise ValueError(f"algo must be None or one of {plan.FUSED_NORM_TREE_ALGOS}, got {algo!r}")
+        dtype = self._fold_dtype(residual)
+        self._check_tensor(partials)
+        if partials.dtype != torch.float32 or partials.dim() != 3 or partials.shape[1:] != residual.shape:
+            raise ValueError(f"partials must be float32 [S, rows, H] with [rows, H] = the residual's "
+                             f"{list(residual.shape)}, got {partials.dtype} {list(partials.shape)}")
+        shards = partials.shape[0]
+        why = plan.tree_refusal(shards * self.world_size, self.world_size)
+        if why is not None:
+            raise ValueError(f"{why} (this call passes S={shards} slabs per rank)")
+        assert residual.dim() == 2 and weight.shape == residual.shape[1:], (residual.shape, weight.shape)
+        rows, hidden = residual.shape
+        y, r = torch.empty_like(residual), torch.empty_like(residual)
+        if rows == 0 or hidden == 0:
+            return y, r
+        per = plan.fused_norm_tree_rows_per_launch(hidden, grid=self.grid, slot_bytes=self._slot_bytes)
+        if per < 1:
+            raise WorkspaceUnavailable(f"an fp32 row of {hidden} elements does not fit one fused launch of this "
+                                       "workspace")
+        if chunk_rows is not None:
+            if not 1 <= chunk_rows <= per:
+                raise ValueError(f"chunk_rows must be in 1..{per} (rows one launch carries), got {chunk_rows}")
+            per = chunk_rows
+        row_bytes = hidden * residual.element_size()
+        wname = name_of(weight.dtype)
+        layout = self._kernels.fused_norm_layout(hidden, dtype)
+        wide = layout == "wide"
+        x_stride = rows * hidden
+        with self._collective() as stream_ptr:
+            for a, b in plan.chunks(rows, per):
+                kind = algo or ("one_shot" if (b - a) * hidden * plan.F32_BYTES <= self.one_shot_max_bytes
+                                else "two_shot")
+                off = a * row_bytes
+                args = [_u64(partials.data_ptr() + a * hidden * plan.F32_BYTES), _i64(x_stride),
+                        ctypes.c_int32(shards), _u64(residual.data_ptr() + off), _u64(weight.data_ptr()),
+                        _u64(y.data_ptr() + off), _u64(r.data_ptr() + off), _i64(b - a), _i64(hidden),
+                        ctypes.c_float(eps32)]
+                self._launch(plan.fused_norm_kernel(kind, dtype, wname, wide=wide, tree=True), args, stream_ptr,
+                             label)
+                if self.variants_run is not None:
+                    self.variants_run.add(("all_reduce_rmsnorm_tree", dtype, f"fused_{kind}"))
+                    self.variants_run.add(("all_reduce_rmsnorm_tree", dtype, f"layout_{layout}"))
+            if rows > per and self.variants_run is not None:
+                self.variants_run.add(("all_reduce_rmsnorm_tree", dtype, "fused_chunked"))
+        return y, r
+
     # ---- virtual-shard all-reduce (csrc/virtual_fold.cu, docs/spec.md §9.1) -------------------------------
     def virtual_variants(self, dtype: torch.dtype, row_numel: int, max_rows: int, shards_per_rank: int) -> list[str]:
         """LOCAL: the code paths of a virtual-shard all-reduce site (plan.virtual_variants: "one_shot", "two_shot",
@@ -676,6 +746,119 @@ class Workspace:
             raise ValueError(f"out [{o0:#x}, {o1:#x}) overlaps the partials [{x0:#x}, {x1:#x}); pass a separate "
                              "output tensor")
         return out
+
+    # ---- tree-order virtual-shard all-reduce (csrc/tree_fold.cu, docs/spec.md §9.1) -------------------------
+    def tree_variants(self, dtype: torch.dtype, row_numel: int, max_rows: int, shards_per_rank: int) -> list[str]:
+        """LOCAL: the code paths of a tree-order virtual-shard all-reduce site (plan.tree_variants: "lamport",
+        "one_shot", "two_shot", "chunked") whose calls pass shards_per_rank fp32 slabs of 1..max_rows rows of
+        row_numel elements; [] when the workspace cannot serve it (output dtype refused, W or the slabs outside the
+        tree kernels, plan.tree_refusal, or one fp32 row larger than a launch)."""
+        if dtype not in FLOAT_DTYPES:
+            raise ValueError(f"the workspace folds into {list(FLOAT_NAMES)}, got {dtype}")
+        if name_of(dtype) in self.refused:
+            return []
+        if plan.tree_refusal(shards_per_rank * self.world_size, self.world_size) is not None:
+            return []
+        return plan.tree_variants(row_numel=row_numel, max_rows=max_rows, world_size=self.world_size,
+                                  dtype=name_of(dtype), capacity_bytes=self.capacity_bytes, grid=self.grid,
+                                  one_shot_max_bytes=self.one_shot_max_bytes, lamport_max=self.lamport_max_bytes)
+
+    def all_reduce_tree(self, partials: torch.Tensor, *, dtype: torch.dtype, out: torch.Tensor | None = None,
+                        algo: str | None = None, chunk_rows: int | None = None,
+                        label: str | None = None) -> torch.Tensor:
+        """COLLECTIVE. The tree-order virtual-shard all-reduce of docs/spec.md §9.1 (shard_fold="tree"):
+        ``partials`` is this rank's contiguous fp32 [S, rows, *shape] (S = V/W, a power of two, the same on every
+        rank; W a power of two; slab j is global shard rank*S + j); returns [rows, *shape] in ``dtype``: the
+        balanced binary tree over the V shards in global order (every node one fp32 add), +0.0 at the root, one
+        rounding, identical on every rank and for every W dividing V. Each rank folds its own subtree in the kernel
+        that publishes it, so one fp32 row per rank crosses the workspace.
+
+        algo: None chooses per launch (plan.tree_algo: the one-store kernel up to lamport_max_bytes of published
+        fp32, one-shot up to one_shot_max_bytes, two-shot above); "lamport" / "one_shot" / "two_shot" force one (a
+        forced "lamport" launch carries at most lamport_max_bytes). chunk_rows: rows per launch (default: as many
+        as the capacity holds, plan.tree_rows_per_launch; smaller forces chunking). Every choice gives the same
+        bits."""
+        if algo not in (None, *plan.TREE_ALGOS):
+            raise ValueError(f"algo must be None or one of {plan.TREE_ALGOS}, got {algo!r}")
+        self._check_tensor(partials)
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
+        if dtype not in FLOAT_DTYPES:
+            raise ValueError(f"the workspace folds into {list(FLOAT_NAMES)}, got {dtype}")
+        name = name_of(dtype)
+        if name in self.refused:
+            raise WorkspaceUnavailable(f"the workspace's {name} kernels were refused: {self.refused[name]}")
+        if partials.dtype != torch.float32 or partials.dim() < 2 or partials.shape[0] < 1:
+            raise ValueError(f"partials must be float32 [S >= 1, rows, *shape], got {partials.dtype} "
+                             f"{list(partials.shape)}")
+        shards = partials.shape[0]
+        why = plan.tree_refusal(shards * self.world_size, self.world_size)
+        if why is not None:
+            raise ValueError(f"{why} (this call passes S={shards} slabs per rank)")
+        shape = tuple(partials.shape[1:])
+        out = self._virtual_output(partials, out, shape, dtype)
+        rows, row_elems = shape[0], out[0].numel() if shape[0] else 0
+        if rows == 0 or row_elems == 0:
+            return out
+        launcher = self._tree_launcher(name, row_elems, shards)
+        per = launcher.per
+        if per < 1:
+            raise WorkspaceUnavailable(f"one fp32 row of {row_elems} elements does not fit one launch of this "
+                                       f"workspace (capacity {self.capacity_bytes} bytes)")
+        if algo == "lamport":
+            fit = plan.tree_lamport_rows(row_elems, name, self.lamport_max_bytes)
+            if fit < 1 or (chunk_rows is not None and chunk_rows > fit):
+                raise ValueError(f"algo='lamport' serves tree launches of at most lamport_max_bytes="
+                                 f"{self.lamport_max_bytes} fp32 bytes; a launch of {chunk_rows or 1} row(s) of "
+                                 f"{row_elems} elements publishes "
+                                 f"{plan.tree_launch_bytes((chunk_rows or 1) * row_elems, name)}")
+            per = min(per, fit)
+        if chunk_rows is not None:
+            if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int):
+                raise TypeError(f"chunk_rows must be an int, got {type(chunk_rows).__name__}")
+            if not 1 <= chunk_rows <= launcher.per:
+                raise ValueError(f"chunk_rows must be in 1..{launcher.per} (rows one launch carries), got {chunk_rows}")
+            per = chunk_rows
+        return launcher.run(partials, out, algo=algo, per=per, label=label)
+
+    def bind_all_reduce_tree(self, dtype: torch.dtype, row_numel: int, shards_per_rank: int, *,
+                             label: str | None = None) -> Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]:
+        """LOCAL, once per site: the tree-order all-reduce of a site as ``call(partials, out) -> out`` (COLLECTIVE
+        when called), its launches prepared here (as bind_all_reduce). ``partials`` must already be validated as the
+        communicator does: contiguous fp32 [shards_per_rank, rows, *shape] on this device with rows * prod(shape)
+        = rows * row_numel; ``out`` (None: allocated) a separate contiguous tensor of ``dtype``."""
+        if dtype not in FLOAT_DTYPES:
+            raise ValueError(f"the workspace folds {list(FLOAT_NAMES)}, got {dtype}")
+        name = name_of(dtype)
+        if name in self.refused:
+            raise WorkspaceUnavailable(f"the workspace's {name} kernels were refused: {self.refused[name]}")
+        if row_numel < 1:
+            raise ValueError(f"row_numel must be >= 1, got {row_numel}")
+        why = plan.tree_refusal(shards_per_rank * self.world_size, self.world_size)
+        if why is not None:
+            raise ValueError(why)
+        launcher = self._tree_launcher(name, row_numel, shards_per_rank)
+        if launcher.per < 1:
+            raise WorkspaceUnavailable(f"one fp32 row of {row_numel} elements does not fit one launch of this "
+                                       f"workspace (capacity {self.capacity_bytes} bytes)")
+        ctrl = self._ctrl.words
+
+        def call(partials: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+            if self._dead is not None or ctrl[0]:
+                self.check()
+            assert partials.dtype is torch.float32 and partials.shape[0] == shards_per_rank, partials.shape
+            if out is None:
+                out = torch.empty(partials.shape[1:], dtype=dtype, device=partials.device)
+            return launcher.run(partials, out, algo=None, per=launcher.per, label=label)
+
+        return call
+
+    def _tree_launcher(self, dtype: str, row_elems: int, shards: int) -> _TreeLauncher:
+        key = ("tree", dtype, row_elems, shards)
+        launcher = self._tree_cache.get(key)
+        if launcher is None:
+            launcher = self._tree_cache[key] = _TreeLauncher(self, dtype, row_elems, shards)
+        return launcher
 
     # ---- helpers ---------------------------------------------------------------------------------------
     def _check_tensor(self, x: torch.Tensor) -> None:
@@ -880,3 +1063,65 @@ class _AllReduceLauncher:
             if len(self._geometry) < 4096:  # the distinct sizes of a site: bounded by its max_rows
                 self._geometry[n] = geo
         return geo
+
+
+class _TreeLauncher:
+    """The tree-order launches of one (output dtype, row width, slabs per rank) on one workspace (csrc/tree_fold.cu),
+    every kernel's parameter block prepared once as in _AllReduceLauncher. Every kernel choice and chunking gives
+    the same bits (the tree is element-wise); the row count only moves latency."""
+
+    def __init__(self, ws: Workspace, dtype: str, row_elems: int, shards: int) -> None:
+        self.ws = ws
+        self.dtype = dtype
+        self.row_elems = row_elems
+        self.shards = shards
+        self.out_row_bytes = row_elems * plan.elem_size(dtype)
+        self.per = plan.tree_rows_per_launch(ws.capacity_bytes, row_elems, world_size=ws.world_size, dtype=dtype,
+                                             grid=ws.grid)
+        self.x, self.x_stride, self.out, self.n = ctypes.c_uint64(), ctypes.c_int64(), ctypes.c_uint64(), ctypes.c_int64()
+        self.length, self.call = ctypes.c_int64(), ctypes.c_uint32()
+        head = [self.x, self.x_stride, ctypes.c_int32(shards), self.out, self.n]
+        ks = ws._kernels
+        # One prepared one-store launch per tier, with the most published bytes it takes: a launch runs the first
+        # tier that holds it.
+        self.lamports = [(t.max_bytes, ks.prepare(plan.tree_kernel("lamport", dtype), t.blocks,
+                                                  [*head, _i64(t.offset), _i64(t.cap), self.call, *ws._tail]))
+                         for t in ws.lamport_tiers]
+        self.one_shot = ks.prepare(plan.tree_kernel("one_shot", dtype), ws.grid, [*head, self.call, *ws._tail])
+        self.two_shot = ks.prepare(plan.tree_kernel("two_shot", dtype), ws.grid,
+                                   [*head, self.length, self.call, *ws._tail])
+        self.lamport_max = ws.lamport_max_bytes
+        self.ran = {v: ("all_reduce_tree", dtype, v) for v in (*plan.TREE_ALGOS, "chunked")}
+
+    def run(self, partials: torch.Tensor, out: torch.Tensor, *, algo: str | None, per: int, label: str | None
+            ) -> torch.Tensor:
+        rows = partials.shape[1]
+        if rows == 0:
+            return out
+        ws = self.ws
+        row_elems = self.row_elems
+        ran = ws.variants_run
+        self.x_stride.value = rows * row_elems  # elements between slabs
+        with _InFlight(ws) as stream:
+            xp, op = partials.data_ptr(), out.data_ptr()
+            for a in range(0, rows, per):
+                n = (min(rows, a + per) - a) * row_elems
+                self.x.value, self.out.value, self.n.value = xp + a * row_elems * 4, op + a * self.out_row_bytes, n
+                self.call.value = ws._next_call(label)
+                path = algo or plan.tree_algo(n, self.dtype, lamport_max=self.lamport_max,
+                                              one_shot_max_bytes=ws.one_shot_max_bytes)
+                if path == "lamport":
+                    nbytes = plan.tree_launch_bytes(n, self.dtype)
+                    next(launch for most, launch in self.lamports if nbytes <= most)(stream)
+                elif path == "one_shot":
+                    assert plan.tree_slot_bytes_used(n, ws.world_size, self.dtype, "one_shot") <= ws._slot_bytes
+                    self.one_shot(stream)
+                else:
+                    assert plan.tree_slot_bytes_used(n, ws.world_size, self.dtype, "two_shot") <= ws._slot_bytes
+                    self.length.value = plan.virtual_slices(n, ws.world_size, self.dtype)
+                    self.two_shot(stream)
+                if ran is not None:
+                    ran.add(self.ran[path])
+            if rows > per and ran is not None:
+                ran.add(self.ran["chunked"])
+        return out
