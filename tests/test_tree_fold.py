@@ -413,9 +413,10 @@ def test_detcomm_routes_shows_the_tree(capsys: pytest.CaptureFixture[str]) -> No
     assert main(["routes", "--world-size", "4", "--json", "--site", "o:all_reduce:bf16:4096:64:vs=8:fold=tree",
                  "--site", "r:reduce_scatter:bf16:4096:64:vs=8:fold=tree"]) == 0
     rows = {r["site"]: r for r in json.loads(capsys.readouterr().out)}
-    # The workspace has no tree kernels: gather_fold whether or not it arms; reduce-scatter on a2a_fold.
-    assert (rows["o"]["route"], rows["o"]["virtual_shards"], rows["o"]["condition"]) == ("gather_fold", "8 tree", "")
-    assert "shard order only" in rows["o"]["why"]
+    # The workspace's tree kernels where it arms, else gather_fold; reduce-scatter on a2a_fold.
+    assert (rows["o"]["route"], rows["o"]["virtual_shards"], rows["o"]["condition"]) == (
+        "ipc_fold", "8 tree", "if the workspace arms; else gather_fold")
+    assert "tree kernels" in rows["o"]["why"]
     assert (rows["r"]["route"], rows["r"]["virtual_shards"]) == ("a2a_fold", "8 tree")
     assert main(["routes", "--world-size", "3", "--site", "o:all_reduce:bf16:4096:64:vs=8:fold=tree"]) == 2
     assert "shard_fold='order'" in capsys.readouterr().err
