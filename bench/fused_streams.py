@@ -6,7 +6,7 @@ For a machine with one GPU (the multi-GPU bench is `python bench/norm.py --fused
 in-process workspace captures its calls in its own CUDA graph (--calls per graph) and the W graphs are replayed
 together: --warmup replays first (clocks and caches settle), then the median of --iters replays, us per call.
 Columns: fused and unfused on the default route (ranks sharing a GPU never take the one-store kernel:
-plan.lamport_max_bytes), unfused = the workspace all-reduce then detcomm.numerics.norm.add_rms_norm; the two parts of unfused
+plan.one_store_max_bytes), unfused = the workspace all-reduce then detcomm.numerics.norm.add_rms_norm; the two parts of unfused
 alone (all_reduce; add + norm), so fused - all_reduce is the fused kernel's norm tail; and the one-store kernels
 forced (a second workspace with 256 KiB one-store areas; "-" where the launch does not fit them). Bits: every fused
 variant == unfused on every shape and rank, checked before timing. The fused kernel column names the paths and the
@@ -47,9 +47,9 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=40, help="timed replays (median)")
     ap.add_argument("--json", type=Path, default=None,
                     help="also write the records here (bench/goals_table.py reads them: the fused goals)")
-    ap.add_argument("--lamport-grid", type=int, default=None,
-                    help="at most this many blocks in the forced one-store launches (Workspace lamport_grid; "
-                         "default: the tiers of plan.lamport_tiers)")
+    ap.add_argument("--one-store-grid", type=int, default=None,
+                    help="at most this many blocks in the forced one-store launches (Workspace one_store_grid; "
+                         "default: the tiers of plan.one_store_tiers)")
     ap.add_argument("--build", default="canonical",
                     help="kernel build (detcomm.workspace.kernels.BUILD_DEFINES), e.g. fused_no_wide (rows the wide "
                          "kernels serve stream instead) or fused_batch4: the fused "
@@ -59,14 +59,14 @@ def main() -> None:
     dev = torch.device("cuda", 0)
     workspace = debug.workspace_class(args.build, record=True)  # records which fused path and layout ran
     views = workspace.in_process(w, device=dev, capacity_bytes=8 << 20, timeout_s=30.0)
-    lam_views = workspace.in_process(w, device=dev, capacity_bytes=8 << 20, lamport_max_bytes=256 << 10,
-                                     timeout_s=30.0, lamport_grid=args.lamport_grid) if w > 1 else None
+    one_store_views = workspace.in_process(w, device=dev, capacity_bytes=8 << 20, one_store_max_bytes=256 << 10,
+                                     timeout_s=30.0, one_store_grid=args.one_store_grid) if w > 1 else None
     streams = [torch.cuda.Stream(dev) for _ in range(w)]
     main_s = torch.cuda.current_stream(dev)
     eps32 = norm.eps_fp32(EPS)
     records: list[dict] = []
     print(f"W={w} streams of one {torch.cuda.get_device_name(0)}, kernels {args.build}, one-store tiers (bytes, blocks) "
-          f"{[(t.max_bytes, t.blocks) for t in lam_views[0].lamport_tiers] if lam_views else '-'}, bf16, graphs of {args.calls} calls, "
+          f"{[(t.max_bytes, t.blocks) for t in one_store_views[0].one_store_tiers] if one_store_views else '-'}, bf16, graphs of {args.calls} calls, "
           f"{args.warmup} warm-up replays, median of {args.iters}")
     head = ("hidden", "rows", "fused kernel", "fused us", "unfused us", "all_reduce us", "add + norm us",
             "fused - all_reduce us", "fused/unfused", "one-store fused us", "one-store all_reduce us", "bits equal")
@@ -89,10 +89,10 @@ def main() -> None:
                 "all_reduce": lambda r: views[r].all_reduce(xs[r], out=outs[r], label="a"),
                 "norm": lambda r: norm.add_rms_norm(outs[r], res[r], weight, eps=EPS),
             }
-            if lam_views is not None and n * h * 2 <= lam_views[0].lamport_max_bytes:
-                fns["fused_lamport"] = lambda r: lam_views[r].all_reduce_rmsnorm(xs[r], res[r], weight, eps32,
-                                                                                algo="lamport", label="fl")
-                fns["all_reduce_lamport"] = lambda r: lam_views[r].all_reduce(xs[r], out=outs[r], algo="lamport",
+            if one_store_views is not None and n * h * 2 <= one_store_views[0].one_store_max_bytes:
+                fns["fused_one_store"] = lambda r: one_store_views[r].all_reduce_rmsnorm(xs[r], res[r], weight, eps32,
+                                                                                algo="one_store", label="fl")
+                fns["all_reduce_one_store"] = lambda r: one_store_views[r].all_reduce(xs[r], out=outs[r], algo="one_store",
                                                                               label="al")
 
             def all_ranks(name: str) -> list:
@@ -108,15 +108,15 @@ def main() -> None:
 
             ref = all_ranks("unfused")
             same = True
-            for name in ("fused", "fused_lamport"):
+            for name in ("fused", "fused_one_store"):
                 if name in fns:
                     for (y, r_), (yu, ru) in zip(all_ranks(name), ref):
                         same &= bool(torch.equal(y.view(torch.int16), yu.view(torch.int16))
                                      and torch.equal(r_.view(torch.int16), ru.view(torch.int16)))
             all_ranks("all_reduce")
             all_ranks("norm")
-            if "all_reduce_lamport" in fns:
-                all_ranks("all_reduce_lamport")
+            if "all_reduce_one_store" in fns:
+                all_ranks("all_reduce_one_store")
             debug.record(*views)
             all_ranks("fused")
             ran = views[0].variants_run or set()
@@ -147,16 +147,16 @@ def main() -> None:
                 samples.sort()
                 times[name] = samples[len(samples) // 2]
                 del graphs
-            lam = ([f"{times['fused_lamport']:.2f}", f"{times['all_reduce_lamport']:.2f}"] if "fused_lamport" in times
+            one_store = ([f"{times['fused_one_store']:.2f}", f"{times['all_reduce_one_store']:.2f}"] if "fused_one_store" in times
                    else ["-", "-"])
             table.append([h, n, kernel, *(f"{times[k]:.2f}" for k in ("fused", "unfused", "all_reduce", "norm")),
                           f"{times['fused'] - times['all_reduce']:.2f}", f"{times['fused'] / times['unfused']:.2f}",
-                          *lam, "yes" if same else "NO"])
+                          *one_store, "yes" if same else "NO"])
             print(f"hidden {h} rows {n}: fused {times['fused']:.2f} us", file=sys.stderr, flush=True)  # progress
             records.append({"hidden": h, "rows": n, "world_size": w, "dtype": "bfloat16", "fused_kernel": kernel,
                             "fused_equals_unfused": same, **{k: {"median_us": v} for k, v in times.items()}})
     print(format_table(head, table, markdown=True, align="rrlrrrrrrrrl"), flush=True)
-    for v in views + (lam_views or []):
+    for v in views + (one_store_views or []):
         v.check()
     if args.json is not None:
         args.json.write_text(json.dumps({"setting": "streams", "device": torch.cuda.get_device_name(0),

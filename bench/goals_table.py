@@ -26,7 +26,7 @@ from detcomm.tables import format_table
 
 KIB, MIB = 1 << 10, 1 << 20
 # The workspace's all-reduce kernels and the public call, as the bench names them.
-KERNELS = ("lamport", "one_shot", "two_shot")
+KERNELS = ("one_store", "one_shot", "two_shot")
 WORKSPACE = (*KERNELS, "detcomm", "detcomm_inplace")
 
 

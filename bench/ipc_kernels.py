@@ -19,7 +19,7 @@ Modes:
   with an output buffer, "detcomm_inplace" with out=x), and, at the smallest size, the host time of one eager
   call of each (mode "host"). gather_fold (the public call on a site routed to gather_fold) is timed eager; with
   --gather-graph also captured in a CUDA graph.
---lamport-grid N runs the raw workspace's one-store launches on N blocks instead of the whole grid (the public-API
+--one-store-grid N runs the raw workspace's one-store launches on N blocks instead of the whole grid (the public-API
 rows keep the default).
 
 Medians over repeats, timed with CUDA events. The multicast-off variables of docs/spec.md §8 are set here and inherited
@@ -88,7 +88,7 @@ def bench_fold(quick: bool) -> list[dict]:
 
 # ---- (b) in-process latency --------------------------------------------------------------------------------
 def bench_latency(quick: bool, worlds: list[int] = WORLDS, sizes: list[int] | None = None, *,
-                  lamport_grid: int | None = None, untiered: bool = False) -> list[dict]:
+                  one_store_grid: int | None = None, untiered: bool = False) -> list[dict]:
     from detcomm.workspace import Workspace
 
     dev = torch.device("cuda", 0)
@@ -97,17 +97,17 @@ def bench_latency(quick: bool, worlds: list[int] = WORLDS, sizes: list[int] | No
     main = torch.cuda.current_stream(dev)
     for w in worlds:
         # The one-store kernel forced on at every W >= 2 (256 KiB areas): ranks sharing a GPU never take it by default
-        # (plan.lamport_max_bytes), and this table is where that rule is checked.
+        # (plan.one_store_max_bytes), and this table is where that rule is checked.
         views = Workspace.in_process(w, device=dev, capacity_bytes=max(sizes), max_rows_armed=1 << 20, timeout_s=30.0,
-                                     lamport_max_bytes=0 if w == 1 else 256 << 10, lamport_grid=lamport_grid,
-                                     lamport_tiers=() if untiered else None)
+                                     one_store_max_bytes=0 if w == 1 else 256 << 10, one_store_grid=one_store_grid,
+                                     one_store_tiers=() if untiered else None)
         streams = [torch.cuda.Stream(dev) for _ in range(w)]
         for size in sizes:
             n = size // 2
             xs = [torch.randn(n // 1024, 1024, device=dev).to(torch.bfloat16) for _ in range(w)]
             outs = [torch.empty_like(x) for x in xs]
             iters = 20 if size <= (1 << 20) else 5
-            algos = (["lamport"] if size <= views[0].lamport_max_bytes else []) + ["one_shot", "two_shot"]
+            algos = (["one_store"] if size <= views[0].one_store_max_bytes else []) + ["one_shot", "two_shot"]
             if w == 1:
                 algos.append("copy")
             for algo in algos:
@@ -161,7 +161,7 @@ def bench_latency(quick: bool, worlds: list[int] = WORLDS, sizes: list[int] | No
 
 # ---- (c) multi-GPU against NCCL ----------------------------------------------------------------------------
 def _nccl_rank(rank: int, world: int, init_file: str, sizes: list[int], nccl_env: dict, result_file: str,
-               gather_graph: bool = False, lamport_grid: int | None = None, untiered: bool = False) -> None:
+               gather_graph: bool = False, one_store_grid: int | None = None, untiered: bool = False) -> None:
     os.environ.update(MULTICAST_OFF)
     os.environ.update(nccl_env)  # before the communicator exists: NCCL reads its environment at init
     import torch.distributed as dist
@@ -174,7 +174,7 @@ def _nccl_rank(rank: int, world: int, init_file: str, sizes: list[int], nccl_env
     dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world, device_id=dev)
     gloo = dist.new_group(backend="gloo")
     ws = Workspace.create(gloo, device=dev, capacity_bytes=max(sizes), max_rows_armed=1 << 20, timeout_s=60.0,
-                          lamport_grid=lamport_grid, lamport_tiers=() if untiered else None)
+                          one_store_grid=one_store_grid, one_store_tiers=() if untiered else None)
     # What a caller pays: the public API on the same GPUs, its own workspace armed with the same capacity, the
     # site forced onto the workspace route (numerics="auto" keeps the NCCL environment under test untouched).
     max_rows = max(sizes) // 2048
@@ -191,14 +191,14 @@ def _nccl_rank(rank: int, world: int, init_file: str, sizes: list[int], nccl_env
         buf = x.clone()
         iters = 20 if size <= (1 << 20) else 5
         cands = {"nccl": lambda: dist.all_reduce(x),
-                 "lamport": lambda: ws.all_reduce(x, out=out, algo="lamport"),
+                 "one_store": lambda: ws.all_reduce(x, out=out, algo="one_store"),
                  "one_shot": lambda: ws.all_reduce(x, out=out, algo="one_shot"),
                  "two_shot": lambda: ws.all_reduce(x, out=out, algo="two_shot"),
                  "detcomm": lambda: detcomm.all_reduce(x, site, out=out),
                  "detcomm_inplace": lambda: detcomm.all_reduce(buf, site, out=buf),
                  "gather_fold": lambda: detcomm.all_reduce(x, gather, out=out)}
-        if size > ws.lamport_max_bytes:
-            del cands["lamport"]
+        if size > ws.one_store_max_bytes:
+            del cands["one_store"]
         if size == min(sizes):
             for r in _host_times(world, size, cands, gloo):
                 rows.append(dict(r, nccl_env=nccl_env))
@@ -269,7 +269,7 @@ NCCL_ENVS = {"default": {}, "ring_simple": {"NCCL_ALGO": "Ring", "NCCL_PROTO": "
 
 
 def bench_nccl(quick: bool, tmp: Path, sizes: list[int] | None = None, envs: list[str] | None = None, *,
-               gather_graph: bool = False, lamport_grid: int | None = None, untiered: bool = False) -> list[dict]:
+               gather_graph: bool = False, one_store_grid: int | None = None, untiered: bool = False) -> list[dict]:
     import torch.multiprocessing as mp
 
     world = min(torch.cuda.device_count(), 8)
@@ -282,7 +282,7 @@ def bench_nccl(quick: bool, tmp: Path, sizes: list[int] | None = None, envs: lis
         env = NCCL_ENVS[tag]
         result = tmp / f"nccl_{tag}.json"
         init = tmp / f"init_{tag}_{time.time_ns()}"
-        mp.spawn(_nccl_rank, args=(world, str(init), sizes, env, str(result), gather_graph, lamport_grid, untiered),
+        mp.spawn(_nccl_rank, args=(world, str(init), sizes, env, str(result), gather_graph, one_store_grid, untiered),
                  nprocs=world, join=True)
         rows += json.loads(result.read_text())
     return rows
@@ -332,11 +332,11 @@ def main() -> None:
     ap.add_argument("--nccl-envs", default=",".join(NCCL_ENVS), help=f"nccl mode: comma-separated subset of {','.join(NCCL_ENVS)}")
     ap.add_argument("--sizes", default="", help="latency and nccl modes: comma-separated sizes in KiB (default: all)")
     ap.add_argument("--gather-graph", action="store_true", help="nccl mode: also capture gather_fold in a CUDA graph")
-    ap.add_argument("--lamport-grid", type=int, default=None,
+    ap.add_argument("--one-store-grid", type=int, default=None,
                     help="latency and nccl modes: at most this many blocks in the raw workspace's one-store launches "
-                         "(Workspace.create's lamport_grid; default: no cap); the public-API rows keep the default")
+                         "(Workspace.create's one_store_grid; default: no cap); the public-API rows keep the default")
     ap.add_argument("--untiered", action="store_true",
-                    help="latency and nccl modes: the raw workspace's one-store launches all on one tier (lamport_tiers=(): "
+                    help="latency and nccl modes: the raw workspace's one-store launches all on one tier (one_store_tiers=(): "
                          "the whole grid for every size), to compare with the default tiers")
     args = ap.parse_args()
     modes = set(args.modes.split(","))
@@ -349,18 +349,18 @@ def main() -> None:
     props = torch.cuda.get_device_properties(0)
     header = (f"## detcomm workspace bench: {torch.cuda.device_count()} x {props.name} ({props.multi_processor_count} SMs), "
               f"torch {torch.__version__}, CUDA {torch.version.cuda}"
-              + (f", one-store launches on at most {args.lamport_grid} blocks" if args.lamport_grid else "")
+              + (f", one-store launches on at most {args.one_store_grid} blocks" if args.one_store_grid else "")
               + (", one-store launches untiered" if args.untiered else ""))
     rows: list[dict] = []
     if "fold" in modes:
         rows += bench_fold(args.quick)
     sizes = [int(k) << 10 for k in args.sizes.split(",")] if args.sizes else None
     if "latency" in modes:
-        rows += bench_latency(args.quick, [int(w) for w in args.worlds.split(",")], sizes, lamport_grid=args.lamport_grid,
+        rows += bench_latency(args.quick, [int(w) for w in args.worlds.split(",")], sizes, one_store_grid=args.one_store_grid,
                               untiered=args.untiered)
     if "nccl" in modes:
         rows += bench_nccl(args.quick, out.parent, sizes, args.nccl_envs.split(","), gather_graph=args.gather_graph,
-                           lamport_grid=args.lamport_grid, untiered=args.untiered)
+                           one_store_grid=args.one_store_grid, untiered=args.untiered)
     md = to_markdown(rows, header)
     out.with_suffix(".md").write_text(md + "\n")
     out.with_suffix(".json").write_text(json.dumps({"header": header, "rows": rows}, indent=1))

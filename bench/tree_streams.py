@@ -8,7 +8,7 @@ plain = the site-bound plain fold of a bf16 [rows, H] tensor (Workspace.bind_all
 tree = the site-bound tree call on this rank's fp32 [V/W, rows, H] partials (Workspace.bind_all_reduce_tree);
 order = the shard-order virtual-shard kernel on the same partials (Workspace.all_reduce_virtual); fused plain /
 fused tree = the fused all-reduce + residual + RMSNorm on the bf16 rows / on the tree's partials; each on the
-default path of ranks sharing a GPU (no one-store kernel: plan.lamport_max_bytes), then the one-store kernels forced
+default path of ranks sharing a GPU (no one-store kernel: plan.one_store_max_bytes), then the one-store kernels forced
 on a second workspace ("-" where a launch does not fit its areas). The tree/plain columns are the goals' ratios
 (docs/performance.md). --prewarm compiles every W's kernel modules in parallel first (NVRTC into the disk cache),
 so the first workspace of each W does not compile them one after the other.
@@ -76,7 +76,7 @@ def main() -> None:
     for w in (int(x) for x in args.world.split(",") if x):  # --world "": only --prewarm
         s = v // w
         views = Workspace.in_process(w, device=dev, capacity_bytes=cap, timeout_s=30.0)
-        lam = Workspace.in_process(w, device=dev, capacity_bytes=cap, lamport_max_bytes=1 << 20, timeout_s=30.0)
+        one_store = Workspace.in_process(w, device=dev, capacity_bytes=cap, one_store_max_bytes=1 << 20, timeout_s=30.0)
         streams = [torch.cuda.Stream(dev) for _ in range(w)]
         main_s = torch.cuda.current_stream(dev)
         plain_b = [x.bind_all_reduce(torch.bfloat16, h, label="plain") for x in views]
@@ -93,11 +93,11 @@ def main() -> None:
                 "fused_plain": lambda r: views[r].all_reduce_rmsnorm(xs[r], res[r], weight, eps32, label="fp"),
                 "fused_tree": lambda r: views[r].all_reduce_rmsnorm_tree(ps[r], res[r], weight, eps32, label="ft"),
             }
-            if n * h * 2 <= lam[0].lamport_max_bytes:
-                fns["plain_lamport"] = lambda r: lam[r].all_reduce(xs[r], out=outs[r], algo="lamport")
-            if n * h * 4 <= lam[0].lamport_max_bytes:
-                fns["tree_lamport"] = lambda r: lam[r].all_reduce_tree(ps[r], dtype=torch.bfloat16, out=outs[r],
-                                                                       algo="lamport")
+            if n * h * 2 <= one_store[0].one_store_max_bytes:
+                fns["plain_one_store"] = lambda r: one_store[r].all_reduce(xs[r], out=outs[r], algo="one_store")
+            if n * h * 4 <= one_store[0].one_store_max_bytes:
+                fns["tree_one_store"] = lambda r: one_store[r].all_reduce_tree(ps[r], dtype=torch.bfloat16, out=outs[r],
+                                                                       algo="one_store")
             times = {}
             for name, fn in fns.items():
                 for r in range(w):  # eager once: launches prepared before the capture
@@ -130,16 +130,16 @@ def main() -> None:
                         samples.append(start.elapsed_time(end) * 1e3 / args.calls)
                 samples.sort()
                 times[name] = samples[len(samples) // 2]
-            lam_cols = ["-", "-", "-"]
-            if "tree_lamport" in times:
-                lam_cols = [f"{times['plain_lamport']:.2f}", f"{times['tree_lamport']:.2f}",
-                            f"{times['tree_lamport'] / times['plain_lamport']:.2f}"]
+            one_store_cols = ["-", "-", "-"]
+            if "tree_one_store" in times:
+                one_store_cols = [f"{times['plain_one_store']:.2f}", f"{times['tree_one_store']:.2f}",
+                            f"{times['tree_one_store'] / times['plain_one_store']:.2f}"]
             table.append([w, n, *(f"{times[k]:.2f}" for k in ("plain", "tree", "order")),
-                          f"{times['tree'] / times['plain']:.2f}", f"{times['order'] / times['plain']:.2f}", *lam_cols,
+                          f"{times['tree'] / times['plain']:.2f}", f"{times['order'] / times['plain']:.2f}", *one_store_cols,
                           f"{times['fused_plain']:.2f}", f"{times['fused_tree']:.2f}",
                           f"{times['fused_tree'] / times['fused_plain']:.2f}"])
             print(f"W={w} rows {n}: tree/plain {times['tree'] / times['plain']:.2f}", flush=True)
-        for x in views + lam:
+        for x in views + one_store:
             x.check()
     print(format_table(head, table, markdown=True, align="r" * len(head)), flush=True)
 

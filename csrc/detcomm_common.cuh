@@ -52,7 +52,7 @@ typedef long long i64;
 //   DETCOMM_ABORT_BY_KERNEL, DETCOMM_ABORT_BY_HOST: values of the abort word in a header (who raised it and how);
 //   DETCOMM_KIND_*: what a call descriptor names (kernel kind << 8 | dtype code);
 //   BARRIER_START, BARRIER_MID: barrier kinds (the `kind` of a failure record; there is no end barrier: see
-//     "Barriers"); DETCOMM_WAIT_LAMPORT, DETCOMM_LAM_COUNTER_BYTES: csrc/lamport_common.cuh;
+//     "Barriers"); DETCOMM_WAIT_ONE_STORE, DETCOMM_ONE_STORE_COUNTER_BYTES: csrc/one_store_common.cuh;
 //   DT_F32, DT_BF16, DT_F16, DT_U8: dtype codes; NORM_THREADS, NORM_CHUNK: csrc/rms_norm_common.cuh;
 //   DETCOMM_FUSED_BATCH: csrc/fused_norm_row.cuh; DETCOMM_TREE_MAX_LOG: csrc/tree_fold.cu.
 #if !defined(DETCOMM_MAX_W) || !defined(DETCOMM_MAX_BLOCKS) || !defined(DETCOMM_BLOCK_THREADS) ||              \
@@ -65,10 +65,10 @@ typedef long long i64;
     !defined(DETCOMM_KIND_REDUCE_SCATTER) || !defined(DETCOMM_KIND_ALL_GATHER) ||                                \
     !defined(DETCOMM_KIND_FUSED_NORM_1SHOT) || !defined(DETCOMM_KIND_FUSED_NORM_2SHOT) ||                        \
     !defined(DETCOMM_KIND_VIRTUAL_1SHOT) || !defined(DETCOMM_KIND_VIRTUAL_2SHOT) ||                              \
-    !defined(DETCOMM_KIND_LAMPORT) || !defined(DETCOMM_KIND_FUSED_NORM_LAMPORT) || !defined(BARRIER_START) ||    \
-    !defined(BARRIER_MID) || !defined(DETCOMM_WAIT_LAMPORT) || !defined(DETCOMM_LAM_COUNTER_BYTES) ||            \
+    !defined(DETCOMM_KIND_ONE_STORE) || !defined(DETCOMM_KIND_FUSED_NORM_ONE_STORE) || !defined(BARRIER_START) ||    \
+    !defined(BARRIER_MID) || !defined(DETCOMM_WAIT_ONE_STORE) || !defined(DETCOMM_ONE_STORE_COUNTER_BYTES) ||            \
     !defined(DT_F32) || !defined(DT_BF16) || !defined(DT_F16) || !defined(DT_U8) || !defined(NORM_THREADS) ||    \
-    !defined(NORM_CHUNK) || !defined(DETCOMM_FUSED_BATCH) || !defined(DETCOMM_KIND_TREE_LAMPORT) ||              \
+    !defined(NORM_CHUNK) || !defined(DETCOMM_FUSED_BATCH) || !defined(DETCOMM_KIND_TREE_ONE_STORE) ||              \
     !defined(DETCOMM_KIND_TREE_1SHOT) || !defined(DETCOMM_KIND_TREE_2SHOT) || !defined(DETCOMM_TREE_MAX_LOG) ||     \
     !defined(DETCOMM_KIND_FUSED_NORM_TREE_1SHOT) || !defined(DETCOMM_KIND_FUSED_NORM_TREE_2SHOT)
 #error "csrc/ needs the device constants as -D options: build with detcomm.workspace.kernels.nvrtc_options (nvcc: pass kernels.constant_options())"
@@ -491,7 +491,7 @@ __device__ __forceinline__ uint4* slot(const Group& g, int k) {
   return reinterpret_cast<uint4*>(g.par ? c1 : c0);
 }
 
-// The guards every workspace kernel shares (barrier kernels here, the one-store kernels in lamport_common.cuh).
+// The guards every workspace kernel shares (barrier kernels here, the one-store kernels in one_store_common.cuh).
 // One kernel per rank at a time (a graph replay and an eager call on two streams would interleave their
 // accesses): claim this block's busy word; false (and the workspace failed) when another kernel holds it.
 __device__ __forceinline__ bool claim_busy(const Group& g, int kind) {

@@ -1,6 +1,6 @@
 // detcomm: one row of the fused all-reduce + residual add + RMSNorm (docs/spec.md §9.2 steps 1-7), shared by the
 // barrier kernels (csrc/fused_rmsnorm.cu: s from the workspace slots) and the one-store kernel
-// (csrc/fused_rmsnorm_lamport.cu: s from this rank's one-store region). One definition of the arithmetic, so the
+// (csrc/fused_rmsnorm_one_store.cu: s from this rank's one-store region). One definition of the arithmetic, so the
 // variants cannot drift apart: they differ only in where a row's s-packs come from.
 //
 // Where s comes from is the `Src` parameter of fn_norm_row / fn_norm_row_regs, an object with

@@ -4,7 +4,7 @@
 // r = round(fp32(residual) + fp32(s)); y = the canonical RMSNorm of r (§9.2 steps 3-7, exactly the arithmetic of
 // csrc/rms_norm.cu: 256 lanes of 8-element chunks, the warp shuffle tree, then the tree over the 8 warp results,
 // correctly rounded division and square root; the row code is csrc/fused_norm_row.cuh, shared with the one-store
-// variant csrc/fused_rmsnorm_lamport.cu). The self-checks prove every variant against the composition before a
+// variant csrc/fused_rmsnorm_one_store.cu). The self-checks prove every variant against the composition before a
 // site uses it.
 //
 // Rows, blocks and slots. Row i is handled by block b = i mod gridDim.x as that block's local row m = i / grid.

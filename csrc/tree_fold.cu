@@ -17,13 +17,13 @@
 // file's with one slab: the one-shot slot holds unit t at pack t*P; the two-shot slot holds slice s (L elements,
 // Lu = L / E units) at unit s*Lu. The barrier contract is therefore virtual_fold.cu's (its header says why dense
 // units keep it). The one-store kernel pushes the P packs of unit t into area [buf][rank] of every rank's region
-// at pack t*P (csrc/lamport_common.cuh: +0.0 rewritten as -0.0 before the push). That rewrite cannot change a bit
+// at pack t*P (csrc/one_store_common.cuh: +0.0 rewritten as -0.0 before the push). That rewrite cannot change a bit
 // here either: two nodes that differ only in a zero's sign give sums that differ only in a zero's sign (x + ±0 = x
 // for x != 0, NaN and Inf alike), so the roots differ at most in a zero's sign, which the +0.0 erases.
 //
 // The call descriptor's count is S * n, and the kinds are the tree's own (DETCOMM_KIND_TREE_*): ranks that
 // disagree on the slabs, the rows or the fold order fail the call on every rank.
-#include "lamport_common.cuh"
+#include "one_store_common.cuh"
 #include "slice_fold.cuh"
 #include "tree_common.cuh"
 
@@ -138,40 +138,40 @@ __device__ __forceinline__ void tree_two_shot(const u32* __restrict__ x, i64 x_s
   close_use(g);
 }
 
-// The one-store variant (csrc/lamport_common.cuh): push this rank's subtree roots, marked, into every rank's
+// The one-store variant (csrc/one_store_common.cuh): push this rank's subtree roots, marked, into every rank's
 // area; poll this rank's own areas until all W roots of a unit are there; the top levels; empty what was read.
 template <int DT>
-__device__ __forceinline__ void tree_lamport(const u32* __restrict__ x, i64 x_stride, int S,
+__device__ __forceinline__ void tree_one_store(const u32* __restrict__ x, i64 x_stride, int S,
                                              typename Traits<DT>::T* __restrict__ out, i64 n, i64 off, i64 cap,
                                              const Group& g) {
   constexpr int E = TreeUnit<DT>::kElems;
   constexpr int P = TreeUnit<DT>::kPacks;
   constexpr int G = TreeTop<DT>::kGroup;
-  const Lam l = lam_open(g, off, cap);
-  LamWait w{0u, 0ull, 0u};
+  const OneStoreArea l = one_store_open(g, off, cap);
+  OneStoreWait w{0u, 0ull, 0u};
   const i64 tid = thread_id();
   const i64 stride = grid_stride();
   const i64 nu = (n + E - 1) / E;
   const bool owns = block_owns_packs(nu);
   if (owns) {
-    lam_announce(g, l);
+    one_store_announce(g, l);
     for (i64 t = tid; t < nu; t += stride) {
       uint4 v[P];
 #pragma unroll
-      for (int p = 0; p < P; ++p) v[p] = lam_mark<DT_F32>(tree_local(x, x_stride, S, t * E + p * 4, n - t * E - p * 4));
+      for (int p = 0; p < P; ++p) v[p] = one_store_mark<DT_F32>(tree_local(x, x_stride, S, t * E + p * 4, n - t * E - p * 4));
 #pragma unroll
       for (int k = 0; k < DETCOMM_W; ++k) {
         const int dst = (g.rank + 1 + k) % DETCOMM_W;  // peers first, this rank's own area last
-        uint4* area = lam_area(l, dst, g.rank);
+        uint4* area = one_store_area(l, dst, g.rank);
 #pragma unroll
         for (int p = 0; p < P; ++p) st_ws(area + t * P + p, v[p]);
       }
     }
-    lam_claim(g, w);
-    lam_check_call(g, l, w);
+    one_store_claim(g, w);
+    one_store_check_call(g, l, w);
     const uint4* src[DETCOMM_W];
 #pragma unroll
-    for (int k = 0; k < DETCOMM_W; ++k) src[k] = lam_area(l, g.rank, k);
+    for (int k = 0; k < DETCOMM_W; ++k) src[k] = one_store_area(l, g.rank, k);
     for (i64 t = tid; t < nu && !w.failed; t += stride) {
       PackU<DT> o;
       bool ok = true;
@@ -186,7 +186,7 @@ __device__ __forceinline__ void tree_lamport(const u32* __restrict__ x, i64 x_st
 #pragma unroll
         for (int q = 0; q < G; ++q) {
 #pragma unroll
-          for (int k = 0; k < DETCOMM_W; ++k) ok = lam_wait(g, l, src[k] + t * P + p0 + q, in[q][k], k, w) && ok;
+          for (int k = 0; k < DETCOMM_W; ++k) ok = one_store_wait(g, l, src[k] + t * P + p0 + q, in[q][k], k, w) && ok;
         }
         if (ok) {
 #pragma unroll
@@ -202,7 +202,7 @@ __device__ __forceinline__ void tree_lamport(const u32* __restrict__ x, i64 x_st
       }
     }
   }
-  lam_close(g, l, w, owns);
+  one_store_close(g, l, w, owns);
 }
 
 // x: this rank's S fp32 slabs, slab j at x + j*x_stride (elements); out: n elements of T.
@@ -225,28 +225,28 @@ __device__ __forceinline__ void tree_lamport(const u32* __restrict__ x, i64 x_st
     tree_two_shot<DT>(x, x_stride, S, out, n, L, g);                                                               \
   }
 
-// off, cap: the one-store tier's region offset and area bytes (plan.lamport_tiers); grid = the tier's blocks.
-#define DETCOMM_TREE_LAMPORT(NAME, DT)                                                                             \
+// off, cap: the one-store tier's region offset and area bytes (plan.one_store_tiers); grid = the tier's blocks.
+#define DETCOMM_TREE_ONE_STORE(NAME, DT)                                                                             \
   extern "C" __global__ void __launch_bounds__(DETCOMM_BLOCK_THREADS)                                              \
       NAME(const u32* x, i64 x_stride, int S, Traits<DT>::T* out, i64 n, i64 off, i64 cap, u32 call,               \
            char* const* data, u32* const* sigs, int rank, u64 timeout_ns, u32* ctrl) {                             \
-    const Group g{data, sigs, rank, timeout_ns, ctrl, (DETCOMM_KIND_TREE_LAMPORT << 8) | DT, call,                 \
+    const Group g{data, sigs, rank, timeout_ns, ctrl, (DETCOMM_KIND_TREE_ONE_STORE << 8) | DT, call,                 \
                   (u64)S * (u64)n, true};                                                                          \
-    tree_lamport<DT>(x, x_stride, S, out, n, off, cap, g);                                                         \
+    tree_one_store<DT>(x, x_stride, S, out, n, off, cap, g);                                                         \
   }
 
 #if DETCOMM_WANT(DT_F32)
 DETCOMM_TREE_ONE_SHOT(detcomm_tree_one_shot_f32, DT_F32)
 DETCOMM_TREE_TWO_SHOT(detcomm_tree_two_shot_f32, DT_F32)
-DETCOMM_TREE_LAMPORT(detcomm_tree_lamport_f32, DT_F32)
+DETCOMM_TREE_ONE_STORE(detcomm_tree_one_store_f32, DT_F32)
 #endif
 #if DETCOMM_WANT(DT_BF16)
 DETCOMM_TREE_ONE_SHOT(detcomm_tree_one_shot_bf16, DT_BF16)
 DETCOMM_TREE_TWO_SHOT(detcomm_tree_two_shot_bf16, DT_BF16)
-DETCOMM_TREE_LAMPORT(detcomm_tree_lamport_bf16, DT_BF16)
+DETCOMM_TREE_ONE_STORE(detcomm_tree_one_store_bf16, DT_BF16)
 #endif
 #if DETCOMM_WANT(DT_F16)
 DETCOMM_TREE_ONE_SHOT(detcomm_tree_one_shot_f16, DT_F16)
 DETCOMM_TREE_TWO_SHOT(detcomm_tree_two_shot_f16, DT_F16)
-DETCOMM_TREE_LAMPORT(detcomm_tree_lamport_f16, DT_F16)
+DETCOMM_TREE_ONE_STORE(detcomm_tree_one_store_f16, DT_F16)
 #endif

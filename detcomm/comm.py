@@ -255,7 +255,7 @@ class Communicator:
             return False, f"workspace unavailable: {e}"
         self._workspace = ws
         self._backends[Route.IPC_FOLD] = IpcFoldBackend(ws, resolved=self.resolved)
-        store = (f"one-store kernel up to {ws.lamport_max_bytes // 1024} KiB" if ws.lamport_max_bytes
+        store = (f"one-store kernel up to {ws.one_store_max_bytes // 1024} KiB" if ws.one_store_max_bytes
                  else "no one-store kernel (one rank, or more than two ranks on one GPU)")
         return True, f"armed: {capacity // 1024} KiB per launch, sites up to {max_rows} rows, {store}"
 

@@ -2,7 +2,7 @@
 # One device call: the GPU tests, the failure-guard mutants, the benches and the soak, with full logs under $OUT and
 # a short summary of each stage on stdout (a remote runner often returns only the tail of stdout).
 #   STAGES=kernels bash gpu/run.sh        (from the repository root; OUT defaults to ./gpu-out)
-#   LANES="lamport,inprocess failures,norm" bash gpu/run.sh    (two lanes at once; see LANES below)
+#   LANES="one_store,inprocess failures,norm" bash gpu/run.sh    (two lanes at once; see LANES below)
 # Stages, each sized to fit one 10-minute device call on its own (all of them take about 30 minutes):
 #   kernels   the workspace kernels' GPU tests (one-store, failures and their negative controls)
 #   tests     the in-process and in-place workspace tests and the fused norm tests
@@ -36,10 +36,10 @@ if [ -n "${LANES:-}" ]; then
   for lane in $LANES; do i=$((i + 1)); echo "== lane $i: $lane"; grep -v '^\[0 s\] [0-9]* GPU' "$OUT/lane$i.txt"; done
   exit 0
 fi
-# Stage names: the groups below, or kernels (= lamport,failures), tests (= inprocess,norm), core (= corecuda,robust,tree).
+# Stage names: the groups below, or kernels (= one_store,failures), tests (= inprocess,norm), core (= corecuda,robust,tree).
 expanded=
 for t in ${STAGES//,/ }; do
-  case $t in kernels) t=lamport,failures ;; tests) t=inprocess,norm ;; core) t=corecuda,robust,tree ;; esac
+  case $t in kernels) t=one_store,failures ;; tests) t=inprocess,norm ;; core) t=corecuda,robust,tree ;; esac
   expanded+="$t,"
 done
 STAGES=$expanded
@@ -63,7 +63,7 @@ group() {
 
 LIMIT=${LIMIT:-100}  # percent: scales every group's time limits (lanes run slower than a stage alone)
 lim() { echo $(( $1 * LIMIT / 100 )); }
-has lamport && group lamport "$(lim 220)" tests/gpu/test_workspace_lamport.py
+has one_store && group one_store "$(lim 220)" tests/gpu/test_workspace_one_store.py
 has failures && group failures "$(lim 330)" tests/gpu/test_workspace_failures.py
 has inprocess && group inprocess "$(lim 300)" tests/gpu/test_workspace_inprocess.py tests/gpu/test_workspace_in_place.py
 has norm && group norm "$(lim 250)" tests/gpu/test_norm_gpu.py
@@ -85,16 +85,16 @@ if has bench; then
   say "bench streams rc=$?"; grep -E '^\| [0-9]' "$OUT/bench_streams.log" | head -40
   timeout 90 $PY bench/ipc_kernels.py --out "$OUT/bench_streams_untiered" --modes latency --worlds 2 \
     --sizes 16,256 --untiered > "$OUT/bench_streams_untiered.log" 2>&1
-  say "bench streams, one-store untiered rc=$?"; grep -E '^\| [0-9].*lamport' "$OUT/bench_streams_untiered.log" | head -6
+  say "bench streams, one-store untiered rc=$?"; grep -E '^\| [0-9].*one_store' "$OUT/bench_streams_untiered.log" | head -6
   if [ "$NGPU" -ge 2 ]; then
     timeout 150 $PY bench/ipc_kernels.py --out "$OUT/bench_nccl" --modes nccl --nccl-envs default \
       --sizes 16,64,256,1024,65536 > "$OUT/bench_nccl.log" 2>&1
     say "bench nccl rc=$?"; grep -E '^\| [0-9]' "$OUT/bench_nccl.log" | head -60
-    # The one-store launches untiered (every size on the whole grid, lamport_tiers=()): the raw workspace's one-store
-    # rows against the tiered ones above (plan.DEFAULT_LAMPORT_TIERS)
+    # The one-store launches untiered (every size on the whole grid, one_store_tiers=()): the raw workspace's one-store
+    # rows against the tiered ones above (plan.DEFAULT_ONE_STORE_TIERS)
     timeout 120 $PY bench/ipc_kernels.py --out "$OUT/bench_nccl_untiered" --modes nccl --nccl-envs default \
       --sizes 16,64,256,1024 --untiered > "$OUT/bench_nccl_untiered.log" 2>&1
-    say "bench nccl, one-store untiered rc=$?"; grep -E '^\| [0-9].*lamport' "$OUT/bench_nccl_untiered.log" | head -8
+    say "bench nccl, one-store untiered rc=$?"; grep -E '^\| [0-9].*one_store' "$OUT/bench_nccl_untiered.log" | head -8
     timeout 180 $PY bench/norm.py --fused --iters 30 --calls-per-graph 10 --out "$OUT/fused" > "$OUT/fused.log" 2>&1
   else
     timeout 180 $PY bench/fused_streams.py --world 2 --json "$OUT/fused_streams.json" > "$OUT/fused.log" 2>&1

@@ -47,12 +47,12 @@ FAILURES = "tests/gpu/test_workspace_failures.py"
 GUARDS = "tests/test_robust_guards.py"
 CSRC_TESTS = "tests/test_workspace_csrc.py"
 GUARD_MODES = "tests/test_robust_guard_modes.py"
-# The failure tests run a barrier kernel ([one_shot]) and the one-store kernel ([lamport]); each mutant names the one
+# The failure tests run a barrier kernel ([one_shot]) and the one-store kernel ([one_store]); each mutant names the one
 # whose guard it removes.
 DEADLINE_TEST = f"{FAILURES}::test_deadline_ends_the_kernel_without_a_trap_one_record_per_rank[one_shot]"
 ABORT_TEST = f"{FAILURES}::test_abort_releases_a_spinning_kernel_and_tells_the_peer[one_shot]"
-DEADLINE_LAMPORT = DEADLINE_TEST.replace("[one_shot]", "[lamport]")
-ABORT_LAMPORT = ABORT_TEST.replace("[one_shot]", "[lamport]")
+DEADLINE_ONE_STORE = DEADLINE_TEST.replace("[one_shot]", "[one_store]")
+ABORT_ONE_STORE = ABORT_TEST.replace("[one_shot]", "[one_store]")
 REPLAY_TEST = f"{FAILURES}::test_graph_replay_beside_an_eager_call_fails_the_workspace[one_shot]"
 MISMATCH_TEST = f"{FAILURES}::test_different_calls_raise_on_every_rank[one_shot]"
 INIT_TEST = f"{FAILURES}::test_init_sets_the_deadline_and_checks_every_variant_before_first_use"
@@ -100,7 +100,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     M("1b-spin", "1b", "every spin (barrier or one-store) polls the host's abort word", "csrc/detcomm_common.cuh",
       "if (poll_host && *(const volatile u32*)(g.ctrl + DETCOMM_HOST_ABORT_WORD) != 0u) {",
       "if (false) {  // mutant: the host's abort word is never polled",
-      (ABORT_TEST, ABORT_LAMPORT), gpu=True, limit_s=150, hang_ok=True),
+      (ABORT_TEST, ABORT_ONE_STORE), gpu=True, limit_s=150, hang_ok=True),
     M("1b-peers", "1b", "abort() writes the abort word into every rank's header", "detcomm/workspace/workspace.py",
       "                for base in self._sig_ptrs:",
       "                for base in []:  # mutant: the peers are never told",
@@ -116,7 +116,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     M("3-busy", "3", "device busy word: a second kernel on a rank fails the workspace", "csrc/detcomm_common.cuh",
       "if (atomicCAS(own + busy_index(blockIdx.x), 0u, g.call | 0x80000000u) != 0u) {",
       "if (false) {  // mutant: a second kernel of this rank is not detected",
-      (REPLAY_TEST, REPLAY_TEST.replace("[one_shot]", "[lamport]")), gpu=True, limit_s=150, hang_ok=True),
+      (REPLAY_TEST, REPLAY_TEST.replace("[one_shot]", "[one_store]")), gpu=True, limit_s=150, hang_ok=True),
     M("3-host", "3", "host in-flight guard: a call from another stream raises", "detcomm/workspace/workspace.py",
       "last != stream and not self.capturing and",
       "False and",  # mutant: the guard's condition never holds (no host-side in-flight guard)
@@ -182,11 +182,11 @@ MUTATIONS: tuple[Mutation, ...] = (
     M("1-deadline", "1", "a spin gives up at the deadline and records it", "csrc/detcomm_common.cuh",
       "  if (waited > g.timeout_ns) {",
       "  if (false) {  // mutant: a spin never gives up",
-      (DEADLINE_TEST, DEADLINE_LAMPORT), gpu=True, limit_s=150, hang_ok=True),
+      (DEADLINE_TEST, DEADLINE_ONE_STORE), gpu=True, limit_s=150, hang_ok=True),
     M("1-entry", "1", "a kernel refuses to wait in a workspace a peer already failed", "csrc/detcomm_common.cuh",
       "  if (ab == 0u) return false;",
       "  return false;  // mutant: no look at the abort word before waiting",
-      (DEADLINE_TEST, DEADLINE_LAMPORT), gpu=True, limit_s=150),
+      (DEADLINE_TEST, DEADLINE_ONE_STORE), gpu=True, limit_s=150),
     # The call guard (detcomm/backends/guard.py): the separate header of host-memory groups, and the header inside
     # every route's message on device groups (forced on gloo by the test, the same torch ops).
     M("g-header", "call", "the separate call header is compared before the call's data moves",
@@ -202,11 +202,11 @@ MUTATIONS: tuple[Mutation, ...] = (
       "        _mismatch(self.native, got, ints, readable)",
       "        pass  # mutant: the in-message headers are never compared",
       (f"{GUARD_MODES}::test_every_route_raises_on_a_mismatched_call[W3-in_message]",), gpu=False, limit_s=300),
-    # The one-store kernel's own descriptors (csrc/lamport_common.cuh).
-    M("8-desc-lamport", "8", "peers' one-store call descriptors are compared", "csrc/lamport_common.cuh",
+    # The one-store kernel's own descriptors (csrc/one_store_common.cuh).
+    M("8-desc-one_store", "8", "peers' one-store call descriptors are compared", "csrc/one_store_common.cuh",
       "  if (v.x != mine.x || v.y != mine.y || v.z != mine.z || v.w != mine.w) {",
       "  if (false) {  // mutant: descriptors are never compared",
-      (MISMATCH_TEST.replace("[one_shot]", "[lamport]"),), gpu=True, limit_s=150, hang_ok=True),
+      (MISMATCH_TEST.replace("[one_shot]", "[one_store]"),), gpu=True, limit_s=150, hang_ok=True),
 )
 
 

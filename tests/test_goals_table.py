@@ -30,9 +30,9 @@ def test_verdicts_from_rows_and_what_is_missing() -> None:
         {"mode": "latency", "world": 1, "bytes": 64 * MIB, "algo": "one_shot", "graph_us": 40.0, "eager_us": 44.0},
         {"mode": "latency", "world": 1, "bytes": 64 * MIB, "algo": "copy", "graph_us": 36.0, "eager_us": 38.0},
         {"mode": "latency", "world": 8, "bytes": 16 * KIB, "algo": "one_shot", "graph_us": 13.2, "eager_us": 1.0},
-        {"mode": "latency", "world": 8, "bytes": 16 * KIB, "algo": "lamport", "graph_us": 7.9, "eager_us": 1.0},
+        {"mode": "latency", "world": 8, "bytes": 16 * KIB, "algo": "one_store", "graph_us": 7.9, "eager_us": 1.0},
         _nccl("nccl", 16 * KIB, 10.0, eager=26.0),
-        _nccl("lamport", 16 * KIB, 5.6),
+        _nccl("one_store", 16 * KIB, 5.6),
         _nccl("detcomm", 16 * KIB, 5.8, eager=12.7),
         # a Ring row must not stand in for NCCL's default (its eager 10 us would make the eager goal a miss)
         _nccl("nccl", 16 * KIB, 30.0, eager=10.0, env={"NCCL_ALGO": "Ring"}),
@@ -48,7 +48,7 @@ def test_verdicts_from_rows_and_what_is_missing() -> None:
     assert v["W=2 64 MiB graph, best variant / NCCL default"] == "not measured"
     assert v["host time of one eager detcomm.all_reduce, 16 KiB"] == "met"
     # the same rows with the W=2 16 KiB kernel faster: both parts of that goal hold
-    rows[5] = _nccl("lamport", 16 * KIB, 4.9)
+    rows[5] = _nccl("one_store", 16 * KIB, 4.9)
     assert _verdicts(rows)["W=2 16 KiB graph (one GPU per rank)"] == "met"
 
 

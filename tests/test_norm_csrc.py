@@ -70,9 +70,9 @@ def test_fused_kernel_ptx_keeps_the_canonical_arithmetic(tmp_path: Path, world: 
 def test_fused_one_store_kernel_ptx_keeps_the_canonical_arithmetic(tmp_path: Path, world: int) -> None:
     """The one-store fused kernel: the same arithmetic rules, no barrier (no release/acquire flag), volatile polls
     of its own region, the deadline and abort checks."""
-    out = tmp_path / "fused_lamport.ptx"
+    out = tmp_path / "fused_one_store.ptx"
     flags = [f for f in FLAGS if not f.startswith("-DDETCOMM_W=")] + [f"-DDETCOMM_W={world}"]
-    p = subprocess.run([NVCC, *flags, "-ptx", str(CU.parent / "fused_rmsnorm_lamport.cu"), "-o", str(out)],
+    p = subprocess.run([NVCC, *flags, "-ptx", str(CU.parent / "fused_rmsnorm_one_store.cu"), "-o", str(out)],
                        capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
     ptx = out.read_text()
@@ -85,5 +85,5 @@ def test_fused_one_store_kernel_ptx_keeps_the_canonical_arithmetic(tmp_path: Pat
     assert "st.release.sys" not in ptx and "ld.acquire.sys" not in ptx  # no barrier
     assert "trap;" not in ptx
     names = set(re.findall(r"\.entry (detcomm_\w+)\(", ptx))
-    assert names == {f"detcomm_fused_rmsnorm_lamport{wide}_{a}_w{b}" for wide in ("", "_wide")
+    assert names == {f"detcomm_fused_rmsnorm_one_store{wide}_{a}_w{b}" for wide in ("", "_wide")
                      for a in ("f32", "bf16", "f16") for b in ("f32", "bf16", "f16")}

@@ -88,26 +88,26 @@ def test_fused_launch_geometry() -> None:
     assert plan.fused_norm_variants(hidden=1 << 20, dtype="float32", max_rows=4, grid=grid, slot_bytes=1 << 20,
                                     one_shot_max_bytes=512 * 1024) == []
     # With the one-store kernel (W >= 2): decode launches (up to 32 rows of 8 KiB in 256 KiB) take it.
-    lam = 256 * 1024  # forced, as the stream bench does (never by default on a shared GPU)
-    assert plan.fused_norm_lamport_rows(4096, "bfloat16", lam) == 32
+    one_store = 256 * 1024  # forced, as the stream bench does (never by default on a shared GPU)
+    assert plan.fused_norm_one_store_rows(4096, "bfloat16", one_store) == 32
     assert plan.fused_norm_variants(hidden=4096, dtype="bfloat16", max_rows=256, grid=grid, slot_bytes=slot,
-                                    one_shot_max_bytes=512 * 1024, lamport_max=lam) == [
-        "fused_lamport", "fused_one_shot", "fused_two_shot"]
+                                    one_shot_max_bytes=512 * 1024, one_store_max=one_store) == [
+        "fused_one_store", "fused_one_shot", "fused_two_shot"]
 
 
 def test_module_loads_every_fused_kernel() -> None:
     names = kernels.module_functions("bfloat16")
-    for algo in ("1shot", "2shot", "lamport"):
+    for algo in ("1shot", "2shot", "one_store"):
         for w in ("f32", "bf16", "f16"):
             assert f"detcomm_fused_rmsnorm_{algo}_bf16_w{w}" in names
     assert plan.fused_norm_kernel("two_shot", "float16", "float32") == "detcomm_fused_rmsnorm_2shot_f16_wf32"
-    assert plan.fused_norm_kernel("lamport", "bfloat16", "float32") == "detcomm_fused_rmsnorm_lamport_bf16_wf32"
-    assert "fused_rmsnorm.cu" in kernels.KERNEL_FILES and "fused_rmsnorm_lamport.cu" in kernels.KERNEL_FILES
+    assert plan.fused_norm_kernel("one_store", "bfloat16", "float32") == "detcomm_fused_rmsnorm_one_store_bf16_wf32"
+    assert "fused_rmsnorm.cu" in kernels.KERNEL_FILES and "fused_rmsnorm_one_store.cu" in kernels.KERNEL_FILES
     src = kernels.flatten_source()
     assert "detcomm_fused_rmsnorm_" in src and "norm_inv_rms" in src and '#include "' not in src
 
 
-def _stand_in_workspace(lamport_max: int, variant: str = "canonical") -> tuple[object, list[tuple[str, list[float]]]]:
+def _stand_in_workspace(one_store_max: int, variant: str = "canonical") -> tuple[object, list[tuple[str, list[float]]]]:
     """A Workspace with no device (object.__new__): the host logic of all_reduce_rmsnorm runs on CPU tensors and
     its launches are recorded (kernel name, argument values) instead of run."""
     import contextlib
@@ -123,8 +123,8 @@ def _stand_in_workspace(lamport_max: int, variant: str = "canonical") -> tuple[o
     ws._ctrl = SimpleNamespace(tagged=lambda: False)
     ws.grid, ws.world_size = 132, 2
     ws._slot_bytes = plan.slot_bytes(4 << 20, 2, ws.grid)
-    ws.one_shot_max_bytes, ws.lamport_max_bytes = 512 << 10, lamport_max
-    ws.lamport_tiers = plan.lamport_tiers(lamport_max, 2, ws.grid, base=777)
+    ws.one_shot_max_bytes, ws.one_store_max_bytes = 512 << 10, one_store_max
+    ws.one_store_tiers = plan.one_store_tiers(one_store_max, 2, ws.grid, base=777)
     launches: list[tuple[str, list[float]]] = []
     grids: list[int | None] = []
 
@@ -139,16 +139,16 @@ def _stand_in_workspace(lamport_max: int, variant: str = "canonical") -> tuple[o
 
 
 def test_fused_launches_take_the_one_store_kernel_per_launch() -> None:
-    """all_reduce_rmsnorm's host side: launches of up to fused_norm_lamport_rows rows take the one-store kernel
+    """all_reduce_rmsnorm's host side: launches of up to fused_norm_one_store_rows rows take the one-store kernel
     on the first tier that holds them (its sub-region's offset and area bytes as the two extra arguments, its
-    blocks as the grid), larger ones one-shot; a forced 'lamport' chunks to what the largest areas hold;
+    blocks as the grid), larger ones one-shot; a forced 'one_store' chunks to what the largest areas hold;
     chunk_rows above that, or the one-store path off, raise."""
     ws, launches = _stand_in_workspace(256 << 10)  # tiers: 8 rows of bf16 x 4096 on 16 blocks, 32 on the grid
-    small, big = ws.lamport_tiers
+    small, big = ws.one_store_tiers
     assert (small.blocks, big.blocks, small.offset) == (16, 132, 777) and big.offset > small.offset + 4 * small.cap
     x = torch.zeros(80, 4096, dtype=torch.bfloat16)
     w = torch.ones(4096, dtype=torch.bfloat16)
-    lam, one = "detcomm_fused_rmsnorm_lamport_bf16_wbf16", "detcomm_fused_rmsnorm_1shot_bf16_wbf16"
+    one_store, one = "detcomm_fused_rmsnorm_one_store_bf16_wbf16", "detcomm_fused_rmsnorm_1shot_bf16_wbf16"
 
     def run(rows: int, **kw: object) -> list[tuple[str, int, int]]:
         launches.clear()
@@ -157,24 +157,24 @@ def test_fused_launches_take_the_one_store_kernel_per_launch() -> None:
         # (kernel, rows, x offset in rows); the one-store launches end with their tier's offset and area bytes
         for (name, args), grid in zip(launches, ws.grids, strict=True):
             tier = small if args[5] <= 8 else big
-            assert (args[-2:] == [tier.offset, tier.cap]) == (name == lam), (name, args)
-            assert grid == (tier.blocks if name == lam else None), (name, grid)
+            assert (args[-2:] == [tier.offset, tier.cap]) == (name == one_store), (name, args)
+            assert grid == (tier.blocks if name == one_store else None), (name, grid)
         return [(name, int(args[5]), int(args[0] - x.data_ptr()) // (4096 * 2)) for name, args in launches]
 
-    assert run(8) == [(lam, 8, 0)]
-    assert run(9) == [(lam, 9, 0)]
-    assert run(32) == [(lam, 32, 0)]
+    assert run(8) == [(one_store, 8, 0)]
+    assert run(9) == [(one_store, 9, 0)]
+    assert run(32) == [(one_store, 32, 0)]
     assert run(33) == [(one, 33, 0)]
-    assert run(80, algo="lamport") == [(lam, 32, 0), (lam, 32, 32), (lam, 16, 64)]
-    assert run(20, chunk_rows=6) == [(lam, 6, 0), (lam, 6, 6), (lam, 6, 12), (lam, 2, 18)]
-    assert run(20, chunk_rows=12) == [(lam, 12, 0), (lam, 8, 12)]
+    assert run(80, algo="one_store") == [(one_store, 32, 0), (one_store, 32, 32), (one_store, 16, 64)]
+    assert run(20, chunk_rows=6) == [(one_store, 6, 0), (one_store, 6, 6), (one_store, 6, 12), (one_store, 2, 18)]
+    assert run(20, chunk_rows=12) == [(one_store, 12, 0), (one_store, 8, 12)]
     assert run(3, algo="one_shot") == [(one, 3, 0)]
-    assert ("all_reduce_rmsnorm", "bfloat16", "fused_lamport") in ws.variants_run
-    with pytest.raises(ValueError, match="algo='lamport'"):
-        run(40, algo="lamport", chunk_rows=33)
+    assert ("all_reduce_rmsnorm", "bfloat16", "fused_one_store") in ws.variants_run
+    with pytest.raises(ValueError, match="algo='one_store'"):
+        run(40, algo="one_store", chunk_rows=33)
     off, launches = _stand_in_workspace(0)  # W = 1: no one-store region
-    with pytest.raises(ValueError, match="algo='lamport'"):
-        off.all_reduce_rmsnorm(x, x, w, 1e-6, algo="lamport")
+    with pytest.raises(ValueError, match="algo='one_store'"):
+        off.all_reduce_rmsnorm(x, x, w, 1e-6, algo="one_store")
     off.all_reduce_rmsnorm(x[:1], x[:1], w, 1e-6)
     assert [name for name, _ in launches] == [one]
 
@@ -197,10 +197,10 @@ def test_fused_row_layout_follows_the_header_rule() -> None:
     for bad in (lambda: lay(0, "bfloat16", 2), lambda: c("bfloat16", 9), lambda: c("bfloat16", 2, batch=0)):
         with pytest.raises(ValueError):
             bad()
-    assert plan.fused_norm_kernel("lamport", "bfloat16", "bfloat16", wide=True) == (
-        "detcomm_fused_rmsnorm_lamport_wide_bf16_wbf16")
+    assert plan.fused_norm_kernel("one_store", "bfloat16", "bfloat16", wide=True) == (
+        "detcomm_fused_rmsnorm_one_store_wide_bf16_wbf16")
     names = kernels.module_functions("float16")
-    for algo in ("1shot", "2shot", "lamport"):
+    for algo in ("1shot", "2shot", "one_store"):
         assert {f"detcomm_fused_rmsnorm_{algo}_f16_wbf16", f"detcomm_fused_rmsnorm_{algo}_wide_f16_wbf16"} <= set(names)
 
 
@@ -209,12 +209,12 @@ def test_fused_launches_take_the_wide_kernels_exactly_for_wide_rows() -> None:
     algorithm the launch takes (one-store, one-shot, two-shot), every other width the row kernel; the bench's
     fused_no_wide build never takes a wide kernel. variants_run records the layout."""
     ws, launches = _stand_in_workspace(256 << 10)
-    for hidden, rows, algo, want in ((4096, 1, None, "detcomm_fused_rmsnorm_lamport_bf16_wbf16"),
-                                     (4097, 1, None, "detcomm_fused_rmsnorm_lamport_wide_bf16_wbf16"),
-                                     (8192, 2, None, "detcomm_fused_rmsnorm_lamport_wide_bf16_wbf16"),
+    for hidden, rows, algo, want in ((4096, 1, None, "detcomm_fused_rmsnorm_one_store_bf16_wbf16"),
+                                     (4097, 1, None, "detcomm_fused_rmsnorm_one_store_wide_bf16_wbf16"),
+                                     (8192, 2, None, "detcomm_fused_rmsnorm_one_store_wide_bf16_wbf16"),
                                      (8192, 20, None, "detcomm_fused_rmsnorm_1shot_wide_bf16_wbf16"),
                                      (8192, 3, "two_shot", "detcomm_fused_rmsnorm_2shot_wide_bf16_wbf16"),
-                                     (8193, 1, None, "detcomm_fused_rmsnorm_lamport_bf16_wbf16"),
+                                     (8193, 1, None, "detcomm_fused_rmsnorm_one_store_bf16_wbf16"),
                                      (8193, 3, "one_shot", "detcomm_fused_rmsnorm_1shot_bf16_wbf16")):
         launches.clear()
         x = torch.zeros(rows, hidden, dtype=torch.bfloat16)
@@ -225,7 +225,7 @@ def test_fused_launches_take_the_wide_kernels_exactly_for_wide_rows() -> None:
     off, launches = _stand_in_workspace(256 << 10, variant="fused_no_wide")
     x = torch.zeros(1, 8192, dtype=torch.bfloat16)
     off.all_reduce_rmsnorm(x, x, torch.ones(8192, dtype=torch.bfloat16), 1e-6)
-    assert [name for name, _ in launches] == ["detcomm_fused_rmsnorm_lamport_bf16_wbf16"]
+    assert [name for name, _ in launches] == ["detcomm_fused_rmsnorm_one_store_bf16_wbf16"]
 
 
 class _LayoutOnlyWorkspace:

@@ -236,7 +236,7 @@ def test_fused_kernels_keep_their_registers_at_decode_widths(tmp_path):
              and "_tree_" not in n}
     assert len(fused) == 6 and all(b == 0 for b in fused.values()), fused
     batch4 = _spill_stores(tmp_path, 2, "bfloat16", "fused_batch4")
-    assert batch4["detcomm_fused_rmsnorm_lamport_bf16_wbf16"] > 0, batch4
+    assert batch4["detcomm_fused_rmsnorm_one_store_bf16_wbf16"] > 0, batch4
 
 
 def _layout_asserts(world: int, want: dict[str, int], build: str = "canonical", *, tmp_path: Path
@@ -295,7 +295,7 @@ def test_tree_kernels_keep_their_registers(world, tmp_path):
         tree = {n: b for n, b in spills.items() if n.startswith("detcomm_tree_")}
         assert len(tree) == 3, tree
         for name, b in tree.items():
-            bound = 16 if world == 8 and "lamport" in name and module != "float32" else 0
+            bound = 16 if world == 8 and "one_store" in name and module != "float32" else 0
             assert b <= bound, (module, tree)
     if world != 8:
         return
@@ -310,7 +310,7 @@ def test_tree_kernels_keep_their_registers(world, tmp_path):
     assert p.returncode == 0, p.stderr
     found = dict(re.findall(r"Function properties for (detcomm_tree_\w+)\s*\n\s*\d+ bytes stack frame, (\d+) bytes "
                             r"spill", p.stderr))
-    assert int(found["detcomm_tree_lamport_bf16"]) > 16, found
+    assert int(found["detcomm_tree_one_store_bf16"]) > 16, found
 
 
 @needs_nvcc

@@ -42,8 +42,8 @@ def test_device_constants_are_plan_values():
     assert int(c["DETCOMM_MAX_W"]) == plan.MAX_WORLD and int(c["DETCOMM_BUFFER_HEADER_BYTES"]) == plan.BUFFER_HEADER_BYTES
     for code, kind in plan.KIND_CODES.items():
         assert int(c[f"DETCOMM_KIND_{kind.upper()}"]) == code
-    assert plan.KIND_LAMPORT == int(c["DETCOMM_KIND_LAMPORT"]) == 9
-    assert plan.KIND_FUSED_NORM_LAMPORT == int(c["DETCOMM_KIND_FUSED_NORM_LAMPORT"]) == 10
+    assert plan.KIND_ONE_STORE == int(c["DETCOMM_KIND_ONE_STORE"]) == 9
+    assert plan.KIND_FUSED_NORM_ONE_STORE == int(c["DETCOMM_KIND_FUSED_NORM_ONE_STORE"]) == 10
     for name in ("TIMEOUT", "ABORTED", "PEER_FAILED", "MISMATCH", "OVERLAP"):
         assert int(c[f"DETCOMM_ERR_{name}"].rstrip("u"), 16) == getattr(plan, f"ERR_{name}")
     assert [int(c[m]) for m in ("DT_F32", "DT_BF16", "DT_F16", "DT_U8")] == [
@@ -53,68 +53,68 @@ def test_device_constants_are_plan_values():
 
 
 def test_one_store_offsets_match_their_header():
-    text = (CSRC / "lamport_common.cuh").read_text()
+    text = (CSRC / "one_store_common.cuh").read_text()
     defines = dict(re.findall(r"^#define (DETCOMM_\w+) (\S+)", text, re.M))
     # The offsets are expressions over device constants: check the values they stand for.
-    assert plan.LAM_DESC_OFF == plan.LAM_COUNTER_BYTES
-    assert plan.LAM_DESC_BYTES == 2 * plan.MAX_BLOCKS * plan.MAX_WORLD * plan.PACK_BYTES
-    assert plan.LAM_DATA_OFF == plan.LAM_DESC_OFF + plan.LAM_DESC_BYTES
-    for name, expr in (("DETCOMM_LAM_DESC_OFF", "DETCOMM_LAM_COUNTER_BYTES"),
-                       ("DETCOMM_LAM_DATA_OFF", "(DETCOMM_LAM_DESC_OFF")):
+    assert plan.ONE_STORE_DESC_OFF == plan.ONE_STORE_COUNTER_BYTES
+    assert plan.ONE_STORE_DESC_BYTES == 2 * plan.MAX_BLOCKS * plan.MAX_WORLD * plan.PACK_BYTES
+    assert plan.ONE_STORE_DATA_OFF == plan.ONE_STORE_DESC_OFF + plan.ONE_STORE_DESC_BYTES
+    for name, expr in (("DETCOMM_ONE_STORE_DESC_OFF", "DETCOMM_ONE_STORE_COUNTER_BYTES"),
+                       ("DETCOMM_ONE_STORE_DATA_OFF", "(DETCOMM_ONE_STORE_DESC_OFF")):
         assert defines[name].startswith(expr), (name, defines[name])
 
 
 def test_one_store_tiers_are_static_and_never_exceed_the_grid():
-    """The one-store tiers: the table's tiers below lamport_max, then one up to lamport_max on the grid; blocks
-    capped by the grid (ranks sharing a GPU stay co-resident) and by lamport_grid; equal neighbours merged; each
+    """The one-store tiers: the table's tiers below one_store_max, then one up to one_store_max on the grid; blocks
+    capped by the grid (ranks sharing a GPU stay co-resident) and by one_store_grid; equal neighbours merged; each
     tier's sub-region right after the previous one, areas in whole packs."""
-    t = plan.lamport_tiers(1 << 20, 2, 132, base=1000)
+    t = plan.one_store_tiers(1 << 20, 2, 132, base=1000)
     assert [(x.max_bytes, x.blocks) for x in t] == [(64 << 10, 16), (256 << 10, 32), (1 << 20, 132)]
     assert t[0].offset == 1000 and all(b.offset == a.offset + a.region_bytes(2) for a, b in zip(t, t[1:]))
     assert [x.cap for x in t] == [64 << 10, 256 << 10, 1 << 20]
-    assert plan.lamport_region_bytes(2, t) == sum(plan.LAM_DATA_OFF + 4 * x.cap for x in t)
-    # Tiers at or above lamport_max are dropped; the largest always runs the grid.
-    assert [(x.max_bytes, x.blocks) for x in plan.lamport_tiers(64 << 10, 2, 132, base=0)] == [(64 << 10, 132)]
-    assert [(x.max_bytes, x.blocks) for x in plan.lamport_tiers(100 << 10, 2, 132, base=0)] == [
+    assert plan.one_store_region_bytes(2, t) == sum(plan.ONE_STORE_DATA_OFF + 4 * x.cap for x in t)
+    # Tiers at or above one_store_max are dropped; the largest always runs the grid.
+    assert [(x.max_bytes, x.blocks) for x in plan.one_store_tiers(64 << 10, 2, 132, base=0)] == [(64 << 10, 132)]
+    assert [(x.max_bytes, x.blocks) for x in plan.one_store_tiers(100 << 10, 2, 132, base=0)] == [
         (64 << 10, 16), (100 << 10, 132)]
-    assert plan.lamport_tiers(1000, 4, 132, base=0)[0].cap == 1008  # whole packs
-    # A small grid (ranks sharing a GPU) or lamport_grid caps every tier; equal neighbours merge into the larger.
-    assert [(x.max_bytes, x.blocks) for x in plan.lamport_tiers(1 << 20, 8, 16, base=0)] == [(1 << 20, 16)]
-    assert [(x.max_bytes, x.blocks) for x in plan.lamport_tiers(1 << 20, 2, 66, base=0)] == [
+    assert plan.one_store_tiers(1000, 4, 132, base=0)[0].cap == 1008  # whole packs
+    # A small grid (ranks sharing a GPU) or one_store_grid caps every tier; equal neighbours merge into the larger.
+    assert [(x.max_bytes, x.blocks) for x in plan.one_store_tiers(1 << 20, 8, 16, base=0)] == [(1 << 20, 16)]
+    assert [(x.max_bytes, x.blocks) for x in plan.one_store_tiers(1 << 20, 2, 66, base=0)] == [
         (64 << 10, 16), (256 << 10, 32), (1 << 20, 66)]
-    assert [(x.max_bytes, x.blocks) for x in plan.lamport_tiers(1 << 20, 2, 132, base=0, max_blocks=32)] == [
+    assert [(x.max_bytes, x.blocks) for x in plan.one_store_tiers(1 << 20, 2, 132, base=0, max_blocks=32)] == [
         (64 << 10, 16), (1 << 20, 32)]
-    assert [(x.max_bytes, x.blocks) for x in plan.lamport_tiers(1 << 20, 2, 132, base=0, max_blocks=2)] == [
+    assert [(x.max_bytes, x.blocks) for x in plan.one_store_tiers(1 << 20, 2, 132, base=0, max_blocks=2)] == [
         (1 << 20, 2)]
     # No table: one tier on the grid (every one-store launch on the same blocks).
-    assert [(x.max_bytes, x.blocks) for x in plan.lamport_tiers(1 << 20, 2, 132, base=0, table=())] == [
+    assert [(x.max_bytes, x.blocks) for x in plan.one_store_tiers(1 << 20, 2, 132, base=0, table=())] == [
         (1 << 20, 132)]
-    assert plan.lamport_tiers(0, 2, 132, base=0) == ()
+    assert plan.one_store_tiers(0, 2, 132, base=0) == ()
     for bad in (0, -3):
-        with pytest.raises(ValueError, match="lamport_grid"):
-            plan.lamport_tiers(1 << 20, 2, 132, base=0, max_blocks=bad)
+        with pytest.raises(ValueError, match="one_store_grid"):
+            plan.one_store_tiers(1 << 20, 2, 132, base=0, max_blocks=bad)
     for table in (((64 << 10, 16), (64 << 10, 32)), ((64 << 10, 32), (256 << 10, 16)), ((64 << 10, 0),)):
-        with pytest.raises(ValueError, match="lamport_tiers"):
-            plan.lamport_tiers(1 << 20, 2, 132, base=0, table=table)
+        with pytest.raises(ValueError, match="one_store_tiers"):
+            plan.one_store_tiers(1 << 20, 2, 132, base=0, table=table)
     with pytest.raises(ValueError, match="grid"):
-        plan.lamport_tiers(1 << 20, 2, 0, base=0)
-    with pytest.raises(ValueError, match="lamport_max"):
-        plan.lamport_tiers(-1, 2, 132, base=0)
+        plan.one_store_tiers(1 << 20, 2, 0, base=0)
+    with pytest.raises(ValueError, match="one_store_max"):
+        plan.one_store_tiers(-1, 2, 132, base=0)
 
 
 def test_one_store_region_layout():
     for shared in (False, True):
-        assert plan.lamport_max_bytes(1, shared_gpu=shared) == 0  # no peer: no one-store path
-    assert all(plan.lamport_max_bytes(w, shared_gpu=False) == plan.DEFAULT_LAMPORT_MAX_BYTES for w in range(2, 9))
-    assert all(plan.lamport_max_bytes(w, shared_gpu=True) == 0 for w in range(2, 9))  # never on a shared GPU
-    assert plan.lamport_region_bytes(4, ()) == 0
+        assert plan.one_store_max_bytes(1, shared_gpu=shared) == 0  # no peer: no one-store path
+    assert all(plan.one_store_max_bytes(w, shared_gpu=False) == plan.DEFAULT_ONE_STORE_MAX_BYTES for w in range(2, 9))
+    assert all(plan.one_store_max_bytes(w, shared_gpu=True) == 0 for w in range(2, 9))  # never on a shared GPU
+    assert plan.one_store_region_bytes(4, ()) == 0
     cap, w, grid = 1 << 20, 3, 40
     # The region follows the data slot and the buffer holds it whole.
-    off = plan.lamport_offset(cap, w, grid)
+    off = plan.one_store_offset(cap, w, grid)
     assert off >= plan.slot_bytes(cap, w, grid)
-    tiers = plan.lamport_tiers(plan.DEFAULT_LAMPORT_MAX_BYTES, w, grid, base=off)
+    tiers = plan.one_store_tiers(plan.DEFAULT_ONE_STORE_MAX_BYTES, w, grid, base=off)
     total = plan.buffer_bytes(cap, w, grid, tiers)
-    assert total == plan.data_offset() + off + plan.lamport_region_bytes(w, tiers)
+    assert total == plan.data_offset() + off + plan.one_store_region_bytes(w, tiers)
     assert total == plan.data_offset() + tiers[-1].offset + tiers[-1].region_bytes(w)
     assert plan.buffer_bytes(cap, w, grid) == plan.data_offset() + off
 
@@ -292,44 +292,44 @@ def test_variants_a_site_can_reach():
 
 
 def test_variants_with_the_one_store_kernel():
-    kw = {"world_size": 4, "capacity_bytes": 16 << 20, "one_shot_max_bytes": 512 << 10, "lamport_max": 64 << 10}
+    kw = {"world_size": 4, "capacity_bytes": 16 << 20, "one_shot_max_bytes": 512 << 10, "one_store_max": 64 << 10}
     # 16 KiB rows: 1..4 rows per launch take the one-store kernel, 5..32 one-shot, 33+ two-shot.
-    assert plan.variants("all_reduce", row_bytes=16384, max_rows=4, **kw) == ["lamport"]
-    assert plan.variants("all_reduce", row_bytes=16384, max_rows=5, **kw) == ["lamport", "one_shot"]
-    assert plan.variants("all_reduce", row_bytes=16384, max_rows=33, **kw) == ["lamport", "one_shot", "two_shot"]
+    assert plan.variants("all_reduce", row_bytes=16384, max_rows=4, **kw) == ["one_store"]
+    assert plan.variants("all_reduce", row_bytes=16384, max_rows=5, **kw) == ["one_store", "one_shot"]
+    assert plan.variants("all_reduce", row_bytes=16384, max_rows=33, **kw) == ["one_store", "one_shot", "two_shot"]
     # A row larger than the one-store areas never takes it; rows whose next multiple skips past one-shot's range
     # reach no one-shot launch (300 KiB rows: one row takes the one-store kernel, two rows are 600 KiB > one-shot).
     assert plan.variants("all_reduce", row_bytes=100 << 10, max_rows=8, **kw) == ["one_shot", "two_shot"]
-    kw["lamport_max"] = 300 << 10
-    assert plan.variants("all_reduce", row_bytes=300 << 10, max_rows=2, **kw) == ["lamport", "two_shot"]
-    assert plan.variants("all_reduce", row_bytes=300 << 10, max_rows=1, **kw) == ["lamport"]
+    kw["one_store_max"] = 300 << 10
+    assert plan.variants("all_reduce", row_bytes=300 << 10, max_rows=2, **kw) == ["one_store", "two_shot"]
+    assert plan.variants("all_reduce", row_bytes=300 << 10, max_rows=1, **kw) == ["one_store"]
     # Capped by the capacity: a launch never carries more than it.
-    kw.update(capacity_bytes=32 << 10, lamport_max=64 << 10)
-    assert plan.variants("all_reduce", row_bytes=16384, max_rows=3, **kw) == ["lamport", "chunked"]
+    kw.update(capacity_bytes=32 << 10, one_store_max=64 << 10)
+    assert plan.variants("all_reduce", row_bytes=16384, max_rows=3, **kw) == ["one_store", "chunked"]
     # A one-store size above one-shot's (one GPU per rank at W >= 3: 1 MiB vs 512 KiB): launches up to it never take
     # one-shot or two-shot, so a 1 MiB capacity reaches neither (two-shot was listed once, and self-checked for nothing).
-    kw.update(capacity_bytes=1 << 20, lamport_max=1 << 20)
-    assert plan.variants("all_reduce", row_bytes=1024, max_rows=8192, **kw) == ["lamport", "chunked"]
+    kw.update(capacity_bytes=1 << 20, one_store_max=1 << 20)
+    assert plan.variants("all_reduce", row_bytes=1024, max_rows=8192, **kw) == ["one_store", "chunked"]
     kw.update(capacity_bytes=2 << 20)
-    assert plan.variants("all_reduce", row_bytes=1024, max_rows=8192, **kw) == ["lamport", "two_shot", "chunked"]
+    assert plan.variants("all_reduce", row_bytes=1024, max_rows=8192, **kw) == ["one_store", "two_shot", "chunked"]
     # Off (0) is the old behaviour.
-    kw.update(capacity_bytes=16 << 20, lamport_max=0)
+    kw.update(capacity_bytes=16 << 20, one_store_max=0)
     assert plan.variants("all_reduce", row_bytes=16384, max_rows=64, **kw) == ["one_shot", "two_shot"]
 
 
 def test_fused_norm_variants_with_the_one_store_kernel():
     """The fused all-reduce + RMSNorm picks its kernel per launch exactly as all_reduce does (_by_launch_bytes): the
-    one-store kernel up to fused_norm_lamport_rows rows, one-shot up to one_shot_max_bytes, two-shot above."""
+    one-store kernel up to fused_norm_one_store_rows rows, one-shot up to one_shot_max_bytes, two-shot above."""
     grid = 132
     slot = plan.slot_bytes(32 << 20, 4, grid)
-    kw = {"grid": grid, "slot_bytes": slot, "one_shot_max_bytes": 512 << 10, "lamport_max": 64 << 10}
+    kw = {"grid": grid, "slot_bytes": slot, "one_shot_max_bytes": 512 << 10, "one_store_max": 64 << 10}
     # bf16 x 4096 = 8 KiB rows: 1..8 rows per launch take the one-store kernel, 9..64 one-shot, 65+ two-shot.
-    assert plan.fused_norm_lamport_rows(4096, "bfloat16", 64 << 10) == 8
-    assert plan.fused_norm_variants(hidden=4096, dtype="bfloat16", max_rows=8, **kw) == ["fused_lamport"]
-    assert plan.fused_norm_variants(hidden=4096, dtype="bfloat16", max_rows=9, **kw) == ["fused_lamport",
+    assert plan.fused_norm_one_store_rows(4096, "bfloat16", 64 << 10) == 8
+    assert plan.fused_norm_variants(hidden=4096, dtype="bfloat16", max_rows=8, **kw) == ["fused_one_store"]
+    assert plan.fused_norm_variants(hidden=4096, dtype="bfloat16", max_rows=9, **kw) == ["fused_one_store",
                                                                                           "fused_one_shot"]
     assert plan.fused_norm_variants(hidden=4096, dtype="bfloat16", max_rows=65, **kw) == [
-        "fused_lamport", "fused_one_shot", "fused_two_shot"]
+        "fused_one_store", "fused_one_shot", "fused_two_shot"]
     # The same answers as the all-reduce's rule for the same launches (whole-pack rows: no padding).
     for max_rows in (1, 8, 9, 64, 65, 300):
         ar = plan._by_launch_bytes(plan.fused_norm_rows_per_launch(4096, "bfloat16", grid=grid, slot_bytes=slot),
@@ -337,30 +337,30 @@ def test_fused_norm_variants_with_the_one_store_kernel():
         assert plan.fused_norm_variants(hidden=4096, dtype="bfloat16", max_rows=max_rows, **kw) == [
             f"fused_{v}" for v in ar]
     # Rows that end mid-pack take whole packs in the area: 9 bf16 elements are 18 bytes but 32 in the area, so a
-    # 64 KiB area holds 2048 rows (not 3640), and the launch's bytes stay within lamport_max either way.
-    assert plan.fused_norm_lamport_rows(9, "bfloat16", 64 << 10) == 2048
-    assert plan.fused_norm_lamport_rows(9, "bfloat16", 100) == 3  # 100 bytes: 5 rows of 18 bytes, 3 areas' packs
-    assert plan.fused_norm_lamport_rows(3, "float32", 100) == 7  # 12-byte rows, 16-byte packs in 112 bytes
-    assert plan.fused_norm_variants(hidden=9, dtype="bfloat16", max_rows=2049, **kw) == ["fused_lamport",
+    # 64 KiB area holds 2048 rows (not 3640), and the launch's bytes stay within one_store_max either way.
+    assert plan.fused_norm_one_store_rows(9, "bfloat16", 64 << 10) == 2048
+    assert plan.fused_norm_one_store_rows(9, "bfloat16", 100) == 3  # 100 bytes: 5 rows of 18 bytes, 3 areas' packs
+    assert plan.fused_norm_one_store_rows(3, "float32", 100) == 7  # 12-byte rows, 16-byte packs in 112 bytes
+    assert plan.fused_norm_variants(hidden=9, dtype="bfloat16", max_rows=2049, **kw) == ["fused_one_store",
                                                                                         "fused_one_shot"]
     # A row larger than the one-store limit never takes it; off (0, and W = 1) is the old behaviour.
-    assert plan.fused_norm_lamport_rows(65536, "bfloat16", 64 << 10) == 0
+    assert plan.fused_norm_one_store_rows(65536, "bfloat16", 64 << 10) == 0
     assert plan.fused_norm_variants(hidden=65536, dtype="bfloat16", max_rows=2, **kw) == ["fused_one_shot"]
-    kw["lamport_max"] = plan.lamport_max_bytes(1, shared_gpu=False)
+    kw["one_store_max"] = plan.one_store_max_bytes(1, shared_gpu=False)
     assert plan.fused_norm_variants(hidden=4096, dtype="bfloat16", max_rows=64, **kw) == ["fused_one_shot"]
     assert plan.fused_norm_variants(hidden=1 << 20, dtype="float32", max_rows=4, grid=grid, slot_bytes=1 << 20,
-                                    one_shot_max_bytes=512 << 10, lamport_max=64 << 10) == []
+                                    one_shot_max_bytes=512 << 10, one_store_max=64 << 10) == []
     with pytest.raises(ValueError):
-        plan.fused_norm_lamport_rows(0, "bfloat16", 64 << 10)
+        plan.fused_norm_one_store_rows(0, "bfloat16", 64 << 10)
 
 
 def test_fused_one_store_descriptor_names_rows_and_hidden():
     """The fused one-store kernel's descriptor count is rows << 32 | hidden: a mismatch names both."""
     rec = [0] * plan.ERR_WORDS
-    what = (plan.KIND_FUSED_NORM_LAMPORT << 8) | 1
-    rec[:16] = [plan.ERR_MISMATCH, 0, 1, plan.WAIT_LAMPORT, 7, 0, 0, 0, what, 12, 4096, 2, what, 12, 8192, 1]
+    what = (plan.KIND_FUSED_NORM_ONE_STORE << 8) | 1
+    rec[:16] = [plan.ERR_MISMATCH, 0, 1, plan.WAIT_ONE_STORE, 7, 0, 0, 0, what, 12, 4096, 2, what, 12, 8192, 1]
     line = plan.decode_record(rec)
-    assert "fused_norm_lamport bfloat16 rows 2 x hidden 4096" in line, line
+    assert "fused_norm_one_store bfloat16 rows 2 x hidden 4096" in line, line
     assert "rows 1 x hidden 8192" in line and "one-store wait" in line, line
 
 
@@ -378,9 +378,9 @@ def test_failure_records_decode_to_one_line():
     assert "rank 2's host aborted first" in plan.decode_record(rec)
     rec[5] = plan.ABORT_BY_KERNEL | 0
     assert "rank 0's kernel failed first" in plan.decode_record(rec)
-    rec[0], rec[3], rec[8] = plan.ERR_TIMEOUT, plan.WAIT_LAMPORT, (plan.KIND_LAMPORT << 8) | 1
+    rec[0], rec[3], rec[8] = plan.ERR_TIMEOUT, plan.WAIT_ONE_STORE, (plan.KIND_ONE_STORE << 8) | 1
     line = plan.decode_record(rec)
-    assert "lamport bfloat16" in line and "one-store wait" in line and "barrier" not in line
+    assert "one_store bfloat16" in line and "one-store wait" in line and "barrier" not in line
 
 
 def test_one_shot_threshold_from_topology() -> None:
@@ -449,7 +449,7 @@ def test_virtual_variants():
         plan.virtual_rows_per_launch(100, 0, 3, world_size=1, dtype="float32", grid=1)
 
 
-# --- the one-store protocol's mirror (csrc/lamport_common.cuh) ---------------------------------------------------
+# --- the one-store protocol's mirror (csrc/one_store_common.cuh) ---------------------------------------------------
 def _one_store_schedule(world: int, launches: int, buffers: int, rng: random.Random) -> str | None:
     """One random interleaving of the one-store protocol at the level of launches: in launch e every rank issues a
     store of its tag e into area [e mod buffers][its rank] of every rank's region (stores land later, in any
@@ -516,7 +516,7 @@ def test_tree_refusal_names_the_rule():
 def test_tree_launch_bytes_and_rows_stay_in_the_slot_and_the_areas():
     """A tree launch publishes one fp32 row per rank in whole units: rows per launch = capacity // (row * 4),
     whatever S is, and every kernel's slot use stays inside slot_bytes; the one-store rows are the most whose
-    published bytes fit lamport_max (so one more row does not), and a tier's area (lamport_area_bytes) holds them."""
+    published bytes fit one_store_max (so one more row does not), and a tier's area (one_store_area_bytes) holds them."""
     assert plan.tree_launch_bytes(1, "bfloat16") == 32 and plan.tree_launch_bytes(1, "float32") == 16
     assert plan.tree_launch_bytes(9, "float16") == 64
     for world in (1, 2, 4, 8):
@@ -529,13 +529,13 @@ def test_tree_launch_bytes_and_rows_stay_in_the_slot_and_the_areas():
                         slot = plan.slot_bytes(cap, world, grid)
                         for algo in ("one_shot", "two_shot"):
                             assert plan.tree_slot_bytes_used(rows * numel, world, dtype, algo) <= slot
-            for lam in (0, 15, 16, 100, 64 << 10, 1 << 20):
+            for one_store in (0, 15, 16, 100, 64 << 10, 1 << 20):
                 for numel in (1, 7, 33, 4096):
-                    k = plan.tree_lamport_rows(numel, dtype, lam)
-                    assert k == 0 or plan.tree_launch_bytes(k * numel, dtype) <= lam <= plan.lamport_area_bytes(lam)
-                    assert plan.tree_launch_bytes((k + 1) * numel, dtype) > lam
+                    k = plan.tree_one_store_rows(numel, dtype, one_store)
+                    assert k == 0 or plan.tree_launch_bytes(k * numel, dtype) <= one_store <= plan.one_store_area_bytes(one_store)
+                    assert plan.tree_launch_bytes((k + 1) * numel, dtype) > one_store
     with pytest.raises(ValueError):
-        plan.tree_slot_bytes_used(8, 1, "float32", "lamport")
+        plan.tree_slot_bytes_used(8, 1, "float32", "one_store")
 
 
 def test_tree_variants_are_the_kernels_some_row_count_takes():
@@ -544,21 +544,21 @@ def test_tree_variants_are_the_kernels_some_row_count_takes():
     for dtype in ("float32", "bfloat16"):
         for numel in (1, 33, 4096):
             for cap in (1 << 12, 1 << 20, 8 << 20):
-                for lam in (0, 64 << 10, 1 << 20):
+                for one_store in (0, 64 << 10, 1 << 20):
                     for one in (256, 512 << 10, plan.ONE_SHOT_ALWAYS):
                         for max_rows in (1, 7, 64, 2048):
                             got = plan.tree_variants(row_numel=numel, max_rows=max_rows, world_size=4, dtype=dtype,
                                                      capacity_bytes=cap, grid=33, one_shot_max_bytes=one,
-                                                     lamport_max=lam)
+                                                     one_store_max=one_store)
                             per = plan.tree_rows_per_launch(cap, numel, world_size=4, dtype=dtype, grid=33)
                             if per < 1:
                                 assert got == []
                                 continue
-                            seen = {plan.tree_algo(min(k, per) * numel, dtype, lamport_max=min(lam, cap),
+                            seen = {plan.tree_algo(min(k, per) * numel, dtype, one_store_max=min(one_store, cap),
                                                    one_shot_max_bytes=one) for k in range(1, max_rows + 1)}
                             want = [a for a in plan.TREE_ALGOS if a in seen] + (["chunked"] if max_rows > per else [])
-                            assert got == want, (dtype, numel, cap, lam, one, max_rows, got, want)
-    assert plan.tree_kernel("lamport", "bfloat16") == "detcomm_tree_lamport_bf16"
+                            assert got == want, (dtype, numel, cap, one_store, one, max_rows, got, want)
+    assert plan.tree_kernel("one_store", "bfloat16") == "detcomm_tree_one_store_bf16"
     with pytest.raises(ValueError):
         plan.tree_kernel("chunked", "float32")
 

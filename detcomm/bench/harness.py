@@ -7,7 +7,7 @@ GPU). Both measure one point the same way and return the same dict:
 
 Routes by label: native and native_ring_simple (detcomm site with route="native"; the Ring/Simple one runs in a
 cluster created with NCCL_ALGO=Ring NCCL_PROTO=Simple), gather_fold, rs_ag_fold and a2a_fold (detcomm sites forced to those
-routes, numerics="auto"), ipc_lamport / ipc_one_shot / ipc_two_shot / workspace (the CUDA-IPC workspace's
+routes, numerics="auto"), ipc_one_store / ipc_one_shot / ipc_two_shot / workspace (the CUDA-IPC workspace's
 public API, which is the only way to force one kernel: detcomm's workspace route picks by size; a forced one-store
 launch is chunked to the workspace's one-store limit).
 """
@@ -31,7 +31,7 @@ DTYPES = {name: from_name(name) for name in FLOAT_NAMES}
 
 # Workspace route label -> (Workspace method, keyword arguments).
 _WS_CALLS = {
-    ("all_reduce", "ipc_lamport"): ("all_reduce", {"algo": "lamport"}),
+    ("all_reduce", "ipc_one_store"): ("all_reduce", {"algo": "one_store"}),
     ("all_reduce", "ipc_one_shot"): ("all_reduce", {"algo": "one_shot"}),
     ("all_reduce", "ipc_two_shot"): ("all_reduce", {"algo": "two_shot"}),
     ("reduce_scatter", "ipc_fold"): ("reduce_scatter", {}),
@@ -225,11 +225,11 @@ class StreamsHarness:
 
         self.world_size = world_size
         self.device = device
-        # The one-store kernel on at every W >= 2 (areas of 256 KiB), so that ipc_lamport can be measured where the
-        # default turns it off (ranks sharing one GPU: plan.lamport_max_bytes says why, this bench shows it).
+        # The one-store kernel on at every W >= 2 (areas of 256 KiB), so that ipc_one_store can be measured where the
+        # default turns it off (ranks sharing one GPU: plan.one_store_max_bytes says why, this bench shows it).
         self.views = Workspace.in_process(world_size, device=device, capacity_bytes=capacity_bytes,
                                           max_rows_armed=max_rows_armed, timeout_s=30.0,
-                                          lamport_max_bytes=0 if world_size == 1 else 256 * 1024)
+                                          one_store_max_bytes=0 if world_size == 1 else 256 * 1024)
         self.streams = [torch.cuda.Stream(device) for _ in range(world_size)]
         self.main = torch.cuda.current_stream(device)
         self._pools: dict[tuple[torch.dtype, int], tuple[dict[int, torch.Tensor], torch.Tensor]] = {}

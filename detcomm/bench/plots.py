@@ -18,14 +18,14 @@ from typing import Any
 
 __all__ = ["write_plots"]
 
-_ROUTE_ORDER = ("native", "native_ring_simple", "gather_fold", "ipc_lamport", "ipc_one_shot", "ipc_two_shot",
+_ROUTE_ORDER = ("native", "native_ring_simple", "gather_fold", "ipc_one_store", "ipc_one_shot", "ipc_two_shot",
                 "a2a_fold", "ipc_fold")
 _COLL_SHORT = {"all_reduce": "AR", "reduce_scatter": "RS", "all_gather": "AG"}
-_FOLDS = {"all_reduce": ("gather_fold", "ipc_lamport", "ipc_one_shot", "ipc_two_shot"),
+_FOLDS = {"all_reduce": ("gather_fold", "ipc_one_store", "ipc_one_shot", "ipc_two_shot"),
           "reduce_scatter": ("a2a_fold", "ipc_fold")}
 # One colour per (collective, route) pair the bench measures: tab20's ten dark hues first, then their light
 # variants, so the first ten pairs never share a hue.
-_PAIRS = [("all_reduce", r) for r in ("native", "native_ring_simple", "gather_fold", "ipc_lamport", "ipc_one_shot",
+_PAIRS = [("all_reduce", r) for r in ("native", "native_ring_simple", "gather_fold", "ipc_one_store", "ipc_one_shot",
                                       "ipc_two_shot")]
 _PAIRS += [("reduce_scatter", r) for r in ("native", "native_ring_simple", "a2a_fold", "ipc_fold")]
 _PAIRS += [("all_gather", r) for r in ("native", "native_ring_simple", "ipc_fold")]

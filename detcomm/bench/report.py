@@ -18,7 +18,7 @@ RATIO_SIZES = (16 << 10, 256 << 10, 4 << 20, 64 << 20)
 CPU_NOTE = ("Note: these are CPU timings (gloo processes sharing the host's cores with everything else): they are "
             "noise, good for checking that the sweep runs, not for comparing routes. Measure on GPUs "
             "(--device cuda) for ratios that mean something.")
-_FOLD = {"all_reduce": ("gather_fold", "ipc_lamport", "ipc_one_shot", "ipc_two_shot"),
+_FOLD = {"all_reduce": ("gather_fold", "ipc_one_store", "ipc_one_shot", "ipc_two_shot"),
          "reduce_scatter": ("a2a_fold", "ipc_fold")}
 _CSV_FIELDS = ("harness", "world", "collective", "route", "dtype", "hidden", "rows", "bytes", "status",
                "eager_median_us", "eager_p10_us", "eager_p90_us", "eager_n", "graph_median_us", "graph_p10_us",
@@ -176,7 +176,7 @@ def to_markdown(result: dict[str, Any], *, ratios: list[dict[str, Any]] | None =
     return "\n".join(lines) + "\n"
 
 
-FOLD_ORDER = ("gather_fold", "ipc_lamport", "ipc_one_shot", "ipc_two_shot", "a2a_fold", "ipc_fold")
+FOLD_ORDER = ("gather_fold", "ipc_one_store", "ipc_one_shot", "ipc_two_shot", "a2a_fold", "ipc_fold")
 
 
 def _csv_row(p: dict[str, Any]) -> dict[str, Any]:

@@ -39,7 +39,7 @@ __all__ = ["BenchConfig", "ROUTES", "FOLD_ROUTES", "run_bench"]
 ROUTES: tuple[tuple[str, str], ...] = (
     ("all_reduce", "native"), ("all_reduce", "native_ring_simple"), ("all_reduce", "gather_fold"),
     ("all_reduce", "rs_ag_fold"),
-    ("all_reduce", "ipc_lamport"), ("all_reduce", "ipc_one_shot"), ("all_reduce", "ipc_two_shot"),
+    ("all_reduce", "ipc_one_store"), ("all_reduce", "ipc_one_shot"), ("all_reduce", "ipc_two_shot"),
     ("all_reduce", "in_switch"),
     ("reduce_scatter", "native"), ("reduce_scatter", "native_ring_simple"), ("reduce_scatter", "a2a_fold"),
     ("reduce_scatter", "ipc_fold"), ("reduce_scatter", "in_switch"),
@@ -47,8 +47,8 @@ ROUTES: tuple[tuple[str, str], ...] = (
     ("all_gather", "multicast_gather"),
 )
 # Canonical-fold routes whose time the ratio summary divides by native's (all-gather has no fold).
-FOLD_ROUTES = ("gather_fold", "rs_ag_fold", "ipc_lamport", "ipc_one_shot", "ipc_two_shot", "a2a_fold", "ipc_fold")
-_WORKSPACE = ("ipc_lamport", "ipc_one_shot", "ipc_two_shot", "ipc_fold")
+FOLD_ROUTES = ("gather_fold", "rs_ag_fold", "ipc_one_store", "ipc_one_shot", "ipc_two_shot", "a2a_fold", "ipc_fold")
+_WORKSPACE = ("ipc_one_store", "ipc_one_shot", "ipc_two_shot", "ipc_fold")
 _MULTICAST = ("in_switch", "multicast_gather")
 _RING_SIMPLE_ENV = {"NCCL_ALGO": "Ring", "NCCL_PROTO": "Simple"}
 _ELEM = {d.name: d.size for d in TABLE if d.is_float}
@@ -162,7 +162,7 @@ def plan_harnesses(cfg: BenchConfig) -> list[_Harness]:
                 unavailable[(c, r)] = "n/a on gloo (NCCL_ALGO/NCCL_PROTO are NCCL's)"
             elif r in _WORKSPACE and kind == "gloo":
                 unavailable[(c, r)] = "unavailable: CPU group: no CUDA-IPC workspace"
-            elif r == "ipc_lamport" and w == 1:
+            elif r == "ipc_one_store" and w == 1:
                 unavailable[(c, r)] = "n/a at W=1: no peer to store into (the one-shot kernel is one pass there)"
             else:
                 measured[(c, r)] = "ring_simple" if r == "native_ring_simple" else "default"
@@ -172,7 +172,7 @@ def plan_harnesses(cfg: BenchConfig) -> list[_Harness]:
         for c, r in wanted:
             if r in _MULTICAST:
                 unavailable[(c, r)] = mc
-            elif r == "ipc_lamport" and w == 1:
+            elif r == "ipc_one_store" and w == 1:
                 unavailable[(c, r)] = "n/a at W=1: no peer to store into (the one-shot kernel is one pass there)"
             elif r in _WORKSPACE:
                 measured[(c, r)] = "streams"

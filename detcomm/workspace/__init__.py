@@ -6,7 +6,7 @@ Public surface (what the core calls; see docs/INTERFACES.md):
     Workspace.in_process(world_size, *, device, capacity_bytes, ...) -> list[Workspace]     # one process, W views
     ws.all_reduce(x, *, algo=, chunk_rows=, label=) / ws.reduce_scatter(x) / ws.all_gather(x)   # collective
     ws.close()  # collective        ws.abort() / ws.check() / ws.synchronize()  # local (WorkspaceFailed)
-    ws.variants(collective, dtype, row_numel, max_rows) -> ["lamport", "one_shot", "two_shot", "chunked", ...]  # local
+    ws.variants(collective, dtype, row_numel, max_rows) -> ["one_store", "one_shot", "two_shot", "chunked", ...]  # local
     ws.refused  # {module: reason} for dtypes whose kernels could not be built (refused alone)
     WorkspaceUnavailable, WorkspaceFailed (detcomm.errors)
 

@@ -56,7 +56,7 @@ def _kernel_source_dir() -> Path:
 
 CSRC = _kernel_source_dir()
 KERNEL_FILES = ("one_shot.cu", "two_shot.cu", "reduce_scatter.cu", "all_gather.cu", "fold_local.cu", "fused_rmsnorm.cu",
-                "virtual_fold.cu", "lamport.cu", "fused_rmsnorm_lamport.cu", "tree_fold.cu")
+                "virtual_fold.cu", "one_store.cu", "fused_rmsnorm_one_store.cu", "tree_fold.cu")
 ROTATE_MACRO = "DETCOMM_ROTATE_RANK_ORDER"
 TRAP_ENV = "DETCOMM_WORKSPACE_TRAP"
 # Kernel builds: the -D options a build adds to (or changes in) plan.DEVICE_CONSTANTS. "canonical" is the only
@@ -210,7 +210,7 @@ def module_functions(module: str) -> list[str]:
         return ["detcomm_all_gather"]
     sfx = plan.DTYPE_SUFFIX[module]
     return ([f"detcomm_{kind}_{sfx}" for kind in ("one_shot", "two_shot", "reduce_scatter", "fold_local",
-                                                  "virtual_one_shot", "virtual_two_shot", "lamport")]
+                                                  "virtual_one_shot", "virtual_two_shot", "one_store")]
             + [plan.tree_kernel(algo, module) for algo in plan.TREE_ALGOS]
             + [plan.fused_norm_kernel(algo, module, w, wide=wide) for algo in plan.FUSED_NORM_ALGOS
                for w in plan.DTYPE_SUFFIX for wide in (False, True)]

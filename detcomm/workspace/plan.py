@@ -37,8 +37,8 @@ ERR_OVERLAP = 0xDE7C0005
 ABORT_BY_KERNEL = 0x100
 ABORT_BY_HOST = 0x200
 KIND_CODES = {1: "one_shot", 2: "two_shot", 3: "reduce_scatter", 4: "all_gather", 5: "fused_norm_1shot",
-              6: "fused_norm_2shot", 7: "virtual_1shot", 8: "virtual_2shot", 9: "lamport",
-              10: "fused_norm_lamport", 11: "tree_lamport", 12: "tree_1shot", 13: "tree_2shot",
+              6: "fused_norm_2shot", 7: "virtual_1shot", 8: "virtual_2shot", 9: "one_store",
+              10: "fused_norm_one_store", 11: "tree_one_store", 12: "tree_1shot", 13: "tree_2shot",
               14: "fused_norm_tree_1shot", 15: "fused_norm_tree_2shot"}
 DTYPE_CODES = {0: "float32", 1: "bfloat16", 2: "float16", 3: "bytes"}
 # The `kind` word of a failure record (BARRIER_START, BARRIER_MID); there is no end barrier.
@@ -75,15 +75,15 @@ def busy_index(block: int) -> int:
 ELEM_SIZES = {name: dtypes.size_of(name) for name in dtypes.FLOAT_NAMES}
 DTYPE_SUFFIX = {name: dtypes.suffix_of(name) for name in dtypes.FLOAT_NAMES}
 
-# --- the one-store region after the data slot (csrc/lamport_common.cuh; LAM_COUNTER_BYTES and the kinds are
+# --- the one-store region after the data slot (csrc/one_store_common.cuh; ONE_STORE_COUNTER_BYTES and the kinds are
 # device constants) ---------------------------------------------------------------------------------------------
-LAM_COUNTER_BYTES = 4096
-LAM_DESC_OFF = LAM_COUNTER_BYTES
-LAM_DESC_BYTES = 2 * MAX_BLOCKS * MAX_WORLD * PACK_BYTES
-LAM_DATA_OFF = LAM_DESC_OFF + LAM_DESC_BYTES
-KIND_LAMPORT = next(c for c, k in KIND_CODES.items() if k == "lamport")
-KIND_FUSED_NORM_LAMPORT = next(c for c, k in KIND_CODES.items() if k == "fused_norm_lamport")
-WAIT_LAMPORT = 3
+ONE_STORE_COUNTER_BYTES = 4096
+ONE_STORE_DESC_OFF = ONE_STORE_COUNTER_BYTES
+ONE_STORE_DESC_BYTES = 2 * MAX_BLOCKS * MAX_WORLD * PACK_BYTES
+ONE_STORE_DATA_OFF = ONE_STORE_DESC_OFF + ONE_STORE_DESC_BYTES
+KIND_ONE_STORE = next(c for c, k in KIND_CODES.items() if k == "one_store")
+KIND_FUSED_NORM_ONE_STORE = next(c for c, k in KIND_CODES.items() if k == "fused_norm_one_store")
+WAIT_ONE_STORE = 3
 
 DEFAULT_MAX_ROWS_ARMED = 2048
 # Above this message size all_reduce takes two-shot (see one_shot_max_bytes). Both give the same bits; this only
@@ -91,9 +91,9 @@ DEFAULT_MAX_ROWS_ARMED = 2048
 DEFAULT_ONE_SHOT_MAX_BYTES = 512 * 1024
 # "Never two-shot": larger than any launch.
 ONE_SHOT_ALWAYS = 1 << 62
-# Launches up to this many bytes take the one-store kernel (csrc/lamport.cu) where ranks have their own GPUs; it is
-# also the capacity of each of its 2 * W areas per rank. See lamport_max_bytes (never on a shared GPU).
-DEFAULT_LAMPORT_MAX_BYTES = 1 << 20
+# Launches up to this many bytes take the one-store kernel (csrc/one_store.cu) where ranks have their own GPUs; it is
+# also the capacity of each of its 2 * W areas per rank. See one_store_max_bytes (never on a shared GPU).
+DEFAULT_ONE_STORE_MAX_BYTES = 1 << 20
 # No cap below the SM count by default: grid_blocks says why every SM helps.
 DEFAULT_MAX_GRID = MAX_BLOCKS
 
@@ -144,12 +144,12 @@ def one_shot_max_bytes(world_size: int, *, shared_gpu: bool) -> int:
     return DEFAULT_ONE_SHOT_MAX_BYTES
 
 
-def lamport_max_bytes(world_size: int, *, shared_gpu: bool) -> int:
+def one_store_max_bytes(world_size: int, *, shared_gpu: bool) -> int:
     """Launches up to this size take the one-store all-reduce (no barrier: data and arrival in one store), from
     static facts (identical on every rank). 0 = never.
 
     - W = 1: never: with no peer the one-shot kernel is already a single pass over the data.
-    - One GPU per rank: DEFAULT_LAMPORT_MAX_BYTES. The pushes go to W - 1 other GPUs in parallel and every read is
+    - One GPU per rank: DEFAULT_ONE_STORE_MAX_BYTES. The pushes go to W - 1 other GPUs in parallel and every read is
       local; measured on 2x H200 over NVLink (W = 2, CUDA graphs): 16 KiB 5.8 us vs one-shot 8.1, 256 KiB 6.6 vs
       9.6. Above it the one-store kernel's extra local traffic (each rank receives, re-reads and empties W areas)
       grows with the message while the barrier it saves does not.
@@ -158,7 +158,7 @@ def lamport_max_bytes(world_size: int, *, shared_gpu: bool) -> int:
       (the exception: 0.04 us the other way), and the fused one-store kernel was no faster than the fused one-shot
       one (8.26 vs 8.24 us at 1 row): with no link between the ranks, the barrier it saves costs less than its
       extra pass over the areas. More ranks: every rank's W pushes land in the same HBM (W = 8: 16 KiB 15.2 vs
-      one-shot 14.2 us, 256 KiB 37.6 vs 16.4). A caller can still force it (lamport_max_bytes=..., algo="lamport"):
+      one-shot 14.2 us, 256 KiB 37.6 vs 16.4). A caller can still force it (one_store_max_bytes=..., algo="one_store"):
       the stream bench and the tests do."""
     if not 1 <= world_size <= MAX_WORLD:
         raise ValueError(f"world_size must be in 1..{MAX_WORLD}, got {world_size}")
@@ -166,22 +166,22 @@ def lamport_max_bytes(world_size: int, *, shared_gpu: bool) -> int:
         return 0
     if shared_gpu:
         return 0
-    return DEFAULT_LAMPORT_MAX_BYTES
+    return DEFAULT_ONE_STORE_MAX_BYTES
 
 
 # The one-store tiers below the largest (max bytes, blocks), for every workspace with a one-store path
-# (lamport_tiers). Why tiers: a one-store launch must run the same blocks every time (each block counts its
-# launches, csrc/lamport_common.cuh), and the blocks that own no pack of a small launch still cost it: measured on
+# (one_store_tiers). Why tiers: a one-store launch must run the same blocks every time (each block counts its
+# launches, csrc/one_store_common.cuh), and the blocks that own no pack of a small launch still cost it: measured on
 # 2x H200 over NVLink (W = 2, CUDA graphs), 16 KiB took 5.7 us on the full grid (132 blocks), 4.9 on
 # 16 and 5.0 on 32; 256 KiB 6.3 / 6.6 / 5.7; 1 MiB 8.5 / 11.9 / 12.1 (too few stores in flight). So small
 # launches get their own sub-regions with fewer blocks, each with its own counters, descriptors and areas.
-DEFAULT_LAMPORT_TIERS: tuple[tuple[int, int], ...] = ((64 << 10, 16), (256 << 10, 32))
+DEFAULT_ONE_STORE_TIERS: tuple[tuple[int, int], ...] = ((64 << 10, 16), (256 << 10, 32))
 
 
 @dataclass(frozen=True)
-class LamportTier:
+class OneStoreTier:
     """One sub-region of the one-store region: launches of up to `max_bytes` (plain all-reduce: the message;
-    fused: its rows in whole packs, fused_norm_lamport_rows) run `blocks` blocks over its own counters,
+    fused: its rows in whole packs, fused_norm_one_store_rows) run `blocks` blocks over its own counters,
     descriptors and 2 x W data areas of `cap` bytes, which start `offset` bytes after slot copy 0 (the kernels'
     `off` argument)."""
 
@@ -191,37 +191,37 @@ class LamportTier:
     cap: int
 
     def region_bytes(self, world_size: int) -> int:
-        return LAM_DATA_OFF + 2 * world_size * self.cap
+        return ONE_STORE_DATA_OFF + 2 * world_size * self.cap
 
 
-def lamport_tiers(lamport_max: int, world_size: int, grid: int, *, base: int,
-                  table: Sequence[tuple[int, int]] = DEFAULT_LAMPORT_TIERS,
-                  max_blocks: int | None = None) -> tuple[LamportTier, ...]:
+def one_store_tiers(one_store_max: int, world_size: int, grid: int, *, base: int,
+                  table: Sequence[tuple[int, int]] = DEFAULT_ONE_STORE_TIERS,
+                  max_blocks: int | None = None) -> tuple[OneStoreTier, ...]:
     """The one-store tiers of a workspace, smallest first, identical on every rank (static facts only): the table's
-    tiers below lamport_max, then one up to lamport_max on the whole grid; every tier's blocks capped by the grid
-    (ranks sharing a GPU stay co-resident) and by max_blocks (Workspace.create(lamport_grid=)), and neighbours
-    left with equal blocks merged into the larger. () when the one-store path is off (lamport_max == 0). `base`:
-    where the first tier starts (lamport_offset); the others follow it.
+    tiers below one_store_max, then one up to one_store_max on the whole grid; every tier's blocks capped by the grid
+    (ranks sharing a GPU stay co-resident) and by max_blocks (Workspace.create(one_store_grid=)), and neighbours
+    left with equal blocks merged into the larger. () when the one-store path is off (one_store_max == 0). `base`:
+    where the first tier starts (one_store_offset); the others follow it.
 
     A tier is a region of its own: its launches are the same sequence on every rank, so the two-buffer argument of
-    csrc/lamport_common.cuh holds for each tier by itself, whatever the other tiers' launches in between. Which
+    csrc/one_store_common.cuh holds for each tier by itself, whatever the other tiers' launches in between. Which
     tier a launch takes changes no bit (the fold is element-wise); it only moves latency."""
-    if lamport_max < 0:
-        raise ValueError(f"lamport_max must be >= 0, got {lamport_max}")
+    if one_store_max < 0:
+        raise ValueError(f"one_store_max must be >= 0, got {one_store_max}")
     if grid < 1:
         raise ValueError(f"grid must be >= 1, got {grid}")
     if max_blocks is not None and max_blocks < 1:
-        raise ValueError(f"lamport_grid must be >= 1, got {max_blocks}")
+        raise ValueError(f"one_store_grid must be >= 1, got {max_blocks}")
     prev = (0, 0)
     for max_bytes, blocks in table:
         if max_bytes <= prev[0] or blocks < max(prev[1], 1):
-            raise ValueError(f"lamport_tiers must be (max_bytes, blocks) pairs with max_bytes increasing and blocks "
+            raise ValueError(f"one_store_tiers must be (max_bytes, blocks) pairs with max_bytes increasing and blocks "
                              f">= 1 and not decreasing, got {list(table)}")
         prev = (max_bytes, blocks)
-    if lamport_max == 0:
+    if one_store_max == 0:
         return ()
     top = grid if max_blocks is None else min(grid, max_blocks)
-    pairs = [(b, min(blk, top)) for b, blk in table if b < lamport_max] + [(lamport_max, top)]
+    pairs = [(b, min(blk, top)) for b, blk in table if b < one_store_max] + [(one_store_max, top)]
     merged: list[tuple[int, int]] = []
     for b, blk in pairs:
         if merged and merged[-1][1] == blk:
@@ -230,21 +230,21 @@ def lamport_tiers(lamport_max: int, world_size: int, grid: int, *, base: int,
             merged.append((b, blk))
     tiers, offset = [], base
     for b, blk in merged:
-        tier = LamportTier(max_bytes=b, blocks=blk, offset=offset, cap=lamport_area_bytes(b))
+        tier = OneStoreTier(max_bytes=b, blocks=blk, offset=offset, cap=one_store_area_bytes(b))
         tiers.append(tier)
         offset += tier.region_bytes(world_size)
     return tuple(tiers)
 
 
-def lamport_region_bytes(world_size: int, tiers: Sequence[LamportTier]) -> int:
+def one_store_region_bytes(world_size: int, tiers: Sequence[OneStoreTier]) -> int:
     """Bytes of one rank's one-store region: every tier's counters, two buffers of call descriptors and 2 x W data
     areas. 0 when the one-store path is off (no tiers)."""
     return sum(t.region_bytes(world_size) for t in tiers)
 
 
-def lamport_area_bytes(lamport_max: int) -> int:
+def one_store_area_bytes(one_store_max: int) -> int:
     """Bytes of one (buffer, source) area: the largest one-store launch, in whole packs."""
-    return _round_up(lamport_max, PACK_BYTES)
+    return _round_up(one_store_max, PACK_BYTES)
 
 
 def stride_packs(grid: int) -> int:
@@ -279,15 +279,15 @@ def slot_bytes(capacity_bytes: int, world_size: int, grid: int) -> int:
     return _round_up(capacity_bytes, PACK_BYTES) + world_size * (stride_packs(grid) + 1) * PACK_BYTES
 
 
-def buffer_bytes(capacity_bytes: int, world_size: int, grid: int, tiers: Sequence[LamportTier] = ()) -> int:
+def buffer_bytes(capacity_bytes: int, world_size: int, grid: int, tiers: Sequence[OneStoreTier] = ()) -> int:
     """Total bytes of one rank's symmetric buffer: header (flags, epochs) + probe scratch + SLOT_COPIES data slot
-    copies + the one-store region (lamport_region_bytes of its tiers, which start at lamport_offset)."""
-    assert not tiers or tiers[0].offset == lamport_offset(capacity_bytes, world_size, grid), tiers
-    return (BUFFER_HEADER_BYTES + PROBE_BYTES + lamport_offset(capacity_bytes, world_size, grid)
-            + lamport_region_bytes(world_size, tiers))
+    copies + the one-store region (one_store_region_bytes of its tiers, which start at one_store_offset)."""
+    assert not tiers or tiers[0].offset == one_store_offset(capacity_bytes, world_size, grid), tiers
+    return (BUFFER_HEADER_BYTES + PROBE_BYTES + one_store_offset(capacity_bytes, world_size, grid)
+            + one_store_region_bytes(world_size, tiers))
 
 
-def lamport_offset(capacity_bytes: int, world_size: int, grid: int) -> int:
+def one_store_offset(capacity_bytes: int, world_size: int, grid: int) -> int:
     """Where the one-store region (its first tier) starts, in bytes from the start of slot copy 0 (the kernels'
     `off` argument): after both slot copies."""
     return SLOT_COPIES * slot_bytes(capacity_bytes, world_size, grid)
@@ -351,29 +351,29 @@ def reduce_scatter_slices(chunk_rows: int, row_elems: int, dtype: str, grid: int
 
 # --- kernel variants a site can reach -----------------------------------------------------------------------
 def _by_launch_bytes(per: int, row_bytes: int, max_rows: int, one_shot_max_bytes: int,
-                     lamport_max: int = 0) -> list[str]:
+                     one_store_max: int = 0) -> list[str]:
     """An all-reduce's paths when a launch carries `per` rows of row_bytes and picks the one-store kernel up to
-    lamport_max, one-shot up to one_shot_max_bytes, two-shot above: [] when per < 1. A launch carries k rows,
+    one_store_max, one-shot up to one_shot_max_bytes, two-shot above: [] when per < 1. A launch carries k rows,
     1 <= k <= min(max_rows, per)."""
     if per < 1:
         return []
     top = min(max_rows, per)
     out = []
-    if row_bytes <= lamport_max:
-        out.append("lamport")
-    k0 = lamport_max // row_bytes + 1  # the fewest rows a launch above the one-store size carries
+    if row_bytes <= one_store_max:
+        out.append("one_store")
+    k0 = one_store_max // row_bytes + 1  # the fewest rows a launch above the one-store size carries
     if k0 <= top and k0 * row_bytes <= one_shot_max_bytes:
         out.append("one_shot")
-    if top * row_bytes > max(one_shot_max_bytes, lamport_max):  # launches up to lamport_max take the one-store kernel
+    if top * row_bytes > max(one_shot_max_bytes, one_store_max):  # launches up to one_store_max take the one-store kernel
         out.append("two_shot")
     return out + (["chunked"] if max_rows > per else [])
 
 
 def variants(collective: str, *, row_bytes: int, max_rows: int, world_size: int, capacity_bytes: int,
-             one_shot_max_bytes: int, lamport_max: int = 0) -> list[str]:
+             one_shot_max_bytes: int, one_store_max: int = 0) -> list[str]:
     """The code paths calls of 1..max_rows rows of row_bytes each can take, in a fixed order: the kernels
-    ("lamport", "one_shot", "two_shot", "reduce_scatter", "all_gather") and "chunked" when some call needs several
-    launches. An all-reduce launch takes the one-store kernel up to lamport_max bytes (capped by the capacity).
+    ("one_store", "one_shot", "two_shot", "reduce_scatter", "all_gather") and "chunked" when some call needs several
+    launches. An all-reduce launch takes the one-store kernel up to one_store_max bytes (capped by the capacity).
     For reduce_scatter, max_rows counts the input rows (W shards). [] when not even one row fits a launch.
 
     The self-checks run each before a site uses the workspace: all_reduce(algo=...) forces a kernel and
@@ -382,7 +382,7 @@ def variants(collective: str, *, row_bytes: int, max_rows: int, world_size: int,
         raise ValueError(f"row_bytes and max_rows must be >= 1, got {row_bytes} and {max_rows}")
     if collective == "all_reduce":
         return _by_launch_bytes(capacity_bytes // row_bytes, row_bytes, max_rows, one_shot_max_bytes,
-                                min(lamport_max, capacity_bytes))
+                                min(one_store_max, capacity_bytes))
     if collective == "reduce_scatter":
         per = capacity_bytes // (row_bytes * world_size)
         if per < 1:
@@ -453,7 +453,7 @@ def virtual_variants(*, row_numel: int, shards_per_rank: int, max_rows: int, wor
 # subtree: S <= 2^TREE_MAX_LOG (csrc/tree_fold.cu tree_local).
 TREE_MAX_LOG = 6
 TREE_MAX_SHARDS_PER_RANK = 1 << TREE_MAX_LOG
-TREE_ALGOS = ("lamport", "one_shot", "two_shot")
+TREE_ALGOS = ("one_store", "one_shot", "two_shot")
 
 
 def _power_of_two(x: int) -> bool:
@@ -506,26 +506,26 @@ def tree_rows_per_launch(capacity_bytes: int, row_numel: int, *, world_size: int
     return rows if used <= slot_bytes(capacity_bytes, world_size, grid) else 0
 
 
-def tree_lamport_rows(row_numel: int, dtype: str, lamport_max: int) -> int:
-    """The most rows a one-store tree launch carries: tree_launch_bytes(rows * row_numel) <= lamport_max (0: none)."""
+def tree_one_store_rows(row_numel: int, dtype: str, one_store_max: int) -> int:
+    """The most rows a one-store tree launch carries: tree_launch_bytes(rows * row_numel) <= one_store_max (0: none)."""
     if row_numel < 1:
         raise ValueError(f"row_numel must be >= 1, got {row_numel}")
-    units = (max(lamport_max, 0) // F32_BYTES) // pack_elems(dtype)
+    units = (max(one_store_max, 0) // F32_BYTES) // pack_elems(dtype)
     return units * pack_elems(dtype) // row_numel
 
 
-def tree_algo(n_elems: int, dtype: str, *, lamport_max: int, one_shot_max_bytes: int) -> str:
-    """The kernel a tree launch of n output elements takes: the one-store kernel up to lamport_max published bytes
+def tree_algo(n_elems: int, dtype: str, *, one_store_max: int, one_shot_max_bytes: int) -> str:
+    """The kernel a tree launch of n output elements takes: the one-store kernel up to one_store_max published bytes
     (tree_launch_bytes), one-shot up to one_shot_max_bytes, two-shot above. Every choice gives the same bits."""
     nbytes = tree_launch_bytes(n_elems, dtype)
-    if nbytes <= lamport_max:
-        return "lamport"
+    if nbytes <= one_store_max:
+        return "one_store"
     return "one_shot" if nbytes <= one_shot_max_bytes else "two_shot"
 
 
 def tree_variants(*, row_numel: int, max_rows: int, world_size: int, dtype: str, capacity_bytes: int, grid: int,
-                  one_shot_max_bytes: int, lamport_max: int = 0) -> list[str]:
-    """The code paths tree calls of 1..max_rows rows can take ("lamport", "one_shot", "two_shot", "chunked"), each
+                  one_shot_max_bytes: int, one_store_max: int = 0) -> list[str]:
+    """The code paths tree calls of 1..max_rows rows can take ("one_store", "one_shot", "two_shot", "chunked"), each
     launch choosing by tree_algo; [] when one row does not fit a launch."""
     if max_rows < 1:
         raise ValueError(f"max_rows must be >= 1, got {max_rows}")
@@ -533,17 +533,17 @@ def tree_variants(*, row_numel: int, max_rows: int, world_size: int, dtype: str,
     if per < 1:
         return []
     top = min(max_rows, per)
-    lam = min(lamport_max, capacity_bytes)
+    one_store = min(one_store_max, capacity_bytes)
     # The launch bytes grow with the rows, so the kernels reached are those of 1 row, of `top` rows and between.
-    reached = {tree_algo(k * row_numel, dtype, lamport_max=lam, one_shot_max_bytes=one_shot_max_bytes)
-               for k in _tree_breakpoints(row_numel, dtype, top, lam, one_shot_max_bytes)}
+    reached = {tree_algo(k * row_numel, dtype, one_store_max=one_store, one_shot_max_bytes=one_shot_max_bytes)
+               for k in _tree_breakpoints(row_numel, dtype, top, one_store, one_shot_max_bytes)}
     return [a for a in TREE_ALGOS if a in reached] + (["chunked"] if max_rows > per else [])
 
 
-def _tree_breakpoints(row_numel: int, dtype: str, top: int, lamport_max: int, one_shot_max_bytes: int) -> set[int]:
+def _tree_breakpoints(row_numel: int, dtype: str, top: int, one_store_max: int, one_shot_max_bytes: int) -> set[int]:
     """Row counts 1..top that cover every kernel tree_algo picks: 1, top, and the first count above each limit."""
     ks = {1, top}
-    for limit in (lamport_max, one_shot_max_bytes):
+    for limit in (one_store_max, one_shot_max_bytes):
         if limit < 0:
             continue
         units = (min(limit, 1 << 62) // F32_BYTES) // pack_elems(dtype)
@@ -561,8 +561,8 @@ def tree_kernel(algo: str, dtype: str) -> str:
 
 
 # --- fused all-reduce + residual add + RMSNorm (csrc/fused_rmsnorm.cu) ---------------------------------------
-FUSED_NORM_ALGOS = ("one_shot", "two_shot", "lamport")  # lamport: csrc/fused_rmsnorm_lamport.cu
-_FUSED_NORM_TAG = {"one_shot": "1shot", "two_shot": "2shot", "lamport": "lamport"}
+FUSED_NORM_ALGOS = ("one_shot", "two_shot", "one_store")  # one_store: csrc/fused_rmsnorm_one_store.cu
+_FUSED_NORM_TAG = {"one_shot": "1shot", "two_shot": "2shot", "one_store": "one_store"}
 
 
 # Device constants of the fused kernels (csrc/fused_norm_row.cuh, csrc/rms_norm_common.cuh): the default load batch
@@ -655,35 +655,35 @@ def fused_norm_rows_per_launch(hidden: int, dtype: str, *, grid: int, slot_bytes
     return (slot_bytes // PACK_BYTES) // (regions * stride_packs(grid)) * grid
 
 
-def fused_norm_lamport_rows(hidden: int, dtype: str, lamport_max: int) -> int:
-    """Rows one fused one-store launch (csrc/fused_rmsnorm_lamport.cu) carries at most: its bytes stay within
-    lamport_max, and its rows in whole packs (each row's last pack zero-filled) fit one area of the one-store
-    region (lamport_area_bytes). 0 when the one-store path is off or one row does not fit."""
+def fused_norm_one_store_rows(hidden: int, dtype: str, one_store_max: int) -> int:
+    """Rows one fused one-store launch (csrc/fused_rmsnorm_one_store.cu) carries at most: its bytes stay within
+    one_store_max, and its rows in whole packs (each row's last pack zero-filled) fit one area of the one-store
+    region (one_store_area_bytes). 0 when the one-store path is off or one row does not fit."""
     if hidden < 1:
         raise ValueError(f"hidden must be >= 1, got {hidden}")
-    if lamport_max < 0:
-        raise ValueError(f"lamport_max must be >= 0, got {lamport_max}")
+    if one_store_max < 0:
+        raise ValueError(f"one_store_max must be >= 0, got {one_store_max}")
     packs = _ceil_div(hidden, pack_elems(dtype))
-    return min(lamport_max // (hidden * elem_size(dtype)), lamport_area_bytes(lamport_max) // (packs * PACK_BYTES))
+    return min(one_store_max // (hidden * elem_size(dtype)), one_store_area_bytes(one_store_max) // (packs * PACK_BYTES))
 
 
 def fused_norm_variants(*, hidden: int, dtype: str, max_rows: int, grid: int, slot_bytes: int,
-                        one_shot_max_bytes: int, lamport_max: int = 0) -> list[str]:
-    """The fused kernel's code paths calls of 1..max_rows rows can take ("fused_lamport", "fused_one_shot",
+                        one_shot_max_bytes: int, one_store_max: int = 0) -> list[str]:
+    """The fused kernel's code paths calls of 1..max_rows rows can take ("fused_one_store", "fused_one_shot",
     "fused_two_shot", "fused_chunked"), chosen per launch like all_reduce's (_by_launch_bytes): the one-store kernel
-    for launches of up to fused_norm_lamport_rows rows, one-shot up to one_shot_max_bytes, two-shot above; [] when
+    for launches of up to fused_norm_one_store_rows rows, one-shot up to one_shot_max_bytes, two-shot above; [] when
     one row does not fit a launch."""
     per = fused_norm_rows_per_launch(hidden, dtype, grid=grid, slot_bytes=slot_bytes)
     row_bytes = hidden * elem_size(dtype)
-    lam = fused_norm_lamport_rows(hidden, dtype, lamport_max)
-    return [f"fused_{v}" for v in _by_launch_bytes(per, row_bytes, max_rows, one_shot_max_bytes, lam * row_bytes)]
+    one_store = fused_norm_one_store_rows(hidden, dtype, one_store_max)
+    return [f"fused_{v}" for v in _by_launch_bytes(per, row_bytes, max_rows, one_shot_max_bytes, one_store * row_bytes)]
 
 
 # --- failure records (written by fail_workspace in csrc/detcomm_common.cuh) ----------------------------------
 def describe_call(what: int, call: int, count: int) -> str:
     kind = KIND_CODES.get(what >> 8, f"kind {what >> 8}")
     dtype = DTYPE_CODES.get(what & 0xFF, f"dtype {what & 0xFF}")
-    if what >> 8 == KIND_FUSED_NORM_LAMPORT:  # its count is rows << 32 | hidden (csrc/fused_rmsnorm_lamport.cu)
+    if what >> 8 == KIND_FUSED_NORM_ONE_STORE:  # its count is rows << 32 | hidden (csrc/fused_rmsnorm_one_store.cu)
         return f"call {call}: {kind} {dtype} rows {count >> 32} x hidden {count & 0xFFFFFFFF}"
     return f"call {call}: {kind} {dtype} count {count}"
 
@@ -698,7 +698,7 @@ def decode_record(rec: Sequence[int], labels: dict[int, str] | None = None) -> s
     what, call = rec[8], rec[9]
     count = rec[10] | (rec[11] << 32)
     label = (labels or {}).get(call)
-    if kind == WAIT_LAMPORT:  # a one-store wait (csrc/lamport_common.cuh); `epoch` holds the block's launch count
+    if kind == WAIT_ONE_STORE:  # a one-store wait (csrc/one_store_common.cuh); `epoch` holds the block's launch count
         at = "one-store wait"
     else:
         at = f"{BARRIER_NAMES[kind] if kind < len(BARRIER_NAMES) else kind} barrier"
@@ -776,8 +776,8 @@ DEVICE_CONSTANTS: dict[str, str] = {
     **{f"DETCOMM_KIND_{kind.upper()}": str(code) for code, kind in KIND_CODES.items()},
     "BARRIER_START": str(BARRIER_START),
     "BARRIER_MID": str(BARRIER_MID),
-    "DETCOMM_WAIT_LAMPORT": str(WAIT_LAMPORT),
-    "DETCOMM_LAM_COUNTER_BYTES": str(LAM_COUNTER_BYTES),
+    "DETCOMM_WAIT_ONE_STORE": str(WAIT_ONE_STORE),
+    "DETCOMM_ONE_STORE_COUNTER_BYTES": str(ONE_STORE_COUNTER_BYTES),
     **{_DTYPE_MACROS[name]: str(code) for code, name in DTYPE_CODES.items()},
     "NORM_THREADS": str(NORM_LANES),
     "NORM_CHUNK": str(NORM_CHUNK),

@@ -100,20 +100,20 @@ class Workspace:
     _record_variants: ClassVar[bool] = False
 
     def __init__(self, *, transport: Any, kernels: KernelSet, grid: int,
-                 lamport_tiers: tuple[plan.LamportTier, ...], capacity_bytes: int,
+                 one_store_tiers: tuple[plan.OneStoreTier, ...], capacity_bytes: int,
                  max_rows_armed: int, one_shot_max_bytes: int, timeout_ns: int,
                  device: torch.device) -> None:
         # Private: use Workspace.create or Workspace.in_process.
         self._transport = transport
         self._kernels = kernels
         self.grid = grid
-        #: the one-store tiers, smallest first (plan.lamport_tiers): a launch takes the first that holds it.
-        self.lamport_tiers = lamport_tiers
+        #: the one-store tiers, smallest first (plan.one_store_tiers): a launch takes the first that holds it.
+        self.one_store_tiers = one_store_tiers
         self.capacity_bytes = capacity_bytes
         self.max_rows_armed = max_rows_armed
         self.one_shot_max_bytes = one_shot_max_bytes
-        #: all-reduce launches up to this many bytes take the one-store kernel (csrc/lamport.cu); 0 = never.
-        self.lamport_max_bytes = lamport_tiers[-1].max_bytes if lamport_tiers else 0
+        #: all-reduce launches up to this many bytes take the one-store kernel (csrc/one_store.cu); 0 = never.
+        self.one_store_max_bytes = one_store_tiers[-1].max_bytes if one_store_tiers else 0
         self.timeout_ns = timeout_ns
         self.device = device
         self.rank = transport.rank
@@ -160,20 +160,20 @@ class Workspace:
     # ---- construction ----------------------------------------------------------------------------------
     @classmethod
     def create(cls, group: Any = None, *, device: torch.device | str | int, capacity_bytes: int, max_rows_armed: int,
-               one_shot_max_bytes: int | None = None, lamport_max_bytes: int | None = None,
+               one_shot_max_bytes: int | None = None, one_store_max_bytes: int | None = None,
                timeout_s: float = DEFAULT_SPIN_DEADLINE_S, max_grid: int = plan.DEFAULT_MAX_GRID,
-               lamport_grid: int | None = None, lamport_tiers: Sequence[tuple[int, int]] | None = None) -> Workspace:
+               one_store_grid: int | None = None, one_store_tiers: Sequence[tuple[int, int]] | None = None) -> Workspace:
         """Arm a workspace over `group` (torch.distributed group; None = default). COLLECTIVE.
 
         capacity_bytes: bytes of one rank's rows one launch carries (init's workspace_bytes; more rows are chunked);
         max_rows_armed: the most rows of the sites this workspace was armed for (reported to the router; calls
         with more rows still work, chunked). one_shot_max_bytes: messages above it take two-shot (None: from the
-        topology, plan.one_shot_max_bytes). lamport_max_bytes: all-reduce launches up to this size take the one-store
-        kernel (None: from the topology, plan.lamport_max_bytes; 0: never). timeout_s: the device-side deadline of every barrier (see
-        DEFAULT_SPIN_DEADLINE_S for why 60 s). max_grid caps the blocks of every launch, lamport_grid those of the
-        one-store launches alone (None: no cap below the grid). lamport_tiers: the (max bytes, blocks) tiers of the
-        one-store launches below the largest (None: plan.DEFAULT_LAMPORT_TIERS; (): every one-store launch on the
-        whole grid); plan.lamport_tiers says how they combine with the grid and lamport_grid. Raises ValueError for bad arguments and WorkspaceUnavailable (on every
+        topology, plan.one_shot_max_bytes). one_store_max_bytes: all-reduce launches up to this size take the one-store
+        kernel (None: from the topology, plan.one_store_max_bytes; 0: never). timeout_s: the device-side deadline of every barrier (see
+        DEFAULT_SPIN_DEADLINE_S for why 60 s). max_grid caps the blocks of every launch, one_store_grid those of the
+        one-store launches alone (None: no cap below the grid). one_store_tiers: the (max bytes, blocks) tiers of the
+        one-store launches below the largest (None: plan.DEFAULT_ONE_STORE_TIERS; (): every one-store launch on the
+        whole grid); plan.one_store_tiers says how they combine with the grid and one_store_grid. Raises ValueError for bad arguments and WorkspaceUnavailable (on every
         rank, with every rank's reason) when no kernel module, the symmetric memory or the peer-access proof
         fails. A dtype whose module cannot be built on some rank is refused alone on every rank (`refused`,
         `variants`). The kernels are the canonical build (other builds: detcomm.workspace.debug).
@@ -183,7 +183,7 @@ class Workspace:
         from ..symm_mem import IpcSymmetricBuffer, SymmMemUnavailable  # noqa: PLC0415
 
         _refuse_under_capture("Workspace.create")
-        dev = cls._check_args(device, capacity_bytes, max_rows_armed, one_shot_max_bytes, timeout_s, lamport_max_bytes)
+        dev = cls._check_args(device, capacity_bytes, max_rows_armed, one_shot_max_bytes, timeout_s, one_store_max_bytes)
         world = dist.get_world_size(group)
         if not 1 <= world <= plan.MAX_WORLD:
             raise ValueError(f"the workspace serves groups of 1..{plan.MAX_WORLD} ranks, got {world}")
@@ -198,8 +198,8 @@ class Workspace:
                 err = "kernels: no module could be built: " + "; ".join(f"{m}: {r}" for m, r in refused.items())
         except Exception as e:  # noqa: BLE001 - reported to every rank below
             err = f"kernels: {type(e).__name__}: {e}"
-        table = plan.DEFAULT_LAMPORT_TIERS if lamport_tiers is None else tuple((b, n) for b, n in lamport_tiers)
-        config = (capacity_bytes, max_rows_armed, one_shot_max_bytes, lamport_max_bytes, max_grid, lamport_grid, table,
+        table = plan.DEFAULT_ONE_STORE_TIERS if one_store_tiers is None else tuple((b, n) for b, n in one_store_tiers)
+        config = (capacity_bytes, max_rows_armed, one_shot_max_bytes, one_store_max_bytes, max_grid, one_store_grid, table,
                   cls._kernel_build, timeout_s)
         infos: list[Any] = [None] * world
         dist.all_gather_object(infos, (err, sm_count, config, refused, gpu_id), group=group)
@@ -216,17 +216,17 @@ class Workspace:
         grid = plan.grid_blocks(world, min(i[1] for i in infos), max_grid=max_grid, shared_gpu=shared)
         if one_shot_max_bytes is None:
             one_shot_max_bytes = plan.one_shot_max_bytes(world, shared_gpu=shared)
-        if lamport_max_bytes is None:
-            lamport_max_bytes = plan.lamport_max_bytes(world, shared_gpu=shared)
-        tiers = plan.lamport_tiers(lamport_max_bytes, world, grid, base=plan.lamport_offset(capacity_bytes, world, grid),
-                                   table=table, max_blocks=lamport_grid)
+        if one_store_max_bytes is None:
+            one_store_max_bytes = plan.one_store_max_bytes(world, shared_gpu=shared)
+        tiers = plan.one_store_tiers(one_store_max_bytes, world, grid, base=plan.one_store_offset(capacity_bytes, world, grid),
+                                   table=table, max_blocks=one_store_grid)
         try:
             transport = IpcSymmetricBuffer.create(plan.buffer_bytes(capacity_bytes, world, grid, tiers),
                                                   group=group,
                                                   device_index=dev.index, probe_offset=plan.probe_offset())
         except SymmMemUnavailable as e:
             raise WorkspaceUnavailable(str(e)) from e
-        ws = cls(transport=transport, kernels=ks, grid=grid, lamport_tiers=tiers, capacity_bytes=capacity_bytes,
+        ws = cls(transport=transport, kernels=ks, grid=grid, one_store_tiers=tiers, capacity_bytes=capacity_bytes,
                  max_rows_armed=max_rows_armed, one_shot_max_bytes=one_shot_max_bytes,
                  timeout_ns=int(timeout_s * 1e9), device=dev)
         ws.refused = all_refused
@@ -237,9 +237,9 @@ class Workspace:
     @classmethod
     def in_process(cls, world_size: int, *, device: torch.device | str | int, capacity_bytes: int,
                    max_rows_armed: int = plan.DEFAULT_MAX_ROWS_ARMED,
-                   one_shot_max_bytes: int = plan.DEFAULT_ONE_SHOT_MAX_BYTES, lamport_max_bytes: int | None = None,
+                   one_shot_max_bytes: int = plan.DEFAULT_ONE_SHOT_MAX_BYTES, one_store_max_bytes: int | None = None,
                    timeout_s: float = DEFAULT_SPIN_DEADLINE_S, max_grid: int = plan.DEFAULT_MAX_GRID,
-                   lamport_grid: int | None = None, lamport_tiers: Sequence[tuple[int, int]] | None = None
+                   one_store_grid: int | None = None, one_store_tiers: Sequence[tuple[int, int]] | None = None
                    ) -> list[Workspace]:
         """W rank views of one workspace inside this process on one GPU (the W-stream harness). NOT collective.
 
@@ -250,21 +250,21 @@ class Workspace:
         from ..symm_mem import create_local_group  # noqa: PLC0415
 
         _refuse_under_capture("Workspace.in_process")
-        dev = cls._check_args(device, capacity_bytes, max_rows_armed, one_shot_max_bytes, timeout_s, lamport_max_bytes)
+        dev = cls._check_args(device, capacity_bytes, max_rows_armed, one_shot_max_bytes, timeout_s, one_store_max_bytes)
         if not 1 <= world_size <= plan.MAX_WORLD:
             raise ValueError(f"world_size must be in 1..{plan.MAX_WORLD}, got {world_size}")
-        if lamport_max_bytes is None:
-            lamport_max_bytes = plan.lamport_max_bytes(world_size, shared_gpu=True)
+        if one_store_max_bytes is None:
+            one_store_max_bytes = plan.one_store_max_bytes(world_size, shared_gpu=True)
         sm_count = torch.cuda.get_device_properties(dev).multi_processor_count
         grid = plan.grid_blocks(world_size, sm_count, max_grid=max_grid)
-        tiers = plan.lamport_tiers(lamport_max_bytes, world_size, grid,
-                                   base=plan.lamport_offset(capacity_bytes, world_size, grid),
-                                   table=plan.DEFAULT_LAMPORT_TIERS if lamport_tiers is None else lamport_tiers,
-                                   max_blocks=lamport_grid)
+        tiers = plan.one_store_tiers(one_store_max_bytes, world_size, grid,
+                                   base=plan.one_store_offset(capacity_bytes, world_size, grid),
+                                   table=plan.DEFAULT_ONE_STORE_TIERS if one_store_tiers is None else one_store_tiers,
+                                   max_blocks=one_store_grid)
         ks = kernel_set(dev.index, world_size, build=cls._kernel_build)
         views = create_local_group(world_size, plan.buffer_bytes(capacity_bytes, world_size, grid, tiers),
                                    device_index=dev.index, probe_offset=plan.probe_offset())
-        return [cls(transport=v, kernels=ks, grid=grid, lamport_tiers=tiers, capacity_bytes=capacity_bytes,
+        return [cls(transport=v, kernels=ks, grid=grid, one_store_tiers=tiers, capacity_bytes=capacity_bytes,
                     max_rows_armed=max_rows_armed,
                     one_shot_max_bytes=one_shot_max_bytes,
                     timeout_ns=int(timeout_s * 1e9), device=dev)
@@ -272,7 +272,7 @@ class Workspace:
 
     @staticmethod
     def _check_args(device: Any, capacity_bytes: int, max_rows_armed: int, one_shot_max_bytes: int | None,
-                    timeout_s: float, lamport_max_bytes: int | None = None) -> torch.device:
+                    timeout_s: float, one_store_max_bytes: int | None = None) -> torch.device:
         dev = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
         if dev.type != "cuda":
             raise ValueError(f"the workspace lives on a CUDA device, got {dev}")
@@ -284,9 +284,9 @@ class Workspace:
             raise ValueError(f"max_rows_armed must be >= 1, got {max_rows_armed}")
         if one_shot_max_bytes is not None and one_shot_max_bytes < 0:
             raise ValueError(f"one_shot_max_bytes must be >= 0, got {one_shot_max_bytes}")
-        if lamport_max_bytes is not None and lamport_max_bytes < 0:
-            raise ValueError(f"lamport_max_bytes must be >= 0 (0 turns the one-store kernel off), got "
-                             f"{lamport_max_bytes}")
+        if one_store_max_bytes is not None and one_store_max_bytes < 0:
+            raise ValueError(f"one_store_max_bytes must be >= 0 (0 turns the one-store kernel off), got "
+                             f"{one_store_max_bytes}")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         return dev
@@ -384,32 +384,32 @@ class Workspace:
             return []
         return plan.variants(collective, row_bytes=row_numel * elem, max_rows=max_rows, world_size=self.world_size,
                              capacity_bytes=self.capacity_bytes, one_shot_max_bytes=self.one_shot_max_bytes,
-                             lamport_max=self.lamport_max_bytes)
+                             one_store_max=self.one_store_max_bytes)
 
     # ---- collectives -----------------------------------------------------------------------------------
     def all_reduce(self, x: torch.Tensor, *, out: torch.Tensor | None = None, algo: str | None = None,
                    chunk_rows: int | None = None, label: str | None = None) -> torch.Tensor:
         """COLLECTIVE. SUM of x over the group by the canonical fold; every rank gets identical bits.
 
-        algo: None chooses by the launch's size (the one-store kernel up to lamport_max_bytes, one-shot up to
-        one_shot_max_bytes, two-shot above); "lamport" / "one_shot" / "two_shot" force one (self-checks, tests,
-        bench; a forced "lamport" launch carries at most lamport_max_bytes, and one row larger than that raises).
+        algo: None chooses by the launch's size (the one-store kernel up to one_store_max_bytes, one-shot up to
+        one_shot_max_bytes, two-shot above); "one_store" / "one_shot" / "two_shot" force one (self-checks, tests,
+        bench; a forced "one_store" launch carries at most one_store_max_bytes, and one row larger than that raises).
         chunk_rows: rows per launch (default: as many as the capacity holds; smaller forces chunking). label: named in failure messages (the site). All
         choices and any chunking give the same bits.
         """
-        if algo not in (None, "lamport", "one_shot", "two_shot"):
-            raise ValueError(f"algo must be None, 'lamport', 'one_shot' or 'two_shot', got {algo!r}")
+        if algo not in (None, "one_store", "one_shot", "two_shot"):
+            raise ValueError(f"algo must be None, 'one_store', 'one_shot' or 'two_shot', got {algo!r}")
         dtype = self._fold_dtype(x)
         out = self._output(x, out, tuple(x.shape))
         rows, row_elems, row_bytes = self._rows(x)
         if rows == 0 or row_elems == 0:
             return out
         per = self._per_chunk(row_bytes, chunk_rows, 1)
-        if algo == "lamport":
-            fit = self.lamport_max_bytes // row_bytes
+        if algo == "one_store":
+            fit = self.one_store_max_bytes // row_bytes
             if fit < 1 or (chunk_rows is not None and chunk_rows > fit):
-                raise ValueError(f"algo='lamport' serves launches of at most lamport_max_bytes="
-                                 f"{self.lamport_max_bytes} bytes; a launch of {chunk_rows or 1} row(s) carries "
+                raise ValueError(f"algo='one_store' serves launches of at most one_store_max_bytes="
+                                 f"{self.one_store_max_bytes} bytes; a launch of {chunk_rows or 1} row(s) carries "
                                  f"{(chunk_rows or 1) * row_bytes}")
             per = min(per, fit)  # forced: as many rows per launch as the one-store areas hold
         return self._all_reduce_launcher(dtype, row_elems).run(x, out, algo=algo, per=per, label=label)
@@ -513,7 +513,7 @@ class Workspace:
             return []
         return plan.fused_norm_variants(hidden=hidden, dtype=name_of(dtype), max_rows=max_rows, grid=self.grid,
                                         slot_bytes=self._slot_bytes, one_shot_max_bytes=self.one_shot_max_bytes,
-                                        lamport_max=self.lamport_max_bytes)
+                                        one_store_max=self.one_store_max_bytes)
 
     def fused_norm_layout(self, dtype: torch.dtype, hidden: int) -> str:
         """LOCAL: how the fused kernels cover rows of `hidden` elements (plan.fused_norm_layout: "registers",
@@ -528,13 +528,13 @@ class Workspace:
         detcomm.numerics.norm.add_rms_norm. x, residual: contiguous [rows, H] of one float dtype; weight: [H] of any float
         dtype; eps32: eps already rounded to fp32 (detcomm.numerics.norm validates all of it).
 
-        algo: None chooses per launch: the one-store kernel (csrc/fused_rmsnorm_lamport.cu, no barrier) for launches
-        of up to plan.fused_norm_lamport_rows rows (at most lamport_max_bytes), one-shot up to one_shot_max_bytes,
-        two-shot above; "lamport" / "one_shot" / "two_shot" force one (self-checks, tests, bench; a forced
-        "lamport" launch carries at most fused_norm_lamport_rows rows, and a row larger than that raises).
+        algo: None chooses per launch: the one-store kernel (csrc/fused_rmsnorm_one_store.cu, no barrier) for launches
+        of up to plan.fused_norm_one_store_rows rows (at most one_store_max_bytes), one-shot up to one_shot_max_bytes,
+        two-shot above; "one_store" / "one_shot" / "two_shot" force one (self-checks, tests, bench; a forced
+        "one_store" launch carries at most fused_norm_one_store_rows rows, and a row larger than that raises).
         chunk_rows forces chunking as in all_reduce. Every choice gives the same bits."""
-        if algo not in (None, "lamport", "one_shot", "two_shot"):
-            raise ValueError(f"algo must be None, 'lamport', 'one_shot' or 'two_shot', got {algo!r}")
+        if algo not in (None, "one_store", "one_shot", "two_shot"):
+            raise ValueError(f"algo must be None, 'one_store', 'one_shot' or 'two_shot', got {algo!r}")
         dtype = self._fold_dtype(x)
         assert x.dim() == 2 and residual.shape == x.shape and weight.shape == x.shape[1:], (x.shape, weight.shape)
         rows, hidden = x.shape
@@ -545,15 +545,15 @@ class Workspace:
         if per < 1:
             raise WorkspaceUnavailable(f"a row of {hidden} elements does not fit one fused launch of this workspace")
         # Rows each one-store tier holds, smallest tier first; the largest tier's is the one-store limit.
-        tier_rows = [plan.fused_norm_lamport_rows(hidden, dtype, t.max_bytes) for t in self.lamport_tiers]
-        lam = tier_rows[-1] if tier_rows else 0
+        tier_rows = [plan.fused_norm_one_store_rows(hidden, dtype, t.max_bytes) for t in self.one_store_tiers]
+        one_store = tier_rows[-1] if tier_rows else 0
         if chunk_rows is not None and not 1 <= chunk_rows <= per:
             raise ValueError(f"chunk_rows must be in 1..{per} (rows one launch carries), got {chunk_rows}")
-        if algo == "lamport":
-            if lam < 1 or (chunk_rows is not None and chunk_rows > lam):
-                raise ValueError(f"algo='lamport' serves fused launches of at most {lam} row(s) of {hidden} elements "
-                                 f"(lamport_max_bytes={self.lamport_max_bytes}); asked for {chunk_rows or 1}")
-            per = min(per, lam)  # forced: as many rows per launch as the one-store areas hold
+        if algo == "one_store":
+            if one_store < 1 or (chunk_rows is not None and chunk_rows > one_store):
+                raise ValueError(f"algo='one_store' serves fused launches of at most {one_store} row(s) of {hidden} elements "
+                                 f"(one_store_max_bytes={self.one_store_max_bytes}); asked for {chunk_rows or 1}")
+            per = min(per, one_store)  # forced: as many rows per launch as the one-store areas hold
         if chunk_rows is not None:
             per = chunk_rows
         row_bytes = hidden * x.element_size()
@@ -563,8 +563,8 @@ class Workspace:
         wide = layout == "wide"
         with self._collective() as stream_ptr:
             for a, b in plan.chunks(rows, per):
-                if algo == "lamport" or (algo is None and b - a <= lam):
-                    kind = "lamport"
+                if algo == "one_store" or (algo is None and b - a <= one_store):
+                    kind = "one_store"
                 elif algo == "one_shot" or (algo is None and (b - a) * row_bytes <= self.one_shot_max_bytes):
                     kind = "one_shot"
                 else:
@@ -574,8 +574,8 @@ class Workspace:
                         _u64(y.data_ptr() + off), _u64(r.data_ptr() + off), _i64(b - a), _i64(hidden),
                         ctypes.c_float(eps32)]
                 grid = None
-                if kind == "lamport":  # the first tier that holds the launch: its sub-region, area bytes and blocks
-                    tier = next(t for t, most in zip(self.lamport_tiers, tier_rows, strict=True) if b - a <= most)
+                if kind == "one_store":  # the first tier that holds the launch: its sub-region, area bytes and blocks
+                    tier = next(t for t, most in zip(self.one_store_tiers, tier_rows, strict=True) if b - a <= most)
                     args += [_i64(tier.offset), _i64(tier.cap)]
                     grid = tier.blocks
                 self._launch(plan.fused_norm_kernel(kind, dtype, wname, wide=wide), args, stream_ptr, label, grid=grid)
@@ -749,7 +749,7 @@ class Workspace:
 
     # ---- tree-order virtual-shard all-reduce (csrc/tree_fold.cu, docs/spec.md §9.1) -------------------------
     def tree_variants(self, dtype: torch.dtype, row_numel: int, max_rows: int, shards_per_rank: int) -> list[str]:
-        """LOCAL: the code paths of a tree-order virtual-shard all-reduce site (plan.tree_variants: "lamport",
+        """LOCAL: the code paths of a tree-order virtual-shard all-reduce site (plan.tree_variants: "one_store",
         "one_shot", "two_shot", "chunked") whose calls pass shards_per_rank fp32 slabs of 1..max_rows rows of
         row_numel elements; [] when the workspace cannot serve it (output dtype refused, W or the slabs outside the
         tree kernels, plan.tree_refusal, or one fp32 row larger than a launch)."""
@@ -761,7 +761,7 @@ class Workspace:
             return []
         return plan.tree_variants(row_numel=row_numel, max_rows=max_rows, world_size=self.world_size,
                                   dtype=name_of(dtype), capacity_bytes=self.capacity_bytes, grid=self.grid,
-                                  one_shot_max_bytes=self.one_shot_max_bytes, lamport_max=self.lamport_max_bytes)
+                                  one_shot_max_bytes=self.one_shot_max_bytes, one_store_max=self.one_store_max_bytes)
 
     def all_reduce_tree(self, partials: torch.Tensor, *, dtype: torch.dtype, out: torch.Tensor | None = None,
                         algo: str | None = None, chunk_rows: int | None = None,
@@ -773,9 +773,9 @@ class Workspace:
         rounding, identical on every rank and for every W dividing V. Each rank folds its own subtree in the kernel
         that publishes it, so one fp32 row per rank crosses the workspace.
 
-        algo: None chooses per launch (plan.tree_algo: the one-store kernel up to lamport_max_bytes of published
-        fp32, one-shot up to one_shot_max_bytes, two-shot above); "lamport" / "one_shot" / "two_shot" force one (a
-        forced "lamport" launch carries at most lamport_max_bytes). chunk_rows: rows per launch (default: as many
+        algo: None chooses per launch (plan.tree_algo: the one-store kernel up to one_store_max_bytes of published
+        fp32, one-shot up to one_shot_max_bytes, two-shot above); "one_store" / "one_shot" / "two_shot" force one (a
+        forced "one_store" launch carries at most one_store_max_bytes). chunk_rows: rows per launch (default: as many
         as the capacity holds, plan.tree_rows_per_launch; smaller forces chunking). Every choice gives the same
         bits."""
         if algo not in (None, *plan.TREE_ALGOS):
@@ -805,11 +805,11 @@ class Workspace:
         if per < 1:
             raise WorkspaceUnavailable(f"one fp32 row of {row_elems} elements does not fit one launch of this "
                                        f"workspace (capacity {self.capacity_bytes} bytes)")
-        if algo == "lamport":
-            fit = plan.tree_lamport_rows(row_elems, name, self.lamport_max_bytes)
+        if algo == "one_store":
+            fit = plan.tree_one_store_rows(row_elems, name, self.one_store_max_bytes)
             if fit < 1 or (chunk_rows is not None and chunk_rows > fit):
-                raise ValueError(f"algo='lamport' serves tree launches of at most lamport_max_bytes="
-                                 f"{self.lamport_max_bytes} fp32 bytes; a launch of {chunk_rows or 1} row(s) of "
+                raise ValueError(f"algo='one_store' serves tree launches of at most one_store_max_bytes="
+                                 f"{self.one_store_max_bytes} fp32 bytes; a launch of {chunk_rows or 1} row(s) of "
                                  f"{row_elems} elements publishes "
                                  f"{plan.tree_launch_bytes((chunk_rows or 1) * row_elems, name)}")
             per = min(per, fit)
@@ -1009,19 +1009,19 @@ class _AllReduceLauncher:
         self.row_elems = row_elems
         self.row_bytes = row_elems * plan.elem_size(dtype)
         self.one_shot_max_elems = ws.one_shot_max_bytes // plan.elem_size(dtype)
-        self.lamport_max_elems = ws.lamport_max_bytes // plan.elem_size(dtype)
+        self.one_store_max_elems = ws.one_store_max_bytes // plan.elem_size(dtype)
         self.x, self.out, self.n = ctypes.c_uint64(), ctypes.c_uint64(), ctypes.c_int64()
         self.length, self.stride, self.call = ctypes.c_int64(), ctypes.c_int64(), ctypes.c_uint32()
         ks = ws._kernels
         # One prepared one-store launch per tier, with the most elements it takes: a launch runs the first that holds it.
-        self.lamports = [(t.max_bytes // plan.elem_size(dtype),
-                          ks.prepare(f"detcomm_lamport_{sfx}", t.blocks,
+        self.one_stores = [(t.max_bytes // plan.elem_size(dtype),
+                          ks.prepare(f"detcomm_one_store_{sfx}", t.blocks,
                                      [self.x, self.out, self.n, _i64(t.offset), _i64(t.cap), self.call, *ws._tail]))
-                         for t in ws.lamport_tiers]
+                         for t in ws.one_store_tiers]
         self.one_shot = ks.prepare(f"detcomm_one_shot_{sfx}", ws.grid, [self.x, self.out, self.n, self.call, *ws._tail])
         self.two_shot = ks.prepare(f"detcomm_two_shot_{sfx}", ws.grid,
                                    [self.x, self.out, self.n, self.length, self.stride, self.call, *ws._tail])
-        self.ran = {v: ("all_reduce", dtype, v) for v in ("lamport", "one_shot", "two_shot", "chunked")}
+        self.ran = {v: ("all_reduce", dtype, v) for v in ("one_store", "one_shot", "two_shot", "chunked")}
         self._geometry: dict[int, plan.SliceGeometry] = {}
 
     def run(self, x: torch.Tensor, out: torch.Tensor, *, algo: str | None, per: int, label: str | None
@@ -1038,9 +1038,9 @@ class _AllReduceLauncher:
                 n = (min(rows, a + per) - a) * row_elems
                 self.x.value, self.out.value, self.n.value = xp + a * row_bytes, op + a * row_bytes, n
                 self.call.value = ws._next_call(label)
-                if algo == "lamport" or (algo is None and n <= self.lamport_max_elems):
-                    next(launch for most, launch in self.lamports if n <= most)(stream)
-                    path = "lamport"
+                if algo == "one_store" or (algo is None and n <= self.one_store_max_elems):
+                    next(launch for most, launch in self.one_stores if n <= most)(stream)
+                    path = "one_store"
                 elif algo == "one_shot" or (algo is None and n <= self.one_shot_max_elems):
                     self.one_shot(stream)
                     path = "one_shot"
@@ -1084,13 +1084,13 @@ class _TreeLauncher:
         ks = ws._kernels
         # One prepared one-store launch per tier, with the most published bytes it takes: a launch runs the first
         # tier that holds it.
-        self.lamports = [(t.max_bytes, ks.prepare(plan.tree_kernel("lamport", dtype), t.blocks,
+        self.one_stores = [(t.max_bytes, ks.prepare(plan.tree_kernel("one_store", dtype), t.blocks,
                                                   [*head, _i64(t.offset), _i64(t.cap), self.call, *ws._tail]))
-                         for t in ws.lamport_tiers]
+                         for t in ws.one_store_tiers]
         self.one_shot = ks.prepare(plan.tree_kernel("one_shot", dtype), ws.grid, [*head, self.call, *ws._tail])
         self.two_shot = ks.prepare(plan.tree_kernel("two_shot", dtype), ws.grid,
                                    [*head, self.length, self.call, *ws._tail])
-        self.lamport_max = ws.lamport_max_bytes
+        self.one_store_max = ws.one_store_max_bytes
         self.ran = {v: ("all_reduce_tree", dtype, v) for v in (*plan.TREE_ALGOS, "chunked")}
 
     def run(self, partials: torch.Tensor, out: torch.Tensor, *, algo: str | None, per: int, label: str | None
@@ -1108,11 +1108,11 @@ class _TreeLauncher:
                 n = (min(rows, a + per) - a) * row_elems
                 self.x.value, self.out.value, self.n.value = xp + a * row_elems * 4, op + a * self.out_row_bytes, n
                 self.call.value = ws._next_call(label)
-                path = algo or plan.tree_algo(n, self.dtype, lamport_max=self.lamport_max,
+                path = algo or plan.tree_algo(n, self.dtype, one_store_max=self.one_store_max,
                                               one_shot_max_bytes=ws.one_shot_max_bytes)
-                if path == "lamport":
+                if path == "one_store":
                     nbytes = plan.tree_launch_bytes(n, self.dtype)
-                    next(launch for most, launch in self.lamports if nbytes <= most)(stream)
+                    next(launch for most, launch in self.one_stores if nbytes <= most)(stream)
                 elif path == "one_shot":
                     assert plan.tree_slot_bytes_used(n, ws.world_size, self.dtype, "one_shot") <= ws._slot_bytes
                     self.one_shot(stream)

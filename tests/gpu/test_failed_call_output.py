@@ -18,7 +18,7 @@ pytestmark = pytest.mark.gpu
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-@pytest.mark.parametrize("algo", ["lamport", "one_shot", "two_shot"])
+@pytest.mark.parametrize("algo", ["one_store", "one_shot", "two_shot"])
 def test_a_failed_call_writes_no_element_and_raises_before_its_output_is_trusted(algo: str) -> None:
     script = f"""
         import numpy as np
@@ -29,7 +29,7 @@ def test_a_failed_call_writes_no_element_and_raises_before_its_output_is_trusted
 
         def run(ranks):
             views = Workspace.in_process(3, device="cuda:0", capacity_bytes=1 << 16, timeout_s=0.3,
-                                         lamport_max_bytes=1 << 16)
+                                         one_store_max_bytes=1 << 16)
             streams = [torch.cuda.Stream() for _ in views]
             xs = [torch.full((8, 256), float(r + 1), device="cuda:0") for r in range(3)]
             outs = [torch.full((8, 256), float("nan"), device="cuda:0") for _ in range(3)]

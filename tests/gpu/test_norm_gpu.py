@@ -101,7 +101,7 @@ def test_negative_control_torch_rms_norm_on_cuda_is_caught(dtype: str) -> None:
 
 
 # ---- the fused all-reduce + residual add + RMSNorm workspace kernels (csrc/fused_rmsnorm.cu, and the one-store
-# csrc/fused_rmsnorm_lamport.cu) ---------------------------------------------------------------------------------
+# csrc/fused_rmsnorm_one_store.cu) ---------------------------------------------------------------------------------
 # W ranks as W streams of one GPU (Workspace.in_process); every path (one-store, one-shot, two-shot, chunked, the
 # automatic choice) against the numpy composition oracle and against the composition on the device (the
 # workspace's all-reduce, then detcomm.numerics.norm.add_rms_norm), with adversarial rows, rows alone vs inside batches at
@@ -110,7 +110,7 @@ from oracle import fold_oracle  # noqa: E402
 
 _FUSED: dict = {}
 FUSED_PATHS = ({"algo": "one_shot"}, {"algo": "two_shot"}, {"algo": "one_shot", "chunk_rows": 1},
-               {"algo": "two_shot", "chunk_rows": 2}, {"algo": "lamport"}, {"algo": "lamport", "chunk_rows": 1}, {})
+               {"algo": "two_shot", "chunk_rows": 2}, {"algo": "one_store"}, {"algo": "one_store", "chunk_rows": 1}, {})
 
 
 def _fused_ranks(world: int, variant: str = "canonical", *, fresh: bool = False, timeout_s: float = 60.0):
@@ -119,7 +119,7 @@ def _fused_ranks(world: int, variant: str = "canonical", *, fresh: bool = False,
     if fresh or key not in _FUSED:
         # The one-store kernels at every W (by default ranks sharing one GPU never take them).
         views = recorded_in_process(world, build=variant, device="cuda:0", capacity_bytes=4 << 20,
-                                    max_rows_armed=4096, timeout_s=timeout_s, lamport_max_bytes=256 << 10)
+                                    max_rows_armed=4096, timeout_s=timeout_s, one_store_max_bytes=256 << 10)
         if fresh:
             return views
         _FUSED[key] = views
@@ -172,7 +172,7 @@ def test_fused_equals_oracle_and_composition_on_every_path(world: int, dtype: st
                     assert np.array_equal(got[k][0], y_exp), (hidden, w_dtype, kw, k, "y")
                     assert np.array_equal(got[k][0], comp[k][0]) and np.array_equal(got[k][1], comp[k][1])
     assert {v for c, _, v in views[0].variants_run if c == "all_reduce_rmsnorm"} >= {
-        "fused_lamport", "fused_one_shot", "fused_two_shot", "fused_chunked", "layout_registers", "layout_wide",
+        "fused_one_store", "fused_one_shot", "fused_two_shot", "fused_chunked", "layout_registers", "layout_wide",
         "layout_streaming"}
 
 
@@ -183,8 +183,8 @@ def test_fused_row_alone_equals_row_in_any_batch_and_offset(dtype: str) -> None:
     xs, res, w = _fused_inputs(world, len(KINDS), hidden, dtype, seed=21)
     y_alone = norm_oracle.composition_oracle(xs, res[0], w, dtype, dtype, 1e-6)[0]
     for total, off, kw in ((len(KINDS) + 1, 1, {}), (300, 133, {}), (300, 7, {"algo": "two_shot"}),
-                           (1100, 1000, {"algo": "one_shot"}), (20, 3, {}), (300, 133, {"algo": "lamport"}),
-                           (300, 30, {"algo": "lamport", "chunk_rows": 7})):
+                           (1100, 1000, {"algo": "one_shot"}), (20, 3, {}), (300, 133, {"algo": "one_store"}),
+                           (300, 30, {"algo": "one_store", "chunk_rows": 7})):
         bx = [random_bits(total, hidden, dtype, seed=total, rank=k).copy() for k in range(world)]
         br = [random_bits(total, hidden, dtype, seed=total + 1, rank=k).copy() for k in range(world)]
         for k in range(world):
@@ -194,7 +194,7 @@ def test_fused_row_alone_equals_row_in_any_batch_and_offset(dtype: str) -> None:
         assert np.array_equal(got[0][0][off : off + len(KINDS)], y_alone), (total, off, kw)
 
 
-@pytest.mark.parametrize("algo", ["lamport", "one_shot"])
+@pytest.mark.parametrize("algo", ["one_store", "one_shot"])
 def test_fused_unaligned_rows_and_fold_order_negative_control(algo: str) -> None:
     """Odd hidden sizes put rows mid-pack (scalar loads); the rotated-order build must differ from the oracle at
     W = 3 on the ill-conditioned payload (the check can fail)."""
@@ -243,7 +243,7 @@ def test_fused_cuda_graph_replays_new_values(algo: str | None, hidden: int) -> N
         v.check()
 
 
-# ---- the one-store fused kernel's own mechanisms (csrc/fused_rmsnorm_lamport.cu) -----------------------------------
+# ---- the one-store fused kernel's own mechanisms (csrc/fused_rmsnorm_one_store.cu) -----------------------------------
 def _failures(views) -> list[str]:
     """The WorkspaceFailed message of every rank view whose check() raises."""
     from detcomm.errors import WorkspaceFailed
@@ -265,7 +265,7 @@ def test_fused_one_store_zero_rows_and_unmarked_negative_control(hidden: int) ->
     world, rows, dtype = 2, 4, "bfloat16"
     _, res, w = _fused_inputs(world, rows, hidden, dtype, seed=51)
     xs = [np.zeros((rows, hidden), dtype=np.uint16) for _ in range(world)]
-    got, _ = _run_fused(_fused_ranks(world), xs, res, w, dtype, dtype, 1e-6, algo="lamport")
+    got, _ = _run_fused(_fused_ranks(world), xs, res, w, dtype, dtype, 1e-6, algo="one_store")
     for k in range(world):
         y_exp, r_exp = norm_oracle.composition_oracle(xs, res[k], w, dtype, dtype, 1e-6)
         assert np.array_equal(got[k][0], y_exp) and np.array_equal(got[k][1], r_exp), k
@@ -274,7 +274,7 @@ def test_fused_one_store_zero_rows_and_unmarked_negative_control(hidden: int) ->
     wt = to_torch(w, dtype).cuda()
     xt = [torch.zeros(rows, hidden, dtype=torch.bfloat16, device="cuda:0") for _ in range(world)]
     rt = [to_torch(r, dtype).cuda() for r in res]
-    _on_ranks(bad, lambda k, v: v.all_reduce_rmsnorm(xt[k], rt[k], wt, norm.eps_fp32(1e-6), algo="lamport"))
+    _on_ranks(bad, lambda k, v: v.all_reduce_rmsnorm(xt[k], rt[k], wt, norm.eps_fp32(1e-6), algo="one_store"))
     raised = _failures(bad)
     assert raised and any("timed out" in e and "one-store wait" in e for e in raised), raised
 
@@ -286,7 +286,7 @@ def test_fused_one_store_descriptor_catches_other_shapes() -> None:
     shapes = [(2, 4096), (1, 8192)]
     xt = [torch.ones(s, dtype=torch.bfloat16, device="cuda:0") for s in shapes]
     wt = [torch.ones(s[1], dtype=torch.bfloat16, device="cuda:0") for s in shapes]
-    _on_ranks(views, lambda k, v: v.all_reduce_rmsnorm(xt[k], xt[k], wt[k], 1e-6, algo="lamport"))
+    _on_ranks(views, lambda k, v: v.all_reduce_rmsnorm(xt[k], xt[k], wt[k], 1e-6, algo="one_store"))
     raised = _failures(views)
     assert any("different calls" in e and "rows 2 x hidden 4096" in e and "rows 1 x hidden 8192" in e
                for e in raised), raised
@@ -294,16 +294,16 @@ def test_fused_one_store_descriptor_catches_other_shapes() -> None:
 
 def _fused_sequence(views, *, slow: int | None, seed: int, n: int = 24, hidden: int = 4096) -> list[str]:
     """n back-to-back calls on W ranks, fused one-store calls of changing row counts interleaved with one-store
-    all-reduces (csrc/lamport.cu) and a few barrier calls, all on the same one-store buffers and launch counters;
+    all-reduces (csrc/one_store.cu) and a few barrier calls, all on the same one-store buffers and launch counters;
     rank `slow` sleeps on its stream before each call, so the others run up to a launch ahead. Returns the
     mismatches against the oracles (composition for the fused calls, the fold for the all-reduces)."""
     from datagen import ill_bits
 
     world, dtype = len(views), "bfloat16"
-    lam_rows = views[0].lamport_max_bytes // (hidden * 2)
-    sizes = [lam_rows, 1, 3, lam_rows - 1, 2, 17, 5, lam_rows]
-    kinds = [("fused", "lamport"), ("all_reduce", "lamport"), ("fused", None), ("fused", "lamport"),
-             ("all_reduce", None), ("fused", "one_shot"), ("all_reduce", "one_shot"), ("fused", "lamport")]
+    one_store_rows = views[0].one_store_max_bytes // (hidden * 2)
+    sizes = [one_store_rows, 1, 3, one_store_rows - 1, 2, 17, 5, one_store_rows]
+    kinds = [("fused", "one_store"), ("all_reduce", "one_store"), ("fused", None), ("fused", "one_store"),
+             ("all_reduce", None), ("fused", "one_shot"), ("all_reduce", "one_shot"), ("fused", "one_store")]
     wt = to_torch(weight_bits(hidden, dtype, seed=seed), dtype).cuda()
     eps32 = norm.eps_fp32(1e-6)
     staged = []
@@ -352,8 +352,8 @@ def test_fused_one_store_back_to_back_with_one_store_all_reduces_and_a_late_rank
 
     No negative control here: on one H200 the single-buffer build ran this sequence without a wrong bit (a late
     rank on a shared GPU never lets a peer get a whole launch ahead inside one buffer's lifetime), so a control
-    here could not fail. The buffer choice is one function (lam_open in csrc/lamport_common.cuh) that both kernels
-    call; its control is the deterministic one, test_workspace_lamport.py::test_a_peer_one_launch_ahead[one_buffer],
+    here could not fail. The buffer choice is one function (one_store_open in csrc/one_store_common.cuh) that both kernels
+    call; its control is the deterministic one, test_workspace_one_store.py::test_a_peer_one_launch_ahead[one_buffer],
     which emulates a peer a whole launch ahead and is caught. The bits here are checked against the oracles."""
     views = _fused_ranks(3, fresh=True, timeout_s=30.0)
     for slow in (None, 2, 0):
@@ -361,5 +361,5 @@ def test_fused_one_store_back_to_back_with_one_store_all_reduces_and_a_late_rank
         for v in views:
             v.check()
         assert bad == [], bad
-    assert {x for c, _, x in views[0].variants_run if c == "all_reduce_rmsnorm"} >= {"fused_lamport",
+    assert {x for c, _, x in views[0].variants_run if c == "all_reduce_rmsnorm"} >= {"fused_one_store",
                                                                                       "fused_one_shot"}

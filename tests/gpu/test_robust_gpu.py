@@ -239,7 +239,7 @@ def test_gpu_soak_every_route() -> None:
     with LocalCluster(w, backend="nccl", pg_timeout_s=120, env=envelope_environment("rl-bitwise")) as c:
         res = c.run(_soak_job, seconds, None, timeout_s=seconds + 300)
     _check_soak(res, w, seconds, "one GPU per rank, NCCL")
-    assert "lamport" in res[0]["variants"], res[0]["variants"]
+    assert "one_store" in res[0]["variants"], res[0]["variants"]
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -247,7 +247,7 @@ def test_gpu_soak_processes_sharing_one_gpu(world: int) -> None:
     """The same soak with W processes sharing cuda:0 over a gloo group (the workspace by CUDA IPC on one device,
     native collectives staged through host memory). Each workspace call costs milliseconds here (the processes
     time-slice the GPU), so the soak runs fewer, but the same, calls. The one-store kernel is off for ranks sharing a
-    GPU (plan.lamport_max_bytes; tests/gpu/test_workspace_lamport.py forces it on); W = 3 catches ordering faults."""
+    GPU (plan.one_store_max_bytes; tests/gpu/test_workspace_one_store.py forces it on); W = 3 catches ordering faults."""
     from detcomm._spawn import LocalCluster
     from detcomm.envelope import envelope_environment
 
@@ -255,7 +255,7 @@ def test_gpu_soak_processes_sharing_one_gpu(world: int) -> None:
     with LocalCluster(world, backend="gloo", pg_timeout_s=120, env=envelope_environment("rl-bitwise")) as c:
         res = c.run(_soak_job, seconds, "cuda:0", timeout_s=seconds + 300)
     _check_soak(res, world, seconds, "processes sharing one GPU, gloo")
-    assert "lamport" not in res[0]["variants"], res[0]["variants"]
+    assert "one_store" not in res[0]["variants"], res[0]["variants"]
 
 
 @pytest.mark.parametrize("world", [2, 3])

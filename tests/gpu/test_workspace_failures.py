@@ -33,7 +33,7 @@ def _child(script: str, *, env: dict[str, str] | None = None) -> str:
     return p.stdout + p.stderr
 
 
-@pytest.mark.parametrize("algo", ["lamport", "one_shot"])
+@pytest.mark.parametrize("algo", ["one_store", "one_shot"])
 def test_deadline_ends_the_kernel_without_a_trap_one_record_per_rank(algo):
     """W = 3, rank 2 never launches (the one-store kernel and a barrier kernel). Ranks 0 and 1 pass their 0.3 s deadline in every block: each writes ONE
     record and prints ONE line, the kernels return, the context survives, and both ranks raise WorkspaceFailed
@@ -43,7 +43,7 @@ def test_deadline_ends_the_kernel_without_a_trap_one_record_per_rank(algo):
         import torch
         from detcomm.workspace import Workspace
         from detcomm.errors import WorkspaceFailed
-        views = Workspace.in_process(3, device="cuda:0", capacity_bytes=1 << 16, timeout_s=0.3, lamport_max_bytes=1 << 16)
+        views = Workspace.in_process(3, device="cuda:0", capacity_bytes=1 << 16, timeout_s=0.3, one_store_max_bytes=1 << 16)
         streams = [torch.cuda.Stream() for _ in views]
         x = torch.ones(64, 256, device="cuda:0")  # 4096 packs: the 8 blocks that own them wait
         for r in (0, 1):
@@ -90,7 +90,7 @@ def test_deadline_ends_the_kernel_without_a_trap_one_record_per_rank(algo):
         line = lines[r]
         assert ("waiting for rank 2" in line or f"rank {1 - r}'s kernel failed first" in line), line
         assert "site.missing_rank" in line and f"call 1: {algo} float32" in line, line
-        assert ("one-store wait" in line) == (algo == "lamport"), line
+        assert ("one-store wait" in line) == (algo == "one_store"), line
         # one printed line per rank, although all 44 blocks (and 2 threads each) hit the deadline
         assert sum(l.startswith(f"detcomm: rank {r}: workspace failed") for l in out.splitlines()) == 1, out
     assert "rank 2 stopped" in out and "kernel failed first" in out, out
@@ -120,7 +120,7 @@ def test_debug_switch_traps():
     assert "ABORTED" in out, out
 
 
-@pytest.mark.parametrize("algo", ["lamport", "one_shot"])
+@pytest.mark.parametrize("algo", ["one_store", "one_shot"])
 def test_abort_releases_a_spinning_kernel_and_tells_the_peer(algo):
     """The one-store kernel and a barrier kernel. Rank 0 spins on rank 1 with an 8 s deadline and its abort() cannot copy into any header (as in a context a
     debug trap destroyed): the host's abort word alone must end the spin (the record says aborted, not timed out),
@@ -131,7 +131,7 @@ def test_abort_releases_a_spinning_kernel_and_tells_the_peer(algo):
         import time, torch
         from detcomm.workspace import Workspace
         from detcomm.errors import WorkspaceFailed
-        views = Workspace.in_process(2, device="cuda:0", capacity_bytes=4096, timeout_s=8.0, lamport_max_bytes=4096)
+        views = Workspace.in_process(2, device="cuda:0", capacity_bytes=4096, timeout_s=8.0, one_store_max_bytes=4096)
         s0, s1 = torch.cuda.Stream(), torch.cuda.Stream()
         x = torch.ones(4, 8, device="cuda:0")
         with torch.cuda.stream(s0):
@@ -148,7 +148,7 @@ def test_abort_releases_a_spinning_kernel_and_tells_the_peer(algo):
             print("NO-RAISE")
         except WorkspaceFailed as e:
             print("RAISED1", e)
-        idle = Workspace.in_process(2, device="cuda:0", capacity_bytes=4096, timeout_s=8.0, lamport_max_bytes=4096)
+        idle = Workspace.in_process(2, device="cuda:0", capacity_bytes=4096, timeout_s=8.0, one_store_max_bytes=4096)
         idle[0].abort()  # no kernel of rank 0 in flight
         torch.cuda.synchronize()
         with torch.cuda.stream(s1):
@@ -196,12 +196,12 @@ def test_init_sets_the_deadline_and_checks_every_variant_before_first_use():
 
 
 def _ranks(world: int, **kw) -> Ranks:
-    kw.setdefault("lamport_max_bytes", 1 << 18)  # the one-store kernel at every W (by default never on one GPU)
+    kw.setdefault("one_store_max_bytes", 1 << 18)  # the one-store kernel at every W (by default never on one GPU)
 
     return Ranks(recorded_in_process(world, device="cuda:0", **kw))
 
 
-@pytest.mark.parametrize("algo", ["lamport", "one_shot"])
+@pytest.mark.parametrize("algo", ["one_store", "one_shot"])
 def test_different_calls_raise_on_every_rank(algo):
     """Rank 1 sends one more row than rank 0 (then another dtype; then another call number): the call descriptors
     (compared at the start barrier, or beside the one-store data) differ, every rank's kernel stops and every rank
@@ -231,7 +231,7 @@ def test_different_calls_raise_on_every_rank(algo):
             v.check()
 
 
-@pytest.mark.parametrize("algo", ["lamport", "one_shot"])
+@pytest.mark.parametrize("algo", ["one_store", "one_shot"])
 def test_graph_replay_beside_an_eager_call_fails_the_workspace(algo):
     """The host's in-flight guard cannot see replays: a replay of rank 0's graph on one stream and an eager call of
     rank 0 on another run two kernels at once. The busy words catch it on the device and the rank raises."""
@@ -284,17 +284,17 @@ def test_variants_forced_kernels_and_chunking_match_the_oracle(world):
     gives the oracle's bits; variants_run records what ran."""
     dtype, trailing = "bfloat16", 24
     R = _ranks(world, capacity_bytes=37 * trailing * 2, one_shot_max_bytes=10 * trailing * 2,
-               lamport_max_bytes=3 * trailing * 2, timeout_s=30.0)
+               one_store_max_bytes=3 * trailing * 2, timeout_s=30.0)
     v = R.views[0]
-    assert v.variants("all_reduce", torch.bfloat16, trailing, 100) == ["lamport", "one_shot", "two_shot", "chunked"]
-    assert v.variants("all_reduce", torch.bfloat16, trailing, 5) == ["lamport", "one_shot"]
-    assert v.variants("all_reduce", torch.bfloat16, trailing, 3) == ["lamport"]
+    assert v.variants("all_reduce", torch.bfloat16, trailing, 100) == ["one_store", "one_shot", "two_shot", "chunked"]
+    assert v.variants("all_reduce", torch.bfloat16, trailing, 5) == ["one_store", "one_shot"]
+    assert v.variants("all_reduce", torch.bfloat16, trailing, 3) == ["one_store"]
     assert v.variants("reduce_scatter", torch.bfloat16, trailing, world * 30) == ["reduce_scatter", "chunked"]
     assert v.variants("all_gather", torch.bfloat16, trailing, 38) == ["all_gather", "chunked"]
     rng = np.random.default_rng(world)
     bits = ill_conditioned(rng, world, (5, trailing), dtype)
     want = fold_oracle(bits, dtype)
-    for kw in ({"algo": "lamport"}, {"algo": "one_shot"}, {"algo": "two_shot"}, {"chunk_rows": 1},
+    for kw in ({"algo": "one_store"}, {"algo": "one_shot"}, {"algo": "two_shot"}, {"chunk_rows": 1},
                {"chunk_rows": 2, "algo": "two_shot"}):
         for r, got in enumerate(R.run_bits("all_reduce", bits, dtype, **kw)):
             assert np.array_equal(got, want), f"{kw} rank {r}: {first_mismatch(got, want)}"
@@ -304,12 +304,12 @@ def test_variants_forced_kernels_and_chunking_match_the_oracle(world):
         assert np.array_equal(got, full[r * 3:(r + 1) * 3])
     for r, got in enumerate(R.run_bits("all_gather", bits, dtype, chunk_rows=2)):
         assert np.array_equal(got, np.concatenate(bits))
-    assert {("all_reduce", dtype, k) for k in ("lamport", "one_shot", "two_shot", "chunked")} <= v.variants_run
+    assert {("all_reduce", dtype, k) for k in ("one_store", "one_shot", "two_shot", "chunked")} <= v.variants_run
     assert ("reduce_scatter", dtype, "chunked") in v.variants_run and ("all_gather", dtype, "chunked") in v.variants_run
     with pytest.raises(ValueError):
         v.all_reduce(torch.ones(4, trailing, dtype=torch.bfloat16, device="cuda:0"), chunk_rows=38)
-    with pytest.raises(ValueError, match="lamport_max_bytes"):  # one forced one-store launch larger than its areas
-        v.all_reduce(torch.ones(4, trailing, dtype=torch.bfloat16, device="cuda:0"), algo="lamport", chunk_rows=4)
+    with pytest.raises(ValueError, match="one_store_max_bytes"):  # one forced one-store launch larger than its areas
+        v.all_reduce(torch.ones(4, trailing, dtype=torch.bfloat16, device="cuda:0"), algo="one_store", chunk_rows=4)
 
 
 # Consecutive calls through every kernel and barrier kind. Then the same calls reversed: 16 calls, so call i and call

@@ -29,7 +29,7 @@ TRAILING = 40  # 80 B bf16 rows: rows start on 16 B boundaries only every few ro
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_site_bound_all_reduce_in_place_every_kernel(world: int, dtype: str) -> None:
     views = recorded_in_process(world, device="cuda:0", capacity_bytes=64 * 1024, max_rows_armed=4096,
-                                one_shot_max_bytes=4096, lamport_max_bytes=1024)
+                                one_shot_max_bytes=4096, one_store_max_bytes=1024)
     try:
         tdt = getattr(torch, dtype)
         calls = [v.bind_all_reduce(tdt, TRAILING, label="in_place") for v in views]
@@ -51,7 +51,7 @@ def test_site_bound_all_reduce_in_place_every_kernel(world: int, dtype: str) -> 
                 assert not np.array_equal(bits[r], want), "negative control: an input equals the result"
                 assert np.array_equal(got, want), f"W={world} {dtype} rows={rows} rank {r}: {first_mismatch(got, want)}"
         ran = {v for _, d, v in views[0].variants_run if d == dtype}
-        assert ran == {"lamport", "one_shot", "two_shot", "chunked"}, ran
+        assert ran == {"one_store", "one_shot", "two_shot", "chunked"}, ran
     finally:
         for v in views:
             v.close()

@@ -258,7 +258,7 @@ def test_site_bound_all_reduce_equals_oracle(world, dtype):
     two-shot and chunked row counts, against the oracle."""
     elem = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
     R = ranks(world, capacity=64 * TRAILING * elem, one_shot_max_bytes=16 * TRAILING * elem,
-              lamport_max_bytes=4 * TRAILING * elem)
+              one_store_max_bytes=4 * TRAILING * elem)
     tdt = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
     calls = [v.bind_all_reduce(tdt, TRAILING, label="test.site") for v in R.views]
     rng = np.random.default_rng(7 + world)
@@ -283,7 +283,7 @@ def test_site_bound_all_reduce_equals_oracle(world, dtype):
     assert ("all_reduce", dtype, "chunked") in R.views[0].variants_run
     assert ("all_reduce", dtype, "two_shot") in R.views[0].variants_run
     assert ("all_reduce", dtype, "one_shot") in R.views[0].variants_run
-    assert ("all_reduce", dtype, "lamport") in R.views[0].variants_run
+    assert ("all_reduce", dtype, "one_store") in R.views[0].variants_run
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

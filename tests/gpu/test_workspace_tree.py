@@ -25,12 +25,12 @@ DTYPES = ("bfloat16", "float16", "float32")
 N = 33  # odd: the last unit of every row range is partial (the scalar tail)
 # V per W: S = V/W covers the register trees (1, 2, 4, 8 leaves) and the 8-leaf block counter (16, 32, 64).
 SHARDS = {2: (2, 8, 16, 64, 128), 4: (4, 8, 16, 64), 8: (8, 16, 64)}
-LAMPORT = 1 << 20  # the one-store path is off between streams of one GPU by default (plan.lamport_max_bytes): forced on
+ONE_STORE = 1 << 20  # the one-store path is off between streams of one GPU by default (plan.one_store_max_bytes): forced on
 CAPACITY = 1 << 20
 
 
 def ranks(world: int, *, capacity: int = CAPACITY, **kw) -> Ranks:
-    return cached_ranks(world, capacity=capacity, lamport_max_bytes=LAMPORT, **kw)
+    return cached_ranks(world, capacity=capacity, one_store_max_bytes=ONE_STORE, **kw)
 
 
 # ---- the oracles (numpy, from the definitions; nothing from detcomm) ----------------------------------------
@@ -151,7 +151,7 @@ def test_every_algorithm_matches_the_tree_oracle(world, dtype):
             # first kernel waits for rank 1's, which the blocked thread has not issued yet (seen on the H200: a
             # 60 s timeout at 1024 launches of 2 rows; 683 launches of 3 rows passed).
             c = 3 if rows < 2048 else 113
-            for kw in ({"algo": "lamport"}, {"algo": "one_shot"}, {"algo": "two_shot"}, {}, {"chunk_rows": c},
+            for kw in ({"algo": "one_store"}, {"algo": "one_shot"}, {"algo": "two_shot"}, {}, {"chunk_rows": c},
                        {"chunk_rows": c - 1, "algo": "two_shot"}):
                 check_all(run(R, bits, dtype, **kw), want, f"W={world} V={v} {dtype} rows={rows} {kw}")
             check_all(run(R2, bits, dtype), want, f"W={world} V={v} {dtype} rows={rows} auto two-shot")
@@ -189,7 +189,7 @@ def test_signed_zeros_subnormals_and_nan(world):
     nan[3, :, ::2] = 0xFFC0BEEF
     nan[5, :, 1::2] = np.float32(np.inf).view(np.uint32)
     nan[6, :, 1::2] = np.float32(-np.inf).view(np.uint32)
-    for algo in ("lamport", "one_shot", "two_shot"):
+    for algo in ("one_store", "one_shot", "two_shot"):
         for dtype in DTYPES:
             got = run(R, zeros, dtype, algo=algo)
             check_all(got, np.zeros_like(got[0]), f"zeros W={world} {dtype} {algo}")
@@ -214,7 +214,7 @@ def test_cuda_graph_capture_and_replay(world):
     outs = [torch.empty(rows, N, dtype=torch.bfloat16, device="cuda:0") for _ in range(world)]
     bound = [view.bind_all_reduce_tree(torch.bfloat16, N, s, label="tree") for view in R.views]
     calls = {"bound": lambda r: bound[r](xs[r], outs[r])}
-    for algo in ("lamport", "one_shot", "two_shot"):
+    for algo in ("one_store", "one_shot", "two_shot"):
         calls[algo] = lambda r, algo=algo: R.views[r].all_reduce_tree(xs[r], dtype=torch.bfloat16, out=outs[r],
                                                                       algo=algo)
     calls["chunked"] = lambda r: R.views[r].all_reduce_tree(xs[r], dtype=torch.bfloat16, out=outs[r], chunk_rows=5)
@@ -251,7 +251,7 @@ def test_unaligned_partials_and_output(world):
             x.copy_(to_tensor(np.ascontiguousarray(bits[r * s:(r + 1) * s]), "float32", "cuda:0"))
             xs.append(x)
             outs.append(torch.empty(rows * n + 1, dtype=getattr(torch, dtype), device="cuda:0")[1:].view(rows, n))
-        for algo in ("lamport", "one_shot", "two_shot"):
+        for algo in ("one_store", "one_shot", "two_shot"):
             for o in outs:
                 o.fill_(7)
             on_ranks(R.streams, lambda r: R.views[r].all_reduce_tree(xs[r], dtype=getattr(torch, dtype), out=outs[r],
@@ -411,7 +411,7 @@ def test_the_route_binds_a_tree_norm_site_to_the_fused_tree_kernels(world):
     assert all(b.fused is not None for b in bound), [b.note for b in bound]
     names = sorted(bound[0].variants)
     # 64 rows of 4096 publish at most 1 MiB of fp32: every tree launch of the site takes the one-store kernel
-    assert names == ["fused_one_shot", "fused_two_shot", "lamport"], names
+    assert names == ["fused_one_shot", "fused_two_shot", "one_store"], names
     bits = partials(80, v, rows, hidden, dtype, specials=False)
     xs = split(bits, world)
     want = tree_oracle(bits, dtype)

@@ -1,4 +1,4 @@
-"""The one-store all-reduce (csrc/lamport.cu): data and arrival in one store, no barrier. W ranks as W CUDA streams
+"""The one-store all-reduce (csrc/one_store.cu): data and arrival in one store, no barrier. W ranks as W CUDA streams
 of one GPU, bits against the numpy oracle (tests/oracle.py).
 
 What is proven here, and the negative control of each:
@@ -27,16 +27,16 @@ pytestmark = pytest.mark.gpu
 DTYPES = ["float32", "bfloat16", "float16"]
 TRAILING = 40
 CAPACITY = 1 << 20
-# Forced on for every W here: by default ranks sharing one GPU never take it (plan.lamport_max_bytes).
-LAMPORT = 256 << 10
+# Forced on for every W here: by default ranks sharing one GPU never take it (plan.one_store_max_bytes).
+ONE_STORE = 256 << 10
 
 
 def _ranks(world: int, **kw) -> Ranks:
-    return cached_ranks(world, capacity=CAPACITY, timeout_s=20.0, lamport_max_bytes=LAMPORT, **kw)
+    return cached_ranks(world, capacity=CAPACITY, timeout_s=20.0, one_store_max_bytes=ONE_STORE, **kw)
 
 
 def _fresh(world: int, **kw) -> Ranks:
-    return Ranks(recorded_in_process(world, device="cuda:0", capacity_bytes=CAPACITY, lamport_max_bytes=LAMPORT, **kw))
+    return Ranks(recorded_in_process(world, device="cuda:0", capacity_bytes=CAPACITY, one_store_max_bytes=ONE_STORE, **kw))
 
 
 def _zeros(world: int, shape: tuple[int, ...], dtype: str, rng) -> list[np.ndarray]:
@@ -60,7 +60,7 @@ def test_one_store_matches_the_oracle(world, dtype):
     v = R.views[0]
     rng = np.random.default_rng(world * 10 + DTYPES.index(dtype))
     esize = np.dtype(BITS[dtype]).itemsize
-    max_rows = v.lamport_max_bytes // (TRAILING * esize)
+    max_rows = v.one_store_max_bytes // (TRAILING * esize)
     for rows in (1, 2, 3, 7, 61, 257, max_rows - 1, max_rows):
         for kind in ("random", "ill", "zeros"):
             if kind == "zeros":
@@ -73,11 +73,11 @@ def test_one_store_matches_the_oracle(world, dtype):
             if kind == "zeros":
                 assert not np.any(want), "the all-zero payload must fold to +0.0 everywhere"
             v.variants_run.clear()
-            for algo in ("lamport", None):  # forced, and chosen by size (these launches are one-store sized)
+            for algo in ("one_store", None):  # forced, and chosen by size (these launches are one-store sized)
                 for r, got in enumerate(R.run_bits("all_reduce", bits, dtype, algo=algo)):
                     assert np.array_equal(got, want), (
                         f"W={world} {dtype} rows={rows} {kind} algo={algo} rank {r}: {first_mismatch(got, want)}")
-            assert {x for _, _, x in v.variants_run} == {"lamport"}, v.variants_run
+            assert {x for _, _, x in v.variants_run} == {"one_store"}, v.variants_run
 
 
 @pytest.mark.parametrize("world", [3, 4])
@@ -87,7 +87,7 @@ def test_rotated_control_is_caught(world):
     rng = np.random.default_rng(5)
     bits = ill_conditioned(rng, world, (64, TRAILING), "float32")
     want = fold_oracle(bits, "float32")
-    for r, got in enumerate(Rot.run_bits("all_reduce", bits, "float32", algo="lamport")):
+    for r, got in enumerate(Rot.run_bits("all_reduce", bits, "float32", algo="one_store")):
         assert not np.array_equal(got, want), f"rotated one-store rank {r} matched the oracle: the control is blind"
 
 
@@ -98,12 +98,12 @@ def test_unmarked_zeros_would_look_empty():
 
     zeros = [torch.zeros(4, TRAILING, device="cuda:0") for _ in range(2)]
     R = _ranks(2)
-    for r, o in enumerate(R.run("all_reduce", zeros, algo="lamport")):
+    for r, o in enumerate(R.run("all_reduce", zeros, algo="one_store")):
         assert not o.any() and not torch.signbit(o).any(), f"rank {r}: the sum of +0.0 is +0.0"
     for v in R.views:
         v.check()
     Bad = _fresh(2, timeout_s=0.5, build="unmarked")
-    Bad.run("all_reduce", zeros, algo="lamport")
+    Bad.run("all_reduce", zeros, algo="one_store")
     raised = []
     for v in Bad.views:
         try:
@@ -119,9 +119,9 @@ def _sequence(R: Ranks, rng, *, slow: int | None, sleep_cycles: int = 2_000_000,
     sleeps on its stream before each call, so the others run up to a launch ahead. Everything is staged first (in
     one process a device allocation could wait for the spinning kernels of the other ranks)."""
     world, dtype = R.world, "bfloat16"
-    max_rows = R.views[0].lamport_max_bytes // (TRAILING * 2)
+    max_rows = R.views[0].one_store_max_bytes // (TRAILING * 2)
     sizes = [max_rows, 1, max_rows // 3, 2, max_rows - 1, 17, 5, max_rows]
-    algos = ["lamport", "lamport", "lamport", "one_shot", "lamport", "two_shot", "lamport", None]
+    algos = ["one_store", "one_store", "one_store", "one_shot", "one_store", "two_shot", "one_store", None]
     torch.cuda._sleep(1)
     staged = []
     for i in range(n):
@@ -165,7 +165,7 @@ def test_back_to_back_launches_with_a_late_rank(world):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_a_smaller_one_store_grid_keeps_the_bits(world):
-    """lamport_grid=2: every one-store launch (plain and fused, one tier) runs 2 blocks while the barrier launches run the
+    """one_store_grid=2: every one-store launch (plain and fused, one tier) runs 2 blocks while the barrier launches run the
     whole grid. The plain all-reduce gives the oracle's bits for launches that take the 2 blocks several sweeps,
     back to back with barrier launches and a late rank (the blocks' launch counters and busy words keep agreeing);
     the fused one-store kernel, whose blocks then norm several rows each, gives the fused one-shot kernel's bits
@@ -173,9 +173,9 @@ def test_a_smaller_one_store_grid_keeps_the_bits(world):
     streaming widths (plan.fused_norm_layout). The oracle comparison's control is test_rotated_control_is_caught."""
     from detcomm.numerics import norm
 
-    R = _fresh(world, timeout_s=30.0, lamport_grid=2)
+    R = _fresh(world, timeout_s=30.0, one_store_grid=2)
     v = R.views[0]
-    assert [t.blocks for t in v.lamport_tiers] == [2] and v.grid > 2, (v.lamport_tiers, v.grid)
+    assert [t.blocks for t in v.one_store_tiers] == [2] and v.grid > 2, (v.one_store_tiers, v.grid)
     rng = np.random.default_rng(world + 70)
     for slow in (None, world - 1):
         bad = _sequence(R, rng, slow=slow)
@@ -183,17 +183,17 @@ def test_a_smaller_one_store_grid_keeps_the_bits(world):
             w_.check()
         assert bad == [], bad
     for hidden in (4096, 8192, 12288):
-        rows = min(7, v.lamport_max_bytes // (hidden * 2))
+        rows = min(7, v.one_store_max_bytes // (hidden * 2))
         xs = [torch.randn(rows, hidden, device="cuda:0").to(torch.bfloat16) for _ in range(world)]
         res = [torch.randn(rows, hidden, device="cuda:0").to(torch.bfloat16) for _ in range(world)]
         weight = (1.0 + 0.1 * torch.randn(hidden, device="cuda:0")).to(torch.bfloat16)
         eps32 = norm.eps_fp32(1e-6)
         got = {algo: on_ranks(R.streams, lambda r, a=algo: R.views[r].all_reduce_rmsnorm(xs[r], res[r], weight, eps32,
                                                                                           algo=a))
-               for algo in ("lamport", "one_shot")}
+               for algo in ("one_store", "one_shot")}
         for r in range(world):
             for k, name in enumerate(("y", "r")):
-                assert torch.equal(got["lamport"][r][k].view(torch.int16), got["one_shot"][r][k].view(torch.int16)), (
+                assert torch.equal(got["one_store"][r][k].view(torch.int16), got["one_shot"][r][k].view(torch.int16)), (
                     f"W={world} hidden={hidden} rank {r}: {name} of the one-store kernel on 2 blocks differs")
     for w_ in R.views:
         w_.check()
@@ -201,7 +201,7 @@ def test_a_smaller_one_store_grid_keeps_the_bits(world):
 
 
 def _mark(bits: np.ndarray, dtype: str) -> np.ndarray:
-    """What a rank pushes (lamport_common.cuh): its elements padded with +0.0 to whole 16-byte packs, every +0.0
+    """What a rank pushes (one_store_common.cuh): its elements padded with +0.0 to whole 16-byte packs, every +0.0
     rewritten as -0.0 (independent of the kernel's code: plain numpy)."""
     t = BITS[dtype]
     per = 16 // np.dtype(t).itemsize
@@ -214,21 +214,21 @@ def _mark(bits: np.ndarray, dtype: str) -> np.ndarray:
 
 def _emulate_push(owner, src: int, buf: int, bits: np.ndarray, dtype: str, call: int) -> None:
     """Store rank `src`'s one-store push of `bits` (its data and every owning block's call descriptor) into
-    `owner`'s region, buffer `buf`, exactly where rank src's kernel would (plan.LAM_* layout), without running it."""
+    `owner`'s region, buffer `buf`, exactly where rank src's kernel would (plan.ONE_STORE_* layout), without running it."""
     from cupy.cuda import runtime
 
     from detcomm.workspace import plan
 
-    tier = next(t for t in owner.lamport_tiers if bits.nbytes <= t.max_bytes)  # the one the launch will take
+    tier = next(t for t in owner.one_store_tiers if bits.nbytes <= t.max_bytes)  # the one the launch will take
     base = owner._transport.ptrs[owner.rank] + plan.data_offset() + tier.offset
     data = np.ascontiguousarray(_mark(bits, dtype))
-    area = base + plan.LAM_DATA_OFF + (buf * owner.world_size + src) * tier.cap
+    area = base + plan.ONE_STORE_DATA_OFF + (buf * owner.world_size + src) * tier.cap
     runtime.memcpy(area, data.ctypes.data, data.nbytes, runtime.memcpyHostToDevice)
     n = bits.size
-    what = (plan.KIND_LAMPORT << 8) | {"float32": 0, "bfloat16": 1, "float16": 2}[dtype]
+    what = (plan.KIND_ONE_STORE << 8) | {"float32": 0, "bfloat16": 1, "float16": 2}[dtype]
     desc = np.array([what, call, n & 0xFFFFFFFF, (n >> 32) | 0x80000000], dtype=np.uint32)
     for b in range(-(-(data.nbytes // 16) // plan.BLOCK_THREADS)):  # the blocks that own a pack
-        at = base + plan.LAM_DESC_OFF + ((buf * plan.MAX_BLOCKS + b) * plan.MAX_WORLD + src) * 16
+        at = base + plan.ONE_STORE_DESC_OFF + ((buf * plan.MAX_BLOCKS + b) * plan.MAX_WORLD + src) * 16
         runtime.memcpy(at, desc.ctypes.data, 16, runtime.memcpyHostToDevice)
     runtime.deviceSynchronize()
 
@@ -254,12 +254,12 @@ def test_a_peer_one_launch_ahead(variant):
 
     def calls() -> None:
         with torch.cuda.stream(R.streams[1]):
-            q.all_reduce(xs[0][1], out=outs[0][1], algo="lamport")  # completes on the emulated push
-            q.all_reduce(xs[1][1], out=outs[1][1], algo="lamport")  # pushes launch 1, then waits for rank 0
+            q.all_reduce(xs[0][1], out=outs[0][1], algo="one_store")  # completes on the emulated push
+            q.all_reduce(xs[1][1], out=outs[1][1], algo="one_store")  # pushes launch 1, then waits for rank 0
         time.sleep(0.2)  # launch 1's pushes have landed long before rank 0's first kernel starts
         with torch.cuda.stream(R.streams[0]):
-            p.all_reduce(xs[0][0], out=outs[0][0], algo="lamport")
-            p.all_reduce(xs[1][0], out=outs[1][0], algo="lamport")
+            p.all_reduce(xs[0][0], out=outs[0][0], algo="one_store")
+            p.all_reduce(xs[1][0], out=outs[1][0], algo="one_store")
 
     # The control may already refuse a later call (its kernel failed meanwhile).
     _, failed = run_collecting_failures(R.views, calls, default=None)
@@ -289,12 +289,12 @@ def test_graph_replays_alternate_buffers(world):
     shapes = [(33, TRAILING), (2, TRAILING), (1000, TRAILING), (300, TRAILING)]
     statics = [[to_tensor(b, dtype, "cuda:0") for b in random_bits(rng, world, s, dtype)] for s in shapes]
     for st in statics:
-        R.run("all_reduce", st, algo="lamport")  # warm-up
+        R.run("all_reduce", st, algo="one_store")  # warm-up
     graphs, outs = [], []
     for r in range(world):
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, stream=R.streams[r]):
-            outs.append([R.views[r].all_reduce(st[r], algo="lamport") for st in statics])
+            outs.append([R.views[r].all_reduce(st[r], algo="one_store") for st in statics])
         graphs.append(g)
     for it in range(4):
         bits = [ill_conditioned(rng, world, s, dtype) for s in shapes]
