@@ -48,7 +48,8 @@ FUSED = CU.parent / "fused_rmsnorm.cu"
 @pytest.mark.skipif(NVCC is None, reason="nvcc not on PATH")
 @pytest.mark.parametrize("world", [2, 8])
 def test_fused_kernel_ptx_keeps_the_canonical_arithmetic(tmp_path: Path, world: int) -> None:
-    """The fused workspace kernel: the same arithmetic rules as the norm alone, and the workspace's barriers."""
+    """The fused workspace kernels (plain and tree-order): the same arithmetic rules as the norm alone, and the
+    workspace's barriers."""
     out = tmp_path / "fused.ptx"
     flags = [f for f in FLAGS if not f.startswith("-DDETCOMM_W=")] + [f"-DDETCOMM_W={world}"]
     p = subprocess.run([NVCC, *flags, "-ptx", str(FUSED), "-o", str(out)], capture_output=True, text=True)
@@ -61,8 +62,8 @@ def test_fused_kernel_ptx_keeps_the_canonical_arithmetic(tmp_path: Path, world: 
         assert op in ptx, op
     assert "trap;" not in ptx
     names = set(re.findall(r"\.entry (detcomm_\w+)\(", ptx))
-    assert names == {f"detcomm_fused_rmsnorm_{k}{wide}_{a}_w{b}" for k in ("1shot", "2shot") for wide in ("", "_wide")
-                     for a in ("f32", "bf16", "f16") for b in ("f32", "bf16", "f16")}
+    assert names == {f"detcomm_fused_rmsnorm_{k}{wide}_{a}_w{b}" for k in ("1shot", "2shot", "tree_1shot", "tree_2shot")
+                     for wide in ("", "_wide") for a in ("f32", "bf16", "f16") for b in ("f32", "bf16", "f16")}
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not on PATH")
