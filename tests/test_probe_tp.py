@@ -7,31 +7,17 @@ not in the fold layout. CI (.ci/probes.sh) runs the same at W = 1, 2, 4.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from detcomm.envelope import MULTICAST_OFF_ENV
+from subproc import ok, run_module
 
-ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
 SMALL = ["--requests", "4", "--new-tokens", "5", "--max-prompt", "10"]
 
 
-def _run(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
-    env.update(MULTICAST_OFF_ENV)
-    return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
-
-
-def _ok(proc: subprocess.CompletedProcess) -> str:
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    return proc.stdout
 
 
 @pytest.mark.parametrize("flags", [["--virtual-shards", "4"], ["--full-k"], []], ids=["virtual", "full_k", "fold"])
@@ -39,7 +25,7 @@ def test_model_probe_across_widths(flags: list[str], tmp_path: Path) -> None:
     paths = []
     for w in (1, 2):
         p = tmp_path / f"w{w}.json"
-        _ok(_run(["detcomm.launch", "--nproc", str(w), "--numerics", "rl-bitwise", "-m", "detcomm.probe", "model",
+        ok(run_module(["detcomm.launch", "--nproc", str(w), "--numerics", "rl-bitwise", "-m", "detcomm.probe", "model",
                   *SMALL, *flags, "--json", str(p)]))
         paths.append(str(p))
     runs = [json.loads(Path(p).read_text()) for p in paths]
@@ -47,7 +33,7 @@ def test_model_probe_across_widths(flags: list[str], tmp_path: Path) -> None:
                                                "full_k" if flags else "fold") for r in runs)
     assert all(len(req["logprob_bits"]) == 5 for r in runs for req in r["requests"])
     same = runs[0]["requests"] == runs[1]["requests"]
-    proc = _run(["detcomm.probe", "tp-compare", *paths])
+    proc = run_module(["detcomm.probe", "tp-compare", *paths])
     if flags:
         assert same and proc.returncode == 0 and "PASS" in proc.stdout, proc.stdout
     else:  # negative control: the plain layer's sums follow W
@@ -57,12 +43,12 @@ def test_model_probe_across_widths(flags: list[str], tmp_path: Path) -> None:
 def test_align_trainer_matches_server(tmp_path: Path) -> None:
     for layout, flags in (("virtual", ["--virtual-shards", "4"]), ("fold", [])):
         out = tmp_path / f"{layout}.json"
-        _ok(_run(["detcomm.launch", "--nproc", "2", "--numerics", "rl-bitwise", "-m", "detcomm.probe", "align",
+        ok(run_module(["detcomm.launch", "--nproc", "2", "--numerics", "rl-bitwise", "-m", "detcomm.probe", "align",
                   "serve", *SMALL, *flags, "--out", str(out)]))
-        proc = _run(["detcomm.launch", "--nproc", "1", "--numerics", "rl-bitwise", "-m", "detcomm.probe", "align",
+        proc = run_module(["detcomm.launch", "--nproc", "1", "--numerics", "rl-bitwise", "-m", "detcomm.probe", "align",
                      "train", "--server", str(out)])
         if layout == "virtual":
-            assert "PASS: all 20 trainer logprobs" in _ok(proc) and "backend=detcomm" in proc.stdout
+            assert "PASS: all 20 trainer logprobs" in ok(proc) and "backend=detcomm" in proc.stdout
         else:
             assert proc.returncode == 1 and "FAIL" in proc.stdout, proc.stdout
 
@@ -74,7 +60,7 @@ def test_hf_probe_across_widths(flags: list[str], tmp_path: Path) -> None:
     paths = []
     for w in (1, 2):
         p = tmp_path / f"hf{w}.json"
-        _ok(_run(["detcomm.launch", "--nproc", str(w), "--numerics", "rl-bitwise", "-m", "detcomm.probe", "hf",
+        ok(run_module(["detcomm.launch", "--nproc", str(w), "--numerics", "rl-bitwise", "-m", "detcomm.probe", "hf",
                   *SMALL, *flags, "--json", str(p)]))
         paths.append(str(p))
-    assert "PASS" in _ok(_run(["detcomm.probe", "tp-compare", *paths]))
+    assert "PASS" in ok(run_module(["detcomm.probe", "tp-compare", *paths]))

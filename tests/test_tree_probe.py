@@ -9,36 +9,22 @@ bits) are tests/test_tree_fold.py's. CI (.ci/probes.sh) runs the probe at W = 1,
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from detcomm.envelope import MULTICAST_OFF_ENV
+from subproc import ok, run_module
 
-ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
 SMALL = ["--requests", "4", "--new-tokens", "5", "--max-prompt", "10"]
 TREE = ["--virtual-shards", "8", "--shard-fold", "tree"]
 
 
-def _run(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
-    env.update(MULTICAST_OFF_ENV)
-    return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
-
-
-def _ok(proc: subprocess.CompletedProcess) -> str:
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    return proc.stdout
 
 
 def _launch(w: int, *args: str) -> str:
-    return _ok(_run(["detcomm.launch", "--nproc", str(w), "--numerics", "rl-bitwise", "-m", "detcomm.probe", *args]))
+    return ok(run_module(["detcomm.launch", "--nproc", str(w), "--numerics", "rl-bitwise", "-m", "detcomm.probe", *args]))
 
 
 def test_model_probe_tree_across_widths(tmp_path: Path) -> None:
@@ -51,7 +37,7 @@ def test_model_probe_tree_across_widths(tmp_path: Path) -> None:
     assert all(r["passed"] and r["layout"] == "virtual" and r["shard_fold"] == "tree" for r in runs)
     assert [r["routes"]["o_proj"] for r in runs] == ["gather_fold", "gather_fold", "gather_fold", "a2a_fold"]
     assert all(r["requests"] == runs[0]["requests"] for r in runs[1:])
-    out = _ok(_run(["detcomm.probe", "tp-compare", *paths]))
+    out = ok(run_module(["detcomm.probe", "tp-compare", *paths]))
     assert "virtual V=8 tree" in out and "PASS: identical token ids and logprob bits at W = 1, 2, 4, 4" in out
 
 
@@ -64,7 +50,7 @@ def test_align_trainer_matches_tree_servers(tmp_path: Path) -> None:
 
 
 def test_shard_fold_needs_virtual_shards() -> None:
-    proc = _run(["detcomm.launch", "--nproc", "1", "--numerics", "rl-bitwise", "-m", "detcomm.probe", "model",
+    proc = run_module(["detcomm.launch", "--nproc", "1", "--numerics", "rl-bitwise", "-m", "detcomm.probe", "model",
                  *SMALL, "--shard-fold", "tree"])
     assert proc.returncode != 0 and "pass --virtual-shards V too" in proc.stdout + proc.stderr
 
@@ -78,7 +64,7 @@ def test_hf_probe_tree_across_widths(tmp_path: Path) -> None:
         _launch(w, "hf", *SMALL, *TREE, "--json", str(p))
         paths.append(str(p))
     assert json.loads(Path(paths[1]).read_text())["shard_fold"] == "tree"
-    out = _ok(_run(["detcomm.probe", "tp-compare", *paths]))
+    out = ok(run_module(["detcomm.probe", "tp-compare", *paths]))
     assert "virtual V=8 tree" in out and "PASS" in out
 
 
@@ -93,7 +79,7 @@ def test_hf_moe_probe_tree_across_widths(tmp_path: Path) -> None:
                            ("fold1", 1, []), ("fold2", 2, [])):
         paths[name] = str(tmp_path / f"{name}.json")
         _launch(w, "hf", *moe, *SMALL, *extra, "--json", paths[name])
-    out = _ok(_run(["detcomm.probe", "tp-compare", paths["tree1"], paths["tree4"]]))
+    out = ok(run_module(["detcomm.probe", "tp-compare", paths["tree1"], paths["tree4"]]))
     assert "virtual V=8 tree" in out and "PASS: identical token ids and logprob bits at W = 1, 4" in out
-    proc = _run(["detcomm.probe", "tp-compare", paths["fold1"], paths["fold2"], "--expect-divergence"])
+    proc = run_module(["detcomm.probe", "tp-compare", paths["fold1"], paths["fold2"], "--expect-divergence"])
     assert proc.returncode == 0 and "DIFFERENT" in proc.stdout, proc.stdout
