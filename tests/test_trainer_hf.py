@@ -103,14 +103,20 @@ def _init(rank: int, w: int, store: str, backend: str) -> None:
 
 @contextmanager
 def _recorded_all_reduces() -> Iterator[list[dict[str, Any]]]:
-    """Every ``dist.all_reduce`` made inside: the group's ranks, this rank's input bits and the result's bits.
-    The call itself goes to the group unchanged (transformers' row-parallel layers call ``dist.all_reduce``)."""
+    """Every ``dist.all_reduce`` the model makes inside: the group's ranks, this rank's input bits and the
+    result's bits. The call itself goes to the group unchanged (transformers' row-parallel layers call
+    ``dist.all_reduce``). Calls from detcomm's own modules (the backend's communicator: its self-check verdicts,
+    made once at the group's first reduction) go through unrecorded."""
+    import sys
+
     import torch.distributed as dist
 
     calls: list[dict[str, Any]] = []
     real = dist.all_reduce
 
     def spy(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if str(sys._getframe(1).f_globals.get("__name__", "")).startswith("detcomm."):
+            return real(tensor, *args, **kwargs)
         before = to_bits(tensor).copy()  # to_bits shares the tensor's memory, which the call overwrites
         out = real(tensor, *args, **kwargs)
         group = kwargs.get("group", args[1] if len(args) > 1 else None)
