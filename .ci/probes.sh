@@ -2,8 +2,8 @@
 # CI: the collective and model probes at W=4 on CPU (gloo), through detcomm-launch, once under torchrun and
 # once under a real mpiexec (Open MPI from Debian packages + mpi4py from PyPI), each with its negative
 # control (the native route must be caught changing bits / diverging); then TP-size invariance (W = 1, 2, 4 in the
-# virtual-shard layouts, shard order and tree order, and the full-K layout, the fold layout as negative control)
-# and the trainer alignment probe.
+# virtual-shard layout and the full-K layout, the fold layout as negative control) and the trainer alignment
+# probe. The tree order's same runs (W = 1, 2, 4, tp-compare, align) are tests/test_tree_probe.py's.
 #
 #   PYTHON=/path/to/venv/bin/python .ci/probes.sh        # from the repository root
 #
@@ -46,8 +46,8 @@ done
 # sampling-time logprobs bit for bit, and must not in the fold layout.
 TP_DIR="$(mktemp -d)"
 TP_ARGS=(--requests 4 --new-tokens 6 --max-prompt 12)
-for layout in vs tree fk fold; do
-  case "$layout" in vs) FLAGS=(--virtual-shards 8) ;; tree) FLAGS=(--virtual-shards 8 --shard-fold tree) ;;
+for layout in vs fk fold; do
+  case "$layout" in vs) FLAGS=(--virtual-shards 8) ;;
     fk) FLAGS=(--full-k) ;; fold) FLAGS=() ;; esac
   widths=(1 2 4); [ "$layout" = fold ] && widths=(1 4)  # the negative control needs one pair of widths
   for w in "${widths[@]}"; do
@@ -56,17 +56,12 @@ for layout in vs tree fk fold; do
   done
 done
 step "tp-compare, virtual shards V=8, W=1,2,4" "$PYTHON" -m detcomm.probe tp-compare "$TP_DIR"/vs{1,2,4}.json
-step "tp-compare, virtual shards V=8 tree order, W=1,2,4" "$PYTHON" -m detcomm.probe tp-compare "$TP_DIR"/tree{1,2,4}.json
 step "tp-compare, full-K, W=1,2,4" "$PYTHON" -m detcomm.probe tp-compare "$TP_DIR"/fk{1,2,4}.json
 step "tp-compare, fold negative control, W=1,4" "$PYTHON" -m detcomm.probe tp-compare "$TP_DIR"/fold{1,4}.json --expect-divergence
 step "align serve, virtual shards, W=4" "${LAUNCH[@]}" --nproc 4 --numerics rl-bitwise -m detcomm.probe align serve \
   --virtual-shards 8 "${TP_ARGS[@]}" --out "$TP_DIR/serve_vs.json"
 step "align train, virtual shards, W=1" "${LAUNCH[@]}" --nproc 1 --numerics rl-bitwise -m detcomm.probe align train \
   --server "$TP_DIR/serve_vs.json"
-step "align serve, virtual shards tree order, W=4" "${LAUNCH[@]}" --nproc 4 --numerics rl-bitwise -m detcomm.probe \
-  align serve --virtual-shards 8 --shard-fold tree "${TP_ARGS[@]}" --out "$TP_DIR/serve_tree.json"
-step "align train, virtual shards tree order, W=1" "${LAUNCH[@]}" --nproc 1 --numerics rl-bitwise -m detcomm.probe \
-  align train --server "$TP_DIR/serve_tree.json"
 step "align serve, fold, W=4" "${LAUNCH[@]}" --nproc 4 --numerics rl-bitwise -m detcomm.probe align serve \
   "${TP_ARGS[@]}" --out "$TP_DIR/serve_fold.json"
 step "align train, fold negative control, W=1" "${LAUNCH[@]}" --nproc 1 --numerics rl-bitwise -m detcomm.probe align \

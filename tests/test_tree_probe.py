@@ -3,7 +3,7 @@
 gather_fold and with the row-parallel sums forced onto a2a_fold (the HF probe's at W = 1 and 2); a W = 1 trainer reproduces W = 2 and W = 4
 servers' sampling-time logprobs by teacher forcing in that layout. The negative controls of the layouts (the
 plain fold differs across W) are tests/test_probe_tp.py's; the tree's own (the shard-order fold gives other
-bits) are tests/test_tree_fold.py's. CI (.ci/probes.sh) runs the probe at W = 1, 2, 4 too.
+bits) are tests/test_tree_fold.py's. (CI runs these through the README's test command.)
 """
 
 from __future__ import annotations
