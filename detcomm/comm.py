@@ -480,13 +480,19 @@ class Communicator:
     def all_reduce_residual_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, *,
                                     eps: float, site: str | Site) -> tuple[torch.Tensor, torch.Tensor]:
         """s = the site's all-reduce of ``x``; r = round(residual + s); y = RMSNorm(r) in the canonical order
-        (docs/spec.md §9). Returns ``(y, r)``. Arguments are checked before any communication. Collective."""
+        (docs/spec.md §9). Returns ``(y, r)``. Arguments are checked before any communication. Collective.
+
+        On a virtual-shard site ``x`` is this rank's [V/W, rows, *shape] fp32 partial sums, s their virtual
+        all-reduce (§9.1, the tree order where declared so), and ``residual`` the [rows, *shape] rows in the site's
+        dtype (docs/spec.md §9.2 "Tree sites")."""
         self._check_open()
         name = site.name if isinstance(site, Site) else site
-        _norm._check_add(f"site {name!r}: all_reduce_residual_rmsnorm", x, residual, weight)
-        _norm.eps_fp32(eps)
+        if type(name) is str and name not in self._site_calls:
+            # An undeclared site is declared from this call (a self-check is collective): its arguments first.
+            _norm._check_add(f"site {name!r}: all_reduce_residual_rmsnorm", x, residual, weight)
+            _norm.eps_fp32(eps)
         sc = self._resolve(site, Collective.ALL_REDUCE_RMSNORM, x, ReduceOp.SUM)
-        sc.check(x, None)
+        sc.check_norm(x, residual, weight, eps)
         return sc.run_norm(x, residual, weight, eps)
 
     def token_all_gather(self, x: torch.Tensor, site: str | Site, *, rows_per_rank: Sequence[int]) -> torch.Tensor:
@@ -818,6 +824,20 @@ class SiteCall:
         elif self.message is not None:
             self.message.arm(self.calls, -1 if uneven or rows_per_rank is not None else x.shape[self.row_dim],
                              rows_per_rank)
+
+    def check_norm(self, x: object, residual: object, weight: object, eps: float) -> None:
+        """Validate an all_reduce_residual_rmsnorm call before any communication: x as every call of the site
+        (``check``: a virtual-shard site's fp32 partials [V/W, rows, *shape]), the residual as the all-reduced
+        rows ([rows, *shape] in the site's dtype, on this communicator's device), the weight [H] and eps."""
+        what = f"site {self.name!r}: all_reduce_residual_rmsnorm"
+        if not self.virtual:
+            _norm._check_add(what, x, residual, weight)  # type: ignore[arg-type]
+        self.check(x, None)
+        if self.virtual:
+            assert isinstance(x, torch.Tensor)
+            _norm.check_residual(what, residual, weight, dtype=self.dtype, shape=tuple(x.shape[1:]),
+                                 device=self.device)
+        _norm.eps_fp32(eps)
 
     def run_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:

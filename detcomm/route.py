@@ -152,7 +152,9 @@ _CARRIES: Mapping[Route, frozenset[Collective]] = {
 # Virtual-shard sites (docs/spec.md §9.1): the collectives and routes that carry them. gather_fold all-gathers
 # the fp32 partials; a2a_fold exchanges column blocks (all-reduce) or row blocks (reduce-scatter) of them; the
 # native route (outside bitwise envelopes, forced only) sums each rank's pre-folded partials in the library.
-VIRTUAL_SHARD_COLLECTIVES = frozenset({Collective.ALL_REDUCE, Collective.REDUCE_SCATTER})
+# An all_reduce_rmsnorm site's all-reduce may be virtual too (docs/spec.md §9.2 "Tree sites"): the layer boundary
+# of a TP-size-invariant layout, its sum that virtual all-reduce, then the canonical residual add + RMSNorm.
+VIRTUAL_SHARD_COLLECTIVES = frozenset({Collective.ALL_REDUCE, Collective.REDUCE_SCATTER, Collective.ALL_REDUCE_RMSNORM})
 # How a virtual-shard site combines its V partials (docs/spec.md §9.1): the fold in shard order (the default, any W
 # dividing V) or the fixed balanced binary tree ("The tree order": one fp32 partial per rank on the wire).
 SHARD_FOLDS = ("order", "tree")
@@ -247,8 +249,9 @@ class Site:
             raise ValueError(f"site {self.name!r}: virtual_shards must be >= 1, got {v}; choose V a multiple of "
                              "every TP size you will run, e.g. 8")
         if self.collective not in VIRTUAL_SHARD_COLLECTIVES:
-            raise ValueError(f"site {self.name!r}: virtual_shards applies to all_reduce and reduce_scatter sites, "
-                             f"not {self.collective.value}; declare the site without virtual_shards")
+            raise ValueError(f"site {self.name!r}: virtual_shards applies to all_reduce, reduce_scatter and "
+                             f"all_reduce_rmsnorm sites, not {self.collective.value}; declare the site without "
+                             "virtual_shards")
         if not dtypes.is_float(self.dtype):
             raise ValueError(f"site {self.name!r}: virtual_shards folds fp32 partial sums into a float dtype "
                              f"(bfloat16, float16, float32), got {self.dtype}; integer sums are exact in any order, "
@@ -264,9 +267,10 @@ class Site:
         if self.route is not None and self.route not in _VIRTUAL_ROUTES:
             raise ValueError(f"site {self.name!r}: route {self.route.value!r} cannot carry a virtual-shard site"
                              f"; routes that can: {sorted(r.value for r in _VIRTUAL_ROUTES)}")
-        if self.route is Route.IPC_FOLD and self.collective is not Collective.ALL_REDUCE:
-            raise ValueError(f"site {self.name!r}: route 'ipc_fold' folds virtual shards for all_reduce sites only "
-                             "(the workspace has no virtual-shard reduce-scatter); drop route= (a2a_fold carries it)")
+        if self.route is Route.IPC_FOLD and self.collective is Collective.REDUCE_SCATTER:
+            raise ValueError(f"site {self.name!r}: route 'ipc_fold' folds virtual shards for all_reduce and "
+                             "all_reduce_rmsnorm sites only (the workspace has no virtual-shard reduce-scatter); drop "
+                             "route= (a2a_fold carries it)")
 
     @property
     def is_float(self) -> bool:
@@ -515,7 +519,7 @@ class AutoBackend:
     def candidates(self, site: Site) -> list[RouteDecision]:
         sw = self.resolved.switches
         if site.virtual_shards is not None:
-            return self._virtual_candidates(site)
+            return self._with_norm(site, self._virtual_candidates(site))
         if site.route is not None:
             return [self._forced(site)]
         if site.collective in (Collective.ALL_GATHER, Collective.TOKEN_ALL_GATHER):
@@ -553,11 +557,17 @@ class AutoBackend:
                 out.append(RouteDecision(Route.RS_AG_FOLD, f"{self._rs_ag_why(site)} ({no_ws})"))
                 no_rsag = "rs_ag_fold refused"
             out.append(RouteDecision(Route.GATHER_FOLD, f"canonical fold after an all-gather ({no_ws}; {no_rsag})"))
+        return self._with_norm(site, out)
+
+    def _with_norm(self, site: Site, out: list[RouteDecision]) -> list[RouteDecision]:
+        """An all_reduce_rmsnorm site's candidates are its all-reduce's (plain or virtual), each reason completed:
+        the workspace fuses the all-reduce with the residual add + RMSNorm where fusion is allowed (``fusion_refusal``,
+        asked only where ipc_fold is a candidate); every other route runs the site's all-reduce, then the canonical
+        add + RMSNorm (the same bits). Other sites' candidates pass through."""
         if site.collective is not Collective.ALL_REDUCE_RMSNORM:
             return out
-        # The workspace fuses the all-reduce with the residual add + RMSNorm where fusion is allowed; every other
-        # route runs the site's all-reduce, then the canonical add + RMSNorm (the same bits).
-        no_fuse = fusion_refusal(self.resolved, site, world_size=self.caps.world_size) if ws.serves else None
+        no_fuse = (fusion_refusal(self.resolved, site, world_size=self.caps.world_size)
+                   if any(d.route is Route.IPC_FOLD for d in out) else None)
         return [RouteDecision(d.route, d.why + self._norm_clause(d.route, no_fuse)) for d in out]
 
     @staticmethod

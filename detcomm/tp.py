@@ -179,24 +179,38 @@ class RowParallelLinear:
             detcomm.site(f"{self.site}.gather_out", collective="all_gather", dtype=self.dtype,
                          shape=(self.out_features // self.world,), max_rows=self.max_rows)
 
-    def __call__(self, x: torch.Tensor, rows: int) -> torch.Tensor:
-        """``x``: this rank's [T, K/W] input columns in a fixed T-row buffer, the first ``rows`` real.
-        Returns the [rows, N] output in the layer's dtype. Collective."""
+    def _check_input(self, x: torch.Tensor, rows: int) -> None:
         if x.dim() != 2 or x.shape[1] != self.in_features // self.world:
             raise ValueError(f"RowParallelLinear {self.site!r}: input must be [T, {self.in_features // self.world}], "
                              f"got {tuple(x.shape)}")
         if not 1 <= rows <= x.shape[0]:
             raise ValueError(f"RowParallelLinear {self.site!r}: rows must be in 1..{x.shape[0]}, got {rows}")
+
+    def partials(self, x: torch.Tensor, rows: int) -> torch.Tensor:
+        """The local part of the fold or virtual layout, what the layer's sum reduces: the fold layout's partial
+        product [rows, N] in the layer's dtype, or the virtual layout's V/W fp32 shard partials [V/W, rows, N]
+        (slab j is shard r*V/W + j), contiguous. ``x`` and ``rows`` as for ``__call__``; the GEMMs run on all T rows
+        (one shape whatever the row count). A layer boundary passes them to ``detcomm.all_reduce_residual_rmsnorm``
+        at an all_reduce_rmsnorm site declared with this layer's virtual_shards and shard_fold. Local."""
+        self._check_input(x, rows)
         if self.layout == "fold":
-            part = torch.matmul(x, self.weights[0])
-            return detcomm.all_reduce(part[:rows], site=self.site)
-        if self.layout == "virtual":
-            kv = self.in_features // self.virtual_shards
-            xf = x.to(torch.float32)
-            # One [T, K/V] x [K/V, N] fp32 GEMM per shard: the same shape at every W and every row count.
-            partials = torch.stack([torch.matmul(xf[:, j * kv : (j + 1) * kv].contiguous(), w)
-                                    for j, w in enumerate(self.weights)])
-            return detcomm.all_reduce(partials[:, :rows].contiguous(), site=self.site)
+            return torch.matmul(x, self.weights[0])[:rows]
+        if self.layout != "virtual":
+            raise ValueError(f"RowParallelLinear {self.site!r}: layout={self.layout!r} has no partial sums (full-K "
+                             "computes whole output columns)")
+        kv = self.in_features // self.virtual_shards
+        xf = x.to(torch.float32)
+        # One [T, K/V] x [K/V, N] fp32 GEMM per shard: the same shape at every W and every row count.
+        parts = torch.stack([torch.matmul(xf[:, j * kv : (j + 1) * kv].contiguous(), w)
+                             for j, w in enumerate(self.weights)])
+        return parts[:, :rows].contiguous()
+
+    def __call__(self, x: torch.Tensor, rows: int) -> torch.Tensor:
+        """``x``: this rank's [T, K/W] input columns in a fixed T-row buffer, the first ``rows`` real.
+        Returns the [rows, N] output in the layer's dtype. Collective."""
+        self._check_input(x, rows)
+        if self.layout in ("fold", "virtual"):
+            return detcomm.all_reduce(self.partials(x, rows), site=self.site)
         # full_k: the K-wide input (data movement), full-K GEMMs on fixed column blocks, the output columns.
         t = x.shape[0]
         full = torch.zeros(t, self.in_features, dtype=x.dtype, device=x.device)

@@ -6,7 +6,10 @@ the armed rows. The kernels compute the canonical fold bit for bit (the startup 
 group before a site is routed here); the row count only picks one-shot, two-shot or chunking.
 
 A virtual-shard all-reduce site (docs/spec.md §9.1) takes the workspace's virtual kernels (csrc/virtual_fold.cu):
-each rank copies its V/W fp32 slabs into its slot and the fold runs over the V shards in global order.
+each rank copies its V/W fp32 slabs into its slot and the fold runs over the V shards in global order. A tree-order
+all_reduce_rmsnorm site (docs/spec.md §9.2 "Tree sites") takes the fused tree kernels where fusion is allowed; a
+shard-order one binds its virtual all-reduce, and the communicator adds the canonical norm (no fused kernel folds
+the shard order).
 """
 
 from __future__ import annotations
@@ -62,11 +65,17 @@ def _proving(ws: Workspace, run: Fused, label: str) -> Call:
 
 def _proving_tree(ws: Workspace, run: Fused, label: str, dtype: torch.dtype) -> Call:
     """_proving for a tree site's fused variant: x is this rank's [V/W, rows, H] fp32 partials; the composition is
-    Workspace.all_reduce_tree, then detcomm.numerics.norm.add_rms_norm; returns s for the fold's checks."""
+    Workspace.all_reduce_tree, then detcomm.numerics.norm.add_rms_norm; returns s for the fold's checks (the tree's
+    reference, detcomm.selfcheck). The residual is -0.0 on the even elements, where the tree payload places its
+    cancellations and its -0.0 sums (selfcheck._tree_placed): -0.0 + s == s for every s, zeros' signs included, so
+    r there is the fused kernel's own s bit for bit, and a fused kernel that folds the shard order, pairs other
+    shards or drops the root's +0.0 gives another r, whatever the residual beside it."""
 
     def call(x: torch.Tensor, _a: object) -> torch.Tensor:
         hidden = x.shape[-1]
-        residual = x[0].flip(-1).to(dtype).contiguous()  # this rank's own residual, a function of its partials
+        residual = x[0].flip(-1).to(dtype)  # this rank's own residual, a function of its partials
+        residual[..., 0::2] = -0.0
+        residual = residual.contiguous()
         weight = (1 + torch.arange(hidden, device=x.device) % 7 / 8).to(dtype)
         y, r = run(x, residual, weight, _CHECK_EPS)
         s = ws.all_reduce_tree(x, dtype=dtype, label=label)
@@ -135,7 +144,9 @@ class IpcFoldBackend:
             if site.collective is Collective.ALL_REDUCE_RMSNORM:
                 return self._bind_tree_norm(site, bound)
             return bound
-        assert site.collective is Collective.ALL_REDUCE, "routing sends only virtual-shard all-reduce here"
+        # A shard-order all_reduce_rmsnorm site binds its all-reduce alone: no fused kernel folds the shard order
+        # (admission.fused_layout_refusal, the route table's reason), so the communicator runs the composition.
+        assert site.collective in (Collective.ALL_REDUCE, Collective.ALL_REDUCE_RMSNORM), site.collective
         for v in ws.virtual_variants(dtype, site.row_numel, site.max_rows, shards):
             kw: dict[str, object] = {"chunk_rows": 1} if v == "chunked" else {"algo": v}
             forced[v] = lambda x, a, kw=kw: ws.all_reduce_virtual(  # type: ignore[misc]

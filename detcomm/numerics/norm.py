@@ -52,6 +52,7 @@ __all__ = [
     "rms_norm_torch",
     "add_rms_norm",
     "add_rms_norm_torch",
+    "check_residual",
     "FUSED_KERNEL_FEATURES",
     "fusion_refusal",
 ]
@@ -202,6 +203,24 @@ def _check_add(name: str, s: torch.Tensor, residual: torch.Tensor, weight: torch
     if not residual.is_contiguous():
         raise ValueError(f"{name}: residual is not contiguous; pass residual.contiguous()")
     return hidden
+
+
+def check_residual(name: str, residual: object, weight: object, *, dtype: torch.dtype, shape: tuple[int, ...],
+                   device: torch.device) -> int:
+    """The composition's arguments where the caller's x is not the sum s: on a virtual-shard site x is this rank's
+    fp32 partials [V/W, rows, *shape] and s, their all-reduce, is [rows, *shape] of the site's ``dtype``. The
+    residual must be s's dtype, shape (``shape``: rows first) and ``device``; the weight 1-D, its length the rows'
+    last dimension. Returns H. Raises before any communication."""
+    if not isinstance(residual, torch.Tensor):
+        raise TypeError(f"{name}: residual must be a torch.Tensor, got {type(residual).__name__}")
+    if residual.dtype != dtype or tuple(residual.shape) != tuple(shape) or residual.device != device:
+        raise ValueError(f"{name}: residual must be the rows of the all-reduced sum in the site's dtype, "
+                         f"{str(dtype).replace('torch.', '')} {list(shape)} on {device} (x holds this rank's fp32 "
+                         f"partials of those rows), got {str(residual.dtype).replace('torch.', '')} "
+                         f"{list(residual.shape)} on {residual.device}")
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"{name}: weight must be a torch.Tensor, got {type(weight).__name__}")
+    return _check(name, residual, weight)
 
 
 def add_rms_norm_torch(s: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, *,

@@ -51,7 +51,7 @@ __all__ = ["ModelConfig", "TPTransformer", "SITE_NAMES"]
 
 SITE_NAMES = {"o_proj": "o_proj", "down_proj": "down_proj", "argmax": "lm_head.argmax", "gather": "lm_head.gather",
               "embed": "embed.gather"}
-# Under a bitwise envelope each layer boundary of the fold layout is one fused call: the row-parallel
+# Under a bitwise envelope each layer boundary of the fold and tree layouts is one fused call: the row-parallel
 # all-reduce, the residual add and the next RMSNorm (detcomm.all_reduce_residual_rmsnorm, docs/spec.md §9.2).
 FUSED_SITE_NAMES = {"o_proj": "o_proj.add_norm", "down_proj": "down_proj.add_norm"}
 
@@ -193,14 +193,19 @@ class TPTransformer:
             for lin in (L["o"], L["down"]):
                 lin.route = route
                 lin.declare()
-        # The fold layout's boundaries are fused under a bitwise envelope (the norm is then detcomm's canonical
-        # RMSNorm everywhere); a forced route (the negative control) keeps the plain all-reduce + the model's own
-        # norm, and the invariant layouts keep their own row-parallel layers (their sums are not one all-reduce).
-        self.fuse = route is None and not self.invariant and detcomm.get_communicator().resolved.bitwise
+        # Under a bitwise envelope the boundaries are fused (the norm is then detcomm's canonical RMSNorm
+        # everywhere): in the fold layout with no route forced (a forced route is the negative control: the plain
+        # all-reduce + the model's own norm), and in the tree layout whatever route the sums take (a bitwise
+        # envelope only forces canonical routes there, which give the tree's bits; the boundary site takes the same
+        # route, and the workspace folds the tree inside its fused kernels). The shard-order and full-K layouts keep
+        # their own row-parallel layers (no fused kernel folds the shard order; full-K has no sum).
+        tree = self.layout == "virtual" and self.shard_fold == "tree"
+        self.fuse = (route is None and not self.invariant or tree) and detcomm.get_communicator().resolved.bitwise
         if self.fuse:
+            virtual = {"virtual_shards": self.virtual_shards, "shard_fold": "tree", "route": route} if tree else {}
             for name in ("o_proj", "down_proj"):
                 detcomm.site(FUSED_SITE_NAMES[name], collective="all_reduce_rmsnorm", dtype=cfg.dtype,
-                             shape=(cfg.hidden,), max_rows=cfg.t_pad)
+                             shape=(cfg.hidden,), max_rows=cfg.t_pad, **virtual)
         if self.head is not None:
             self.head.declare()
             return
@@ -248,15 +253,16 @@ class TPTransformer:
     def _boundary(self, lin: RowParallelLinear, inp: torch.Tensor, h: torch.Tensor, w: torch.Tensor, name: str,
                   rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A row-parallel projection of ``inp`` and the layer boundary after it: the residual stream h + the
-        projection and its next norm (rows >= ``rows`` are filler). Fused (fold layout, bitwise envelope): the local
-        partial product, then one detcomm.all_reduce_residual_rmsnorm; else the layer's own reduction, the add, the
-        model's norm. Collective."""
+        projection and its next norm (rows >= ``rows`` are filler). Fused (fold or tree layout, bitwise envelope): the
+        layer's local partials (the fold layout's partial product, the tree layout's V/W fp32 shard partials), then
+        one detcomm.all_reduce_residual_rmsnorm; else the layer's own reduction, the add, the model's norm.
+        Collective."""
         h = h.clone()
         if not self.fuse:
             h[:rows] += self._rows(lin, inp, rows)
             return h, self._norm(h, w)
-        part = torch.matmul(inp if self.pad else inp[:rows], lin.weights[0])  # the fold layout's one local GEMM
-        y, r = detcomm.all_reduce_residual_rmsnorm(part[:rows], h[:rows], w, eps=self.cfg.eps,
+        part = lin.partials(inp if self.pad else inp[:rows], rows)
+        y, r = detcomm.all_reduce_residual_rmsnorm(part, h[:rows], w, eps=self.cfg.eps,
                                                    site=FUSED_SITE_NAMES[name])
         h[:rows] = r
         normed = torch.zeros_like(h)  # filler rows stay filler: rows never mix in the fixed-shape GEMMs

@@ -9,11 +9,14 @@ kernels and plan are what they describe:
 - rows: ``max_rows`` within the armed rows; an all-reduce site above them still takes the workspace when one row
   fits one launch (``workspace_bytes``), chunked with the same bits; a reduce-scatter site above them does not;
 - avg: the kernels round to the dtype, and avg needs the fp32 fold;
-- virtual shards: all-reduce sites only, where one row's V/W fp32 slabs fit one launch; a tree-order site
+- virtual shards: all-reduce sites (and all_reduce_rmsnorm sites' all-reduce) only, where one row's V/W fp32 slabs
+  fit one launch; a tree-order site
   (``shard_fold="tree"``) where the tree kernels fold its V over this W (``plan.tree_refusal``) and one fp32 row
   fits one launch (the local subtree is folded before the slot, so V/W does not count);
-- fusion (``all_reduce_rmsnorm``): rows the fused kernels hold in registers (``plan.fused_norm_refusal``); what
-  the numerics allow is ``detcomm.numerics.norm.fusion_refusal``'s part of the rule.
+- fusion (``all_reduce_rmsnorm``): a fused kernel for the site's all-reduce (the plain fold, or the tree order of a
+  virtual-shard site; none for the shard order) and rows the fused kernels hold in registers
+  (``plan.fused_norm_refusal``); what the numerics allow is ``detcomm.numerics.norm.fusion_refusal``'s part of
+  the rule.
 
 docs/performance.md holds the measurements behind the rows and fusion rules. Torch-free: ``detcomm routes``
 decides without importing torch.
@@ -36,6 +39,9 @@ __all__ = ["Admission", "unavailable", "admit", "fused_layout_refusal"]
 # The collectives whose sites above the armed rows stay on the workspace, chunked (by value: the router's enum is a
 # str enum, and this layer sits below the router).
 _CHUNKS_ABOVE_ARMED = frozenset({"all_reduce", "all_reduce_rmsnorm"})
+# The collectives whose virtual-shard sites the workspace folds: all-reduce, and the all-reduce of an
+# all_reduce_rmsnorm site (fused with the norm for the tree order, fused_layout_refusal; else the composition).
+_VIRTUAL_COLLECTIVES = frozenset({"all_reduce", "all_reduce_rmsnorm"})
 
 
 @dataclass(frozen=True)
@@ -59,7 +65,7 @@ def unavailable(caps: Capabilities, resolved: Resolved) -> str | None:
 def admit(site: Site, caps: Capabilities, resolved: Resolved) -> Admission:
     """Whether the workspace serves ``site`` (a floating-point SUM or AVG site of a batch-invariant envelope, or a
     virtual-shard all-reduce site) on a group with ``caps``, and why or why not."""
-    if site.virtual_shards is not None and site.collective.value != "all_reduce":
+    if site.virtual_shards is not None and site.collective.value not in _VIRTUAL_COLLECTIVES:
         return Admission(False, "the workspace kernels fold virtual shards for all-reduce only")
     no = unavailable(caps, resolved)
     if no is not None:
@@ -82,8 +88,13 @@ def admit(site: Site, caps: Capabilities, resolved: Resolved) -> Admission:
 
 
 def fused_layout_refusal(site: Site, world_size: int) -> str | None:
-    """The workspace's part of whether an all_reduce_rmsnorm site fuses: None where the fused kernels hold its rows
-    in registers at ``world_size`` (plan.fused_norm_refusal)."""
+    """The workspace's part of whether an all_reduce_rmsnorm site fuses: None where a fused kernel exists for its
+    all-reduce (the plain fold, or the tree order of a virtual-shard site: csrc/fused_rmsnorm.cu has no shard-order
+    variant) and holds its rows in registers at ``world_size`` (plan.fused_norm_refusal; the tree variants use the
+    same row layouts)."""
+    if site.virtual_shards is not None and site.shard_fold != "tree":
+        return ("no fused kernel folds the shard order, only the plain fold and shard_fold='tree': the workspace's "
+                "virtual all-reduce, then the canonical add + RMSNorm")
     return plan.fused_norm_refusal(site.shape[0], dtypes.name_of(site.dtype), world_size)
 
 
