@@ -1,6 +1,7 @@
 """The tree order end to end (gloo on CPU, through detcomm-launch): the model probe's requests in the layout
-``--virtual-shards 8 --shard-fold tree`` give identical token ids and logprob bits at W = 1, 2 and 4, on
-gather_fold and with the row-parallel sums forced onto a2a_fold (the HF probe's at W = 1 and 2); a W = 1 trainer reproduces W = 2 and W = 4
+``--virtual-shards 8 --shard-fold tree`` (its layer boundaries fused all_reduce_residual_rmsnorm calls on tree
+sites) give identical token ids and logprob bits at W = 1, 2 and 4, on gather_fold and with the row-parallel sums
+forced onto a2a_fold (the HF probe's at W = 1 and 2); a W = 1 trainer reproduces W = 2 and W = 4
 servers' sampling-time logprobs by teacher forcing in that layout. The negative controls of the layouts (the
 plain fold differs across W) are tests/test_probe_tp.py's; the tree's own (the shard-order fold gives other
 bits) are tests/test_tree_fold.py's. (CI runs these through the README's test command.)
@@ -36,6 +37,8 @@ def test_model_probe_tree_across_widths(tmp_path: Path) -> None:
     runs = [json.loads(Path(p).read_text()) for p in paths]
     assert all(r["passed"] and r["layout"] == "virtual" and r["shard_fold"] == "tree" for r in runs)
     assert [r["routes"]["o_proj"] for r in runs] == ["gather_fold", "gather_fold", "gather_fold", "a2a_fold"]
+    # The layer boundaries are fused calls on tree sites (docs/spec.md §9.2 "Tree sites"), on the sums' route.
+    assert [r["routes"]["down_proj.add_norm"] for r in runs] == ["gather_fold"] * 3 + ["a2a_fold"]
     assert all(r["requests"] == runs[0]["requests"] for r in runs[1:])
     out = ok(run_module(["detcomm.probe", "tp-compare", *paths]))
     assert "virtual V=8 tree" in out and "PASS: identical token ids and logprob bits at W = 1, 2, 4, 4" in out
