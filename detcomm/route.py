@@ -268,9 +268,9 @@ class Site:
             raise ValueError(f"site {self.name!r}: route {self.route.value!r} cannot carry a virtual-shard site"
                              f"; routes that can: {sorted(r.value for r in _VIRTUAL_ROUTES)}")
         if self.route is Route.IPC_FOLD and self.collective is Collective.REDUCE_SCATTER:
-            raise ValueError(f"site {self.name!r}: route 'ipc_fold' folds virtual shards for all_reduce and "
-                             "all_reduce_rmsnorm sites only (the workspace has no virtual-shard reduce-scatter); drop "
-                             "route= (a2a_fold carries it)")
+            raise ValueError(f"site {self.name!r}: route 'ipc_fold' folds the virtual shards of all-reduces (of "
+                             "all_reduce sites only, and of all_reduce_rmsnorm sites): the workspace has no "
+                             "virtual-shard reduce-scatter; drop route= (a2a_fold carries it)")
 
     @property
     def is_float(self) -> bool:

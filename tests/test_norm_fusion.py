@@ -264,3 +264,44 @@ def test_sites_the_fused_kernels_would_stream_take_the_composition() -> None:
     assert norm.fusion_refusal(bitwise, _site((16384,))) is None  # what the numerics allow: any row length
     assert "16384 elements exceed the 8192" in plan.fused_norm_refusal(16384, "bfloat16", 2)  # the workspace's rule
     assert plan.fused_norm_refusal(8192, "bfloat16", 2) is None
+
+
+def _tree_site(fold: str = "tree", shape: tuple[int, ...] = (4096,), route: Route | None = None) -> Site:
+    return Site("layer.add_norm", Collective.ALL_REDUCE_RMSNORM, torch.bfloat16, shape, 256, virtual_shards=8,
+                shard_fold=fold, route=route)
+
+
+def test_virtual_norm_sites_route_fused_or_composed() -> None:
+    """docs/spec.md §9.2 "Tree sites": an all_reduce_rmsnorm site with virtual shards routes as its virtual all-reduce
+    does; the tree order takes the workspace's fused tree kernels where fusion is allowed, the shard order the
+    composition (no fused kernel folds it); both routes' reasons say which, from the rule's owners."""
+    bitwise = resolve_numerics("rl-bitwise")
+    for w in (2, 4):
+        caps = Capabilities(backend="nccl", device_type="cuda", world_size=w, workspace=True, workspace_max_rows=2048,
+                            workspace_bytes=32 << 20)
+        auto = AutoBackend(bitwise, caps)
+        d = auto.decide(_tree_site())
+        assert d.route is Route.IPC_FOLD and "tree kernels" in d.why, d
+        assert "fused with the residual add + RMSNorm in one kernel" in d.why, d
+        assert route_fusion_refusal(bitwise, _tree_site(), world_size=w) is None
+        d = auto.decide(_tree_site("order"))
+        assert d.route is Route.IPC_FOLD and "composition: no fused kernel folds the shard order" in d.why, d
+        # Rows the fused kernels would stream take the composition, as for plain sites.
+        d = auto.decide(_tree_site(shape=(65536,)))
+        assert d.route is Route.IPC_FOLD and "composition: rows of 65536 elements exceed" in d.why, d
+        off = AutoBackend(resolve_numerics("rl-bitwise", layer_boundary_norm="unfused"), caps).decide(_tree_site())
+        assert off.route is Route.IPC_FOLD and "composition: fusion off" in off.why, off
+        d = auto.decide(_tree_site(route=Route.A2A_FOLD))
+        assert d.route is Route.A2A_FOLD and d.why.endswith("(composition)"), d
+        assert [c.route for c in auto.candidates(_tree_site())] == [Route.IPC_FOLD, Route.GATHER_FOLD, Route.A2A_FOLD]
+    cpu = AutoBackend(bitwise, Capabilities(backend="gloo", device_type="cpu", world_size=4))
+    for fold in ("tree", "order"):
+        d = cpu.decide(_tree_site(fold))
+        assert d.route is Route.GATHER_FOLD and d.why.endswith("(composition)"), d
+    with pytest.raises(ValueError, match="shard_fold='order' serves every W"):
+        AutoBackend(bitwise, Capabilities(backend="gloo", device_type="cpu", world_size=3)).decide(_tree_site())
+    with pytest.raises(ValueError, match="all_reduce, reduce_scatter and all_reduce_rmsnorm sites, not all_gather"):
+        Site("g", Collective.ALL_GATHER, torch.bfloat16, (8,), 4, virtual_shards=8)
+    with pytest.raises(ValueError, match="all_reduce sites only, and of all_reduce_rmsnorm sites"):
+        Site("rs", Collective.REDUCE_SCATTER, torch.bfloat16, (8,), 4, virtual_shards=8, route=Route.IPC_FOLD)
+    assert _tree_site(route=Route.IPC_FOLD).route is Route.IPC_FOLD

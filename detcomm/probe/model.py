@@ -202,10 +202,11 @@ class TPTransformer:
         tree = self.layout == "virtual" and self.shard_fold == "tree"
         self.fuse = (route is None and not self.invariant or tree) and detcomm.get_communicator().resolved.bitwise
         if self.fuse:
-            virtual = {"virtual_shards": self.virtual_shards, "shard_fold": "tree", "route": route} if tree else {}
             for name in ("o_proj", "down_proj"):
                 detcomm.site(FUSED_SITE_NAMES[name], collective="all_reduce_rmsnorm", dtype=cfg.dtype,
-                             shape=(cfg.hidden,), max_rows=cfg.t_pad, **virtual)
+                             shape=(cfg.hidden,), max_rows=cfg.t_pad, route=route if tree else None,
+                             virtual_shards=self.virtual_shards if tree else None,
+                             shard_fold="tree" if tree else "order")
         if self.head is not None:
             self.head.declare()
             return
