@@ -7,7 +7,10 @@ graphs are replayed together: --warmup replays first, then the median of --iters
 plain = the site-bound plain fold of a bf16 [rows, H] tensor (Workspace.bind_all_reduce, the route's hot path);
 tree = the site-bound tree call on this rank's fp32 [V/W, rows, H] partials (Workspace.bind_all_reduce_tree);
 order = the shard-order virtual-shard kernel on the same partials (Workspace.all_reduce_virtual); fused plain /
-fused tree = the fused all-reduce + residual + RMSNorm on the bf16 rows / on the tree's partials; each on the
+fused tree = the fused all-reduce + residual + RMSNorm on the bf16 rows / on the tree's partials (what a tree-order
+all_reduce_rmsnorm site runs on ipc_fold, docs/spec.md §9.2 "Tree sites"); composed tree = that site's composition,
+the site-bound tree call then detcomm.numerics.norm.add_rms_norm (what the site ran before the fused tree kernels
+served it, and what it runs where fusion is refused: fused tree/composed tree is the fusion's gain); each on the
 default path of ranks sharing a GPU (no one-store kernel: plan.one_store_max_bytes), then the one-store kernels forced
 on a second workspace ("-" where a launch does not fit its areas). The tree/plain columns are the goals' ratios
 (docs/performance.md). --prewarm compiles every W's kernel modules in parallel first (NVRTC into the disk cache),
@@ -71,7 +74,8 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, bf16 rows of {h}, V={v}, graphs of "
           f"{args.calls} calls, {args.warmup} warm-up replays, median of {args.iters}", flush=True)
     head = ("W", "rows", "plain us", "tree us", "order us", "tree/plain", "order/plain", "one-store plain us",
-            "one-store tree us", "one-store tree/plain", "fused plain us", "fused tree us", "fused tree/plain")
+            "one-store tree us", "one-store tree/plain", "fused plain us", "fused tree us", "fused tree/plain",
+            "composed tree us", "fused tree/composed tree")
     table: list[list[object]] = []
     for w in (int(x) for x in args.world.split(",") if x):  # --world "": only --prewarm
         s = v // w
@@ -92,6 +96,7 @@ def main() -> None:
                 "order": lambda r: views[r].all_reduce_virtual(ps[r], dtype=torch.bfloat16, out=outs[r]),
                 "fused_plain": lambda r: views[r].all_reduce_rmsnorm(xs[r], res[r], weight, eps32, label="fp"),
                 "fused_tree": lambda r: views[r].all_reduce_rmsnorm_tree(ps[r], res[r], weight, eps32, label="ft"),
+                "composed_tree": lambda r: norm.add_rms_norm(tree_b[r](ps[r], outs[r]), res[r], weight, eps=1e-6),
             }
             if n * h * 2 <= one_store[0].one_store_max_bytes:
                 fns["plain_one_store"] = lambda r: one_store[r].all_reduce(xs[r], out=outs[r], algo="one_store")
@@ -137,7 +142,8 @@ def main() -> None:
             table.append([w, n, *(f"{times[k]:.2f}" for k in ("plain", "tree", "order")),
                           f"{times['tree'] / times['plain']:.2f}", f"{times['order'] / times['plain']:.2f}", *one_store_cols,
                           f"{times['fused_plain']:.2f}", f"{times['fused_tree']:.2f}",
-                          f"{times['fused_tree'] / times['fused_plain']:.2f}"])
+                          f"{times['fused_tree'] / times['fused_plain']:.2f}", f"{times['composed_tree']:.2f}",
+                          f"{times['fused_tree'] / times['composed_tree']:.2f}"])
             print(f"W={w} rows {n}: tree/plain {times['tree'] / times['plain']:.2f}", flush=True)
         for x in views + one_store:
             x.check()

@@ -7,7 +7,8 @@
 #   kernels   the workspace kernels' GPU tests (one-store, failures and their negative controls)
 #   tests     the in-process and in-place workspace tests and the fused norm tests
 #   core      the CUDA core, fold capture, virtual shards, the trainer backend, robustness, processes per GPU
-#   tree      the tree-order virtual-shard kernels (plain and fused) and the host routes' tree on CUDA
+#   tree      the tree-order virtual-shard kernels (plain and fused; the fused tree norm through the API on processes
+#             sharing one GPU) and the host routes' tree on CUDA
 #   mutants   the failure-guard mutants (tests/mutations.py --gpu-only; MUTANTS=1,1b,... for a subset)
 #   bench     the stream and NCCL benches, gather_fold captured, the fused bench, the host path
 #   soak      the 40 s soak over every route: processes sharing one GPU, and one GPU per rank where >= 2
@@ -67,7 +68,7 @@ has one_store && group one_store "$(lim 220)" tests/gpu/test_workspace_one_store
 has failures && group failures "$(lim 330)" tests/gpu/test_workspace_failures.py
 has inprocess && group inprocess "$(lim 300)" tests/gpu/test_workspace_inprocess.py tests/gpu/test_workspace_in_place.py
 has norm && group norm "$(lim 250)" tests/gpu/test_norm_gpu.py
-has tree && group tree "$(lim 240)" tests/gpu/test_workspace_tree.py tests/test_tree_fold.py
+has tree && group tree "$(lim 400)" tests/gpu/test_workspace_tree.py tests/test_tree_fold.py
 has corecuda && group core "$(lim 260)" tests/gpu/test_core_cuda.py tests/gpu/test_core_workspace.py \
   tests/gpu/test_fold_capture.py tests/gpu/test_workspace_virtual.py tests/gpu/test_dist_backend_gpu.py \
   tests/gpu/test_rs_ag_fold_gpu.py

@@ -432,3 +432,142 @@ def test_the_route_binds_a_tree_norm_site_to_the_fused_tree_kernels(world):
     got = on_ranks(R.streams, lambda r: bound[r].fused(xs[r], res, w, EPS))
     for k, (y, r_) in enumerate(got):
         assert np.array_equal(from_tensor(r_), r_want) and np.array_equal(from_tensor(y), y_want), f"fused rank {k}"
+
+
+# ---- the fused tree norm through the public API (Communicator, detcomm.site), W processes sharing one GPU ----------
+API_V = 8
+API_SITES = {"bfloat16": 4096, "float32": 1000}  # hidden per dtype: a register row of 16-bit and of fp32 elements
+
+
+def job_api_tree_norm(rank: int, w: int) -> dict[str, object]:
+    """A tree-order all_reduce_rmsnorm site per dtype declared on a communicator whose workspace records its code
+    paths: its route and self-check, the fused variants the self-check ran; then every call's (y, r) bits with the
+    fused kernel's record, the composition through the API (the tree all_reduce site, then add_rms_norm), the
+    shard-order site's (the composition: no fused kernel), and a CUDA graph of the fused call replayed with new
+    inputs (tests/gpu/harness.capture_and_replay: the oracle's bits after every replay). Returns what differs."""
+    import torch.distributed as dist
+    from harness import capture_and_replay
+
+    from detcomm.comm import Communicator
+    from detcomm.envelope import resolve_numerics
+    from detcomm.numerics import norm
+    from detcomm.workspace import Workspace, debug
+
+    Workspace.create = debug.workspace_class("canonical", record=True).create  # type: ignore[method-assign]
+    # call_guard="in_message": ipc_fold's guard is the workspace's own call descriptor, so a call does no host work
+    # and can be captured; a gloo group's default separate header is a host collective, which a capture cannot hold.
+    assert dist.group.WORLD is not None
+    comm = Communicator(group=dist.group.WORLD, resolved=resolve_numerics("rl-bitwise"), device="cuda:0",
+                        call_guard="in_message")
+    ws = comm._workspace
+    problems: list[str] = []
+    out: dict[str, object] = {"problems": problems, "armed": comm.caps.workspace_reason}
+    if ws is None:
+        problems.append(f"the workspace did not arm: {comm.caps.workspace_reason}")
+        comm.close()
+        return out
+    k = API_V // w
+    routes: dict[str, tuple[str, str, str]] = {}
+    for dt, hidden in API_SITES.items():
+        dtype = getattr(torch, dt)
+        for fold in ("tree", "order"):
+            comm.site(f"{fold}.{dt}", collective="all_reduce_rmsnorm", dtype=dtype, shape=(hidden,), max_rows=64,
+                      virtual_shards=API_V, shard_fold=fold)
+        comm.site(f"ar.{dt}", collective="all_reduce", dtype=dtype, shape=(hidden,), max_rows=64,
+                  virtual_shards=API_V, shard_fold="tree")
+        need = {("all_reduce_rmsnorm_tree", dt, v) for v in ws.fused_norm_tree_variants(dtype, hidden, 64)}
+        if not need or need - ws.variants_run:
+            problems.append(f"{dt}: the self-checks did not run every fused variant: {sorted(need - ws.variants_run)}")
+    for e in comm.routes().as_dicts():
+        routes[str(e["site"])] = (str(e["route"]), str(e["selfcheck"]), str(e["why"]))
+    out["routes"] = routes
+
+    def inputs(dt: str, seed: int, rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        hidden = API_SITES[dt]
+        bits = partials(seed, API_V, rows, hidden, dt, specials=False)
+        res = round_fp32_bits(partials(seed + 1, 1, rows, hidden, "float32", specials=False)[0], dt)
+        rng = np.random.default_rng([seed, hidden])
+        wt = round_fp32_bits((rng.standard_normal(hidden).astype(np.float32) * 0.5 + 1).view(np.uint32), dt)
+        return bits, res, wt
+
+    def mine(bits: np.ndarray) -> torch.Tensor:
+        return to_tensor(np.ascontiguousarray(bits[rank * k : (rank + 1) * k]), "float32", "cuda:0")
+
+    for dt in API_SITES:
+        for rows in (1, 7, 64):
+            bits, res_b, w_b = inputs(dt, 90 + rows, rows)
+            x, res, wt = mine(bits), to_tensor(res_b, dt, "cuda:0"), to_tensor(w_b, dt, "cuda:0")
+            y_want, r_want = norm_oracle(tree_oracle(bits, dt), res_b, w_b, dt)
+            y_order, r_order = norm_oracle(order_oracle(bits, dt), res_b, w_b, dt)
+            if np.array_equal(y_order, y_want):
+                problems.append(f"{dt} rows={rows}: the payload does not tell the shard order from the tree")
+            ws.variants_run.clear()
+            y, r = comm.all_reduce_residual_rmsnorm(x, res, wt, eps=EPS, site=f"tree.{dt}")
+            torch.cuda.synchronize()
+            ran = set(ws.variants_run)
+            if not any(c == "all_reduce_rmsnorm_tree" and v.startswith("fused_") for c, _, v in ran) or any(
+                    c != "all_reduce_rmsnorm_tree" for c, _, _ in ran):
+                problems.append(f"{dt} rows={rows}: the call did not run the fused tree kernel alone: {sorted(ran)}")
+            yb, rb = from_tensor(y), from_tensor(r)
+            if not (np.array_equal(yb, y_want) and np.array_equal(rb, r_want)):
+                problems.append(f"{dt} rows={rows}: fused (y, r) differ from the oracle: y {first_mismatch(yb, y_want)}"
+                                f", r {first_mismatch(rb, r_want)}")
+            yc, rc = norm.add_rms_norm(comm.all_reduce(x, f"ar.{dt}"), res, wt, eps=EPS)  # type: ignore[arg-type]
+            if not (np.array_equal(from_tensor(yc), yb) and np.array_equal(from_tensor(rc), rb)):
+                problems.append(f"{dt} rows={rows}: fused (y, r) differ from the composition through the API")
+            ws.variants_run.clear()
+            yo, ro = comm.all_reduce_residual_rmsnorm(x, res, wt, eps=EPS, site=f"order.{dt}")
+            torch.cuda.synchronize()
+            if not (np.array_equal(from_tensor(yo), y_order) and np.array_equal(from_tensor(ro), r_order)):
+                problems.append(f"{dt} rows={rows}: the shard-order site differs from the shard-order composition")
+            if any(c == "all_reduce_rmsnorm_tree" for c, _, _ in ws.variants_run):
+                problems.append(f"{dt} rows={rows}: the shard-order site ran a fused tree kernel")
+
+    # CUDA graph: the fused call captured once, replayed after new partials and residual are copied in.
+    dt, rows = "bfloat16", 7
+    static = {}
+
+    def refill(seed: int) -> None:
+        bits, res_b, w_b = inputs(dt, 200 + seed, rows)
+        for name, t in (("x", mine(bits)), ("res", to_tensor(res_b, dt, "cuda:0")), ("w", to_tensor(w_b, dt, "cuda:0"))):
+            if name in static:
+                static[name].copy_(t)
+            else:
+                static[name] = t
+
+    def want(name: str, seed: int) -> np.ndarray:
+        bits, res_b, w_b = inputs(dt, 200 + seed, rows)
+        y_w, r_w = norm_oracle(tree_oracle(bits, dt), res_b, w_b, dt)
+        return y_w if name == "y" else r_w
+
+    refill(0)
+
+    def calls() -> dict[str, torch.Tensor]:
+        y, r = comm.all_reduce_residual_rmsnorm(static["x"], static["res"], static["w"], eps=EPS, site=f"tree.{dt}")
+        return {"y": y, "r": r}
+
+    found, _ = capture_and_replay(calls, refill, want, seeds=(1, 2))
+    problems += [f"graph: {p}" for p in found]
+    comm.close()
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_public_api_fused_tree_norm_processes_sharing_one_gpu(world):
+    """detcomm's call path end to end on the workspace: a tree-order all_reduce_rmsnorm site routes to ipc_fold,
+    fused (the route table says so, every fused variant passed its self-check); each call runs the fused tree kernel
+    alone and gives the oracle's and the composition's (y, r), rows 1 / 7 / 64, bf16 H=4096 and fp32 H=1000; the
+    shard-order site gives the shard-order composition's bits without a fused kernel (the negative control: they
+    differ from the tree's); the fused call captured in a CUDA graph replays the oracle's bits of new inputs."""
+    from detcomm._spawn import LocalCluster
+
+    with LocalCluster(world, backend="gloo", pg_timeout_s=120) as c:
+        res = c.run(job_api_tree_norm, timeout_s=600)
+    for rank, r in enumerate(res):
+        assert r["problems"] == [], (rank, r["armed"], r["problems"])
+        routes = r["routes"]
+        for dt in API_SITES:
+            route, check, why = routes[f"tree.{dt}"]
+            assert route == "ipc_fold" and check == "passed" and "fused with the residual add + RMSNorm" in why, why
+            route, check, why = routes[f"order.{dt}"]
+            assert route == "ipc_fold" and check == "passed" and "no fused kernel folds the shard order" in why, why
