@@ -454,11 +454,12 @@ def job_api_tree_norm(rank: int, w: int) -> dict[str, object]:
     from detcomm.workspace import Workspace, debug
 
     Workspace.create = debug.workspace_class("canonical", record=True).create  # type: ignore[method-assign]
-    # call_guard="in_message": ipc_fold's guard is the workspace's own call descriptor, so a call does no host work
-    # and can be captured; a gloo group's default separate header is a host collective, which a capture cannot hold.
+    # call_guard="none" (as the torch.distributed backend's CUDA communicator): ipc_fold's guard is the workspace's
+    # own call descriptor, compared on device, so a call does no host work and can be captured; a gloo group's
+    # default separate header is a host collective before every call, which a capture cannot hold.
     assert dist.group.WORLD is not None
     comm = Communicator(group=dist.group.WORLD, resolved=resolve_numerics("rl-bitwise"), device="cuda:0",
-                        call_guard="in_message")
+                        call_guard="none")
     ws = comm._workspace
     problems: list[str] = []
     out: dict[str, object] = {"problems": problems, "armed": comm.caps.workspace_reason}
