@@ -5,9 +5,12 @@
     pg = dist.new_group(ranks, backend="detcomm")    # or one group of a larger job
 
 The group is a ``torch.distributed.ProcessGroup`` written in Python (the extension point torch's own
-python-process-group tests use). Underneath it holds a gloo backend for CPU tensors and, where CUDA is
-available, an NCCL backend for CUDA tensors, both on the same store; every call is routed by its tensors'
-device. It carries a group name (``group_name``), so DeviceMesh, DTensor, FSDP2 and torch's functional
+python-process-group tests use). Underneath it holds a gloo backend for CPU tensors and a transport for CUDA
+tensors, both on the same store; every call is routed by its tensors' device. The CUDA transport is chosen at
+the group's first CUDA collective on a device, from static facts (``transport_for``: every rank's host and PCI bus
+id, exchanged on the gloo backend before anything touches NCCL): NCCL where every rank has its own GPU; host
+memory on gloo where two ranks share a GPU (NCCL refuses that) or NCCL is missing, and then no NCCL communicator
+is ever made (``cuda_transport()`` says which; docs/trainers.md, "Ranks sharing one GPU"). It carries a group name (``group_name``), so DeviceMesh, DTensor, FSDP2 and torch's functional
 collectives (``torch.ops._c10d_functional``, which find a group by its name) run on it. What each collective
 does (docs/trainers.md has the user's view, docs/spec.md §1 the definitions):
 
@@ -55,8 +58,9 @@ reduction that triggers it: every rank makes its first reduction in the same ord
 call. Its own traffic (the agreement at init, topology, self-checks, the call guard's header, the routes'
 all-gathers and all-to-alls) is data movement, integer MAX (the self-checks' verdict) and object all-gathers,
 which this group delegates to gloo / NCCL; none is a float reduction, so nothing recurses into the fold. A
-CUDA tensor's communicator passes CUDA tensors to the group as they are (NCCL carries them), not staged
-through host memory.
+CUDA tensor's communicator over NCCL passes CUDA tensors to the group as they are (NCCL carries them); on
+ranks sharing a GPU it is staged (``stage_through_host=True``: its routes' traffic goes to gloo as host copies)
+and its CUDA-IPC workspace serves the float SUM sites it admits on the GPU.
 
 A tensor becomes rows of one site per (collective, op, dtype, number of elements n), named
 ``torch.<collective>.<op>.<dtype>.<n>`` (``row_layout``): up to ``ROW_WIDTH`` elements one row padded with zeros
@@ -81,13 +85,17 @@ made by collectives that synchronize with the host: the first reduction on a dev
 (collective, op, dtype, size), must run eagerly (the usual warm-up); inside a capture they raise
 ``CaptureBeforeWarmup`` at once with that fix. Delegated calls capture as NCCL's own do, and, as with torch's
 own NCCL backend, the group's NCCL communicator for a device is made by the first collective on that device.
+On ranks sharing a GPU only the workspace's calls capture (no host traffic: the separate call header stands
+aside during a capture, and the kernels compare their own per-call descriptor); any call that goes through host
+memory raises ``CaptureThroughHost`` at once, before anything is queued.
 Free captured graphs (and synchronize) before ``destroy_process_group``: with a graph holding NCCL work still
 alive, torch 2.11's own NCCL backend hung in ``destroy_process_group`` on two H200s. ``destroy_process_group``
 releases the group's communicators (``shutdown``).
 
 Why not ``"cpu:gloo,cuda:detcomm"``: torch replaces the whole group by a Python process group as soon as one
 device's backend is one, so the gloo half of that string would be dropped; ``"detcomm"`` serves both devices.
-Tested on torch 2.13 (CPU, gloo) and torch 2.11 with NCCL 2.28 on two H200s; written against the API torch has
+Tested on torch 2.13 (CPU, gloo) and torch 2.11 with NCCL 2.28 on two H200s (W processes sharing one GPU:
+tests/gpu/test_dist_backend_shared_gpu.py); written against the API torch has
 had since 2.4 (``ProcessGroup(rank, size)`` subclasses, ``Backend.register_backend(name, fn, devices=...)``).
 torch's C++ bridge to a Python group calls methods by name, and the names moved between releases
 (``_allgather_base`` / ``all_gather_single``, ``allgather_into_tensor_coalesced`` /
