@@ -1,14 +1,17 @@
 """Trainer stacks on the "detcomm" backend against the library's own backend, one rank per GPU: a short table.
 
     python bench/trainer_stacks_gpu.py                 # W = every visible GPU (NCCL needs one GPU per rank)
+    python bench/trainer_stacks_gpu.py --shared-gpu -w 3   # W processes sharing cuda:0, against gloo
     python bench/trainer_stacks_gpu.py --device cpu -w 3   # the same on CPU against gloo (a smoke run)
 
 For each stack (DDP in bf16 across two bucket caps and with bf16_compress_hook; FSDP2 with bf16 reduce across two
 groupings; a DTensor Colwise/Rowwise block; a plain bf16 all_reduce eager and replayed in a CUDA graph) it reports
 whether the results are bitwise identical across the layouts that should not matter (bucket cap, grouping,
 eager vs graph replay) and the median step time, for "detcomm" and for the library backend ("nccl" / "gloo").
-W ranks sharing one GPU are not run: the backend's CUDA path is NCCL underneath, which refuses that (the
-runtime's workspace route, which needs no NCCL, is not yet behind the backend). Multicast stays off.
+``--shared-gpu``: W processes on one GPU (NCCL refuses that): "detcomm" then carries its CUDA traffic through host
+memory on gloo and folds its SUM sites in the CUDA-IPC workspace; the library row is gloo with CUDA tensors (its
+rows may read "error" where gloo takes no CUDA tensors, or cannot be captured). The processes time-slice the GPU,
+so the times are the shared GPU's, not one rank's. Multicast stays off.
 """
 
 from __future__ import annotations
@@ -130,9 +133,12 @@ def _graph(rank: int, dev: torch.device, pg: dist.ProcessGroup) -> tuple[bool, f
     x = torch.randn(T, H, generator=torch.Generator().manual_seed(rank)).to(dev, torch.bfloat16)
     eager = x.clone()
     dist.all_reduce(eager, group=pg)  # also the warm-up a capture needs
-    if dev.type != "cuda":
-        _, t_ms = _timed(lambda: dist.all_reduce(x.clone(), group=pg), dev)
-        return True, t_ms
+    if dev.type != "cuda" or dist.get_backend(pg) == "gloo":
+        # gloo's CUDA work runs on its own threads with host copies, which a CUDA graph cannot hold (a capture
+        # attempt crashed the process on the H200): eager only, and "identical" compares two eager runs.
+        again = x.clone()
+        _, t_ms = _timed(lambda: dist.all_reduce(again.copy_(x), group=pg), dev)
+        return torch.equal(again, eager), t_ms
     static = x.clone()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
@@ -147,19 +153,19 @@ def _graph(rank: int, dev: torch.device, pg: dist.ProcessGroup) -> tuple[bool, f
     return out == eager.float().cpu().numpy().tobytes(), t_ms
 
 
-def rank_main(rank: int, world: int, device: str, store: str, results: dict) -> None:  # type: ignore[type-arg]
+def rank_main(rank: int, world: int, device: str, store: str, results: dict, shared: bool) -> None:  # type: ignore[type-arg]
     from detcomm.envelope import MULTICAST_OFF_ENV
 
     os.environ.update(MULTICAST_OFF_ENV)
     import detcomm.dist_backend  # noqa: F401 - registers "detcomm"
 
     global H, F, T
-    dev = torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
+    dev = torch.device("cuda", 0 if shared else rank) if device == "cuda" else torch.device("cpu")
     if dev.type == "cpu":  # the smoke run: small enough for 2 cores
         H, F, T = 64, 192, 32
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-    lib = "nccl" if dev.type == "cuda" else "gloo"
+    lib = "nccl" if dev.type == "cuda" and not shared else "gloo"
     dist.init_process_group("detcomm", init_method=f"file://{store}", rank=rank, world_size=world)
     groups = {"detcomm": dist.group.WORLD, lib: dist.new_group(backend=lib)}
     rows = []
@@ -167,7 +173,7 @@ def rank_main(rank: int, world: int, device: str, store: str, results: dict) -> 
         for name, fn, args in (("DDP bf16 (bucket caps)", _ddp, (rank, dev, pg)),
                                ("FSDP2 bf16 reduce (groupings)", _fsdp, (rank, dev, pg, kind)),
                                ("TP Colwise/Rowwise (rerun)", _tp, (rank, dev, pg, kind)),
-                               ("all_reduce bf16 (graph replay = eager)", _graph, (rank, dev, pg))):
+                               ("all_reduce bf16 (graph; gloo: eager x2)", _graph, (rank, dev, pg))):
             try:
                 same, ms = fn(*args)
                 rows.append((name, kind, "yes" if same else "NO", f"{ms:.2f}"))
@@ -175,6 +181,8 @@ def rank_main(rank: int, world: int, device: str, store: str, results: dict) -> 
                 rows.append((name, kind, f"error: {type(e).__name__}: {str(e)[:80]}", "-"))
     if rank == 0:
         results["rows"] = rows
+        if dev.type == "cuda":
+            results["transport"] = groups["detcomm"].cuda_transport(dev)  # type: ignore[union-attr]
     dist.destroy_process_group()
 
 
@@ -182,16 +190,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("-w", "--world-size", type=int, default=None)
+    ap.add_argument("--shared-gpu", action="store_true", help="W processes on cuda:0 (default W = 3), against gloo")
     a = ap.parse_args()
-    w = a.world_size or (torch.cuda.device_count() if a.device == "cuda" else 3)
-    if a.device == "cuda" and not 1 <= w <= torch.cuda.device_count():
+    w = a.world_size or (torch.cuda.device_count() if a.device == "cuda" and not a.shared_gpu else 3)
+    if a.device == "cuda" and not a.shared_gpu and not 1 <= w <= torch.cuda.device_count():
         sys.exit(f"--world-size {w}: NCCL needs one GPU per rank and {torch.cuda.device_count()} are visible")
     store = os.path.join(tempfile.mkdtemp(prefix="detcomm-trainer-bench-"), "store")
     with mp.Manager() as mgr:
         results = mgr.dict()
-        mp.spawn(rank_main, args=(w, a.device, store, results), nprocs=w)
+        mp.spawn(rank_main, args=(w, a.device, store, results, a.shared_gpu), nprocs=w)
         rows = list(results["rows"])
-    print(f"W = {w} on {a.device} (torch {torch.__version__}); identical = bitwise equal across the layouts named")
+        transport = results.get("transport", "-")
+    where = "one GPU, shared" if a.shared_gpu else a.device
+    print(f"W = {w} on {where} (torch {torch.__version__}); identical = bitwise equal across the layouts named")
+    print(f"detcomm's CUDA transport: {transport}")
     print(f"{'stack':40} {'backend':8} {'identical':10} {'median ms':>10}")
     for name, kind, same, ms in rows:
         print(f"{name:40} {kind:8} {same:10} {ms:>10}")

@@ -13,8 +13,9 @@ written). Row = dim 0. See docs/usage.md for the route table, the envelopes and 
 from __future__ import annotations
 
 import importlib
+import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal, overload
 
@@ -151,6 +152,7 @@ __all__ = [
     "DEFAULT_TIMEOUT_S",
 ]
 
+_log = logging.getLogger("detcomm")
 _COMMS: dict[object, Communicator] = {}
 _DEFAULT: Communicator | None = None
 _SAVED: dict[Communicator, _ProcessState] = {}  # what each init changed process-wide, restored by shutdown
@@ -162,8 +164,29 @@ def _group_key(group: dist.ProcessGroup | None) -> object:
     return dist.group.WORLD if group is None else group
 
 
-def _env_rendezvous() -> str:
-    """Fill RANK/WORLD_SIZE/LOCAL_RANK from torchrun's or an MPI launcher's variables; return the backend."""
+def rendezvous_plan(env: Mapping[str, str], gpus: int) -> tuple[str, int | None]:
+    """The backend of the group ``init`` creates from a launcher's environment, and the CUDA device index this rank
+    takes (None: CPU). Local, from static facts: this host's GPU count and its number of ranks.
+
+    - no GPU: gloo on the CPU;
+    - at most one rank per GPU (``LOCAL_WORLD_SIZE <= gpus``): NCCL, rank ``LOCAL_RANK`` on GPU ``LOCAL_RANK``;
+    - more ranks than GPUs on this host: NCCL refuses two ranks on one GPU ("Duplicate GPU detected"), so the group
+      is gloo and rank ``LOCAL_RANK`` keeps its tensors on GPU ``LOCAL_RANK % gpus``: the CUDA-IPC workspace folds
+      on the GPU, and what the workspace does not serve travels through host memory on gloo (the same bits;
+      docs/usage.md "Launching"). Every host must hold the same number of ranks per GPU, or the hosts would pick
+      different backends."""
+    if gpus <= 0:
+        return "gloo", None
+    local_rank = int(env.get("LOCAL_RANK", "0"))
+    local_world = int(env.get("LOCAL_WORLD_SIZE", str(local_rank + 1)))
+    if local_world <= gpus:
+        return "nccl", local_rank
+    return "gloo", local_rank % gpus
+
+
+def _env_rendezvous() -> tuple[str, int | None]:
+    """Fill RANK/WORLD_SIZE/LOCAL_RANK from torchrun's or an MPI launcher's variables; return ``rendezvous_plan``'s
+    backend and device index for this machine."""
     import torch
 
     env = os.environ
@@ -184,7 +207,7 @@ def _env_rendezvous() -> str:
             f"detcomm.init: {', '.join(missing)} not set: the ranks cannot find each other. detcomm-launch and "
             "torchrun set them; under a bare mpiexec export them (rank 0's host and a free port)."
         )
-    return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() > 0 else "gloo"
+    return rendezvous_plan(env, torch.cuda.device_count() if torch.cuda.is_available() else 0)
 
 
 def init(
@@ -265,10 +288,15 @@ def init(
     created = False
     try:
         if group is None and not dist.is_initialized():
-            backend = _env_rendezvous()
+            backend, gpu = _env_rendezvous()
             apply_environment(resolved.numerics, **{k: getattr(resolved.switches, k) for k in resolved.explicit})
-            if backend == "nccl":
-                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            if gpu is not None:
+                torch.cuda.set_device(gpu)
+                if backend == "gloo" and device is None:  # more ranks than GPUs: ranks share a GPU (rendezvous_plan)
+                    device = torch.device("cuda", gpu)
+                    _log.info("detcomm.init: %s ranks on %d GPU(s) of this host: a gloo group with this rank's "
+                              "tensors on %s (NCCL refuses two ranks on one GPU)",
+                              os.environ.get("LOCAL_WORLD_SIZE", "?"), torch.cuda.device_count(), device)
             deadline = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
             try:
                 dist.init_process_group(backend=backend, init_method="env://", timeout=timedelta(seconds=deadline))

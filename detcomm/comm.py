@@ -819,8 +819,12 @@ class SiteCall:
                 comm._verifier.agree(self.name, self.collective, self.op, x, rows_per_rank=rows_per_rank,
                                      uneven=uneven)
         elif self.header is not None:
-            self.header.exchange(self.calls, -1 if uneven or rows_per_rank is not None else x.shape[self.row_dim],
-                                 rows_per_rank)
+            # Inside a CUDA-graph capture no header can be exchanged (host traffic): captured calls carry no guard,
+            # as with the in-message guard (backends/guard.py). This is what lets a gloo-staged CUDA group capture
+            # its ipc_fold calls, whose kernels compare their own per-call descriptor.
+            if not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+                self.header.exchange(self.calls, -1 if uneven or rows_per_rank is not None else x.shape[self.row_dim],
+                                     rows_per_rank)
         elif self.message is not None:
             self.message.arm(self.calls, -1 if uneven or rows_per_rank is not None else x.shape[self.row_dim],
                              rows_per_rank)

@@ -5,9 +5,12 @@
     pg = dist.new_group(ranks, backend="detcomm")    # or one group of a larger job
 
 The group is a ``torch.distributed.ProcessGroup`` written in Python (the extension point torch's own
-python-process-group tests use). Underneath it holds a gloo backend for CPU tensors and, where CUDA is
-available, an NCCL backend for CUDA tensors, both on the same store; every call is routed by its tensors'
-device. It carries a group name (``group_name``), so DeviceMesh, DTensor, FSDP2 and torch's functional
+python-process-group tests use). Underneath it holds a gloo backend for CPU tensors and a transport for CUDA
+tensors, both on the same store; every call is routed by its tensors' device. The CUDA transport is chosen at
+the group's first CUDA collective on a device, from static facts (``transport_for``: every rank's host and PCI bus
+id, exchanged on the gloo backend before anything touches NCCL): NCCL where every rank has its own GPU; host
+memory on gloo where two ranks share a GPU (NCCL refuses that) or NCCL is missing, and then no NCCL communicator
+is ever made (``cuda_transport()`` says which; docs/trainers.md, "Ranks sharing one GPU"). It carries a group name (``group_name``), so DeviceMesh, DTensor, FSDP2 and torch's functional
 collectives (``torch.ops._c10d_functional``, which find a group by its name) run on it. What each collective
 does (docs/trainers.md has the user's view, docs/spec.md §1 the definitions):
 
@@ -55,8 +58,9 @@ reduction that triggers it: every rank makes its first reduction in the same ord
 call. Its own traffic (the agreement at init, topology, self-checks, the call guard's header, the routes'
 all-gathers and all-to-alls) is data movement, integer MAX (the self-checks' verdict) and object all-gathers,
 which this group delegates to gloo / NCCL; none is a float reduction, so nothing recurses into the fold. A
-CUDA tensor's communicator passes CUDA tensors to the group as they are (NCCL carries them), not staged
-through host memory.
+CUDA tensor's communicator over NCCL passes CUDA tensors to the group as they are (NCCL carries them); on
+ranks sharing a GPU it is staged (``stage_through_host=True``: its routes' traffic goes to gloo as host copies)
+and its CUDA-IPC workspace serves the float SUM sites it admits on the GPU.
 
 A tensor becomes rows of one site per (collective, op, dtype, number of elements n), named
 ``torch.<collective>.<op>.<dtype>.<n>`` (``row_layout``): up to ``ROW_WIDTH`` elements one row padded with zeros
@@ -81,13 +85,17 @@ made by collectives that synchronize with the host: the first reduction on a dev
 (collective, op, dtype, size), must run eagerly (the usual warm-up); inside a capture they raise
 ``CaptureBeforeWarmup`` at once with that fix. Delegated calls capture as NCCL's own do, and, as with torch's
 own NCCL backend, the group's NCCL communicator for a device is made by the first collective on that device.
+On ranks sharing a GPU only the workspace's calls capture (no host traffic: the separate call header stands
+aside during a capture, and the kernels compare their own per-call descriptor); any call that goes through host
+memory raises ``CaptureThroughHost`` at once, before anything is queued.
 Free captured graphs (and synchronize) before ``destroy_process_group``: with a graph holding NCCL work still
 alive, torch 2.11's own NCCL backend hung in ``destroy_process_group`` on two H200s. ``destroy_process_group``
 releases the group's communicators (``shutdown``).
 
 Why not ``"cpu:gloo,cuda:detcomm"``: torch replaces the whole group by a Python process group as soon as one
 device's backend is one, so the gloo half of that string would be dropped; ``"detcomm"`` serves both devices.
-Tested on torch 2.13 (CPU, gloo) and torch 2.11 with NCCL 2.28 on two H200s; written against the API torch has
+Tested on torch 2.13 (CPU, gloo) and torch 2.11 with NCCL 2.28 on two H200s (W processes sharing one GPU:
+tests/gpu/test_dist_backend_shared_gpu.py); written against the API torch has
 had since 2.4 (``ProcessGroup(rank, size)`` subclasses, ``Backend.register_backend(name, fn, devices=...)``).
 torch's C++ bridge to a Python group calls methods by name, and the names moved between releases
 (``_allgather_base`` / ``all_gather_single``, ``allgather_into_tensor_coalesced`` /
@@ -98,6 +106,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
@@ -120,10 +129,13 @@ from .dtypes import name_of
 from .envelope import resolve_numerics
 from .errors import DetcommError
 from .numerics.fold import FLOAT_DTYPES, canonical_nan, canonicalize_nan, divide_exactly
+from .route import Route
 from .selfcheck import CheckResult
+from .topology import RankFacts, _local_facts, from_facts
 from .verify import check_from_env
 
-__all__ = ["BACKEND_NAME", "ROW_WIDTH", "CaptureBeforeWarmup", "DetcommProcessGroup", "register", "plan", "row_layout"]
+__all__ = ["BACKEND_NAME", "ROW_WIDTH", "HOST", "NCCL", "CaptureBeforeWarmup", "CaptureThroughHost",
+           "DetcommProcessGroup", "register", "plan", "row_layout", "transport_for"]
 
 BACKEND_NAME = "detcomm"
 _log = logging.getLogger("detcomm.dist_backend")
@@ -148,6 +160,35 @@ def row_layout(numel: int) -> tuple[int, int]:
 
 class CaptureBeforeWarmup(DetcommError):
     """The group's first collective on a CUDA device was issued inside a CUDA graph capture."""
+
+
+class CaptureThroughHost(DetcommError):
+    """A collective whose CUDA traffic goes through host memory (the group's ranks share a GPU, so gloo carries
+    it) was issued inside a CUDA graph capture, which cannot capture a host copy."""
+
+
+# The transports of a group's CUDA tensors (``transport_for``): NCCL, or host memory on the group's gloo backend.
+NCCL, HOST = "nccl", "host"
+
+
+def transport_for(facts: Sequence[RankFacts], *, nccl_available: bool) -> tuple[str, str]:
+    """``(transport, why)`` for a group's CUDA tensors, from every rank's (host, GPU) facts in rank order: ``HOST``
+    (each collective's CUDA tensors copied to host memory, gloo, copied back) where two ranks are on one physical
+    GPU (the same host and PCI bus id: NCCL refuses two ranks on one GPU) or NCCL is not available, else ``NCCL``.
+    Pure: every rank holds the same facts and reaches the same answer."""
+    if not facts:
+        raise ValueError("transport_for: no ranks' facts given")
+    topo = from_facts(list(facts))  # the runtime's topology: distinct GPUs = distinct (host, PCI bus id)
+    if topo.gpus < len(facts):
+        by_gpu: dict[tuple[str, str], list[int]] = {}
+        for r, f in enumerate(facts):
+            by_gpu.setdefault((f.host, f.pci_bus_id), []).append(r)
+        shared = "; ".join(f"ranks {', '.join(map(str, rs))} on GPU {bus} of {host}"
+                           for (host, bus), rs in by_gpu.items() if len(rs) > 1)
+        return HOST, f"ranks share a GPU ({shared}), and NCCL refuses two ranks on one GPU"
+    if not nccl_available:
+        return HOST, "NCCL is not available in this torch build"
+    return NCCL, f"one rank per GPU ({topo.describe()})"
 
 
 # How a reduction is carried out: "fold" (SUM / AVG / PREMUL_SUM on floats), "keys" (float MAX / MIN) or
@@ -269,6 +310,133 @@ def _premultiplied(flat: torch.Tensor, op: Any) -> torch.Tensor:
     return flat.to(wide) * f
 
 
+def _host(t: torch.Tensor, *, copy: bool = True) -> torch.Tensor:
+    """A separate host buffer for ``t`` (its values when ``copy``): a CPU tensor gets its own buffer too, so the
+    write-back below is the same code on either device (and testable on CPU). The device-to-host copy waits for
+    the work queued on ``t``'s stream, which is what orders the collective after the producer."""
+    h = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+    return h.copy_(t) if copy else h
+
+
+class _HostStaged:
+    """A group's CUDA traffic through host memory, for ranks that share a GPU (``transport_for``): every
+    collective copies its CUDA inputs to host buffers, runs on the group's gloo backend, waits, and copies the
+    results back into the caller's tensors on the current stream; it returns a finished work.
+
+    ProcessGroupGloo carries CUDA tensors itself for some collectives and not for others (reduce-scatter and
+    send / recv take CPU tensors only), and where it does it copies through host memory anyway, on its own streams
+    and worker threads. One explicit staging serves every collective the same way, and lets a CUDA graph capture be
+    refused here at once (a capture cannot hold a host copy) instead of failing inside gloo's worker thread."""
+
+    def __init__(self, gloo: Any, why: str) -> None:
+        self._gloo = gloo
+        self._why = why
+
+    def _enter(self, what: str) -> None:
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():  # (a CPU build has no query)
+            raise CaptureThroughHost(_through_host(what, self._why))
+
+    @staticmethod
+    def _back(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Work:
+        for dev, h in pairs:
+            dev.copy_(h)
+        return _FoldWork([d for d, _ in pairs])
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> Work:
+        self._enter("allreduce")
+        pairs = [(t, _host(t)) for t in tensors]
+        self._gloo.allreduce([h for _, h in pairs], opts).wait()
+        return self._back(pairs)
+
+    def reduce(self, tensors: list[torch.Tensor], opts: Any) -> Work:
+        self._enter("reduce")
+        pairs = [(t, _host(t)) for t in tensors]
+        self._gloo.reduce([h for _, h in pairs], opts).wait()
+        return self._back(pairs)
+
+    def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> Work:
+        self._enter("reduce_scatter")
+        out = _host(output, copy=False)
+        self._gloo._reduce_scatter_base(out, _host(input), opts).wait()
+        return self._back([(output, out)])
+
+    def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> Work:
+        self._enter("all_gather")
+        out = _host(output, copy=False)
+        self._gloo._allgather_base(out, _host(input), opts).wait()
+        return self._back([(output, out)])
+
+    def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any) -> Work:
+        self._enter("all_gather")
+        outs = [[(o, _host(o, copy=False)) for o in lst] for lst in outputs]
+        self._gloo.allgather([[h for _, h in lst] for lst in outs], [_host(t) for t in inputs], opts).wait()
+        return self._back([p for lst in outs for p in lst])
+
+    def allgather_coalesced(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any) -> Work:
+        self._enter("all_gather")
+        outs = [[(o, _host(o, copy=False)) for o in lst] for lst in outputs]
+        self._gloo.allgather_coalesced([[h for _, h in lst] for lst in outs], [_host(t) for t in inputs],
+                                       opts).wait()
+        return self._back([p for lst in outs for p in lst])
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Work:
+        self._enter("broadcast")
+        pairs = [(t, _host(t)) for t in tensors]
+        self._gloo.broadcast([h for _, h in pairs], opts).wait()
+        return self._back(pairs)
+
+    def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],
+                      input_split_sizes: list[int], opts: Any) -> Work:
+        self._enter("all_to_all")
+        out = _host(output, copy=False)
+        self._gloo.alltoall_base(out, _host(input), output_split_sizes, input_split_sizes, opts).wait()
+        return self._back([(output, out)])
+
+    def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any) -> Work:
+        self._enter("all_to_all")
+        pairs = [(o, _host(o, copy=False)) for o in outputs]
+        self._gloo.alltoall([h for _, h in pairs], [_host(t) for t in inputs], opts).wait()
+        return self._back(pairs)
+
+    def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any) -> Work:
+        self._enter("gather")
+        outs = [[(o, _host(o, copy=False)) for o in lst] for lst in outputs]  # empty on every rank but the root
+        self._gloo.gather([[h for _, h in lst] for lst in outs], [_host(t) for t in inputs], opts).wait()
+        pairs = [p for lst in outs for p in lst]
+        return self._back(pairs) if pairs else _FoldWork(list(inputs))
+
+    def scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any) -> Work:
+        self._enter("scatter")
+        pairs = [(o, _host(o, copy=False)) for o in outputs]
+        self._gloo.scatter([h for _, h in pairs], [[_host(t) for t in lst] for lst in inputs], opts).wait()
+        return self._back(pairs)
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> Work:
+        self._enter("send")
+        self._gloo.send([_host(t) for t in tensors], dst, tag).wait()
+        return _FoldWork(list(tensors))
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> Work:
+        self._enter("recv")
+        pairs = [(t, _host(t, copy=False)) for t in tensors]
+        self._gloo.recv([h for _, h in pairs], src, tag).wait()
+        return self._back(pairs)
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> Work:
+        self._enter("recv")
+        pairs = [(t, _host(t, copy=False)) for t in tensors]
+        self._gloo.recv_anysource([h for _, h in pairs], tag).wait()
+        return self._back(pairs)
+
+
+def _through_host(what: str, why: str) -> str:
+    return (f"the detcomm process group's {what} is being captured in a CUDA graph, but this group's CUDA traffic "
+            f"goes through host memory on gloo ({why}), and a CUDA graph cannot capture a host copy. Run it "
+            "outside the capture; inside one, only the float all-reduces and reduce-scatters that the CUDA-IPC "
+            "workspace serves (SUM and PREMUL_SUM, also DDP's buckets: pg.routes('cuda') shows them as ipc_fold) "
+            "capture on ranks sharing a GPU")
+
+
 class DetcommProcessGroup(dist.ProcessGroup):
     """The ``"detcomm"`` process group (module docstring). Created by torch through the registered backend;
     every collective method is collective over the group, as torch's are."""
@@ -278,19 +446,18 @@ class DetcommProcessGroup(dist.ProcessGroup):
         self._rank, self._size = rank, size
         self._name = ""
         self._desc = ""
+        self._store, self._timeout = store, timeout
         self._gloo = ProcessGroupGloo(PrefixStore("gloo/", store), rank, size, timeout)
-        self._nccl = None
-        if torch.cuda.is_available() and dist.is_nccl_available():
-            from torch._C._distributed_c10d import ProcessGroupNCCL
-
-            opts = ProcessGroupNCCL.Options()
-            opts._timeout = timeout
-            self._nccl = ProcessGroupNCCL(PrefixStore("nccl/", store), rank, size, opts)
-        # CUDA devices this group has run a collective on outside a capture: NCCL made their communicator then.
-        self._connected: set[torch.device] = set()
-        # detcomm's communicator per device (made by the first reduction there) and the sites declared on them.
+        # Made at the first CUDA collective whose transport is NCCL (``_connect``), never on ranks sharing a GPU.
+        self._nccl: Any = None
+        # Per CUDA device this group has run a collective on outside a capture: what carries its CUDA tensors (NCCL,
+        # or ``_HostStaged`` over gloo) and (transport, why), decided once by ``_connect``.
+        self._cuda: dict[torch.device, Any] = {}
+        self._transports: dict[torch.device, tuple[str, str]] = {}
+        # detcomm's communicator per device (made by the first reduction there), and the sites declared on them with
+        # the route each got (a capture on a host-staged group checks it).
         self._comms: dict[torch.device, Communicator] = {}
-        self._sites: set[tuple[torch.device, str]] = set()
+        self._sites: dict[tuple[torch.device, str], Route] = {}
 
     # -- identity ------------------------------------------------------------------------------------------
     def getBackendName(self) -> str:
@@ -319,21 +486,69 @@ class DetcommProcessGroup(dist.ProcessGroup):
     def _backend(self, t: torch.Tensor) -> Any:
         if not t.is_cuda:
             return self._gloo
-        if self._nccl is None:
-            raise ValueError("a CUDA tensor reached the detcomm process group, but no NCCL backend was created "
-                             "(CUDA was not available when the group was made)")
-        if t.device not in self._connected:
-            if torch.cuda.is_current_stream_capturing():
-                # NCCL makes a device's communicator on its first collective; inside a capture that would hang
-                # or fail deep in NCCL, so refuse here, before anything is queued.
-                raise CaptureBeforeWarmup(
-                    f"the detcomm process group's first collective on {t.device} is being captured in a CUDA "
-                    "graph; NCCL creates the communicator on first use, which a capture forbids. Run one "
-                    "collective on this device eagerly (the usual warm-up) before capturing")
-            for dtype in FLOAT_DTYPES:  # built from host bits once, so the fold never uploads during a capture
-                canonical_nan(dtype, t.device)
-            self._connected.add(t.device)
-        return self._nccl
+        lib = self._cuda.get(t.device)
+        return lib if lib is not None else self._connect(t.device)
+
+    def _connect(self, device: torch.device) -> Any:
+        """The group's first CUDA collective on ``device`` (collective): decide its transport from static facts
+        (``transport_for`` of every rank's host and GPU, exchanged on the group's gloo backend before anything
+        touches NCCL), and make NCCL's backend only where it is the transport."""
+        if torch.cuda.is_current_stream_capturing():
+            # The decision exchanges facts through the host, and NCCL makes a device's communicator on its first
+            # collective; inside a capture either would hang or fail deep in the library, so refuse here, before
+            # anything is queued.
+            raise CaptureBeforeWarmup(
+                f"the detcomm process group's first collective on {device} is being captured in a CUDA graph; "
+                "the group chooses its CUDA transport (and NCCL creates its communicator) on first use, which a "
+                "capture forbids. Run one collective on this device eagerly (the usual warm-up) before capturing")
+        transport, why = transport_for(self._gather_facts(device), nccl_available=dist.is_nccl_available())
+        if transport == NCCL:
+            if self._nccl is None:
+                from torch._C._distributed_c10d import ProcessGroupNCCL  # noqa: PLC0415 - CUDA builds only
+
+                opts = ProcessGroupNCCL.Options()
+                opts._timeout = self._timeout
+                self._nccl = ProcessGroupNCCL(PrefixStore("nccl/", self._store), self._rank, self._size, opts)
+            lib = self._nccl
+        else:
+            lib = _HostStaged(self._gloo, why)
+        _log.info("detcomm process group %r (W=%d, rank %d): CUDA tensors on %s go through %s: %s", self._name,
+                  self._size, self._rank, device, "NCCL" if transport == NCCL else "host memory on gloo", why)
+        for dtype in FLOAT_DTYPES:  # built from host bits once, so the fold never uploads during a capture
+            canonical_nan(dtype, device)
+        self._cuda[device] = lib
+        self._transports[device] = (transport, why)
+        return lib
+
+    def _gather_facts(self, device: torch.device) -> list[RankFacts]:
+        """Every rank's (host, device index, PCI bus id) in rank order: two all-gathers on the gloo backend (the
+        lengths, then the padded text), CPU tensors only, so nothing here reaches NCCL or this group's methods."""
+        f = _local_facts(device)
+        gloo: Any = self._gloo
+        mine = torch.tensor(list(f"{f.host}\n{f.device_index}\n{f.pci_bus_id}".encode()), dtype=torch.uint8)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self._size)]
+        gloo.allgather([sizes], [torch.tensor([mine.numel()], dtype=torch.int64)]).wait()
+        longest = max(int(n) for n in sizes)
+        padded = torch.zeros(longest, dtype=torch.uint8)
+        padded[: mine.numel()] = mine
+        texts = [torch.zeros(longest, dtype=torch.uint8) for _ in range(self._size)]
+        gloo.allgather([texts], [padded]).wait()
+        facts = []
+        for t, n in zip(texts, sizes, strict=True):
+            host, index, bus = bytes(t[: int(n)].tolist()).decode().split("\n")
+            facts.append(RankFacts(host, int(index), bus))
+        return facts
+
+    def cuda_transport(self, device: torch.device | str | int | None = None) -> str:
+        """What carries this group's CUDA tensors on ``device`` (None: the current one): ``"nccl"``, or
+        ``"host"`` (host memory on gloo: the group's ranks share a GPU, or NCCL is not available), with why. Local;
+        raises ValueError before the group's first collective on that device (which decides it)."""
+        dev = self._made_device(torch.device("cuda", device) if isinstance(device, int) else device or "cuda")
+        got = self._transports.get(dev)
+        if got is None:
+            raise ValueError(f"the detcomm process group has run no collective on {dev} yet, so it has not chosen "
+                             "that device's transport (its first collective there does); ask after one")
+        return f"{got[0]}: {got[1]}"
 
     # -- the reductions: detcomm's communicator over this group ------------------------------------------------
     def _communicator(self, device: torch.device) -> Communicator:
@@ -343,12 +558,21 @@ class DetcommProcessGroup(dist.ProcessGroup):
         comm = self._comms.get(device)
         if comm is not None:
             return comm
+        staged = False
         if device.type == "cuda":
-            self._backend(torch.empty(0, device=device))  # refuses a capture before NCCL is connected
-        # CUDA: no per-call guard (the in-message guard's host read per call would serialize DDP's and FSDP's
-        # overlap of collectives with compute); DETCOMM_CHECK=1 turns the call checker on instead.
+            self._backend(torch.empty(0, device=device))  # refuses a capture before the transport is chosen
+            staged = self._transports[device][0] == HOST
+        # The call guard, from static facts. CPU: the runtime's (a separate header). CUDA over NCCL: none (the
+        # in-message guard's host read per call would serialize DDP's and FSDP's overlap of collectives with
+        # compute); DETCOMM_CHECK=1 turns the call checker on instead. CUDA through host memory (ranks sharing a
+        # GPU): the runtime's choice for staged groups, the separate header, because there the host already waits
+        # for every host-staged route's copies, so proving the call before its data moves costs one small gloo
+        # all-gather and serializes nothing that was overlapping. ipc_fold, which needs no host, also compares a
+        # per-call descriptor in its kernels; inside a CUDA-graph capture the header stands aside (comm.py) and
+        # that descriptor is the captured calls' guard.
         comm = Communicator(group=self, resolved=_ENVELOPE, device=device, check=check_from_env(None),
-                            stage_through_host=False, call_guard="none" if device.type == "cuda" else None)
+                            stage_through_host=staged,
+                            call_guard="none" if device.type == "cuda" and not staged else None)
         self._comms[device] = comm
         return comm
 
@@ -363,16 +587,22 @@ class DetcommProcessGroup(dist.ProcessGroup):
         rows, width = row_layout(n)
         coll = "reduce_scatter" if scatter else "all_reduce"
         name = f"torch.{coll}.{op}.{name_of(flat.dtype)}.{n}"
-        if (flat.device, name) not in self._sites:
+        route = self._sites.get((flat.device, name))
+        if route is None:
             if flat.is_cuda and torch.cuda.is_current_stream_capturing():
                 raise CaptureBeforeWarmup(
                     f"the detcomm process group's first {coll} {op} of {n} {name_of(flat.dtype)} elements on "
                     f"{flat.device} is being captured in a CUDA graph; its site is declared (and self-checked) at "
                     "its first call, which a capture forbids. Run one call of this size eagerly (the usual "
                     "warm-up) before capturing")
-            comm.site(name, collective=coll, dtype=flat.dtype, shape=(width,), max_rows=rows * (w if scatter else 1),
-                      op=op)
-            self._sites.add((flat.device, name))
+            site = comm.site(name, collective=coll, dtype=flat.dtype, shape=(width,),
+                             max_rows=rows * (w if scatter else 1), op=op)
+            route = self._sites[(flat.device, name)] = comm.auto.table([site]).entries[0].decision.route
+        if (route is not Route.IPC_FOLD and flat.is_cuda and self._transports[flat.device][0] == HOST
+                and torch.cuda.is_current_stream_capturing()):
+            # Every route but the workspace's goes through host memory here: refuse before anything is queued.
+            raise CaptureThroughHost(_through_host(f"{coll} {op} of {n} {name_of(flat.dtype)} elements (route "
+                                                   f"{route.value})", self._transports[flat.device][1]))
         pad = rows * width - n
         if scatter:
             x = flat.view(w, n)
@@ -425,18 +655,28 @@ class DetcommProcessGroup(dist.ProcessGroup):
     def routes(self, device: torch.device | str = "cpu") -> RouteTable:
         """The route table of this group's communicator for ``device``'s tensors: one site per (collective, op,
         dtype, size) the group has reduced, its route, why, and its self-check (local). Raises ValueError before
-        the group's first float reduction on that device (the communicator is made by it)."""
-        return self._made(device).routes()
+        the group's first float reduction on that device (the communicator is made by it). A CUDA device's table
+        also names the transport of its CUDA tensors (``cuda_transport``)."""
+        table = self._made(device).routes()
+        got = self._transports.get(self._made_device(device))
+        if got is None:
+            return table
+        return replace(table, note=f"{table.note}\nCUDA transport: {got[0]} ({got[1]})".lstrip("\n"))
 
     def checks(self, device: torch.device | str = "cpu") -> list[CheckResult]:
         """Every self-check this group's communicator for ``device`` has run, in order (local; ValueError as for
         ``routes``)."""
         return self._made(device).checks()
 
-    def _made(self, device: torch.device | str) -> Communicator:
+    @staticmethod
+    def _made_device(device: torch.device | str) -> torch.device:
         dev = torch.device(device)
         if dev.type == "cuda" and dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
+        return dev
+
+    def _made(self, device: torch.device | str) -> Communicator:
+        dev = self._made_device(device)
         comm = self._comms.get(dev)
         if comm is None:
             raise ValueError(f"the detcomm process group has reduced no float tensor on {dev} yet, so it has no "

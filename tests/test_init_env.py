@@ -69,3 +69,18 @@ def test_init_without_any_environment_says_how_to_launch(tmp_path: Path) -> None
     proc = subprocess.run([sys.executable, JOB], capture_output=True, text=True, env=_clean_env(tmp_path), timeout=120)
     assert proc.returncode != 0
     assert "detcomm-launch --nproc N" in proc.stderr and "torchrun" in proc.stderr
+
+
+@pytest.mark.parametrize(("env", "gpus", "plan"), [
+    ({"LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "4"}, 0, ("gloo", None)),  # CPU machine
+    ({"LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "4"}, 8, ("nccl", 2)),  # a GPU per rank
+    ({"LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "4"}, 4, ("nccl", 3)),
+    ({"LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "4"}, 1, ("gloo", 0)),  # four ranks share one GPU: NCCL refuses that
+    ({"LOCAL_RANK": "5", "LOCAL_WORLD_SIZE": "8"}, 2, ("gloo", 1)),  # round-robin over the GPUs
+    ({"LOCAL_RANK": "0"}, 1, ("nccl", 0)),  # no LOCAL_WORLD_SIZE: this rank alone is known
+])
+def test_rendezvous_plan_shares_gpus_over_gloo_when_ranks_outnumber_them(env: dict[str, str], gpus: int,
+                                                                         plan: tuple[str, int | None]) -> None:
+    from detcomm import rendezvous_plan
+
+    assert rendezvous_plan(env, gpus) == plan

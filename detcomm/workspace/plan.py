@@ -515,12 +515,19 @@ def tree_one_store_rows(row_numel: int, dtype: str, one_store_max: int) -> int:
 
 
 def tree_algo(n_elems: int, dtype: str, *, one_store_max: int, one_shot_max_bytes: int) -> str:
-    """The kernel a tree launch of n output elements takes: the one-store kernel up to one_store_max published bytes
-    (tree_launch_bytes), one-shot up to one_shot_max_bytes, two-shot above. Every choice gives the same bits."""
-    nbytes = tree_launch_bytes(n_elems, dtype)
-    if nbytes <= one_store_max:
+    """The kernel a tree launch of n output elements takes: the one-store kernel up to one_store_max published fp32
+    bytes (tree_launch_bytes: what the one-store area holds); otherwise the kernel the plain fold takes for the same
+    output, one-shot while n * elem_size(dtype) <= one_shot_max_bytes, two-shot above. Every choice gives the same
+    bits.
+
+    Why the output's bytes and not the fp32 bytes published: with the fp32 bytes, a bf16 site switched to two-shot at
+    half the rows the plain fold does, where one-shot was still the faster. Measured on one H200 (W ranks as
+    streams, CUDA graphs, rows of 4096, V = 8; scratch sweep of 2026-12-02, docs/performance.md): 64 rows (1 MiB of
+    fp32) one-shot / two-shot 9.30 / 12.86 us at W = 2 and 15.13 / 16.81 at W = 4; 128 rows (1 MiB of bf16
+    output, two-shot under this rule) 24.13 / 22.16 us at W = 4."""
+    if tree_launch_bytes(n_elems, dtype) <= one_store_max:
         return "one_store"
-    return "one_shot" if nbytes <= one_shot_max_bytes else "two_shot"
+    return "one_shot" if n_elems * elem_size(dtype) <= one_shot_max_bytes else "two_shot"
 
 
 def tree_variants(*, row_numel: int, max_rows: int, world_size: int, dtype: str, capacity_bytes: int, grid: int,
@@ -543,14 +550,12 @@ def tree_variants(*, row_numel: int, max_rows: int, world_size: int, dtype: str,
 def _tree_breakpoints(row_numel: int, dtype: str, top: int, one_store_max: int, one_shot_max_bytes: int) -> set[int]:
     """Row counts 1..top that cover every kernel tree_algo picks: 1, top, and the first count above each limit."""
     ks = {1, top}
-    for limit in (one_store_max, one_shot_max_bytes):
-        if limit < 0:
-            continue
-        units = (min(limit, 1 << 62) // F32_BYTES) // pack_elems(dtype)
-        k = units * pack_elems(dtype) // row_numel + 1  # the fewest rows whose launch bytes exceed the limit
-        if k <= top:
-            ks.add(k)
-    return ks
+    if one_store_max >= 0:  # the published fp32 bytes, in whole units
+        units = (min(one_store_max, 1 << 62) // F32_BYTES) // pack_elems(dtype)
+        ks.add(units * pack_elems(dtype) // row_numel + 1)
+    if one_shot_max_bytes >= 0:  # the output's bytes
+        ks.add(min(one_shot_max_bytes, 1 << 62) // (row_numel * elem_size(dtype)) + 1)
+    return {k for k in ks if k <= top}
 
 
 def tree_kernel(algo: str, dtype: str) -> str:
