@@ -434,52 +434,49 @@ def test_the_route_binds_a_tree_norm_site_to_the_fused_tree_kernels(world):
         assert np.array_equal(from_tensor(r_), r_want) and np.array_equal(from_tensor(y), y_want), f"fused rank {k}"
 
 
-# ---- the fused tree norm through the public API (Communicator, detcomm.site), W processes sharing one GPU ----------
+# ---- the fused tree norm through the public API (detcomm.init / site / all_reduce_residual_rmsnorm), W processes
+# sharing one GPU over gloo ----------------------------------------------------------------------------------------
 API_V = 8
 API_SITES = {"bfloat16": 4096, "float32": 1000}  # hidden per dtype: a register row of 16-bit and of fp32 elements
 
 
 def job_api_tree_norm(rank: int, w: int) -> dict[str, object]:
-    """A tree-order all_reduce_rmsnorm site per dtype declared on a communicator whose workspace records its code
-    paths: its route and self-check, the fused variants the self-check ran; then every call's (y, r) bits with the
-    fused kernel's record, the composition through the API (the tree all_reduce site, then add_rms_norm), the
-    shard-order site's (the composition: no fused kernel), and a CUDA graph of the fused call replayed with new
-    inputs (tests/gpu/harness.capture_and_replay: the oracle's bits after every replay). Returns what differs."""
-    import torch.distributed as dist
+    """Through the public API (detcomm.init, detcomm.site, detcomm.all_reduce_residual_rmsnorm): a tree-order
+    all_reduce_rmsnorm site per dtype, on a communicator whose workspace records its code paths: its route and
+    self-check, the fused variants the self-check ran; then every call's (y, r) bits with the fused kernel's record,
+    the composition through the API (the tree all_reduce site, then add_rms_norm), the shard-order site's (the
+    composition: no fused kernel), and a CUDA graph of the fused call replayed with new inputs
+    (tests/gpu/harness.capture_and_replay: the oracle's bits after every replay). Returns what differs."""
     from harness import capture_and_replay
 
-    from detcomm.comm import Communicator
-    from detcomm.envelope import resolve_numerics
+    import detcomm
     from detcomm.numerics import norm
     from detcomm.workspace import Workspace, debug
 
     Workspace.create = debug.workspace_class("canonical", record=True).create  # type: ignore[method-assign]
-    # call_guard="none" (as the torch.distributed backend's CUDA communicator): ipc_fold's guard is the workspace's
-    # own call descriptor, compared on device, so a call does no host work and can be captured; a gloo group's
-    # default separate header is a host collective before every call, which a capture cannot hold.
-    assert dist.group.WORLD is not None
-    comm = Communicator(group=dist.group.WORLD, resolved=resolve_numerics("rl-bitwise"), device="cuda:0",
-                        call_guard="none")
+    # A gloo group staging CUDA tensors: eager calls exchange the call guard's separate header; a captured call
+    # carries none (SiteCall._prove), and ipc_fold's kernels compare their own per-call descriptor.
+    comm = detcomm.init(numerics="rl-bitwise", device="cuda:0")
     ws = comm._workspace
     problems: list[str] = []
     out: dict[str, object] = {"problems": problems, "armed": comm.caps.workspace_reason}
     if ws is None:
         problems.append(f"the workspace did not arm: {comm.caps.workspace_reason}")
-        comm.close()
+        detcomm.shutdown()
         return out
     k = API_V // w
     routes: dict[str, tuple[str, str, str]] = {}
     for dt, hidden in API_SITES.items():
         dtype = getattr(torch, dt)
         for fold in ("tree", "order"):
-            comm.site(f"{fold}.{dt}", collective="all_reduce_rmsnorm", dtype=dtype, shape=(hidden,), max_rows=64,
-                      virtual_shards=API_V, shard_fold=fold)
-        comm.site(f"ar.{dt}", collective="all_reduce", dtype=dtype, shape=(hidden,), max_rows=64,
-                  virtual_shards=API_V, shard_fold="tree")
+            detcomm.site(f"{fold}.{dt}", collective="all_reduce_rmsnorm", dtype=dtype, shape=(hidden,),
+                         max_rows=64, virtual_shards=API_V, shard_fold=fold)
+        detcomm.site(f"ar.{dt}", collective="all_reduce", dtype=dtype, shape=(hidden,), max_rows=64,
+                     virtual_shards=API_V, shard_fold="tree")
         need = {("all_reduce_rmsnorm_tree", dt, v) for v in ws.fused_norm_tree_variants(dtype, hidden, 64)}
         if not need or need - ws.variants_run:
             problems.append(f"{dt}: the self-checks did not run every fused variant: {sorted(need - ws.variants_run)}")
-    for e in comm.routes().as_dicts():
+    for e in detcomm.routes().as_dicts():
         routes[str(e["site"])] = (str(e["route"]), str(e["selfcheck"]), str(e["why"]))
     out["routes"] = routes
 
@@ -503,7 +500,7 @@ def job_api_tree_norm(rank: int, w: int) -> dict[str, object]:
             if np.array_equal(y_order, y_want):
                 problems.append(f"{dt} rows={rows}: the payload does not tell the shard order from the tree")
             ws.variants_run.clear()
-            y, r = comm.all_reduce_residual_rmsnorm(x, res, wt, eps=EPS, site=f"tree.{dt}")
+            y, r = detcomm.all_reduce_residual_rmsnorm(x, res, wt, eps=EPS, site=f"tree.{dt}")
             torch.cuda.synchronize()
             ran = set(ws.variants_run)
             if not any(c == "all_reduce_rmsnorm_tree" and v.startswith("fused_") for c, _, v in ran) or any(
@@ -513,11 +510,11 @@ def job_api_tree_norm(rank: int, w: int) -> dict[str, object]:
             if not (np.array_equal(yb, y_want) and np.array_equal(rb, r_want)):
                 problems.append(f"{dt} rows={rows}: fused (y, r) differ from the oracle: y {first_mismatch(yb, y_want)}"
                                 f", r {first_mismatch(rb, r_want)}")
-            yc, rc = norm.add_rms_norm(comm.all_reduce(x, f"ar.{dt}"), res, wt, eps=EPS)  # type: ignore[arg-type]
+            yc, rc = norm.add_rms_norm(detcomm.all_reduce(x, f"ar.{dt}"), res, wt, eps=EPS)
             if not (np.array_equal(from_tensor(yc), yb) and np.array_equal(from_tensor(rc), rb)):
                 problems.append(f"{dt} rows={rows}: fused (y, r) differ from the composition through the API")
             ws.variants_run.clear()
-            yo, ro = comm.all_reduce_residual_rmsnorm(x, res, wt, eps=EPS, site=f"order.{dt}")
+            yo, ro = detcomm.all_reduce_residual_rmsnorm(x, res, wt, eps=EPS, site=f"order.{dt}")
             torch.cuda.synchronize()
             if not (np.array_equal(from_tensor(yo), y_order) and np.array_equal(from_tensor(ro), r_order)):
                 problems.append(f"{dt} rows={rows}: the shard-order site differs from the shard-order composition")
@@ -544,12 +541,13 @@ def job_api_tree_norm(rank: int, w: int) -> dict[str, object]:
     refill(0)
 
     def calls() -> dict[str, torch.Tensor]:
-        y, r = comm.all_reduce_residual_rmsnorm(static["x"], static["res"], static["w"], eps=EPS, site=f"tree.{dt}")
+        y, r = detcomm.all_reduce_residual_rmsnorm(static["x"], static["res"], static["w"], eps=EPS,
+                                                   site=f"tree.{dt}")
         return {"y": y, "r": r}
 
     found, _ = capture_and_replay(calls, refill, want, seeds=(1, 2))
     problems += [f"graph: {p}" for p in found]
-    comm.close()
+    detcomm.shutdown()
     return out
 
 
