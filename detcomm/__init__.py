@@ -422,7 +422,8 @@ def site(
     returns the existing site; different properties raise ValueError. Collective when it runs a new
     self-check: declare sites in the same order on every rank.
 
-    ``virtual_shards=V`` (all_reduce or reduce_scatter, op "sum", a float ``dtype``; docs/spec.md §9.1): the
+    ``virtual_shards=V`` (all_reduce, reduce_scatter or all_reduce_rmsnorm, op "sum", a float ``dtype``; docs/spec.md
+    §9.1): the
     reduction dimension is split into V fixed shards and every call passes this rank's V/W fp32 partial sums,
     ``[V/W, rows, *shape]`` (slab j is shard r*V/W + j); the result, in ``dtype``, is the canonical fold over
     shards 0..V-1, rounded once: the same bits at every W dividing V, W = 1 included. V must be divisible by
@@ -504,7 +505,11 @@ def argmax(logits_shard: torch.Tensor, site: str | Site, *, vocab_start: int) ->
 def all_reduce_residual_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, *, eps: float,
                                 site: str | Site) -> tuple[torch.Tensor, torch.Tensor]:
     """The site's all-reduce of ``x``, then r = round(residual + s) and y = the canonical RMSNorm of r; returns
-    ``(y, r)``, batch-invariant on every canonical route (docs/spec.md §9). Collective."""
+    ``(y, r)``, batch-invariant on every canonical route (docs/spec.md §9). Collective.
+
+    On a site declared with ``virtual_shards=V`` (the layer boundary of a TP-size-invariant layout), ``x`` is this
+    rank's fp32 partials ``[V/W, rows, H]`` and ``residual`` the ``[rows, H]`` rows in the site's dtype; with
+    ``shard_fold="tree"`` the workspace folds the tree inside its fused kernels (docs/spec.md §9.2 "Tree sites")."""
     return _comm_for(site).all_reduce_residual_rmsnorm(x, residual, weight, eps=eps, site=site)
 
 

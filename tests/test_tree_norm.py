@@ -5,7 +5,7 @@ The same V = 8 global fp32 partials are split over the ranks (rank r passes shar
 [V/W, rows, H]); every (y, r) is compared bit for bit with a numpy oracle computed in the test process from inputs
 that never went through a collective: test_tree_fold's tree oracle (the definition, recursion for recursion) for
 s, then tests/norm_oracle.py's residual add and RMSNorm. Routes: gather_fold (the CPU's choice) and a2a_fold
-(forced), rows alone, in batches and at offsets, bf16 / fp16 / fp32; the bits are identical at W = 1, 2, 4 and equal
+(forced; bf16 and fp16), rows alone, in batches and at offsets, bf16 / fp16 / fp32; the bits are identical at W = 1, 2, 4 and equal
 the composition through the API (the tree site's all-reduce, then the canonical add + RMSNorm). Negative controls:
 the payload's placed cancellations make the shard-order fold give other (y, r) (the oracle of that composition, and
 a shard-order all_reduce_rmsnorm site, which detcomm serves as that composition); the fused tree variants'
@@ -38,6 +38,7 @@ SEED = 20261229
 # Row subsets a call carries: alone, in batches, at offsets (the last row holds a NaN partial).
 BATCHES = ((0,), (4,), (2, 5), (5, 0, 3), tuple(range(ROWS)))
 FULL = BATCHES[-1]
+A2A_DTYPES = ("bfloat16", "float16")  # the forced a2a_fold site (test_tree_fold holds its tree in every dtype)
 CHECK_HIDDEN = 16  # the self-check harness's rows: every placement of selfcheck._tree_placements at an even element
 
 
@@ -147,6 +148,8 @@ def job_tree_norm(rank: int, w: int, payloads: dict[str, dict[str, np.ndarray]])
         mine = to_torch(pay["partials"][rank * k : (rank + 1) * k], "float32").contiguous()
         residual, weight = to_torch(pay["residual"], dt), to_torch(pay["weight"], dt)
         for name, kw in sites.items():
+            if name == "tree.a2a" and dt not in A2A_DTYPES:
+                continue
             site = f"{name}.{dt}"
             detcomm.site(site, collective="all_reduce_rmsnorm", dtype=dtype, shape=(HIDDEN,), max_rows=ROWS,
                          virtual_shards=V, **kw)  # type: ignore[arg-type]
@@ -259,7 +262,7 @@ def test_bits_equal_the_oracle_on_every_route(w: int) -> None:
     composition's, not the tree's; the route table shows both tree sites self-checked, "8 tree"."""
     results = _results(w)
     for dt, (y_want, r_want) in EXPECTED.items():
-        for name in ("tree", "tree.a2a"):
+        for name in ("tree", "tree.a2a") if dt in A2A_DTYPES else ("tree",):
             for batch in BATCHES:
                 y, r = _same_on_every_rank(results, (dt, name, batch))
                 rows = list(batch)
