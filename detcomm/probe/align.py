@@ -134,7 +134,9 @@ def train(ns: argparse.Namespace) -> int:
     if server.get("device_type", "cpu") == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(f"{ns.server} was generated on CUDA devices: run the trainer on CUDA devices too")
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        # More ranks than GPUs share them (detcomm.rendezvous_plan); the "detcomm" group then carries their CUDA
+        # tensors through host memory (docs/trainers.md, "Ranks sharing one GPU").
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
         device = torch.device("cuda", torch.cuda.current_device())
     dist.init_process_group("detcomm", init_method="env://")
     t0 = time.monotonic()
