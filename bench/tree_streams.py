@@ -69,6 +69,12 @@ def main() -> None:
     h, v = args.hidden, args.shards
     eps32 = norm.eps_fp32(1e-6)
     weight = (1.0 + 0.1 * torch.randn(h, device=dev)).to(torch.bfloat16)
+    # The composed column runs the NVRTC norm kernel between the ranks' tree calls: load its module now. A module load
+    # waits for the kernels running on the device, and inside the W-stream harness rank 0's tree kernel spins until
+    # rank 1's launch, which the waiting host never issues (seen on the H200: the workspace's 30 s deadline fired).
+    zeros = torch.zeros(1, h, device=dev, dtype=torch.bfloat16)
+    norm.add_rms_norm(zeros, zeros, weight, eps=1e-6)
+    torch.cuda.synchronize()
     rows_list = [int(r) for r in args.rows.split(",")]
     cap = max(rows_list) * h * 4
     print(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, bf16 rows of {h}, V={v}, graphs of "

@@ -127,7 +127,7 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from .comm import Communicator, RouteTable
 from .dtypes import name_of
 from .envelope import resolve_numerics
-from .errors import DetcommError
+from .errors import CaptureThroughHost, DetcommError
 from .numerics.fold import FLOAT_DTYPES, canonical_nan, canonicalize_nan, divide_exactly
 from .route import Route
 from .selfcheck import CheckResult
@@ -160,11 +160,6 @@ def row_layout(numel: int) -> tuple[int, int]:
 
 class CaptureBeforeWarmup(DetcommError):
     """The group's first collective on a CUDA device was issued inside a CUDA graph capture."""
-
-
-class CaptureThroughHost(DetcommError):
-    """A collective whose CUDA traffic goes through host memory (the group's ranks share a GPU, so gloo carries
-    it) was issued inside a CUDA graph capture, which cannot capture a host copy."""
 
 
 # The transports of a group's CUDA tensors (``transport_for``): NCCL, or host memory on the group's gloo backend.

@@ -20,6 +20,7 @@ __all__ = [
     "CollectiveFailed",
     "ConcurrentCall",
     "CaptureUnprepared",
+    "CaptureThroughHost",
     "KernelBuildFailed",
     "NoFoldLeaf",
 ]
@@ -77,6 +78,12 @@ class CaptureUnprepared(DetcommError):
     def before_capture(cls, what: str, prepare: str) -> CaptureUnprepared:
         return cls(f"{what} must load kernels or allocate device memory, which CUDA graph capture forbids: "
                    f"{prepare} once before capturing")
+
+
+class CaptureThroughHost(DetcommError):
+    """A call whose CUDA tensors travel through host memory (a gloo group staging them: ranks sharing a GPU) was
+    issued inside a CUDA graph capture, which cannot hold a host copy. Raised at the first host copy, before any
+    communication; only the calls the CUDA-IPC workspace serves (route ipc_fold) capture on such a group."""
 
 
 class KernelBuildFailed(DetcommError):

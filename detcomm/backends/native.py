@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from ..errors import CaptureThroughHost
 from ..numerics import keys, tree
 from ..numerics.fold import reference_fold
 from ..route import BoundRoute, Collective, ReduceOp, Route, Site
@@ -79,7 +80,17 @@ class NativeBackend:
         }, in_place=in_place, guard=g)
 
     def _lib(self, x: torch.Tensor) -> torch.Tensor:
-        return x.cpu() if self.stage else x
+        if not self.stage:
+            return x
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            # Every route's first host copy comes before its first collective, so every capturing rank refuses here
+            # alike, with nothing exchanged (torch's own error would come from inside the copy, unexplained).
+            raise CaptureThroughHost(
+                "this call's route moves its CUDA tensors through host memory (a gloo group staging them: ranks "
+                "sharing a GPU, where NCCL refuses to run), and a CUDA graph capture cannot hold a host copy. Run "
+                "it outside the capture; inside one, only the calls the CUDA-IPC workspace serves capture on such "
+                "a group (detcomm.routes() shows them as ipc_fold)")
+        return x.cpu()
 
     def _back(self, out: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         return out.to(like.device) if self.stage else out

@@ -87,14 +87,27 @@ def admit(site: Site, caps: Capabilities, resolved: Resolved) -> Admission:
     return Admission(True, why)
 
 
+# Why a tree-order all_reduce_rmsnorm site is not fused yet. The fused tree kernels (csrc/fused_rmsnorm.cu, TREE)
+# equal the oracle and the composition when the W ranks are streams of one process (tests/gpu/test_workspace_tree.py),
+# but through the communicator, with the ranks as processes sharing one H200, the self-check of their bound variants
+# (backends/ipc_fold._bind_tree_norm) was refused on one run and lost a rank on another (2026-12-02), and the device
+# time to find out why was spent. Until that run passes, the workspace serves these sites as the composition: its tree
+# all-reduce kernels (proven through the communicator by the model probe at W = 2 / 4 / 8 on one H200), then the
+# canonical add + RMSNorm, the same bits. docs/spec.md §9.2 "Tree sites".
+FUSED_TREE_NOT_SERVED = ("the fused tree kernels are not served yet (their self-check through the communicator did "
+                         "not pass on processes sharing a GPU; docs/spec.md §9.2): the workspace's tree all-reduce, "
+                         "then the canonical add + RMSNorm")
+
+
 def fused_layout_refusal(site: Site, world_size: int) -> str | None:
-    """The workspace's part of whether an all_reduce_rmsnorm site fuses: None where a fused kernel exists for its
-    all-reduce (the plain fold, or the tree order of a virtual-shard site: csrc/fused_rmsnorm.cu has no shard-order
-    variant) and holds its rows in registers at ``world_size`` (plan.fused_norm_refusal; the tree variants use the
-    same row layouts)."""
-    if site.virtual_shards is not None and site.shard_fold != "tree":
-        return ("no fused kernel folds the shard order, only the plain fold and shard_fold='tree': the workspace's "
-                "virtual all-reduce, then the canonical add + RMSNorm")
+    """The workspace's part of whether an all_reduce_rmsnorm site fuses: None where a fused kernel serves its
+    all-reduce (the plain fold; csrc/fused_rmsnorm.cu has no shard-order variant, and its tree variants are not
+    served yet: FUSED_TREE_NOT_SERVED) and holds its rows in registers at ``world_size`` (plan.fused_norm_refusal)."""
+    if site.virtual_shards is not None:
+        if site.shard_fold != "tree":
+            return ("no fused kernel folds the shard order, only the plain fold: the workspace's virtual "
+                    "all-reduce, then the canonical add + RMSNorm")
+        return FUSED_TREE_NOT_SERVED
     return plan.fused_norm_refusal(site.shape[0], dtypes.name_of(site.dtype), world_size)
 
 
