@@ -35,6 +35,7 @@ from .envelope import (
     resolve_numerics,
 )
 from .errors import (
+    CaptureThroughHost,
     CollectiveFailed,
     CollectiveMismatch,
     ConcurrentCall,
@@ -126,6 +127,8 @@ __all__ = [
     "CollectiveFailed",
     "ConcurrentCall",
     "PeerTimeout",
+    "CaptureThroughHost",
+    "rendezvous_plan",
     "RouteTable",
     "RouteEntry",
     "BITWISE_ENVELOPES",
