@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Callable
 
 from detcomm.envelope import MULTICAST_OFF_ENV  # torch-free: set before torch loads
 
@@ -23,43 +22,9 @@ os.environ.update(MULTICAST_OFF_ENV)
 
 import torch  # noqa: E402
 
+from detcomm.bench.timing import streams_replay_us  # noqa: E402
 from detcomm.tables import format_table  # noqa: E402
 from detcomm.workspace import Workspace  # noqa: E402
-
-
-def replayed_us(w: int, fn: Callable[[int], object], streams: list[torch.cuda.Stream], *, calls: int = 20,
-                warmup: int = 5, iters: int = 25) -> float:
-    """Median us per call of ``fn(rank)`` captured ``calls`` times per rank, the W graphs replayed together."""
-    main_s = torch.cuda.current_stream()
-    for r in range(w):  # eager once, all ranks launched before any is waited on
-        streams[r].wait_stream(main_s)
-        with torch.cuda.stream(streams[r]):
-            fn(r)
-    for st in streams:
-        main_s.wait_stream(st)
-    torch.cuda.synchronize()
-    graphs = []
-    for r in range(w):
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, stream=streams[r]):
-            for _ in range(calls):
-                fn(r)
-        graphs.append(g)
-    samples = []
-    for it in range(warmup + iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record(main_s)
-        for r in range(w):
-            streams[r].wait_stream(main_s)
-            with torch.cuda.stream(streams[r]):
-                graphs[r].replay()
-        for st in streams:
-            main_s.wait_stream(st)
-        end.record(main_s)
-        torch.cuda.synchronize()
-        if it >= warmup:
-            samples.append(start.elapsed_time(end) * 1e3 / calls)
-    return sorted(samples)[len(samples) // 2]
 
 
 def main() -> None:
@@ -86,16 +51,15 @@ def main() -> None:
             xs = [torch.randn(n, h, device=dev).to(torch.bfloat16) for _ in range(w)]
             ps = [torch.randn(s, n, h, device=dev) for _ in range(w)]
             outs = [torch.empty(n, h, dtype=torch.bfloat16, device=dev) for _ in range(w)]
-            t = {
-                "plain": replayed_us(w, lambda r: plain_b[r](xs[r], outs[r]), streams),
-                "p1": replayed_us(w, lambda r: views[r].all_reduce(xs[r], out=outs[r], algo="one_shot"), streams),
-                "p2": replayed_us(w, lambda r: views[r].all_reduce(xs[r], out=outs[r], algo="two_shot"), streams),
-                "tree": replayed_us(w, lambda r: tree_b[r](ps[r], outs[r]), streams),
-                "t1": replayed_us(w, lambda r: views[r].all_reduce_tree(ps[r], dtype=torch.bfloat16, out=outs[r],
-                                                                        algo="one_shot"), streams),
-                "t2": replayed_us(w, lambda r: views[r].all_reduce_tree(ps[r], dtype=torch.bfloat16, out=outs[r],
-                                                                        algo="two_shot"), streams),
+            fns = {
+                "plain": lambda r: plain_b[r](xs[r], outs[r]),
+                "p1": lambda r: views[r].all_reduce(xs[r], out=outs[r], algo="one_shot"),
+                "p2": lambda r: views[r].all_reduce(xs[r], out=outs[r], algo="two_shot"),
+                "tree": lambda r: tree_b[r](ps[r], outs[r]),
+                "t1": lambda r: views[r].all_reduce_tree(ps[r], dtype=torch.bfloat16, out=outs[r], algo="one_shot"),
+                "t2": lambda r: views[r].all_reduce_tree(ps[r], dtype=torch.bfloat16, out=outs[r], algo="two_shot"),
             }
+            t = {k: streams_replay_us(fn, streams, calls=20, warmup=5, iters=25) for k, fn in fns.items()}
             table.append([w, n, *(f"{t[k]:.2f}" for k in ("plain", "p1", "p2", "tree", "t1", "t2")),
                           f"{t['t1'] / t['plain']:.2f}", f"{t['t2'] / t['plain']:.2f}"])
             print(f"W={w} rows {n} done", flush=True)

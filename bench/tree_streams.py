@@ -31,6 +31,7 @@ os.environ.update(MULTICAST_OFF_ENV)
 
 import torch  # noqa: E402
 
+from detcomm.bench.timing import streams_replay_us  # noqa: E402
 from detcomm.numerics import norm  # noqa: E402
 from detcomm.tables import format_table  # noqa: E402
 from detcomm.workspace import Workspace, kernels  # noqa: E402
@@ -88,7 +89,6 @@ def main() -> None:
         views = Workspace.in_process(w, device=dev, capacity_bytes=cap, timeout_s=30.0)
         one_store = Workspace.in_process(w, device=dev, capacity_bytes=cap, one_store_max_bytes=1 << 20, timeout_s=30.0)
         streams = [torch.cuda.Stream(dev) for _ in range(w)]
-        main_s = torch.cuda.current_stream(dev)
         plain_b = [x.bind_all_reduce(torch.bfloat16, h, label="plain") for x in views]
         tree_b = [x.bind_all_reduce_tree(torch.bfloat16, h, s, label="tree") for x in views]
         for n in rows_list:
@@ -111,36 +111,7 @@ def main() -> None:
                                                                        algo="one_store")
             times = {}
             for name, fn in fns.items():
-                for r in range(w):  # eager once: launches prepared before the capture
-                    streams[r].wait_stream(main_s)
-                    with torch.cuda.stream(streams[r]):
-                        fn(r)
-                for st in streams:
-                    main_s.wait_stream(st)
-                torch.cuda.synchronize()
-                graphs = []
-                for r in range(w):
-                    g = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(g, stream=streams[r]):
-                        for _ in range(args.calls):
-                            fn(r)
-                    graphs.append(g)
-                samples = []
-                for it in range(args.warmup + args.iters):
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record(main_s)
-                    for r in range(w):
-                        streams[r].wait_stream(main_s)
-                        with torch.cuda.stream(streams[r]):
-                            graphs[r].replay()
-                    for st in streams:
-                        main_s.wait_stream(st)
-                    end.record(main_s)
-                    torch.cuda.synchronize()
-                    if it >= args.warmup:
-                        samples.append(start.elapsed_time(end) * 1e3 / args.calls)
-                samples.sort()
-                times[name] = samples[len(samples) // 2]
+                times[name] = streams_replay_us(fn, streams, calls=args.calls, warmup=args.warmup, iters=args.iters)
             one_store_cols = ["-", "-", "-"]
             if "tree_one_store" in times:
                 one_store_cols = [f"{times['plain_one_store']:.2f}", f"{times['tree_one_store']:.2f}",

@@ -15,8 +15,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-__all__ = ["synced", "time_cpu", "time_cuda_eager", "time_cuda_graph", "median_ms_back_to_back", "host_us_per_call",
-           "summarize", "bandwidth"]
+__all__ = ["synced", "time_cpu", "time_cuda_eager", "time_cuda_graph", "streams_replay_us", "median_ms_back_to_back",
+           "host_us_per_call", "summarize", "bandwidth"]
 
 
 def synced(fn: Callable[[], object], *, cuda: bool) -> Callable[[], None]:
@@ -99,6 +99,45 @@ def time_cuda_graph(capture: Callable[[], Callable[[], None]], *, iters: int, ca
     replay = capture()
     replay()
     return [t / calls_per_graph for t in _event_intervals(replay, iters=iters, barrier=barrier)]
+
+
+def streams_replay_us(fn: Callable[[int], object], streams: Sequence[torch.cuda.Stream], *, calls: int, warmup: int,
+                      iters: int) -> float:
+    """Median microseconds per call of W ranks played as W streams of one GPU (``Workspace.in_process``): ``fn(r)``
+    runs once eagerly on rank r's stream (every rank launched before any is waited on: a rank's kernel spins until
+    the others arrive), is captured ``calls`` times into one graph per rank on that rank's stream (one graph for all
+    ranks would serialize them), and the W graphs are replayed together ``warmup + iters`` times between two events
+    on the current stream; the median of the ``iters`` timed replays, divided by ``calls``."""
+    main_s = torch.cuda.current_stream()
+    for r, st in enumerate(streams):
+        st.wait_stream(main_s)
+        with torch.cuda.stream(st):
+            fn(r)
+    for st in streams:
+        main_s.wait_stream(st)
+    torch.cuda.synchronize()
+    graphs = []
+    for r, st in enumerate(streams):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=st):
+            for _ in range(calls):
+                fn(r)
+        graphs.append(g)
+    samples = []
+    for it in range(warmup + iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(main_s)
+        for g, st in zip(graphs, streams):
+            st.wait_stream(main_s)
+            with torch.cuda.stream(st):
+                g.replay()
+        for st in streams:
+            main_s.wait_stream(st)
+        end.record(main_s)
+        torch.cuda.synchronize()
+        if it >= warmup:
+            samples.append(start.elapsed_time(end) * 1e3 / calls)
+    return statistics.median(samples)
 
 
 def _event_intervals(fn: Callable[[], object], *, iters: int, barrier: Callable[[], None] | None) -> list[float]:
