@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # CI: the HF probe (a transformers model sharded over detcomm) at W=4 on CPU (gloo) through detcomm-launch:
-# a tiny real config in fp32 and in bf16 under rl-bitwise (every row 0, PASS), and the native negative
-# control (must diverge); then an MoE config with its experts spread over the ranks (two placements compared,
-# and the rank-order combine as the negative control); then a 2-KV-head model at W=4 (KV heads replicated), loaded
-# sliced, and its native control. Needs the hf extra (transformers, safetensors, accelerate); installs it when missing.
+# a tiny real config in fp32 under rl-bitwise (every row 0, PASS), and the native negative control (must
+# diverge); then an MoE config with its experts spread over the ranks (two placements compared, and the rank-order
+# combine as the negative control); then a 2-KV-head model at W=4 (KV heads replicated), loaded sliced, and its
+# native control. Needs the hf extra (transformers, safetensors, accelerate); installs it when missing.
+# qwen3-tiny in bf16 at W=4 under rl-bitwise is tests/test_hf_probe.py's (this script ran the same probe too).
 #
 #   PYTHON=/path/to/venv/bin/python .ci/hf.sh        # from the repository root
 set -euo pipefail
@@ -30,7 +31,6 @@ run() {  # run <description> <command...>: show it, time it, stop on failure
 }
 
 run "HF probe, llama-tiny fp32, rl-bitwise" "${L[@]}" --numerics rl-bitwise -m detcomm.probe hf --config llama-tiny --dtype float32 --requests 6 --new-tokens 6
-run "HF probe, qwen3-tiny bf16, rl-bitwise" "${L[@]}" --numerics rl-bitwise -m detcomm.probe hf --config qwen3-tiny --dtype bfloat16 --requests 6 --new-tokens 6
 run "HF probe, native negative control" "${L[@]}" --numerics auto -m detcomm.probe hf --config llama-tiny --route native --expect-divergence --requests 6 --new-tokens 6
 # MoE (qwen3-moe-tiny: 8 experts, top-4, renormalized) with the experts spread over the ranks: two random
 # placements (replicas allowed) must each pass and give identical token ids and logprob bits; the engines'

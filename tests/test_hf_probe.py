@@ -64,7 +64,7 @@ def test_hf_probe_native_diverges_w3(tmp_path: Path) -> None:
 def test_hf_probe_replicated_kv_heads_moe_w4(tmp_path: Path) -> None:
     """Qwen2-MoE with 2 KV heads over 4 ranks (each replicated twice), experts spread, loaded sliced: bitwise
     alone, packed and rerun under rl-bitwise; the native all-reduce (numerics auto) is the negative control and
-    must diverge. (The dense qwen3-kv2-tiny runs the same pair in launch/ci_hf.sh.)"""
+    must diverge. (The dense qwen3-kv2-tiny runs the same pair in .ci/hf.sh.)"""
     config, extra = "qwen2-moe-kv2-tiny", ["--ep", "--expert-block", "16"]
     small = ["--requests", "4", "--new-tokens", "4", "--max-prompt", "12"]
     out = tmp_path / "hf.json"

@@ -1,17 +1,25 @@
 """Every csrc/*.cu compiles for sm_90 with nvcc (no GPU needed), and the generated code keeps docs/spec.md §1's
 arithmetic: no FMA, no flush-to-zero, round-to-nearest adds and conversions. Also the run-time NVRTC path,
-where cupy's NVRTC is importable."""
+where cupy's NVRTC is importable.
+
+The heavy builds (whole modules, every file at three widths) go through tests/nvcc_builds.py: each distinct nvcc
+command runs once per session, and a test submits all of its builds before reading one, so they run side by side
+on the machine's cores. The command lines are the ones each check always ran."""
 
 from __future__ import annotations
 
 import re
 import shutil
 import subprocess
+import tempfile
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
 
 from detcomm.workspace import kernels
+from nvcc_builds import Build, Builds
 
 CSRC = Path(__file__).resolve().parents[1] / "csrc"
 # rms_norm.cu is its own run-time module (detcomm/numerics/norm_cuda.py), checked by tests/test_norm_csrc.py.
@@ -25,16 +33,48 @@ FLAGS = [*BASE, *kernels.constant_options()]
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc not on PATH")
 
 
+@pytest.fixture(scope="module")
+def builds() -> Iterator[Builds]:
+    """This file's nvcc builds (tests/nvcc_builds.py), removed with the module."""
+    assert NVCC is not None
+    workdir = Path(tempfile.mkdtemp(prefix="detcomm-nvcc-"))
+    b = Builds(NVCC, workdir)
+    try:
+        yield b
+    finally:
+        b.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _module_options(world: int, arch: str = "sm_90", *, module: str | None = None, build: str = "canonical"
+                    ) -> list[str]:
+    """A run-time module's exact NVRTC options (kernels.nvrtc_options) spelled for nvcc: the same set as FLAGS (or
+    BASE with `build`'s constants) plus W and the module's dtype, so every check of one module shares its build."""
+    return [o.replace("--std=", "-std=") for o in kernels.nvrtc_options(world, arch, module=module, build=build)]
+
+
 def test_every_kernel_file_is_in_the_runtime_module():
     assert set(CU_FILES) == set(kernels.KERNEL_FILES)
+
+
+@pytest.fixture(scope="module")
+def objects(request: pytest.FixtureRequest, builds: Builds) -> Callable[[str, int], Build]:
+    """test_nvcc_compiles' builds: on first use, every selected case's build is submitted at once."""
+    def submit(cu: str, world: int) -> Future[Build]:
+        return builds.submit(CSRC / cu, [*FLAGS, f"-DDETCOMM_W={world}"], "obj")
+
+    for item in request.session.items:
+        spec = getattr(item, "callspec", None)
+        if getattr(item, "originalname", None) == "test_nvcc_compiles" and item.path == Path(__file__) and spec:
+            submit(spec.params["cu"], spec.params["world"])
+    return lambda cu, world: submit(cu, world).result()
 
 
 @needs_nvcc
 @pytest.mark.parametrize("world", [1, 3, 8])
 @pytest.mark.parametrize("cu", CU_FILES)
-def test_nvcc_compiles(cu, world, tmp_path):
-    p = subprocess.run([NVCC, *FLAGS, f"-DDETCOMM_W={world}", "-c", str(CSRC / cu), "-o", str(tmp_path / "k.o")],
-                       capture_output=True, text=True)
+def test_nvcc_compiles(cu, world, objects):
+    p = objects(cu, world)
     assert p.returncode == 0, p.stderr
 
 
@@ -80,23 +120,25 @@ def test_trap_only_in_the_debug_build(tmp_path):
     assert not any("TRAP" in o for o in kernels.nvrtc_options(2, "sm_90"))
 
 
-def _nvcc_cubin(tmp_path):
+def _nvcc_cubin(builds):
     def compile_fn(source, options):
-        src, out = tmp_path / "unit.cu", tmp_path / "unit.cubin"
-        src.write_text(source)
-        opts = [o.replace("--std=", "-std=") for o in options]
-        p = subprocess.run([NVCC, *opts, "-cubin", str(src), "-o", str(out)], capture_output=True, text=True)
+        p = builds.get(source, [o.replace("--std=", "-std=") for o in options], "cubin")
         if p.returncode:
-            raise RuntimeError(p.stderr)
-        return out.read_bytes()
+            raise RuntimeError(p.errors())
+        return p.output
     return compile_fn
 
 
 @needs_nvcc
-def test_each_dtype_is_its_own_module_and_is_refused_alone(tmp_path):
+def test_each_dtype_is_its_own_module_and_is_refused_alone(builds):
     """sm_75 has no cvt.rn.bf16.f32: only the bf16 module is refused; fp32, fp16 and the all-gather build. On
     sm_90 every module builds. (Without per-dtype modules the one unit fails as a whole on sm_75.)"""
-    compile_fn = _nvcc_cubin(tmp_path)
+    compile_fn = _nvcc_cubin(builds)
+    source = kernels.flatten_source()
+    for arch in ("sm_75", "sm_90"):  # the nine builds below, side by side
+        for module in kernels.MODULE_DTYPE_CODES:
+            builds.submit(source, _module_options(2, arch, module=module), "cubin")
+    builds.submit(source, _module_options(2, "sm_75"), "cubin")
     old = kernels.compile_modules(2, "sm_75", compile_fn=compile_fn)
     assert set(old) == set(kernels.MODULE_DTYPE_CODES)
     assert isinstance(old["bfloat16"], str) and "sm_80" in old["bfloat16"], old["bfloat16"]
@@ -213,60 +255,63 @@ def test_nvrtc_compiles_the_runtime_module(tmp_path, monkeypatch):
     assert kernels.compile_cubin(src, kernels.nvrtc_options(3, "sm_90", module="float32")) == cubin  # from the cache
 
 
-def _spill_stores(tmp_path: Path, world: int, module: str, build: str = "canonical") -> dict[str, int]:
-    """ptxas's spill-store bytes of every kernel of one run-time module (the flattened source NVRTC builds)."""
-    src = tmp_path / "module.cu"
-    src.write_text(kernels.flatten_source())
-    p = subprocess.run([NVCC, *BASE, *kernels.constant_options(build), f"-DDETCOMM_W={world}",
-                        f"-DDETCOMM_DTYPE={kernels.MODULE_DTYPE_CODES[module]}", "-Xptxas", "-v", "-cubin", str(src), "-o", str(tmp_path / "m.cubin")],
-                       capture_output=True, text=True)
+def _spill_stores(builds: Builds, world: int, module: str, build: str = "canonical", *, submit_only: bool = False
+                  ) -> dict[str, int]:
+    """ptxas's spill-store bytes of every kernel of one run-time module (the flattened source NVRTC builds, its
+    options; ptxas -v). `submit_only`: start the build and return at once."""
+    fut = builds.submit(kernels.flatten_source(), _module_options(world, module=module, build=build), "cubin")
+    if submit_only:
+        return {}
+    p = fut.result()
     assert p.returncode == 0, p.stderr
     found = re.findall(r"Function properties for (\w+)\s*\n\s*\d+ bytes stack frame, (\d+) bytes spill stores", p.stderr)
     return {name: int(b) for name, b in found}
 
 
 @needs_nvcc
-def test_fused_kernels_keep_their_registers_at_decode_widths(tmp_path):
+def test_fused_kernels_keep_their_registers_at_decode_widths(builds):
     """W = 2, bf16 rows and weight: no fused kernel spills, row or wide. A load batch of 4 chunks per lane made the
     one-store variant spill 380 bytes per thread, which cost it 2.1 us per call at 1 row of 4096
     (csrc/fused_norm_row.cuh, docs/performance.md); the three row layouts in one kernel spilled too, which is
     why the wide layout has kernels of its own. The control: the bench's fused_batch4 build spills again."""
-    canonical = _spill_stores(tmp_path, 2, "bfloat16")
+    _spill_stores(builds, 2, "bfloat16", "fused_batch4", submit_only=True)
+    canonical = _spill_stores(builds, 2, "bfloat16")
     fused = {n: b for n, b in canonical.items() if n.startswith("detcomm_fused_rmsnorm_") and n.endswith("_wbf16")
              and "_tree_" not in n}
     assert len(fused) == 6 and all(b == 0 for b in fused.values()), fused
-    batch4 = _spill_stores(tmp_path, 2, "bfloat16", "fused_batch4")
+    batch4 = _spill_stores(builds, 2, "bfloat16", "fused_batch4")
     assert batch4["detcomm_fused_rmsnorm_one_store_bf16_wbf16"] > 0, batch4
 
 
-def _layout_asserts(world: int, want: dict[str, int], build: str = "canonical", *, tmp_path: Path
-                    ) -> subprocess.CompletedProcess:
+def _layout_asserts(builds: Builds, world: int, want: dict[str, int], build: str = "canonical"
+                    ) -> Future[Build]:
     """Compiles csrc/fused_norm_row.cuh with one static_assert per dtype: the header's C (kBatch * 256 * 8, the
     elements one half holds in registers) equals `want[dtype]`."""
     codes = {"float32": "DT_F32", "bfloat16": "DT_BF16", "float16": "DT_F16"}
     body = "".join(f"static_assert((long long)FnChunk<{codes[d]}>::kBatch * NORM_THREADS * NORM_CHUNK == {c}LL, "
                    f"\"C of {d}\");\n" for d, c in want.items())
-    src = tmp_path / f"layout_{world}.cu"
-    src.write_text(kernels.flatten_source(["fused_norm_row.cuh"]) + body)
-    return subprocess.run([NVCC, *BASE, *kernels.constant_options(build), f"-DDETCOMM_W={world}", "-c", str(src), "-o",
-                           str(tmp_path / "l.o")],
-                          capture_output=True, text=True)
+    return builds.submit(kernels.flatten_source(["fused_norm_row.cuh"]) + body,
+                         [*BASE, *kernels.constant_options(build), f"-DDETCOMM_W={world}"], "obj")
 
 
 @needs_nvcc
-def test_the_host_layout_rule_mirrors_the_header(tmp_path):
+def test_the_host_layout_rule_mirrors_the_header(builds):
     """plan.fused_norm_register_elems (which picks the row or the wide kernel on the host) equals the header's C
     for every W and dtype, in the canonical build and the bench's batch-4 build; a wrong value fails to compile
     (the control), so the check can fail."""
     from detcomm.workspace import plan
 
+    cases = {}
     for world in range(1, plan.MAX_WORLD + 1):
         for batch, build in ((plan.FUSED_NORM_BATCH, "canonical"), (kernels.FUSED_LAYOUT["fused_batch4"]["batch"],
                                                                     "fused_batch4")):
             want = {d: plan.fused_norm_register_elems(d, world, batch=batch) for d in ("float32", "bfloat16", "float16")}
-            p = _layout_asserts(world, want, build, tmp_path=tmp_path)
-            assert p.returncode == 0, (world, batch, p.stderr[-2000:])
-    p = _layout_asserts(2, {"bfloat16": 2 * plan.fused_norm_register_elems("bfloat16", 2)}, tmp_path=tmp_path)
+            cases[world, batch] = _layout_asserts(builds, world, want, build)
+    control = _layout_asserts(builds, 2, {"bfloat16": 2 * plan.fused_norm_register_elems("bfloat16", 2)})
+    for (world, batch), fut in cases.items():
+        p = fut.result()
+        assert p.returncode == 0, (world, batch, p.stderr[-2000:])
+    p = control.result()
     assert p.returncode != 0 and "C of bfloat16" in p.stderr
 
 
@@ -286,27 +331,27 @@ def test_tree_fold_entry_points_per_dtype_module(tmp_path):
 
 @needs_nvcc
 @pytest.mark.parametrize("world", [2, 4, 8])
-def test_tree_kernels_keep_their_registers(world, tmp_path):
+def test_tree_kernels_keep_their_registers(world, builds):
     """No tree kernel spills at W = 2 / 4 in any dtype, nor the barrier ones at W = 8; the one-store kernel of
     16-bit dtypes at W = 8 spills at most 16 bytes per thread (csrc/tree_fold.cu: the wide-subtree counter is out
     of line for it). The control: that counter inlined spills more there."""
+    alt_src = kernels.flatten_source(["tree_fold.cu"])
+    assert "__device__ __noinline__ void tree_local_blocks" in alt_src
+    alt_src = alt_src.replace("__device__ __noinline__ void tree_local_blocks",
+                              "__device__ __forceinline__ void tree_local_blocks")
+    alt = builds.submit(alt_src, _module_options(8, module="bfloat16"), "cubin") if world == 8 else None
+    for module in ("float32", "bfloat16", "float16"):  # side by side (W = 2: the dtype-module test's builds)
+        _spill_stores(builds, world, module, submit_only=True)
     for module in ("float32", "bfloat16", "float16"):
-        spills = _spill_stores(tmp_path, world, module)
+        spills = _spill_stores(builds, world, module)
         tree = {n: b for n, b in spills.items() if n.startswith("detcomm_tree_")}
         assert len(tree) == 3, tree
         for name, b in tree.items():
             bound = 16 if world == 8 and "one_store" in name and module != "float32" else 0
             assert b <= bound, (module, tree)
-    if world != 8:
+    if alt is None:
         return
-    alt = tmp_path / "tree_inline.cu"
-    src = kernels.flatten_source(["tree_fold.cu"])
-    assert "__device__ __noinline__ void tree_local_blocks" in src
-    alt.write_text(src.replace("__device__ __noinline__ void tree_local_blocks",
-                               "__device__ __forceinline__ void tree_local_blocks"))
-    p = subprocess.run([NVCC, *BASE, *kernels.constant_options(), "-DDETCOMM_W=8",
-                        f"-DDETCOMM_DTYPE={kernels.MODULE_DTYPE_CODES['bfloat16']}", "-Xptxas", "-v", "-cubin", str(alt),
-                        "-o", str(tmp_path / "alt.cubin")], capture_output=True, text=True)
+    p = alt.result()
     assert p.returncode == 0, p.stderr
     found = dict(re.findall(r"Function properties for (detcomm_tree_\w+)\s*\n\s*\d+ bytes stack frame, (\d+) bytes "
                             r"spill", p.stderr))
@@ -314,16 +359,15 @@ def test_tree_kernels_keep_their_registers(world, tmp_path):
 
 
 @needs_nvcc
-def test_every_listed_kernel_is_an_entry_of_its_module(tmp_path):
+def test_every_listed_kernel_is_an_entry_of_its_module(builds):
     """KernelSet loads exactly kernels.module_functions(module) from each module: a name missing from the module's
     code would refuse the whole module at run time. Each module's flattened source (what NVRTC builds) defines
-    every listed name and nothing else."""
-    src = tmp_path / "module.cu"
-    src.write_text(kernels.flatten_source())
-    for module, code in kernels.MODULE_DTYPE_CODES.items():
-        out = tmp_path / f"{module}.ptx"
-        p = subprocess.run([NVCC, *FLAGS, "-DDETCOMM_W=2", f"-DDETCOMM_DTYPE={code}", "-ptx", str(src), "-o", str(out)],
-                           capture_output=True, text=True)
-        assert p.returncode == 0, p.stderr[-2000:]
-        entries = set(re.findall(r"\.entry (\w+)", out.read_text()))
+    every listed name and nothing else. (The PTX is the one the module's cubin build generates on the way: the
+    dtype-module test's W = 2 builds.)"""
+    src = kernels.flatten_source()
+    futs = {m: builds.submit(src, _module_options(2, module=m), "cubin") for m in kernels.MODULE_DTYPE_CODES}
+    for module, fut in futs.items():
+        p = fut.result()
+        assert p.returncode == 0 and p.ptx, p.stderr[-2000:]
+        entries = set(re.findall(r"\.entry (\w+)", p.ptx))
         assert entries == set(kernels.module_functions(module)), (module, entries ^ set(kernels.module_functions(module)))
