@@ -95,7 +95,7 @@ releases the group's communicators (``shutdown``).
 Why not ``"cpu:gloo,cuda:detcomm"``: torch replaces the whole group by a Python process group as soon as one
 device's backend is one, so the gloo half of that string would be dropped; ``"detcomm"`` serves both devices.
 Tested on torch 2.13 (CPU, gloo) and torch 2.11 with NCCL 2.28 on two H200s (W processes sharing one GPU:
-tests/gpu/test_dist_backend_shared_gpu.py); written against the API torch has
+tests/gpu/test_trainers_shared_gpu.py); written against the API torch has
 had since 2.4 (``ProcessGroup(rank, size)`` subclasses, ``Backend.register_backend(name, fn, devices=...)``).
 torch's C++ bridge to a Python group calls methods by name, and the names moved between releases
 (``_allgather_base`` / ``all_gather_single``, ``allgather_into_tensor_coalesced`` /

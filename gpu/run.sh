@@ -71,7 +71,7 @@ has norm && group norm "$(lim 250)" tests/gpu/test_norm_gpu.py
 has tree && group tree "$(lim 400)" tests/gpu/test_workspace_tree.py tests/test_tree_fold.py
 has corecuda && group core "$(lim 440)" tests/gpu/test_core_cuda.py tests/gpu/test_core_workspace.py \
   tests/gpu/test_fold_capture.py tests/gpu/test_workspace_virtual.py tests/gpu/test_dist_backend_gpu.py \
-  tests/gpu/test_rs_ag_fold_gpu.py tests/gpu/test_dist_backend_shared_gpu.py
+  tests/gpu/test_rs_ag_fold_gpu.py tests/gpu/test_trainers_shared_gpu.py
 has robust && group robust "$(lim 300)" tests/gpu/test_robust_gpu.py tests/gpu/test_workspace_multiproc.py \
   tests/gpu/test_failed_call_output.py tests/test_robust_guard_modes.py -k "not soak"
 if has mutants; then

@@ -6,7 +6,7 @@
 * ``_HostStaged``, the host-memory transport, at W = 3 on CPU tensors: every collective it serves writes the
   expected values back into the caller's tensors (exact: integers and data movement), each through a separate host
   buffer, as on CUDA. What needs a GPU (the copies from and to the device, the workspace, capture) is in
-  tests/gpu/test_dist_backend_shared_gpu.py.
+  tests/gpu/test_trainers_shared_gpu.py.
 """
 
 from __future__ import annotations

@@ -216,3 +216,24 @@ def test_no_test_module_imports_conftest_by_name() -> None:
     tests = Path(__file__).resolve().parent
     offenders = [str(p.relative_to(tests)) for p in tests.rglob("*.py") if pattern.search(p.read_text())]
     assert not offenders, f"import shared test helpers from tests/clusters.py, not conftest: {offenders}"
+
+
+def _same_basenames(paths: list[Path]) -> list[str]:
+    seen: dict[str, Path] = {}
+    clashes = []
+    for p in sorted(paths):
+        if p.name in seen:
+            clashes.append(f"{seen[p.name]} and {p}")
+        seen.setdefault(p.name, p)
+    return clashes
+
+
+def test_test_modules_have_unique_basenames() -> None:
+    """tests/ and tests/gpu/ are not packages, so pytest imports each test module by its basename: two files of one
+    name stop the whole-suite collection ("import file mismatch"), which a run of either file alone never shows.
+    The check itself is tried on a planted pair (the negative control)."""
+    assert _same_basenames([Path("tests/test_a.py"), Path("tests/gpu/test_a.py")]) == [
+        "tests/gpu/test_a.py and tests/test_a.py"]
+    tests = Path(__file__).resolve().parent
+    modules = [p.relative_to(tests) for p in tests.rglob("test_*.py")]
+    assert not _same_basenames(modules), f"rename one of each pair: {_same_basenames(modules)}"

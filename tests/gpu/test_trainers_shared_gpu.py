@@ -22,7 +22,7 @@ arithmetic is the reduction under test. Negative controls: at W = 3 the reversed
 the oracle on the same inputs (each check can fail), and gloo's own all_reduce (CUDA tensors) misses the oracle.
 Each rank dumps every thread's stack and exits if it has not finished within its deadline.
 
-    python -m pytest -q -m gpu tests/gpu/test_dist_backend_shared_gpu.py
+    python -m pytest -q -m gpu tests/gpu/test_trainers_shared_gpu.py
 """
 
 from __future__ import annotations
