@@ -313,7 +313,7 @@ def test_refusals(cluster2: LocalCluster) -> None:
             "not int": ("TypeError", ["must be an int"]),
             "avg": ("ValueError", ["op='sum'"]),
             "max": ("ValueError", ["op='sum'"]),
-            "all_gather": ("ValueError", ["all_reduce and reduce_scatter"]),
+            "all_gather": ("ValueError", ["all_reduce, reduce_scatter and all_reduce_rmsnorm"]),
             "int dtype": ("ValueError", ["float dtype"]),
             "ipc_fold": ("ValueError", ["route='ipc_fold' is unavailable", "gather_fold"]),
             "ipc_fold rs": ("ValueError", ["all_reduce sites only", "a2a_fold"]),
