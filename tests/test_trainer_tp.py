@@ -61,11 +61,12 @@ def _data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(B, S, H, generator=g) * 3, torch.randn(B, S, H, generator=g)
 
 
-def _oracle(x: torch.Tensor, gy: torch.Tensor, tp: int) -> tuple[np.ndarray, np.ndarray]:
+def _oracle(x: torch.Tensor, gy: torch.Tensor, tp: int, *, reverse: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """The block's output and input gradient bits, from each TP rank's partials recomputed locally (no
-    communication) and reduced by the numpy fold."""
-    up, down = _weights()
-    norm = torch.nn.LayerNorm(H)
+    communication) on x's device and reduced by the numpy fold; ``reverse`` folds the ranks in reverse order (the
+    negative control). On CUDA the norm is the same per-row kernel as each rank's SequenceParallel norm."""
+    up, down = (w.to(x.device) for w in _weights())
+    norm = torch.nn.LayerNorm(H).to(x.device)
     xn_in = x.clone().requires_grad_(True)
     xn = norm(xn_in)
     parts, gparts = [], []
@@ -76,8 +77,10 @@ def _oracle(x: torch.Tensor, gy: torch.Tensor, tp: int) -> tuple[np.ndarray, np.
             pre = xn @ wu.T
             parts.append(to_bits(torch.relu(pre) @ wd.T))
             gparts.append(to_bits(((gy @ wd) * (pre > 0)) @ wu))
+    if reverse:
+        parts, gparts = parts[::-1], gparts[::-1]
     y = oracle.fold_oracle(parts, "float32")
-    gn = torch.from_numpy(oracle.fold_oracle(gparts, "float32").view(np.float32).copy())
+    gn = torch.from_numpy(oracle.fold_oracle(gparts, "float32").view(np.float32).copy()).to(x.device)
     (gx,) = torch.autograd.grad(xn, xn_in, grad_outputs=gn)
     return y, to_bits(gx)
 

@@ -232,23 +232,10 @@ _SCRIPT = textwrap.dedent("""
             model = parallelize_module(tp.Block().to(dev), tmesh, tp._tp_plan())
             x, gy = (v.to(dev) for v in tp._data(0))
             y, gx = tp._run_block(model, x, gy, rank, world)
-            up, down = (w.to(dev) for w in tp._weights())
-            norm = torch.nn.LayerNorm(tp.H).to(dev)  # the same per-row kernel as each rank's SequenceParallel norm
-            xn_in = x.clone().requires_grad_(True)
-            xn = norm(xn_in)
-            parts, gparts, s = [], [], tp.F // world
-            with torch.no_grad():
-                for q in range(world):
-                    wu, wd = up[q * s:(q + 1) * s], down[:, q * s:(q + 1) * s]
-                    pre = xn @ wu.T
-                    parts.append(to_bits(torch.relu(pre) @ wd.T))
-                    gparts.append(to_bits(((gy @ wd) * (pre > 0)) @ wu))
-            want_y = oracle.fold_oracle(parts, "float32")
-            gn = torch.from_numpy(oracle.fold_oracle(gparts, "float32").view(np.float32).copy()).to(dev)
-            (want_gx,) = torch.autograd.grad(xn, xn_in, grad_outputs=gn)
+            want_y, want_gx = tp._oracle(x, gy, world)  # on x's device: the same per-row norm kernel as the ranks'
             check("tp output", np.array_equal(y, np.split(want_y, world, axis=1)[rank]))
-            check("tp input grad", np.array_equal(gx, np.split(to_bits(want_gx), world, axis=1)[rank]))
-            check("control: tp reversed order", not np.array_equal(oracle.fold_oracle(parts[::-1], "float32"), want_y))
+            check("tp input grad", np.array_equal(gx, np.split(want_gx, world, axis=1)[rank]))
+            check("control: tp reversed order", not np.array_equal(tp._oracle(x, gy, world, reverse=True)[0], want_y))
 
         if world >= 3 and ckpt:
             step("transformers tp_plan='auto', tiny Llama")
