@@ -425,9 +425,8 @@ def site(
     returns the existing site; different properties raise ValueError. Collective when it runs a new
     self-check: declare sites in the same order on every rank.
 
-    ``virtual_shards=V`` (all_reduce, reduce_scatter or all_reduce_rmsnorm, op "sum", a float ``dtype``; docs/spec.md
-    §9.1): the
-    reduction dimension is split into V fixed shards and every call passes this rank's V/W fp32 partial sums,
+    ``virtual_shards=V`` (all_reduce, reduce_scatter or all_reduce_rmsnorm, op "sum", a float ``dtype``;
+    docs/spec.md §9.1): the reduction dimension is split into V fixed shards and every call passes this rank's V/W fp32 partial sums,
     ``[V/W, rows, *shape]`` (slab j is shard r*V/W + j); the result, in ``dtype``, is the canonical fold over
     shards 0..V-1, rounded once: the same bits at every W dividing V, W = 1 included. V must be divisible by
     the group's W (choose a multiple of every TP size you will run, e.g. 8). Routed to gather_fold
@@ -511,8 +510,9 @@ def all_reduce_residual_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight:
     ``(y, r)``, batch-invariant on every canonical route (docs/spec.md §9). Collective.
 
     On a site declared with ``virtual_shards=V`` (the layer boundary of a TP-size-invariant layout), ``x`` is this
-    rank's fp32 partials ``[V/W, rows, H]`` and ``residual`` the ``[rows, H]`` rows in the site's dtype; with
-    ``shard_fold="tree"`` the workspace folds the tree inside its fused kernels (docs/spec.md §9.2 "Tree sites")."""
+    rank's fp32 partials ``[V/W, rows, H]`` and ``residual`` the ``[rows, H]`` rows in the site's dtype; every route
+    runs the virtual all-reduce, then the canonical norm (docs/spec.md §9.2 "Tree sites": the fused tree kernels
+    are not served yet)."""
     return _comm_for(site).all_reduce_residual_rmsnorm(x, residual, weight, eps=eps, site=site)
 
 

@@ -197,8 +197,9 @@ class TPTransformer:
         # everywhere): in the fold layout with no route forced (a forced route is the negative control: the plain
         # all-reduce + the model's own norm), and in the tree layout whatever route the sums take (a bitwise
         # envelope only forces canonical routes there, which give the tree's bits; the boundary site takes the same
-        # route, and the workspace folds the tree inside its fused kernels). The shard-order and full-K layouts keep
-        # their own row-parallel layers (no fused kernel folds the shard order; full-K has no sum).
+        # route, and runs the tree all-reduce, then the canonical norm: docs/spec.md §9.2 "Tree sites"). The
+        # shard-order and full-K layouts keep their own row-parallel layers (no fused kernel folds the shard order;
+        # full-K has no sum).
         tree = self.layout == "virtual" and self.shard_fold == "tree"
         self.fuse = (route is None and not self.invariant or tree) and detcomm.get_communicator().resolved.bitwise
         if self.fuse:

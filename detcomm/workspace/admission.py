@@ -13,8 +13,8 @@ kernels and plan are what they describe:
   fit one launch; a tree-order site
   (``shard_fold="tree"``) where the tree kernels fold its V over this W (``plan.tree_refusal``) and one fp32 row
   fits one launch (the local subtree is folded before the slot, so V/W does not count);
-- fusion (``all_reduce_rmsnorm``): a fused kernel for the site's all-reduce (the plain fold, or the tree order of a
-  virtual-shard site; none for the shard order) and rows the fused kernels hold in registers
+- fusion (``all_reduce_rmsnorm``): a fused kernel served for the site's all-reduce (the plain fold; none for the
+  shard order, and the tree order's not yet: FUSED_TREE_NOT_SERVED) and rows the fused kernels hold in registers
   (``plan.fused_norm_refusal``); what the numerics allow is ``detcomm.numerics.norm.fusion_refusal``'s part of
   the rule.
 
@@ -40,7 +40,7 @@ __all__ = ["Admission", "unavailable", "admit", "fused_layout_refusal"]
 # str enum, and this layer sits below the router).
 _CHUNKS_ABOVE_ARMED = frozenset({"all_reduce", "all_reduce_rmsnorm"})
 # The collectives whose virtual-shard sites the workspace folds: all-reduce, and the all-reduce of an
-# all_reduce_rmsnorm site (fused with the norm for the tree order, fused_layout_refusal; else the composition).
+# all_reduce_rmsnorm site (then the composition; fused_layout_refusal says why not fused).
 _VIRTUAL_COLLECTIVES = frozenset({"all_reduce", "all_reduce_rmsnorm"})
 
 
