@@ -14,7 +14,7 @@ extern "C" __global__ void __launch_bounds__(DETCOMM_BLOCK_THREADS)
   const i64 tid = thread_id();
   const i64 stride = grid_stride();
   const i64 npacks = (nbytes + kPer - 1) / kPer;
-  if (!block_owns_packs(npacks)) return;
+  if (!block_owns_packs(npacks)) return skip_use(g0);
   const Group g = open_use(g0);
   uint4* own = slot(g, g.rank);
 

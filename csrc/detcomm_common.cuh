@@ -183,7 +183,7 @@ __device__ __forceinline__ void st_ws(uint4* p, const uint4& v) {
 // Packs in flight per thread: each thread handles DETCOMM_UNROLL packs of one grid sweep before storing any, so
 // a thread has up to DETCOMM_UNROLL * W independent 16-byte loads outstanding (at most 8 per peer set, which keeps
 // the registers of a 512-thread block under its 128-per-thread bound). Pack q is still handled by thread
-// q mod stride, so the per-block ownership below is unchanged.
+// q mod stride, so within a launch each pack keeps one block ("Work assignment").
 #define DETCOMM_UNROLL ((8 / DETCOMM_W) > 0 ? (8 / DETCOMM_W) : 1)
 
 // A caller's tensor may start at any element offset and end mid-pack: one 16-byte access where the pack is
@@ -223,7 +223,8 @@ __device__ __forceinline__ void store_user(typename Traits<DT>::T* p, i64 valid,
 }
 
 // Copy n elements of a caller's tensor into workspace packs dst[0..): DETCOMM_UNROLL packs of one sweep loaded
-// before any is stored. Pack j is handled by thread j mod stride (the ownership "Work assignment" relies on).
+// before any is stored. Pack j is handled by thread j mod stride: the block that copies it in is the block that
+// reads it after START ("Work assignment").
 template <int DT>
 __device__ __forceinline__ void copy_in(const typename Traits<DT>::T* x, i64 n, uint4* dst, i64 tid, i64 stride) {
   constexpr int kPer = Traits<DT>::kPer;
@@ -313,31 +314,34 @@ __device__ __forceinline__ void fold_direct(const typename Traits<DT>::T* x, typ
 // store of the barrier's epoch into flags[kind][parity][b][r] of every peer, and waits until every peer p has
 // stored the same epoch into its own flags[kind][parity][b][p].
 //
-// Uses and parities. Each (kind, block) has its own uint32 epoch counter in the owner's header, advanced once per
-// use, wrapping modulo 2^32. A block's use of the workspace is numbered by its START epoch e: per block, not per
-// call, because a block that owns no pack of a launch skips it on every rank alike ("Work assignment"). Its
-// parity p = e & 1, read at kernel entry from the block's own START counter (open_use: e = counter + 1), selects
-// one of two copies of everything the use shares: the data slot (copy p of every rank's slot), the call
-// descriptors and the START flags. MID flags take the parity of their own (MID) epoch. There is no end barrier:
-// a block leaves the kernel as soon as its own last access is done, and the next launch overlaps the peers' tail.
+// Uses and parities. Each (kind, block) has its own uint32 epoch counter in the owner's header, wrapping modulo
+// 2^32. The START counter of EVERY block advances once per barrier launch, also in a block that owns no pack of
+// it (skip_use, "Work assignment"), so it counts this rank's barrier launches and a launch's parity p = e & 1 is
+// the same in all its blocks (open_use reads it at kernel entry: e = counter + 1). The parity selects one of two
+// copies of everything a launch shares: the data slot (copy p of every rank's slot), the call descriptors and the
+// START flags. MID flags take the parity of their own (MID) epoch, counted by the blocks that pass MID. There is no
+// end barrier: a block leaves the kernel as soon as its own last access is done, and the next launch overlaps the
+// peers' tail.
 //
-// Why two copies suffice. Claim: no peer is ever a whole use ahead of this rank on block b. Peer t writes copy p of
-// what this rank reads during use e (t's slot copy p, desc[p][b][t] and flags[START][p][b][t] in this rank's
-// header) again only for use e+2, and before use e+2 it must pass START of use e+1. That needs this rank's block b
-// to arrive at START e+1, which it does only in its next kernel (stream order), after its last read of use e,
-// with a release store. So when t can overwrite copy p, this rank has finished with it; one use ahead, t writes
-// only copy 1-p. The same holds for this rank's own slot: it rewrites copy p in use e+2's copy-in, after passing
-// START e+1, i.e. after every peer arrived there, i.e. after every peer's last read of use e.
-// MID (two-shot, fused two-shot): a block has at most one MID per START use, so MID use m lies in some START use
-// e and MID use m+2 (the next write of MID copy m & 1) in a START use >= e+2: the same argument, START e+1 in
-// between. MID keeps its own counter and parity (not START's) so that its flags stay exact: with START's parity,
-// kernels without MID interleaved with two-shot ones could leave one MID copy unwritten for 2^32 MID uses, after
-// which its stale epoch would alias the awaited one.
+// Why two copies suffice. Claim: while this rank runs barrier launch e, no peer runs barrier launch e+2 or later.
+// Peer t starts launch e+2 only after its launch e+1 completed (stream order), which needs t's block 0 (block 0
+// owns a pack of every launch) past START e+1, i.e. this rank's block 0 arrived at START e+1, which it does only in
+// its next launch, after its launch e completed, every block's last read included. So while this rank works in
+// launch e, any peer is in launch e or e+1, and one launch ahead it writes only copy 1-p: its slot copy, its
+// descriptors and its START flags in this rank's header. The same holds for this rank's own slot. Nothing in the
+// claim depends on which block a launch gives a slot position to. (One-store launches in between take no part:
+// they use their own region, csrc/one_store_common.cuh, and a peer completing one needs this rank's stores in it.)
+// MID (two-shot, fused two-shot): a block has at most one MID per launch, so MID use m lies in launch e and MID
+// use m+2 (the next write of MID copy m & 1) in a launch >= e+2: the same claim. MID keeps its own counter and parity
+// (not START's) so that its flags stay exact: with START's parity, kernels without MID interleaved with two-shot
+// ones could leave one MID copy unwritten for 2^32 MID uses, after which its stale epoch would alias the awaited one.
 //
 // Epoch test. When this rank waits for use e on copy p, a peer's flag holds e (arrived) or the epoch of the
-// previous use of copy p, e-2 (0, the initial value, before the first): never a later use (the claim). So an
-// equality test is exact forever, across the wrap, and needs no ordering comparison (plan.py mirrors this; a CPU
-// test drives the mirror with a peer one use ahead, shows one copy would be overtaken, and crosses 2^32).
+// previous launch of copy p, e-2 (stored at that launch's START or by its skip_use; 0, the initial value, before
+// the first): never a later use (the claim). So an equality test is exact forever, across the wrap, and needs no
+// ordering comparison (plan.py mirrors this; CPU tests drive the mirror with a peer one use ahead, show one copy
+// would be overtaken, cross 2^32, and run blocks that skip launches under layouts that differ between launches:
+// tests/barrier_sim.py).
 //
 // Ordering: __syncthreads() makes every thread's prior data stores precede the release (release is
 // cumulative over what bar.sync ordered before it); the acquire load plus __syncthreads_or() makes the
@@ -462,13 +466,11 @@ __device__ __forceinline__ u32 parity_of(u32 epoch) {
 // store of the thread) does not pay an NVLink round trip for them. Kernels that call this build their Group with
 // announced = true.
 //
-// Why storing this early is safe: peer p reads desc[par][b][r] only between its acquire of r's START flag for
-// block b's use e and its own arrival at START e+1 (the comparison happens right after the acquire). This rank
-// stores copy par again only for use e+2, at the entry of a kernel that starts after its previous kernel finished,
-// in which block b passed START e+1 (or owned no pack: then no rank's block b ran that kernel's barriers, and the
-// argument applies to the last kernel in which it did). Passing START e+1 needs peer p's arrival there, after its
-// comparison of use e. So the store never overtakes a read of the previous use of that copy. If the workspace
-// already failed, the stores land in headers nobody trusts any more (every call is refused until re-created).
+// Why storing this early is safe: peer p reads desc[par][b][r] during its launch e, right after its acquire of r's
+// START flag for block b. This rank stores copy par again only in launch e+2, which it starts after its launch e+1
+// completed, which needed peer p's block 0 at START e+1, i.e. peer p's launch e completed ("Barriers", the claim).
+// So the store never overtakes a read of the previous use of that copy. If the workspace already failed, the
+// stores land in headers nobody trusts any more (every call is refused until re-created).
 __device__ __forceinline__ void announce_call(const Group& g) {
   if (threadIdx.x < DETCOMM_W) store_call_descriptor(g, threadIdx.x);
 }
@@ -609,16 +611,43 @@ __device__ __forceinline__ bool block_barrier(const Group& g, int kind) {
 // ----------------------------------------------------------------------------------------------------
 // Work assignment
 // ----------------------------------------------------------------------------------------------------
-// Slot pack position q is only ever written or read by the block (q mod stride) / BLOCK_THREADS of every
-// rank, where stride = gridDim.x * BLOCK_THREADS: one-shot and all-gather walk q = thread id + k*stride;
-// two-shot and reduce-scatter place slice s at s*Lp with Lp a multiple of stride. That is what makes
-// per-block barriers sufficient, also between different kernels on the same workspace.
+// Inside a launch, a slot pack is written and read by one block index on every rank: the per-block START and MID
+// barriers order those accesses. The kernels of csrc/ place packs in different ways (one-shot and all-gather walk
+// q = thread id + k*stride; two-shot and reduce-scatter place slice s at s*Lp, Lp a multiple of stride; the virtual
+// and tree kernels place units of two fp32 packs and slabs or slices back to back; the fused kernels a row's regions),
+// so ACROSS launches one position may belong to different blocks. That is safe because a launch's parity is the same
+// in every block ("Barriers": every block counts every barrier launch, skip_use below), not because of a common
+// pack-to-block rule: an earlier version relied on such a rule, which the unit layouts broke, and a block that had
+// skipped launches worked in the copy a peer's other block was still reading (seen on one H200, ranks as processes
+// sharing it: the fused tree norm's self-check read other calls' values).
 //
-// A block that owns no pack of a launch returns at once, before any barrier: it touches no slot in this launch,
-// every rank's block b makes the same decision (the count is the same on every rank, and block 0, which always
-// owns a pack, compares the counts at its start barrier), so block b's epochs (and so its parities) stay equal on
-// all ranks and its barriers in the launches around this one still order its slot accesses. Small messages then pay barriers
-// only in the few blocks that carry data, instead of in every block of the grid.
+// A block that owns no pack of a launch skips it: it touches no slot and waits for nobody, every rank's block b
+// makes the same decision (the count is the same on every rank, and block 0, which always owns a pack, compares the
+// counts at its start barrier). Small messages then pay barriers only in the few blocks that carry data, instead of
+// in every block of the grid; the skipping block only counts the launch (skip_use).
 __device__ __forceinline__ bool block_owns_packs(i64 packs) { return (i64)blockIdx.x * DETCOMM_BLOCK_THREADS < packs; }
 __device__ __forceinline__ i64 thread_id() { return (i64)blockIdx.x * DETCOMM_BLOCK_THREADS + threadIdx.x; }
 __device__ __forceinline__ i64 grid_stride() { return (i64)gridDim.x * DETCOMM_BLOCK_THREADS; }
+
+// What a block that owns no pack of a barrier launch does instead of its uses (call it and return, before open_use):
+// advance its START counter, so that every block's counter is the number of barrier launches this rank ran and a
+// launch's parity is the same in all of them, and store that epoch into its START flag (of that parity) in every
+// rank's header, without waiting: no rank waits on it (every rank's block b skips this launch), and it keeps every
+// flag one use of its copy old at most, so the equality test stays exact across the wrap whatever a block skipped.
+// Relaxed stores: they publish no data. Thread 0 alone (at most DETCOMM_MAX_W stores). The negative control (tests
+// only, DETCOMM_TEST_UNCOUNTED_SKIP) skips without counting, as the earlier scheme did: a block's parity then
+// follows its own uses, and the mixed-layout test must catch a peer's block overwriting a copy still being read.
+__device__ __forceinline__ void skip_use(const Group& g) {
+#ifndef DETCOMM_TEST_UNCOUNTED_SKIP
+  if (threadIdx.x == 0) {
+    u32* own = g.sigs[g.rank];
+    const u32 epoch = own[epoch_index(BARRIER_START, blockIdx.x)] + 1u;
+    const u32 par = parity_of(epoch);
+#pragma unroll
+    for (int t = 0; t < DETCOMM_W; ++t) st_relaxed_sys(g.sigs[t] + flag_index(BARRIER_START, par, blockIdx.x, g.rank), epoch);
+    own[epoch_index(BARRIER_START, blockIdx.x)] = epoch;
+  }
+#else
+  (void)g;
+#endif
+}

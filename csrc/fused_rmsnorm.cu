@@ -9,9 +9,9 @@
 //
 // Rows, blocks and slots. Row i is handled by block b = i mod gridDim.x as that block's local row m = i / grid.
 // Its P packs live in the slot in R = ceil(P / BLOCK_THREADS) regions of BLOCK_THREADS packs, region k of the
-// row at slot pack (m*R + k) * stride + b * BLOCK_THREADS: every slot pack a block touches is one the
-// workspace's ownership rule (detcomm_common.cuh, "Work assignment") gives to that same block, so the
-// per-block barriers order these kernels against every other workspace kernel too. A 512-thread block norms
+// row at slot pack (m*R + k) * stride + b * BLOCK_THREADS: within a launch, every slot pack is written and read by
+// one block index on every rank, so the per-block barriers order the launch (detcomm_common.cuh, "Work
+// assignment"); the launch's parity, the same in every block, keeps it apart from the launches around it. A 512-thread block norms
 // two rows at a time, one per half (256 threads = the definition's 256 lanes), or, in the wide kernels,
 // one row on both halves (csrc/fused_norm_row.cuh, FnPlace); both halves run the same number of iterations so the
 // block-wide __syncthreads of the tree stay uniform.
@@ -230,7 +230,7 @@ __device__ __forceinline__ void fused_rmsnorm(const typename Traits<DT>::T* __re
   const i64 rows_b = fn_block_rows(rows);
   // Returns before any barrier when this block has no row: every rank's block b decides the same (rows is
   // compared at block 0's start barrier, and block 0 always has a row), see "Work assignment".
-  if (rows_b == 0) return;
+  if (rows_b == 0) return skip_use(g0);
   const Group g = open_use(g0);
   const i64 P = (H + kPer - 1) / kPer;
   const i64 R = (P + DETCOMM_BLOCK_THREADS - 1) / DETCOMM_BLOCK_THREADS;

@@ -19,7 +19,7 @@ __device__ __forceinline__ void one_shot(const typename Traits<DT>::T* __restric
   const i64 tid = thread_id();
   const i64 stride = grid_stride();
   const i64 npacks = (n + kPer - 1) / kPer;
-  if (!block_owns_packs(npacks)) return;
+  if (!block_owns_packs(npacks)) return skip_use(g0);
   const Group g = open_use(g0);
   uint4* own = slot(g, g.rank);
   const uint4* src[DETCOMM_W];

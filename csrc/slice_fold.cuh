@@ -27,7 +27,7 @@ __device__ __forceinline__ void slice_fold(const typename Traits<DT>::T* __restr
   constexpr int U = DETCOMM_UNROLL;
   const i64 tid = thread_id();
   const i64 stride = grid_stride();
-  if (!block_owns_packs((L + kPer - 1) / kPer)) return;  // slice 0 is the longest: L elements
+  if (!block_owns_packs((L + kPer - 1) / kPer)) return skip_use(g0);  // slice 0 is the longest: L elements
   const Group g = open_use(g0);
   const int r = g.rank;
   uint4* own = slot(g, r);

@@ -76,7 +76,7 @@ __device__ __forceinline__ void tree_one_shot(const u32* __restrict__ x, i64 x_s
   const i64 tid = thread_id();
   const i64 stride = grid_stride();
   const i64 nu = (n + E - 1) / E;
-  if (!block_owns_packs(nu)) return;
+  if (!block_owns_packs(nu)) return skip_use(g0);
   const Group g = open_use(g0);
   const uint4* src[DETCOMM_W];
 #pragma unroll
@@ -96,7 +96,7 @@ __device__ __forceinline__ void tree_two_shot(const u32* __restrict__ x, i64 x_s
   const i64 tid = thread_id();
   const i64 stride = grid_stride();
   const i64 Lu = L / E;
-  if (!block_owns_packs(Lu)) return;  // slice 0 is the longest: Lu units
+  if (!block_owns_packs(Lu)) return skip_use(g0);  // slice 0 is the longest: Lu units
   const Group g = open_use(g0);
   const int r = g.rank;
   uint4* own = slot(g, r);

@@ -18,12 +18,12 @@
 //             over the first fp32 pack of its own slab 0 slice q unit t (read by no other thread or rank: the other
 //             ranks fold other slices), and after the MID barrier every rank copies the other ranks' rounded packs
 //             verbatim (bits moved, nothing compared: a rounded -0.0 is a value, docs/spec.md §9.4).
-// Why dense slabs keep the barrier contract (detcomm_common.cuh "Work assignment"): inside a launch every slot
-// unit is written and read by the same (block, thread) index on every rank, so the per-block START / MID
-// barriers order each write before each read; across launches every access goes to the slot copy of the block's
-// use parity, which no peer rewrites before this rank's block arrives at its next START, after its last read
-// (detcomm_common.cuh, "Barriers"). Blocks that own no unit return before any barrier, on every rank alike (same
-// n, L), so their uses and parities stay equal on every rank.
+// The barrier contract (detcomm_common.cuh "Work assignment" and "Barriers"): inside a launch every slot unit is
+// written and read by the same (block, thread) index on every rank, so the per-block START / MID barriers order
+// each write before each read; across launches every access goes to the slot copy of the launch's parity, which no
+// peer rewrites before this rank's launch completed. Units of two packs and back-to-back slabs give a position to
+// another block than the one-input kernels do: harmless, since the parity is the launch's, the same in every block
+// (blocks that own no unit skip the launch on every rank alike, same n and L, and count it: skip_use).
 //
 // The descriptor's count is the fp32 input element count S * n: ranks that disagree on the slabs or the rows
 // fail at the START barrier like any mismatched call.
@@ -91,7 +91,7 @@ __device__ __forceinline__ void virtual_one_shot(const u32* __restrict__ x, i64 
   const i64 tid = thread_id();
   const i64 stride = grid_stride();
   const i64 nu = (n + E - 1) / E;
-  if (!block_owns_packs(nu)) return;
+  if (!block_owns_packs(nu)) return skip_use(g0);
   const Group g = open_use(g0);
   uint4* own = slot(g, g.rank);
   const uint4* src[DETCOMM_W];
@@ -115,7 +115,7 @@ __device__ __forceinline__ void virtual_two_shot(const u32* __restrict__ x, i64 
   const i64 tid = thread_id();
   const i64 stride = grid_stride();
   const i64 Lu = L / E;
-  if (!block_owns_packs(Lu)) return;  // slice 0 is the longest: Lu units
+  if (!block_owns_packs(Lu)) return skip_use(g0);  // slice 0 is the longest: Lu units
   const Group g = open_use(g0);
   const int r = g.rank;
   uint4* own = slot(g, r);

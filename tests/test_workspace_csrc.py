@@ -199,6 +199,14 @@ def test_single_copy_negative_control_compiles_differently(tmp_path):
 
 
 @needs_nvcc
+def test_uncounted_skip_negative_control_compiles_differently(tmp_path):
+    """The control build's skipping blocks store no flag (relaxed remote stores) and count nothing."""
+    canonical = _ptx(tmp_path, "one_shot.cu", 3)
+    control = _ptx(tmp_path, "one_shot.cu", 3, "-DDETCOMM_TEST_UNCOUNTED_SKIP=1")
+    assert canonical.count("st.relaxed.sys") > control.count("st.relaxed.sys"), "skip_use stores no flag"
+
+
+@needs_nvcc
 def test_virtual_fold_entry_points_per_dtype_module(tmp_path):
     """Each dtype module of csrc/virtual_fold.cu defines exactly the two virtual kernels module_functions lists."""
     for module, code in kernels.MODULE_DTYPE_CODES.items():
@@ -220,6 +228,7 @@ def test_nvrtc_options_are_exact():
     assert f"-D{kernels.ROTATE_MACRO}=1" in kernels.nvrtc_options(4, "sm_90", build="rotated")
     assert "-DDETCOMM_TEST_STALE_FLAGS=1" in kernels.nvrtc_options(4, "sm_90", build="stale_flags")
     assert "-DDETCOMM_TEST_SINGLE_COPY=1" in kernels.nvrtc_options(4, "sm_90", build="single_copy")
+    assert "-DDETCOMM_TEST_UNCOUNTED_SKIP=1" in kernels.nvrtc_options(4, "sm_90", build="uncounted_skip")
     assert "-DDETCOMM_DTYPE=1" in kernels.nvrtc_options(4, "sm_90", module="bfloat16")
     with pytest.raises(ValueError):
         kernels.nvrtc_options(4, "sm_90", build="fast")

@@ -4,7 +4,7 @@ and records nothing.
 
 - ``workspace_class(build, *, record=False)``: a Workspace subclass whose ``create`` (COLLECTIVE) and
   ``in_process`` load the kernel build ``build`` (kernels.BUILD_DEFINES: the negative controls "rotated",
-  "stale_flags", "single_copy", "one_buffer", "unmarked", which a test must catch; the bench's "fused_batch4" and
+  "stale_flags", "single_copy", "uncounted_skip", "one_buffer", "unmarked", which a test must catch; the bench's "fused_batch4" and
   "fused_no_wide", which give the canonical bits at another speed) and, with ``record``, start with an empty
   ``variants_run``.
 - ``record(*workspaces)``: LOCAL. Start recording on workspaces that exist (for example the one a communicator

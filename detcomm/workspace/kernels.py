@@ -64,7 +64,8 @@ TRAP_ENV = "DETCOMM_WORKSPACE_TRAP"
 # Negative controls, each a build a test must catch: "rotated" folds in the wrong rank order, "stale_flags" lets a
 # barrier pass on an earlier use's flag, "one_buffer" gives the one-store kernel a single buffer, "unmarked" pushes
 # +0.0 unchanged (indistinguishable from an empty word), "single_copy" keeps one copy of the slots, flags and
-# descriptors (no parity).
+# descriptors (no parity), "uncounted_skip" lets a block that owns no pack skip a launch without counting it (its
+# parity then follows its own uses: csrc/detcomm_common.cuh skip_use).
 # Bench builds, the same bits, timed against the canonical build (bench/fused_streams.py --build;
 # csrc/fused_norm_row.cuh): "fused_batch4" gives the fused kernels a load batch of 4 chunks per lane instead of
 # plan.FUSED_NORM_BATCH, "fused_no_wide" (the canonical cubins) never launches the wide kernels, so the rows they
@@ -78,6 +79,7 @@ BUILD_DEFINES: dict[str, dict[str, str]] = {
     "rotated": {ROTATE_MACRO: "1"},
     "stale_flags": {"DETCOMM_TEST_STALE_FLAGS": "1"},
     "single_copy": {"DETCOMM_TEST_SINGLE_COPY": "1"},
+    "uncounted_skip": {"DETCOMM_TEST_UNCOUNTED_SKIP": "1"},
     "one_buffer": {"DETCOMM_TEST_ONE_BUFFER": "1"},
     "unmarked": {"DETCOMM_TEST_UNMARKED": "1"},
 }
