@@ -510,9 +510,10 @@ def all_reduce_residual_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight:
     ``(y, r)``, batch-invariant on every canonical route (docs/spec.md §9). Collective.
 
     On a site declared with ``virtual_shards=V`` (the layer boundary of a TP-size-invariant layout), ``x`` is this
-    rank's fp32 partials ``[V/W, rows, H]`` and ``residual`` the ``[rows, H]`` rows in the site's dtype; every route
-    runs the virtual all-reduce, then the canonical norm (docs/spec.md §9.2 "Tree sites": the fused tree kernels
-    are not served yet)."""
+    rank's fp32 partials ``[V/W, rows, H]`` and ``residual`` the ``[rows, H]`` rows in the site's dtype; the workspace
+    serves a tree-order site (``shard_fold="tree"``) with its fused tree kernels where fusion is allowed, and every
+    other route runs the virtual all-reduce, then the canonical norm: the same bits (docs/spec.md §9.2 "Tree
+    sites")."""
     return _comm_for(site).all_reduce_residual_rmsnorm(x, residual, weight, eps=eps, site=site)
 
 

@@ -13,7 +13,6 @@ from detcomm.numerics.fold import BATCH_INVARIANT
 from detcomm.route import AutoBackend, Capabilities, Collective, Route, Site
 from detcomm.route import fusion_refusal as route_fusion_refusal
 from detcomm.workspace import kernels, plan
-from detcomm.workspace.admission import FUSED_TREE_NOT_SERVED
 
 GPU2_WS = Capabilities(backend="nccl", device_type="cuda", world_size=2, workspace=True, workspace_max_rows=2048)
 
@@ -275,9 +274,8 @@ def _tree_site(fold: str = "tree", shape: tuple[int, ...] = (4096,), route: Rout
 def test_virtual_norm_sites_route_fused_or_composed() -> None:
     """docs/spec.md §9.2 "Tree sites": an all_reduce_rmsnorm site with virtual shards routes as its virtual all-reduce
     does; the tree order takes the workspace's fused tree kernels where fusion is allowed, the shard order the
-    composition (no fused kernel folds it); both routes' reasons say which, from the rule's owners. The fused tree
-    kernels are not served yet (workspace.admission.FUSED_TREE_NOT_SERVED): a tree site too is the composition on the
-    workspace, and the reason says so."""
+    composition (no fused kernel folds it); both routes' reasons say which, from the rule's owners. A tree row the
+    fused kernels cannot hold in registers is the composition, with plan.fused_norm_refusal's reason."""
     bitwise = resolve_numerics("rl-bitwise")
     for w in (2, 4):
         caps = Capabilities(backend="nccl", device_type="cuda", world_size=w, workspace=True, workspace_max_rows=2048,
@@ -285,9 +283,11 @@ def test_virtual_norm_sites_route_fused_or_composed() -> None:
         auto = AutoBackend(bitwise, caps)
         d = auto.decide(_tree_site())
         assert d.route is Route.IPC_FOLD and "tree kernels" in d.why, d
-        assert "composition: the fused tree kernels are not served yet" in d.why, d
-        assert route_fusion_refusal(bitwise, _tree_site(), world_size=w) == FUSED_TREE_NOT_SERVED
-        assert route_fusion_refusal(bitwise, _tree_site(shape=(65536,)), world_size=w) == FUSED_TREE_NOT_SERVED
+        assert "fused with the residual add + RMSNorm in one kernel" in d.why, d
+        assert route_fusion_refusal(bitwise, _tree_site(), world_size=w) is None
+        wide = route_fusion_refusal(bitwise, _tree_site(shape=(65536,)), world_size=w)
+        assert wide is not None and wide == plan.fused_norm_refusal(65536, "bfloat16", w), wide
+        assert "composition: " + wide in auto.decide(_tree_site(shape=(65536,))).why
         d = auto.decide(_tree_site("order"))
         assert d.route is Route.IPC_FOLD and "composition: no fused kernel folds the shard order" in d.why, d
         off = AutoBackend(resolve_numerics("rl-bitwise", layer_boundary_norm="unfused"), caps).decide(_tree_site())

@@ -6,10 +6,10 @@ the armed rows. The kernels compute the canonical fold bit for bit (the startup 
 group before a site is routed here); the row count only picks one-shot, two-shot or chunking.
 
 A virtual-shard all-reduce site (docs/spec.md §9.1) takes the workspace's virtual kernels (csrc/virtual_fold.cu):
-each rank copies its V/W fp32 slabs into its slot and the fold runs over the V shards in global order. A virtual
+each rank copies its V/W fp32 slabs into its slot and the fold runs over the V shards in global order. A shard-order
 all_reduce_rmsnorm site (docs/spec.md §9.2 "Tree sites") binds its virtual all-reduce, and the communicator adds the
-canonical norm: no fused kernel folds the shard order, and the fused tree kernels (``_bind_tree_norm``) are bound
-only where fusion is allowed, which it is not yet (workspace.admission.FUSED_TREE_NOT_SERVED).
+canonical norm (no fused kernel folds the shard order); a tree-order one binds the fused tree kernels
+(``_bind_tree_norm``) where fusion is allowed, as a plain site binds the fused kernels.
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ kernels and plan are what they describe:
   fit one launch; a tree-order site
   (``shard_fold="tree"``) where the tree kernels fold its V over this W (``plan.tree_refusal``) and one fp32 row
   fits one launch (the local subtree is folded before the slot, so V/W does not count);
-- fusion (``all_reduce_rmsnorm``): a fused kernel served for the site's all-reduce (the plain fold; none for the
-  shard order, and the tree order's not yet: FUSED_TREE_NOT_SERVED) and rows the fused kernels hold in registers
+- fusion (``all_reduce_rmsnorm``): a fused kernel served for the site's all-reduce (the plain fold and the tree
+  order; none for the shard order) and rows the fused kernels hold in registers
   (``plan.fused_norm_refusal``); what the numerics allow is ``detcomm.numerics.norm.fusion_refusal``'s part of
   the rule.
 
@@ -87,27 +87,14 @@ def admit(site: Site, caps: Capabilities, resolved: Resolved) -> Admission:
     return Admission(True, why)
 
 
-# Why a tree-order all_reduce_rmsnorm site is not fused yet. The fused tree kernels (csrc/fused_rmsnorm.cu, TREE)
-# equal the oracle and the composition when the W ranks are streams of one process (tests/gpu/test_workspace_tree.py),
-# but through the communicator, with the ranks as processes sharing one H200, the self-check of their bound variants
-# (backends/ipc_fold._bind_tree_norm) was refused on one run and lost a rank on another (2026-12-02), and the device
-# time to find out why was spent. Until that run passes, the workspace serves these sites as the composition: its tree
-# all-reduce kernels (proven through the communicator by the model probe at W = 2 / 4 / 8 on one H200), then the
-# canonical add + RMSNorm, the same bits. docs/spec.md §9.2 "Tree sites".
-FUSED_TREE_NOT_SERVED = ("the fused tree kernels are not served yet (their self-check through the communicator did "
-                         "not pass on processes sharing a GPU; docs/spec.md §9.2): the workspace's tree all-reduce, "
-                         "then the canonical add + RMSNorm")
-
-
 def fused_layout_refusal(site: Site, world_size: int) -> str | None:
     """The workspace's part of whether an all_reduce_rmsnorm site fuses: None where a fused kernel serves its
-    all-reduce (the plain fold; csrc/fused_rmsnorm.cu has no shard-order variant, and its tree variants are not
-    served yet: FUSED_TREE_NOT_SERVED) and holds its rows in registers at ``world_size`` (plan.fused_norm_refusal)."""
-    if site.virtual_shards is not None:
-        if site.shard_fold != "tree":
-            return ("no fused kernel folds the shard order, only the plain fold: the workspace's virtual "
-                    "all-reduce, then the canonical add + RMSNorm")
-        return FUSED_TREE_NOT_SERVED
+    all-reduce (the plain fold and the tree order, csrc/fused_rmsnorm.cu; it has no shard-order variant) and holds
+    its rows in registers at ``world_size`` (plan.fused_norm_refusal: the tree variants read fp32 slot rows but hold
+    the site's dtype in registers, as the plain ones do)."""
+    if site.virtual_shards is not None and site.shard_fold != "tree":
+        return ("no fused kernel folds the shard order, only the plain fold and the tree: the workspace's virtual "
+                "all-reduce, then the canonical add + RMSNorm")
     return plan.fused_norm_refusal(site.shape[0], dtypes.name_of(site.dtype), world_size)
 
 

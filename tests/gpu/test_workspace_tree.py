@@ -391,23 +391,16 @@ def test_fused_norm_on_the_tree_matches_the_oracle_and_the_composition(world, dt
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_the_route_binds_a_tree_norm_site_to_the_fused_tree_kernels(world, monkeypatch):
+def test_the_route_binds_a_tree_norm_site_to_the_fused_tree_kernels(world):
     """ipc_fold binds an all_reduce_rmsnorm site whose all-reduce is the tree (a stand-in site object with
     shard_fold="tree": the router's own site declaration is the host side's) to the fused tree kernels: every
     variant the binding exposes runs its self-check call (fused vs composition, raising on any differing bit) and
-    returns the tree's s; the fused call gives the oracle's (y, r). The workspace does not serve the fused tree
-    kernels yet (admission.FUSED_TREE_NOT_SERVED: their self-check through the communicator did not pass on
-    processes sharing a GPU); this test lifts that refusal to prove the binding on W streams of one process, where
-    it passed on the H200."""
+    returns the tree's s; the fused call gives the oracle's (y, r)."""
     from types import SimpleNamespace
 
     from detcomm.backends.ipc_fold import IpcFoldBackend
     from detcomm.envelope import resolve_numerics
     from detcomm.route import Collective, ReduceOp
-    from detcomm.workspace import admission, plan
-
-    monkeypatch.setattr(admission, "fused_layout_refusal",
-                        lambda site, w: plan.fused_norm_refusal(site.shape[0], "bfloat16", w))
 
     v, rows, hidden, dtype = 8, 7, 4096, "bfloat16"
     site = SimpleNamespace(name="tree.add_norm", collective=Collective.ALL_REDUCE_RMSNORM, dtype=torch.bfloat16,
@@ -450,9 +443,10 @@ API_SITES = {"bfloat16": 4096, "float32": 1000}  # hidden per dtype: a register 
 def job_api_tree_norm(rank: int, w: int) -> dict[str, object]:
     """Through the public API (detcomm.init, detcomm.site, detcomm.all_reduce_residual_rmsnorm): a tree-order
     all_reduce_rmsnorm site per dtype, on a communicator whose workspace records its code paths: its route and
-    self-check (no fused variant: not served yet); then every call's (y, r) bits with the kernels' record,
-    the composition through the API (the tree all_reduce site, then add_rms_norm), the shard-order site's (the
-    composition: no fused kernel), and a CUDA graph of the fused call replayed with new inputs
+    self-check (the fused tree variants' self-check calls ran); then every call's (y, r) bits with the kernels'
+    record (the fused tree kernel alone), the composition through the API (the tree all_reduce site, then
+    add_rms_norm), the shard-order site's (the composition: no fused kernel), and a CUDA graph of the fused call
+    replayed with new inputs
     (tests/gpu/harness.capture_and_replay: the oracle's bits after every replay). Returns what differs."""
     from harness import capture_and_replay
 
@@ -480,9 +474,10 @@ def job_api_tree_norm(rank: int, w: int) -> dict[str, object]:
                          max_rows=64, virtual_shards=API_V, shard_fold=fold)
         detcomm.site(f"ar.{dt}", collective="all_reduce", dtype=dtype, shape=(hidden,), max_rows=64,
                      virtual_shards=API_V, shard_fold="tree")
-        # Not served yet (admission.FUSED_TREE_NOT_SERVED): no self-check may have run a fused tree kernel.
-        if any(c == "all_reduce_rmsnorm_tree" for c, _, _ in ws.variants_run):
-            problems.append(f"{dt}: a self-check ran a fused tree kernel, which the workspace does not serve yet")
+        # The tree site's self-check ran the fused tree variants against the composition.
+        if not any(c == "all_reduce_rmsnorm_tree" and d == dt for c, d, _ in ws.variants_run):
+            problems.append(f"{dt}: no self-check ran a fused tree kernel: {sorted(ws.variants_run)}")
+        ws.variants_run.clear()
     for e in detcomm.routes().as_dicts():
         routes[str(e["site"])] = (str(e["route"]), str(e["selfcheck"]), str(e["why"]))
     out["routes"] = routes
@@ -510,10 +505,9 @@ def job_api_tree_norm(rank: int, w: int) -> dict[str, object]:
             y, r = detcomm.all_reduce_residual_rmsnorm(x, res, wt, eps=EPS, site=f"tree.{dt}")
             torch.cuda.synchronize()
             ran = set(ws.variants_run)
-            # The composition on the workspace (admission.FUSED_TREE_NOT_SERVED): the tree kernels, no fused one.
-            if not any(c == "all_reduce_tree" for c, _, _ in ran) or any(c != "all_reduce_tree" for c, _, _ in ran):
-                problems.append(f"{dt} rows={rows}: the call did not run the tree all-reduce kernels alone: "
-                                f"{sorted(ran)}")
+            # Fused on the workspace: the fused tree kernels alone, no separate all-reduce.
+            if not ran or any(c != "all_reduce_rmsnorm_tree" for c, _, _ in ran):
+                problems.append(f"{dt} rows={rows}: the call did not run the fused tree kernels alone: {sorted(ran)}")
             yb, rb = from_tensor(y), from_tensor(r)
             if not (np.array_equal(yb, y_want) and np.array_equal(rb, r_want)):
                 problems.append(f"{dt} rows={rows}: (y, r) differ from the oracle: y {first_mismatch(yb, y_want)}"
@@ -561,13 +555,12 @@ def job_api_tree_norm(rank: int, w: int) -> dict[str, object]:
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_public_api_tree_norm_processes_sharing_one_gpu(world):
-    """detcomm's call path end to end on the workspace: a tree-order all_reduce_rmsnorm site routes to ipc_fold as
-    the composition (the fused tree kernels are not served yet: admission.FUSED_TREE_NOT_SERVED, which the route
-    table says; no self-check ran a fused kernel); each call runs the tree all-reduce kernels alone and gives the
-    oracle's and the composition's (y, r), rows 1 / 7 / 64, bf16 H=4096 and fp32 H=1000; the shard-order site gives
-    the shard-order composition's bits (the negative control: they differ from the tree's); the call captured in a
-    CUDA graph replays the oracle's bits of new inputs. (On 2026-12-02, with the fused tree kernels served, this
-    run's self-check refused them and the capture then failed on gather_fold's host copy.)"""
+    """detcomm's call path end to end on the workspace: a tree-order all_reduce_rmsnorm site routes to ipc_fold fused
+    (the route table says so; its self-check ran the fused tree variants); each call runs the fused tree kernels
+    alone and gives the oracle's and the composition's (y, r), rows 1 / 7 / 64, bf16 H=4096 and fp32 H=1000; the
+    shard-order site gives the shard-order composition's bits (the negative control: they differ from the tree's);
+    the call captured in a CUDA graph replays the oracle's bits of new inputs. (Before the barriers counted skipped
+    launches, this run's self-check refused the fused tree kernels here: test_mixed_layouts_... below.)"""
     from detcomm._spawn import LocalCluster
 
     with LocalCluster(world, backend="gloo", pg_timeout_s=120) as c:
@@ -577,6 +570,85 @@ def test_public_api_tree_norm_processes_sharing_one_gpu(world):
         routes = r["routes"]
         for dt in API_SITES:
             route, check, why = routes[f"tree.{dt}"]
-            assert route == "ipc_fold" and check == "passed" and "the fused tree kernels are not served yet" in why, why
+            assert route == "ipc_fold" and check == "passed" and "fused with the residual add" in why, why
             route, check, why = routes[f"order.{dt}"]
             assert route == "ipc_fold" and check == "passed" and "no fused kernel folds the shard order" in why, why
+
+
+# ---- launches that place a slot position in different blocks, across processes sharing one GPU ------------------
+MIXED_ITERATIONS = 40
+
+
+def job_mixed_layouts(rank: int, w: int, build: str) -> dict[str, object]:
+    """On a workspace of kernel build `build` (W processes sharing the GPU, which time-slice it: a rank can be
+    descheduled in the middle of a launch's reads while its peers run their next launches), MIXED_ITERATIONS rounds of
+    three launches whose slot layouts give one position to different blocks and whose blocks skip different launches:
+    the fused tree norm one-shot on 3 rows of 4096 (blocks 0-2, a row's fp32 regions per block), the tree all-reduce
+    one-shot on the same partials (units of two fp32 packs: block 0 writes the positions the fused launch gave block
+    1) and a plain one-shot all-reduce of one bf16 row (block 0 alone: its START counter runs ahead of blocks 1-2's
+    unless the skipping blocks count the launch). Every output is compared with the numpy oracles afterwards; returns
+    the mismatches and the workspace's failure, if any."""
+    from detcomm.numerics import norm
+    from detcomm.workspace import WorkspaceFailed, debug
+    from oracle import fold_oracle
+
+    ws = debug.workspace_class(build).create(None, device="cuda:0", capacity_bytes=8 << 20, max_rows_armed=64,
+                                             timeout_s=20.0)
+    v, rows, hidden, dt = 8, 3, 4096, "bfloat16"
+    k = v // w
+    eps32 = norm.eps_fp32(EPS)
+    staged = []
+    for i in range(MIXED_ITERATIONS):  # every input first: nothing but launches between the launches
+        bits = partials(300 + i, v, rows, hidden, dt, specials=False)
+        res_b = round_fp32_bits(partials(301 + i, 1, rows, hidden, "float32", specials=False)[0], dt)
+        w_b = round_fp32_bits((np.random.default_rng(i).standard_normal(hidden).astype(np.float32) * 0.5 + 1)
+                              .view(np.uint32), dt)
+        plain = [round_fp32_bits(partials(302 + i, 1, 1, hidden, "float32", specials=False)[0], dt)
+                 for _ in range(w)]  # the same seed on every rank: each builds every rank's row
+        plain = [np.random.default_rng([i, r]).permutation(p.reshape(-1)).reshape(p.shape) for r, p in enumerate(plain)]
+        staged.append((bits, res_b, w_b, plain,
+                       to_tensor(np.ascontiguousarray(bits[rank * k:(rank + 1) * k]), "float32", "cuda:0"),
+                       to_tensor(res_b, dt, "cuda:0"), to_tensor(w_b, dt, "cuda:0"), to_tensor(plain[rank], dt, "cuda:0")))
+    torch.cuda.synchronize()
+    outs, failure = [], None
+    try:
+        for _bits, _res_b, _w_b, _plain, x, res, wt, xp in staged:
+            y, r = ws.all_reduce_rmsnorm_tree(x, res, wt, eps32, algo="one_shot")
+            s = ws.all_reduce_tree(x, dtype=torch.bfloat16, algo="one_shot")
+            p = ws.all_reduce(xp, algo="one_shot")
+            outs.append((y, r, s, p))
+        torch.cuda.synchronize()
+        ws.check()
+    except WorkspaceFailed as e:
+        failure = str(e)
+    problems: list[str] = []
+    if failure is None:
+        for i, ((bits, res_b, w_b, plain, *_), (y, r, s, p)) in enumerate(zip(staged, outs)):
+            s_want = tree_oracle(bits, dt)
+            y_want, r_want = norm_oracle(s_want, res_b, w_b, dt)
+            for name, got, want in (("y", y, y_want), ("r", r, r_want), ("tree s", s, s_want),
+                                    ("plain", p, fold_oracle(plain, dt))):
+                g = from_tensor(got)
+                if not np.array_equal(g, want):
+                    problems.append(f"round {i} {name}: {int((g != want).sum())} elements differ, "
+                                    f"{first_mismatch(g, want)}")
+    ws.close()
+    return {"problems": problems, "failure": failure}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_mixed_layouts_across_processes_never_read_a_copy_in_use(world):
+    """Launches that give one slot position to different blocks, with blocks that skip different launches, on W
+    processes sharing one GPU: every output equals the oracle on every rank and nothing fails. The negative control
+    is the build whose skipping blocks do not count the launch (kernels "uncounted_skip", the scheme before
+    2026-12-02): a block's parity then follows its own uses, and a peer's block 0 one launch ahead fills the copy this
+    rank's block 1 still reads; the same run must catch it (wrong bits, or a failed workspace). That scheme is how the
+    fused tree norm's self-check through the communicator was refused on the H200."""
+    from detcomm._spawn import LocalCluster
+
+    with LocalCluster(world, backend="gloo", pg_timeout_s=120) as c:
+        res = c.run(job_mixed_layouts, "canonical", timeout_s=300)
+        for rank, r in enumerate(res):
+            assert r["failure"] is None and r["problems"] == [], (rank, r)
+        control = c.run(job_mixed_layouts, "uncounted_skip", timeout_s=300)
+    assert any(r["failure"] or r["problems"] for r in control), "the uncounted-skip control passed: the test cannot see it"
