@@ -641,18 +641,19 @@ def fused_norm_tree_rows_per_launch(hidden: int, *, grid: int, slot_bytes: int) 
     return fused_norm_rows_per_launch(hidden, "float32", grid=grid, slot_bytes=slot_bytes)
 
 
-def fused_norm_tree_variants(*, hidden: int, max_rows: int, grid: int, slot_bytes: int,
+def fused_norm_tree_variants(*, hidden: int, dtype: str, max_rows: int, grid: int, slot_bytes: int,
                              one_shot_max_bytes: int) -> list[str]:
     """The fused tree kernels' code paths calls of 1..max_rows rows can take ("fused_one_shot", "fused_two_shot",
-    "fused_chunked"), each launch choosing by its fp32 input bytes (rows * hidden * 4) against one_shot_max_bytes as
-    Workspace.all_reduce_rmsnorm_tree does; [] when one fp32 row does not fit a launch."""
+    "fused_chunked"), each launch choosing as Workspace.all_reduce_rmsnorm_tree does: one-shot while its rows of the
+    site's dtype (rows * hidden * elem_size(dtype), the plain fold's rule and tree_algo's) fit one_shot_max_bytes;
+    [] when one fp32 row does not fit a launch."""
     per = fused_norm_tree_rows_per_launch(hidden, grid=grid, slot_bytes=slot_bytes)
-    return [f"fused_{v}" for v in _by_launch_bytes(per, hidden * F32_BYTES, max_rows, one_shot_max_bytes)]
+    return [f"fused_{v}" for v in _by_launch_bytes(per, hidden * elem_size(dtype), max_rows, one_shot_max_bytes)]
 
 
 def fused_norm_rows_per_launch(hidden: int, dtype: str, *, grid: int, slot_bytes: int) -> int:
     """Rows one fused launch carries. Row i belongs to block i mod grid; its P packs take R = ceil(P /
-    BLOCK_THREADS) regions of that block, one grid stride apart (so the slot ownership rule holds), so a slot
+    BLOCK_THREADS) regions of that block, one grid stride apart (positions only that block touches), so a slot
     holds floor(slot packs / (R * stride)) rows per block. 0 when not even one row fits."""
     if hidden < 1:
         raise ValueError(f"hidden must be >= 1, got {hidden}")
