@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from barrier_sim import simulate_barrier_uses
+from barrier_sim import BlockUse, Launch, simulate_barrier_uses, simulate_launches
 from detcomm.workspace import plan
 
 CUH = Path(__file__).resolve().parents[1] / "csrc" / "detcomm_common.cuh"
@@ -264,6 +264,160 @@ def test_single_copy_scheme_is_overtaken():
         for line in simulate_barrier_uses(0, MIDS, world=rng.randint(2, 4), pick=rng.choice, copies=1):
             seen.add(next(k for k in ("flag shows", "descriptor", "read rank", "gathered", "deadlock") if k in line))
     assert {"flag shows", "descriptor", "read rank", "deadlock"} <= seen, seen
+
+
+# --- every block of a grid, launches whose layouts differ (barrier_sim.simulate_launches) ---------------------------
+# Launch kinds over slot positions 0..7, written for up to 3 blocks and cut to the grid (blocks past a launch's tuple
+# own nothing and skip). They stand for kernels that place one position in different blocks: one-shot packs spread
+# over the blocks (A), a unit layout that gives the first four to block 0 (B, as the tree kernels' two-pack units do
+# to what one-shot spreads), the same positions with the blocks swapped (C), two-shot and reduce-scatter slices with
+# their offsets in other blocks (D, E, R), and a launch where block 1 owns nothing between blocks that do (F).
+def _one_shot(*packs: int) -> BlockUse:
+    return BlockUse(packs)
+
+
+def _sliced(*offsets: int, slice_len: int, mid: bool = True) -> BlockUse:
+    return BlockUse(offsets, slice_len, mid)
+
+
+_KINDS: dict[str, Launch] = {
+    "A": (_one_shot(0, 1), _one_shot(2, 3), _one_shot(4, 5)),
+    "B": (_one_shot(0, 1, 2, 3),),
+    "C": (_one_shot(2, 3), _one_shot(0, 1)),
+    "D": (_sliced(0, slice_len=2), _sliced(1, slice_len=2)),
+    "E": (_sliced(0, 1, slice_len=2),),
+    "F": (_one_shot(0), None, _one_shot(1, 2, 3)),
+    "R": (_sliced(1, slice_len=2, mid=False), _sliced(0, slice_len=2, mid=False)),
+}
+# Launch 1 (B) skips block 1 right before launch 2 (A) gives block 1 positions 2 and 3, which B gave block 0: the
+# shortest case of the bug (see the control); the rest mixes every kind, MIDs included.
+MIXED = "ABACDBEAFDCRBEAC"
+
+
+def _mixed(blocks: int) -> list[Launch]:
+    return [_KINDS[k][:blocks] for k in MIXED]
+
+
+def _same_layout(blocks: int) -> list[Launch]:
+    """Launches that all place position q in block q % G, as the one-input kernels do (one-shot pack q and two-shot
+    pack s*L + j, L a multiple of the grid stride, both go to thread q mod stride), of sizes that let the higher
+    blocks skip some launches."""
+    def spread(n: int) -> Launch:
+        return tuple(BlockUse(own) if (own := tuple(range(b, n, blocks))) else None for b in range(blocks))
+
+    def sliced(m: int, slice_len: int, mid: bool = True) -> Launch:
+        return tuple(BlockUse(own, slice_len, mid) if (own := tuple(range(b, m, blocks))) else None
+                     for b in range(blocks))
+    g = blocks
+    return [spread(2 * g), spread(1), sliced(g, g), spread(g + 1), sliced(1, g), spread(1), sliced(2 * g, 2 * g),
+            sliced(1, g, mid=False), spread(2 * g), spread(1), sliced(g, g), spread(1), sliced(1, 2 * g), spread(2 * g)]
+
+
+def _owners(launches: list[Launch], world: int) -> dict[int, set[int]]:
+    """position -> the blocks that write it (on some rank) in some launch."""
+    got: dict[int, set[int]] = {}
+    for launch in launches:
+        for b, use in enumerate(launch):
+            for r in range(world):
+                for q in use.writes(r, world) if use else ():
+                    got.setdefault(q, set()).add(b)
+    return got
+
+
+def _skippers(launches: list[Launch], blocks: int) -> set[int]:
+    """The blocks that own nothing in some launch."""
+    return {b for launch in launches for b in range(blocks) if b >= len(launch) or launch[b] is None}
+
+
+# A control finding: rank r's block b, in launch n, read rank t's position q in copy c and found what launch m's
+# block k wrote there.
+_OVERTAKEN = re.compile(r"rank (\d+) block (\d+) launch (\d+): read rank (\d+)'s position (\d+) \(copy (\d), stage \d "
+                        r"expected\) of launch (\d+) stage \d, written by its block (\d+)$")
+
+
+def test_counted_skip_keeps_every_block_in_the_launch_parity():
+    """The device's scheme (skip_use counts the launch and stores its START flag), every block of the grid through
+    launches whose layouts move positions between blocks and skip blocks, two-shot MIDs among them: with the lowest
+    or the highest rank always stepping first, and under 300 random interleavings at W = 2..4, G = 2..3 (counters
+    started near the 2^32 wrap too), no block reads another launch's data or descriptor, no waiting block sees a
+    flag other than its use or the previous use of its copy, and nothing deadlocks."""
+    for blocks in (2, 3):
+        seq = _mixed(blocks)
+        # What makes the sequence a test of skip_use: positions change block, every block but 0 skips some launch.
+        assert any(len(owners) > 1 for owners in _owners(seq, 2).values())
+        assert _skippers(seq, blocks) == set(range(1, blocks))
+        for world in (2, 3, 4):
+            for pick in (min, max):
+                assert simulate_launches(seq, world=world, blocks=blocks, pick=pick) == [], (blocks, world, pick)
+    rng = random.Random(21)
+    for _ in range(300):
+        world, blocks = rng.randint(2, 4), rng.randint(2, 3)
+        start, mid = rng.choice([0, 7, 2**31, 2**32 - 4, 2**32 - 3]), rng.choice([0, 2**32 - 1, 2**32 - 2])
+        assert simulate_launches(_mixed(blocks), world=world, blocks=blocks, pick=rng.choice, start_epoch=start,
+                                 mid_start=mid) == [], (world, blocks, start, mid)
+
+
+def _assert_overtaken(got: list[str]) -> None:
+    """Every finding is the bug skip_use fixed: a reader's copy overwritten by a PEER's OTHER block in a LATER launch
+    (the reader's block and the writer's had counted different numbers of launches, so one parity for both)."""
+    assert got
+    for line in got:
+        m = _OVERTAKEN.match(line)
+        assert m, line
+        r, b, n, t, _q, _c, later, writer = map(int, m.groups())
+        assert t != r and writer != b and later > n, line
+
+
+def test_uncounted_skip_is_overtaken_when_layouts_differ():
+    """The negative control (the old scheme, as the device's DETCOMM_TEST_UNCOUNTED_SKIP build): a block that owns
+    nothing touches nothing, so its parity follows its own uses. On the same launches as above, in launch 1 (B)
+    block 1 skips: block 0 works at epoch 2 (copy 0) while block 1 still counts 1, so in launch 2 (A) block 1 works
+    at epoch 2 in copy 0 too. The rank that runs ahead enters launch 2 as soon as its peer's block 0 arrived at START
+    of launch 1, and its block 1 copies positions 2 and 3 into copy 0 while the peer's block 0 still reads them there
+    for launch 1. Fast rank first (either end) shows it deterministically; most random schedules do too."""
+    got = simulate_launches(_mixed(2), world=2, blocks=2, pick=min, counted_skip=False)
+    assert got[0] == ("rank 1 block 0 launch 1: read rank 0's position 2 (copy 0, stage 0 expected) of launch 2 "
+                      "stage 0, written by its block 1"), got
+    _assert_overtaken(got)
+    got = simulate_launches(_mixed(2), world=2, blocks=2, pick=max, counted_skip=False)
+    assert got[0] == ("rank 0 block 0 launch 1: read rank 1's position 2 (copy 0, stage 0 expected) of launch 2 "
+                      "stage 0, written by its block 1"), got
+    _assert_overtaken(got)
+    for blocks in (2, 3):
+        for world in (3, 4):
+            for pick in (min, max):
+                _assert_overtaken(simulate_launches(_mixed(blocks), world=world, blocks=blocks, pick=pick,
+                                                    counted_skip=False))
+    rng = random.Random(22)
+    caught = 0
+    for _ in range(100):
+        world, blocks = rng.randint(2, 4), rng.randint(2, 3)
+        got = simulate_launches(_mixed(blocks), world=world, blocks=blocks, pick=rng.choice, counted_skip=False)
+        if got:
+            _assert_overtaken(got)
+            caught += 1
+    assert caught >= 50, caught  # 78 of 100 with this seed: the race is wide, not a one-schedule corner
+
+
+def test_uncounted_skip_holds_when_positions_keep_their_block():
+    """Why the old scheme held for the one-input kernels: when every launch places position q in the same block
+    (q % G), each position's copies are only ever touched by one block, whose own uses alternate the parity, so the
+    single-block argument applies per block even though blocks skip launches and their counters diverge. Both
+    schemes pass here, fast rank first and under 200 random interleavings (wrap included)."""
+    for blocks in (2, 3):
+        seq = _same_layout(blocks)
+        assert all(owners == {q % blocks} for q, owners in _owners(seq, 4).items())
+        assert _skippers(seq, blocks) == set(range(1, blocks))
+        for world in (2, 3, 4):
+            for pick in (min, max):
+                for counted in (True, False):
+                    assert simulate_launches(seq, world=world, blocks=blocks, pick=pick, counted_skip=counted) == []
+    rng = random.Random(23)
+    for _ in range(200):
+        world, blocks = rng.randint(2, 4), rng.randint(2, 3)
+        start, mid = rng.choice([0, 2**32 - 3]), rng.choice([0, 2**32 - 1])
+        assert simulate_launches(_same_layout(blocks), world=world, blocks=blocks, pick=rng.choice,
+                                 counted_skip=False, start_epoch=start, mid_start=mid) == [], (world, blocks, start)
 
 
 def test_epoch_rule_is_exact_across_the_wrap():
