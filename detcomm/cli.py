@@ -28,8 +28,9 @@ __all__ = ["SiteSpec", "parse_site", "main"]
 
 # Accepted dtype spellings -> the dtype table's names.
 DTYPE_NAMES = ALIASES
-COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "token_all_gather", "all_to_all", "argmax")
-_REDUCING = ("all_reduce", "reduce_scatter")
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_reduce_rmsnorm", "all_gather", "token_all_gather", "all_to_all",
+               "argmax")
+_REDUCING = ("all_reduce", "reduce_scatter", "all_reduce_rmsnorm")
 
 # A tensor-parallel decoder layer's sites, for when no --site is given.
 _DEFAULT_SITES = (
@@ -46,7 +47,9 @@ _DEFAULT_SITES = (
 
 SITE_HELP = """\
 --site NAME:COLLECTIVE:DTYPE:SHAPE:MAX_ROWS[:OP][:vs=V[:fold=tree]]   (repeatable; default: a TP decoder layer's sites)
-  COLLECTIVE  all_reduce, reduce_scatter, all_gather, token_all_gather, all_to_all, argmax
+  COLLECTIVE  all_reduce, reduce_scatter, all_reduce_rmsnorm (the fused all-reduce + residual + RMSNorm of a
+              layer boundary: fused or composed, and why; its rule loads torch), all_gather, token_all_gather,
+              all_to_all, argmax
   DTYPE       bf16|bfloat16, fp16|half|float16, fp32|float|float32, int8, uint8, int32|int, int64|long
   SHAPE       one row's trailing shape: 4096, or 4,128 (also 4x128); empty for one value per row
   MAX_ROWS    the most rows one call carries (per rank for gathers)
@@ -60,6 +63,7 @@ examples:
   detcomm routes --backend gloo --world-size 4 --site lm_head:argmax:bf16:19008:64 --json
   detcomm routes --world-size 4 --site o_proj:all_reduce:bf16:4096:2048:sum:vs=8
   detcomm routes --world-size 4 --site o_proj:all_reduce:bf16:4096:2048:sum:vs=8:fold=tree
+  detcomm routes --world-size 4 --site o_proj.add_norm:all_reduce_rmsnorm:bf16:4096:2048:sum:vs=8:fold=tree
   detcomm routes --backend nccl --world-size 16 --nodes 2      (two 8-GPU nodes: docs/multinode.md)
 """
 

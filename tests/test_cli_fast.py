@@ -79,3 +79,30 @@ def test_python_m_detcomm_routes_imports_no_torch() -> None:
     imported = [line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")]
     assert "detcomm.cli" in imported and "detcomm.route" in imported
     assert not [m for m in imported if m.split(".")[0] == "torch"]
+
+
+def test_routes_show_layer_boundary_norm_sites() -> None:
+    """all_reduce_rmsnorm sites (the layer boundary: plain, shard-order and tree-order virtual shards) in the static
+    table are the router's decisions for the same sites built with torch dtypes; the tree site reads fused on the
+    workspace and the shard-order site the composition, so the table can tell them apart (the control)."""
+    import torch
+
+    from detcomm.envelope import resolve_numerics
+    from detcomm.route import DEFAULT_WORKSPACE_BYTES, AutoBackend, Capabilities, Collective, Site
+
+    specs = ["b.add_norm:all_reduce_rmsnorm:bf16:4096:2048", "o.add_norm:all_reduce_rmsnorm:bf16:4096:2048:sum:vs=8",
+             "t.add_norm:all_reduce_rmsnorm:bf16:4096:2048:sum:vs=8:fold=tree"]
+    rows, status = _run("--numerics", "rl-bitwise", "--world-size", "4", *(a for s in specs for a in ("--site", s)))
+    # The fusion rule's numerics part lives with the canonical norm (detcomm.numerics.norm), which loads torch: a
+    # table with norm sites pays that import; the default sites' table stays torch-free (the tests above).
+    assert status["rc"] == 0
+    caps = Capabilities(backend="nccl", device_type="cuda", world_size=4, workspace=True, workspace_max_rows=2048,
+                        workspace_bytes=DEFAULT_WORKSPACE_BYTES)
+    router = AutoBackend(resolve_numerics("rl-bitwise"), caps)
+    for r, (vs, fold) in zip(rows, [(None, "order"), (8, "order"), (8, "tree")], strict=True):
+        site = Site(r["site"], Collective.ALL_REDUCE_RMSNORM, torch.bfloat16, (4096,), 2048, virtual_shards=vs,
+                    shard_fold=fold)
+        d = router.decide(site)
+        assert (r["route"], r["why"]) == (d.route.value, d.why)
+    assert "fused with the residual add" in rows[2]["why"] and "fused with the residual add" in rows[0]["why"]
+    assert "composition: no fused kernel folds the shard order" in rows[1]["why"]
