@@ -3,6 +3,8 @@
 canonical one, so this is a tolerance check of the wiring, the probe is the bitwise one), transformers' own
 forward still runs on the sharded model, the fused layer boundaries give the composition's bits (numpy oracle)
 under rl-bitwise and leave transformers' path alone under auto, and wrong geometries are refused with the fix.
+In the tree layout (``layout="virtual", shard_fold="tree"``) the boundaries are tree norm sites fed with the V/W
+fp32 shard partials (the tree composition's bits), and the logits, tokens and logprobs are the same at W = 1, 2, 4.
 """
 
 from __future__ import annotations
@@ -31,10 +33,12 @@ def _bf16(bits: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16)
 
 
-def job_boundaries(rank: int, w: int, directory: str, numerics: str, dtype_name: str) -> dict:
+def job_boundaries(rank: int, w: int, directory: str, numerics: str, dtype_name: str,
+                   virtual_shards: int | None = None, shard_fold: str = "order") -> dict:
     """One step of the engine with every fused boundary call recorded (site, operands, results) and every call
     of transformers' RMSNorm modules counted; the layer norms get random weights first (a checkpoint's are all
-    ones, which would hide the weight's product)."""
+    ones, which would hide the weight's product). ``virtual_shards``: the virtual layout (``shard_fold``) instead
+    of the fold layout."""
     import detcomm
     from detcomm.hf import ServingConfig, TPCausalLM, engine, load_causal_lm
     from detcomm.tp import Segment
@@ -84,14 +88,20 @@ def job_boundaries(rank: int, w: int, directory: str, numerics: str, dtype_name:
     detcomm.init(numerics=numerics)
     detcomm.all_reduce_residual_rmsnorm, engine.add_rms_norm = fused, local
     try:
-        lm = TPCausalLM(model, ServingConfig(t_pad=64, max_context=64))
+        layout = {} if virtual_shards is None else dict(layout="virtual", virtual_shards=virtual_shards,
+                                                         shard_fold=shard_fold)
+        lm = TPCausalLM(model, ServingConfig(t_pad=64, max_context=64), **layout)
         lm.forward([Segment(lm.new_cache(), PROMPT, 0)])
-        collectives = {str(e["site"]): str(e["collective"]) for e in detcomm.routes().as_dicts()}
+        entries = detcomm.routes().as_dicts()
+        collectives = {str(e["site"]): str(e["collective"]) for e in entries}
+        declared = {str(e["site"]): (e["collective"], e["virtual_shards"], e["shard_fold"]) for e in entries
+                    if str(e["site"]).endswith(".add_norm")}
     finally:
         detcomm.all_reduce_residual_rmsnorm, engine.add_rms_norm = real_fused, real_local
         detcomm.shutdown()
     out = {"fuse": lm.fuse, "counts": dict(counts), "norm_sites": list(lm.shards.norm_sites),
            "add_norm_collectives": {k: v for k, v in collectives.items() if k.endswith(".add_norm")},
+           "add_norm_declared": declared,
            "sites": [c[0] for c in calls], "weights_ok": [c[3] is e for c, e in zip(calls, expected)],
            "eps": [c[4] for c in calls], "config_eps": float(model.config.rms_norm_eps)}
     if calls:
@@ -133,6 +143,30 @@ def job_against_unsharded(rank: int, w: int, directory: str,
     finally:
         detcomm.shutdown()
     return engine_err, own_err, lp_err, tokens, ref_greedy[0, len(PROMPT):].tolist()
+
+
+def job_layout_bits(rank: int, w: int, directory: str, layouts: list[tuple[str, int | None, str]]) -> list[dict]:
+    """For each (layout, virtual_shards, shard_fold) in turn, under rl-bitwise (its own detcomm.init): whether the
+    boundaries fused, this rank's vocabulary shard of the fp32 logits of every real row of one prefill step, and the
+    greedy token ids and logprob bits of two prompts generated together."""
+    import detcomm
+    from detcomm.hf import ServingConfig, TPCausalLM, load_causal_lm
+    from detcomm.tp import Segment
+
+    torch.set_num_threads(1)
+    out = []
+    for layout, virtual_shards, shard_fold in layouts:
+        detcomm.init(numerics="rl-bitwise")
+        try:
+            lm = TPCausalLM(load_causal_lm(directory, dtype=torch.float32), ServingConfig(t_pad=64, max_context=64),
+                            layout=layout, virtual_shards=virtual_shards, shard_fold=shard_fold)
+            logits, _ = lm.forward([Segment(lm.new_cache(), PROMPT, 0)])
+            gen = lm.generate([PROMPT, PROMPT[5:0:-1]], max_new_tokens=3)
+        finally:
+            detcomm.shutdown()
+        out.append({"fuse": lm.fuse, "logits": _bits(logits.buf[: len(PROMPT)]), "tokens": [t for t, _ in gen],
+                    "logprobs": [_bits(lp) for _, lp in gen]})
+    return out
 
 
 # Tolerances: fp32 to rounding of the fold order and the canonical norm; bf16 a few bf16 ulps of the logits
@@ -197,14 +231,95 @@ def test_fused_boundaries_bits(cluster, tmp_path) -> None:  # noqa: ANN001
 
 
 @pytest.mark.slow
+def test_tree_layout_boundaries_bits(cluster2, tmp_path) -> None:  # noqa: ANN001
+    """layout='virtual', shard_fold='tree' under rl-bitwise: both boundaries of every layer are tree norm sites
+    (declared and in the route table as all_reduce_rmsnorm with virtual_shards=8, shard_fold tree), called with this
+    rank's [V/W, rows, H] fp32 shard partials and the right norm's weight; transformers' boundary norms never run
+    (Qwen3's q/k norms do). The layer-0 o_proj boundary's (y, r) are the composition of the tree of the V partials
+    gathered from the ranks (numpy oracle of the definition, and detcomm.numerics' reference_tree + the canonical add
+    + norm), its residual the embedding. Negative controls: the shard-order fold of the same partials gives other
+    bits, and so does transformers' norm of r."""
+    from detcomm.numerics.norm import add_rms_norm_torch
+    from detcomm.numerics.tree import reference_tree
+    from norm_oracle import residual_add_oracle, rms_norm_oracle
+    from test_tree_fold import order_oracle, tree_oracle
+
+    directory = write_tiny_checkpoint("qwen3-tiny", str(tmp_path), seed=5)
+    res = cluster2.run(job_boundaries, directory, "rl-bitwise", "float32", 8, "tree")
+    names = [f"model.layers.{i}.{m}.add_norm" for i in (0, 1) for m in ("self_attn.o_proj", "mlp.down_proj")]
+    n = len(PROMPT)
+    for got in res:
+        assert got["fuse"] and got["norm_sites"] == names and got["sites"] == names
+        assert got["add_norm_declared"] == dict.fromkeys(names, ("all_reduce_rmsnorm", 8, "tree"))
+        assert all(got["weights_ok"]) and len(got["weights_ok"]) == 4
+        assert got["eps"] == [got["config_eps"]] * 4
+        assert got["counts"]["hf_norm"] == 0 and got["counts"]["qk_norm"] == 4
+        assert got["x"].shape == (8 // 2, n, 192)  # V/W fp32 slabs
+        np.testing.assert_array_equal(got["residual"], res[0]["embed_rows"])
+    leaves = np.concatenate([g["x"] for g in res])  # [V, n, H]: rank order is shard order
+    eps = res[0]["eps"][0]
+    r_ref = residual_add_oracle(tree_oracle(leaves, "float32"), res[0]["residual"], "float32")
+    y_ref = rms_norm_oracle(r_ref, res[0]["weight"], "float32", "float32", eps)
+    f32 = lambda b: torch.from_numpy(b.view(np.float32))  # noqa: E731
+    y_def, r_def = add_rms_norm_torch(reference_tree(f32(leaves), torch.float32), f32(res[0]["residual"]),
+                                      f32(res[0]["weight"]), eps=eps)
+    for got in res:
+        np.testing.assert_array_equal(got["r"], r_ref)
+        np.testing.assert_array_equal(got["y"], y_ref)
+        np.testing.assert_array_equal(got["r"], _bits(r_def))
+        np.testing.assert_array_equal(got["y"], _bits(y_def))
+    r_order = residual_add_oracle(order_oracle(leaves, "float32"), res[0]["residual"], "float32")
+    assert (r_order != r_ref).any(), "the shard-order fold gave the tree's bits: the check would not bite"
+    assert (res[0]["hf_y"] != y_ref).any(), "transformers' norm gave the canonical bits: the check would not bite"
+
+
+@pytest.mark.slow
+def test_tree_layout_same_bits_at_every_width(tmp_path, cluster2, cluster4) -> None:  # noqa: ANN001
+    """The tree layout (its boundaries the fused tree sites) gives bit-identical logits of every prefill row, greedy
+    token ids and logprobs at W = 1, 2 and 4. Negative controls on the same model and prompts: the fold layout's
+    logits differ between W = 1 and W = 2 (the comparison catches a sum that follows W), and the shard-order virtual
+    layout (its boundaries transformers' own) gives logits other than the tree layout's at W = 2."""
+    from clusters import get_cluster
+
+    directory = write_tiny_checkpoint("llama-tiny", str(tmp_path), seed=3)
+    tree, fold, order = ("virtual", 8, "tree"), ("fold", None, "order"), ("virtual", 8, "order")
+    runs = {1: get_cluster(1).run(job_layout_bits, directory, [tree, fold]),
+            2: cluster2.run(job_layout_bits, directory, [tree, fold, order]),
+            4: cluster4.run(job_layout_bits, directory, [tree])}
+
+    def whole(w: int, i: int) -> dict:
+        ranks = [r[i] for r in runs[w]]
+        assert all(r["tokens"] == ranks[0]["tokens"] for r in ranks)
+        for r in ranks[1:]:
+            for a, b in zip(r["logprobs"], ranks[0]["logprobs"]):
+                np.testing.assert_array_equal(a, b)
+        logits = np.concatenate([r["logits"] for r in ranks], axis=1)[:, :1024]  # rank order = vocabulary order
+        return {"fuse": ranks[0]["fuse"], "logits": logits, "tokens": ranks[0]["tokens"],
+                "logprobs": np.concatenate(ranks[0]["logprobs"])}
+
+    trees = [whole(w, 0) for w in (1, 2, 4)]
+    assert all(t["fuse"] for t in trees)
+    for t in trees[1:]:
+        np.testing.assert_array_equal(t["logits"], trees[0]["logits"])
+        np.testing.assert_array_equal(t["logprobs"], trees[0]["logprobs"])
+        assert t["tokens"] == trees[0]["tokens"]
+    fold1, fold2, order2 = whole(1, 1), whole(2, 1), whole(2, 2)
+    assert fold1["fuse"] and fold2["fuse"] and not order2["fuse"]
+    assert (fold1["logits"] != fold2["logits"]).any(), "the fold layout gave the same bits at W = 1 and 2"
+    assert (order2["logits"] != trees[1]["logits"]).any(), "the shard-order layout gave the tree layout's bits"
+
+
+@pytest.mark.slow
 def test_moe_boundary_is_local_add_norm(tmp_path, cluster2) -> None:  # noqa: ANN001
     """An expert-parallel MoE block's output is already whole: its boundary is the local canonical add + norm
-    (no add_norm site), with the next layer's / the final norm's weight."""
+    (no add_norm site), with the next layer's / the final norm's weight; in the fold and the tree layout."""
     directory = write_tiny_checkpoint("qwen3-moe-tiny", str(tmp_path), seed=5)
-    for got in cluster2.run(job_boundaries, directory, "rl-bitwise", "float32"):
-        o = [f"model.layers.{i}.self_attn.o_proj.add_norm" for i in (0, 1)]
-        assert got["fuse"] and got["norm_sites"] == o and got["sites"] == [o[0], None, o[1], None]
-        assert all(got["weights_ok"]) and got["counts"]["hf_norm"] == 0
+    o = [f"model.layers.{i}.self_attn.o_proj.add_norm" for i in (0, 1)]
+    for layout in ((), (8, "tree")):
+        for got in cluster2.run(job_boundaries, directory, "rl-bitwise", "float32", *layout):
+            assert got["fuse"] and got["norm_sites"] == o and got["sites"] == [o[0], None, o[1], None]
+            assert all(got["weights_ok"]) and got["counts"]["hf_norm"] == 0
+            assert {d[1:] for d in got["add_norm_declared"].values()} == {(layout or (None, None))}
 
 
 def _biased_llama(directory: str) -> str:
@@ -227,11 +342,13 @@ def _biased_llama(directory: str) -> str:
 @pytest.mark.slow
 def test_biased_projection_boundary(tmp_path, cluster2) -> None:  # noqa: ANN001
     """A row-parallel projection with a bias keeps its all-reduce (+ bias after the sum) and then takes the local
-    canonical add + norm: no add_norm site, the right norms, and the engine still matches transformers."""
+    canonical add + norm: no add_norm site, the right norms (in the fold and the tree layout), and the engine still
+    matches transformers."""
     directory = _biased_llama(str(tmp_path))
-    for got in cluster2.run(job_boundaries, directory, "rl-bitwise", "float32"):
-        assert got["fuse"] and got["norm_sites"] == [] and got["add_norm_collectives"] == {}
-        assert got["sites"] == [None] * 4 and all(got["weights_ok"]) and got["counts"]["hf_norm"] == 0
+    for layout in ((), (8, "tree")):
+        for got in cluster2.run(job_boundaries, directory, "rl-bitwise", "float32", *layout):
+            assert got["fuse"] and got["norm_sites"] == [] and got["add_norm_collectives"] == {}
+            assert got["sites"] == [None] * 4 and all(got["weights_ok"]) and got["counts"]["hf_norm"] == 0
     for engine_err, _, lp_err, tokens, ref_tokens in cluster2.run(job_against_unsharded, directory, "float32"):
         assert engine_err < 1e-4 and lp_err < 1e-4, (engine_err, lp_err)
         assert tokens == ref_tokens

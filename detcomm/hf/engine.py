@@ -37,21 +37,28 @@ fixed head groups (heads/B query heads with their KV heads, one call each) and t
 blocks (``detcomm.tp.VocabParallelHead``), B = ``shard.invariant_blocks(config)``: the same bits at every W
 dividing B (and V).
 
-Layer boundaries (docs/spec.md §9.2). In the fold layout under a bitwise envelope with no forced route
-(``TPCausalLM.fuse``),
-each boundary after a row-parallel projection is one ``detcomm.all_reduce_residual_rmsnorm`` call at the site
-``<projection site>.add_norm``, returning the next residual stream r and the next norm's output y: after o_proj
-the norm is the layer's ``post_attention_layernorm``, after down_proj the next layer's ``input_layernorm`` (the
-final ``model.norm`` after the last layer). Every decoder-level RMSNorm (those three, and layer 0's
-``input_layernorm`` after the embedding) is then detcomm's canonical norm with the module's weight (model dtype)
-and ``variance_epsilon``, not transformers' arithmetic (fp32 mean of squares, ``torch.rsqrt``, a cast, the weight
-product in the model dtype): the outputs differ from transformers' own by rounding, never by batch. Qwen3's
-per-head q/k norms stay transformers' (local, row-wise). Two boundaries have nothing to reduce and run the same
-composition with the sum already whole (``detcomm.numerics.norm.add_rms_norm``: r = round(fp32(residual) + fp32(s)), y =
-the canonical norm of r, which is the composition at W = 1): after an expert-parallel MoE block, whose output is
-already the full row (the combine's fold, all-gathered), and after a projection with a bias, which keeps its own
-all-reduce + bias (``RowParallelLinear``) and so its rounding of s + bias. Under ``numerics="auto"`` or a forced
-route (the negative controls) the boundaries stay transformers' residual adds and norm modules.
+Layer boundaries (docs/spec.md §9.2). In the fold layout and the tree layout (``layout="virtual"``,
+``shard_fold="tree"``), under a bitwise envelope with no forced route (``TPCausalLM.fuse``, the rule of
+``shard.fused_layout`` and ``shard.fuse_boundaries``), each boundary after a row-parallel projection is one
+``detcomm.all_reduce_residual_rmsnorm`` call at the site ``<projection site>.add_norm``, returning the next residual
+stream r and the next norm's output y: after o_proj the norm is the layer's ``post_attention_layernorm``, after
+down_proj the next layer's ``input_layernorm`` (the final ``model.norm`` after the last layer). The fold layout
+passes this rank's partial product to a plain ``all_reduce_rmsnorm`` site; the tree layout passes this rank's V/W
+fp32 shard partials [V/W, rows, H] (``detcomm.tp.RowParallelLinear.partials``) to a site declared with
+``virtual_shards=V, shard_fold="tree"`` (§9.2 "Tree sites": the tree all-reduce, then the add and norm, on the
+workspace's fused tree kernels where they serve: the same bits on every route and at every W, a power of two
+dividing V). Every decoder-level RMSNorm (those three, and layer 0's ``input_layernorm`` after the embedding) is
+then detcomm's canonical norm with the module's weight (model dtype) and ``variance_epsilon``, not transformers'
+arithmetic (fp32 mean of squares, ``torch.rsqrt``, a cast, the weight product in the model dtype): the outputs
+differ from transformers' own by rounding, never by batch (nor, in the tree layout, by W). Qwen3's per-head q/k norms stay
+transformers' (local, row-wise). Two boundaries have nothing to reduce and run the same composition with the sum
+already whole (``detcomm.numerics.norm.add_rms_norm``: r = round(fp32(residual) + fp32(s)), y = the canonical norm
+of r, which is the composition at W = 1): after an expert-parallel MoE block, whose output is already the full row
+(the combine's fold, all-gathered), and after a projection with a bias, which keeps its own all-reduce + bias
+(``RowParallelLinear``, or the tree layout's ``InvariantRowLinear``) and so its rounding of s + bias. Under
+``numerics="auto"`` or a forced route (the negative controls), and in the shard-order virtual layout and full_k
+(no fused kernel folds the shard order; full_k has no cross-rank sum), the boundaries stay transformers' residual
+adds and norm modules.
 
 What it costs: every step pays T_pad rows of GEMM whatever its real row count (a decode step of c requests
 does T_pad / c times the useful GEMM work: 64x at c = 1 with T_pad = 64, nothing extra at c = T_pad); each
@@ -161,9 +168,10 @@ class TPCausalLM:
         if self.dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype}")
         self.layers: list[Any] = list(model.model.layers)
-        # Fused layer boundaries and canonical norms (module docstring); the invariant layouts' row-parallel layers
-        # are not one all-reduce of a partial, so they keep their own reductions and transformers' norms.
-        self.fuse = layout == "fold" and fuse_boundaries(route)
+        # Fused layer boundaries and canonical norms (module docstring): the fold and tree layouts under a bitwise
+        # envelope with no forced route; which layouts fuse, and why the shard-order and full-K ones do not, is
+        # shard.fused_layout's rule.
+        self.fuse = fuse_boundaries(route, layout=layout, shard_fold=shard_fold)
         declare_sites(self.shards, hidden=self.config.hidden_size, dtype=self.dtype, max_rows=serving.t_pad,
                       route=route, fuse=self.fuse)
         # The invariant layouts: heads run in fixed groups (one Q column block and its KV heads); the
@@ -280,13 +288,15 @@ class TPCausalLM:
     def _add_norm(self, x: torch.Tensor, h: torch.Tensor, norm: Any, rows: int, *,
                   site: str | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(residual stream, normed) after one boundary on the real rows (filler rows of the normed output: zero).
-        ``site``: x is this rank's partial sum, reduced there by ``detcomm.all_reduce_residual_rmsnorm``
-        (collective); None: x is already the whole sum (``add_rms_norm``, local)."""
+        ``x`` holds the real rows only. ``site``: x is this rank's part of the sum, reduced there by
+        ``detcomm.all_reduce_residual_rmsnorm`` (collective): the fold layout's partial product [rows, H], or the
+        tree layout's V/W fp32 shard partials [V/W, rows, H]; None: x is already the whole sum [rows, H]
+        (``add_rms_norm``, local)."""
         w, eps = norm.weight, norm.variance_epsilon
         if site is None:
-            y, r = add_rms_norm(x[:rows], h[:rows], w, eps=eps)
+            y, r = add_rms_norm(x, h[:rows], w, eps=eps)
         else:
-            y, r = detcomm.all_reduce_residual_rmsnorm(x[:rows], h[:rows], w, eps=eps, site=site)
+            y, r = detcomm.all_reduce_residual_rmsnorm(x, h[:rows], w, eps=eps, site=site)
         h = h.clone()
         h[:rows] = r
         normed = torch.zeros_like(h)  # rows never mix, so the filler's values do not matter: zero is the cheapest
@@ -295,12 +305,14 @@ class TPCausalLM:
 
     def _boundary(self, proj: Any, inp: torch.Tensor, h: torch.Tensor, norm: Any,
                   rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The boundary after row-parallel ``proj`` (o_proj, down_proj) of ``inp``. Bias-free: its local partial
-        product goes to the fused site; with a bias: the projection's own all-reduce + bias, then the add and
-        norm. Collective."""
+        """The boundary after row-parallel ``proj`` (o_proj, down_proj) of ``inp`` ([T_pad, K/W]). Bias-free: its
+        local part of the sum goes to the fused site (fold layout: the partial product; tree layout: the
+        ``detcomm.tp.RowParallelLinear`` layer's V/W fp32 shard partials), every GEMM on the whole T_pad-row buffer;
+        with a bias: the projection's own all-reduce + bias, then the add and norm. Collective."""
         if proj.bias is None:
-            return self._add_norm(F.linear(inp, proj.weight), h, norm, rows, site=add_norm_site(proj.site))
-        return self._add_norm(proj(inp), h, norm, rows, site=None)
+            part = proj.layer.partials(inp, rows) if self.invariant else F.linear(inp, proj.weight)[:rows]
+            return self._add_norm(part, h, norm, rows, site=add_norm_site(proj.site))
+        return self._add_norm(proj(inp)[:rows], h, norm, rows, site=None)
 
     @torch.no_grad()
     def forward(self, segments: Sequence[Segment]) -> tuple[StepLogits, list[int]]:
@@ -339,7 +351,7 @@ class TPCausalLM:
                 h, x = self._boundary(attn.o_proj, mixed, h, layer.post_attention_layernorm, rows)
                 mlp = layer.mlp
                 if isinstance(mlp, EPMoEBlock):  # its output is already the whole row: nothing to reduce
-                    h, x = self._add_norm(mlp(x), h, nxt, rows, site=None)
+                    h, x = self._add_norm(mlp(x)[:rows], h, nxt, rows, site=None)
                 else:  # transformers' MLP, its down_proj's partial product handed to the fused boundary
                     h, x = self._boundary(mlp.down_proj, mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x), h, nxt, rows)
             logits = self.model.lm_head.shard_logits(x)  # [T_pad, shard] fp32

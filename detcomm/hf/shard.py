@@ -7,10 +7,12 @@ qualified name (``model.layers.3.self_attn.o_proj``). The embedding and the LM h
 (``model.embed_tokens``, ``lm_head.*`` sites). Everything else (norms, rotary tables, activations, Qwen3's
 per-head q/k norms) stays transformers' own module, replicated.
 
-Under a bitwise envelope (and no forced route: ``fuse_boundaries``) every layer boundary after a bias-free
-row-parallel projection is one ``detcomm.all_reduce_residual_rmsnorm`` call, declared as collective
-``all_reduce_rmsnorm`` at ``<projection site>.add_norm`` (``model.layers.3.self_attn.o_proj.add_norm``); the
-plain all-reduce sites stay declared for transformers' own forward.
+Under a bitwise envelope (and no forced route: ``fuse_boundaries``), in the fold layout and the tree-order
+virtual layout (``fused_layout``), every layer boundary after a bias-free row-parallel projection is one
+``detcomm.all_reduce_residual_rmsnorm`` call, declared as collective ``all_reduce_rmsnorm`` at
+``<projection site>.add_norm`` (``model.layers.3.self_attn.o_proj.add_norm``; in the tree layout with the
+projection's ``virtual_shards=V, shard_fold="tree"``); the plain all-reduce sites stay declared for transformers'
+own forward.
 
 Grouped-query models run at more ranks than KV heads: when W is a multiple of num_key_value_heads, each KV
 head is replicated over W / num_key_value_heads ranks (rank r holds KV head r // (W / num_key_value_heads) and
@@ -45,7 +47,7 @@ from .layers import (
 from .moe_block import MOE_FAMILIES, EPConfig, EPMoEBlock, dense_ffn_width, moe_block_of
 
 __all__ = ["SUPPORTED_FAMILIES", "Shards", "Cut", "check_divisible", "world_sizes", "kv_head_of", "kv_fits",
-           "invariant_blocks", "shard_model", "declare_sites", "add_norm_site", "fuse_boundaries"]
+           "invariant_blocks", "shard_model", "declare_sites", "add_norm_site", "fused_layout", "fuse_boundaries"]
 
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", *MOE_FAMILIES)
 
@@ -78,7 +80,10 @@ class Shards:
     moe_blocks: tuple[EPMoEBlock, ...] = ()  # expert-parallel MoE blocks in layer order (detcomm.hf.moe_block)
     layout: str = "fold"  # "fold", "virtual" or "full_k"
     blocks: int = 1  # fixed blocks of the invariant layouts (heads, KV heads, FFN, hidden, vocabulary)
-    norm_sites: tuple[str, ...] = ()  # fused layer-boundary sites of the bias-free row-parallel projections
+    # fused layer-boundary sites of the bias-free row-parallel projections (the layouts of fused_layout)
+    norm_sites: tuple[str, ...] = ()
+    virtual_shards: int | None = None  # layout "virtual": V, and the order its V partials are summed in
+    shard_fold: str = "order"
     # fold layout: the cut parameters (name -> Cut); every other parameter is its checkpoint tensor, whole,
     # except the expert-parallel blocks' (EPMoEBlock). What detcomm.hf.sliced reads.
     cuts: dict[str, Cut] = field(default_factory=dict)
@@ -90,11 +95,24 @@ def add_norm_site(row_site: str) -> str:
     return f"{row_site}.add_norm"
 
 
-def fuse_boundaries(route: str | None) -> bool:
+def fused_layout(layout: str, shard_fold: str = "order") -> bool:
+    """Whether a layout's layer boundaries can be one ``detcomm.all_reduce_residual_rmsnorm`` call each: the fold
+    layout (this rank's partial product at a plain ``all_reduce_rmsnorm`` site, docs/spec.md §9.2) and the
+    tree-order virtual layout (this rank's V/W fp32 shard partials, ``detcomm.tp.RowParallelLinear.partials``, at a
+    site declared with ``virtual_shards=V, shard_fold="tree"``: §9.2 "Tree sites"; the workspace serves it with the
+    fused tree kernels, every other route with the same bits). Not the shard-order virtual layout: no fused kernel
+    folds the shard order (its boundary would only ever be the composition), so it keeps the layer's own sum and
+    transformers' residual add and norms; nor full_k, which has no cross-rank sum to fuse. The one place this rule
+    lives (``fuse_boundaries``, the sites of ``shard_model``). Local."""
+    return layout == "fold" or (layout == "virtual" and shard_fold == "tree")
+
+
+def fuse_boundaries(route: str | None, *, layout: str = "fold", shard_fold: str = "order") -> bool:
     """Whether the layer boundaries run fused (``detcomm.all_reduce_residual_rmsnorm`` and the canonical norm):
-    under a bitwise envelope when no route is forced (a forced route, e.g. the native negative control, keeps the
-    plain all-reduce and transformers' norms), as in the model probe. Local."""
-    return route is None and detcomm.get_communicator().resolved.bitwise
+    in a layout that fuses (``fused_layout``: fold, or virtual with ``shard_fold="tree"``), under a bitwise
+    envelope, when no route is forced (a forced route, e.g. the native negative control, keeps the plain all-reduce
+    and transformers' norms), as in the model probe's fold layout. Local."""
+    return fused_layout(layout, shard_fold) and route is None and detcomm.get_communicator().resolved.bitwise
 
 
 def kv_fits(kv: int, world: int) -> bool:
@@ -230,7 +248,7 @@ def shard_model(model: Any, *, rank: int, world: int, step: StepRows, ep: EPConf
             attn.v_proj = BlockColumnLinear(attn.v_proj, k0, k0 + kvl * head_dim, block=kb)
             attn.o_proj = InvariantRowLinear(attn.o_proj, q0, q0 + hl * head_dim, site=o_site, **row)  # type: ignore[arg-type]
         row_sites.append(o_site)
-        if layout == "fold" and attn.o_proj.bias is None:
+        if fused_layout(layout, shard_fold) and attn.o_proj.bias is None:
             norm_sites.append(add_norm_site(o_site))
         sparse = moe_block_of(layer)
         if sparse is not None:  # expert-parallel instead of an FFN split; the engine calls layer.mlp
@@ -255,7 +273,7 @@ def shard_model(model: Any, *, rank: int, world: int, step: StepRows, ep: EPConf
             mlp.up_proj = BlockColumnLinear(mlp.up_proj, rank * fl, (rank + 1) * fl, block=fb)
             mlp.down_proj = InvariantRowLinear(mlp.down_proj, rank * fl, (rank + 1) * fl, site=d_site, **row)  # type: ignore[arg-type]
         row_sites.append(d_site)
-        if layout == "fold" and mlp.down_proj.bias is None:
+        if fused_layout(layout, shard_fold) and mlp.down_proj.bias is None:
             norm_sites.append(add_norm_site(d_site))
     vocab = config.vocab_size
     width = vocab_shard_width(vocab, world)
@@ -276,7 +294,8 @@ def shard_model(model: Any, *, rank: int, world: int, step: StepRows, ep: EPConf
     return Shards(rank=rank, world=world, heads=hl, kv_heads=kvl, head_dim=head_dim, ffn=fl, vocab=vocab,
                   vocab_width=width, row_sites=tuple(row_sites), embed_site=embed_site, head_sites=head_sites,
                   moe_blocks=tuple(moe_blocks), layout=layout, blocks=blocks, norm_sites=tuple(norm_sites),
-                  cuts=cuts)
+                  virtual_shards=virtual_shards if layout == "virtual" else None,
+                  shard_fold=shard_fold if layout == "virtual" else "order", cuts=cuts)
 
 
 def declare_sites(shards: Shards, *, hidden: int, dtype: torch.dtype, max_rows: int, route: str | None = None,
@@ -285,18 +304,26 @@ def declare_sites(shards: Shards, *, hidden: int, dtype: torch.dtype, max_rows: 
 
     ``max_rows``: the most rows one call carries (the serving config's padded step width). ``route`` forces
     the route of the sum sites (o_proj, down_proj, the embedding): "native" is the negative control. ``fuse``
-    (``fuse_boundaries(route)``, fold layout only) also declares the fused layer-boundary sites
-    (``shards.norm_sites``)."""
+    (``fuse_boundaries``) also declares the fused layer-boundary sites (``shards.norm_sites``): plain
+    ``all_reduce_rmsnorm`` sites in the fold layout, tree sites (the projections' ``virtual_shards``,
+    ``shard_fold="tree"``) in the tree layout. The invariant layouts' o_proj / down_proj / LM-head sites are
+    declared by their ``detcomm.tp`` layers (``TPCausalLM``)."""
+
+    def declare_norm_sites() -> None:
+        for name in shards.norm_sites if fuse else ():
+            detcomm.site(name, collective="all_reduce_rmsnorm", dtype=dtype, shape=(hidden,), max_rows=max_rows,
+                         virtual_shards=shards.virtual_shards, shard_fold=shards.shard_fold)
+
     if shards.layout != "fold":
         detcomm.site(shards.embed_site, collective="all_reduce", dtype=dtype, shape=(hidden,), max_rows=max_rows,
                      route=route)
+        declare_norm_sites()
         for block in shards.moe_blocks:
             block.declare(dtype=dtype, max_rows=max_rows)
         return
     for name in (shards.embed_site, *shards.row_sites):
         detcomm.site(name, collective="all_reduce", dtype=dtype, shape=(hidden,), max_rows=max_rows, route=route)
-    for name in shards.norm_sites if fuse else ():
-        detcomm.site(name, collective="all_reduce_rmsnorm", dtype=dtype, shape=(hidden,), max_rows=max_rows)
+    declare_norm_sites()
     w = shards.vocab_width
     s = shards.head_sites
     detcomm.site(s["gather"], collective="all_gather", dtype=dtype, shape=(w,), max_rows=max_rows)
