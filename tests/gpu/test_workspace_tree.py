@@ -603,9 +603,8 @@ def job_mixed_layouts(rank: int, w: int, build: str) -> dict[str, object]:
         res_b = round_fp32_bits(partials(301 + i, 1, rows, hidden, "float32", specials=False)[0], dt)
         w_b = round_fp32_bits((np.random.default_rng(i).standard_normal(hidden).astype(np.float32) * 0.5 + 1)
                               .view(np.uint32), dt)
-        plain = [round_fp32_bits(partials(302 + i, 1, 1, hidden, "float32", specials=False)[0], dt)
-                 for _ in range(w)]  # the same seed on every rank: each builds every rank's row
-        plain = [np.random.default_rng([i, r]).permutation(p.reshape(-1)).reshape(p.shape) for r, p in enumerate(plain)]
+        # every rank's bf16 row, from one seed on every rank: each builds every rank's row (the oracle needs all)
+        plain = list(round_fp32_bits(partials(302 + i, w, 1, hidden, "float32", specials=False), dt))
         staged.append((bits, res_b, w_b, plain,
                        to_tensor(np.ascontiguousarray(bits[rank * k:(rank + 1) * k]), "float32", "cuda:0"),
                        to_tensor(res_b, dt, "cuda:0"), to_tensor(w_b, dt, "cuda:0"), to_tensor(plain[rank], dt, "cuda:0")))
