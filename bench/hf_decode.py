@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["build_parser", "main", "add_decode_arguments", "time_decode"]
+__all__ = ["build_parser", "main", "add_decode_arguments", "time_decode", "profile_decode"]
 
 
 def _ints(text: str) -> list[int]:
@@ -120,29 +120,37 @@ def add_decode_arguments(p: argparse.ArgumentParser, *, prompt: int, steps: int,
     p.add_argument("--logprobs", action="store_true", help="also compute the fp32 logprobs every step")
 
 
+def _prefill(lm: Any, c: int, ns: argparse.Namespace, *, vocab: int, seed: int) -> tuple[list[torch.Tensor], list[int], int]:
+    """``c`` requests' prompts (``ns.prompt`` random tokens each, drawn from ``seed + c``) prefilled in T_pad-row
+    steps, then ``ns.warmup`` decode steps: the caches, each request's next token and the next position.
+    Collective, untimed."""
+    from detcomm.tp import Segment
+
+    caches = [lm.new_cache() for _ in range(c)]
+    gen = torch.Generator().manual_seed(seed + c)
+    prompts = [torch.randint(0, vocab, (ns.prompt,), generator=gen).tolist() for _ in range(c)]
+    toks = [0] * c
+    per_step = max(1, ns.t_pad // ns.prompt)
+    for i in range(0, c, per_step):
+        group = list(range(i, min(c, i + per_step)))
+        logits, _ = lm.forward([Segment(caches[j], prompts[j], 0) for j in group])
+        for j, t in zip(group, lm.greedy(logits).tolist()):
+            toks[j] = int(t)
+    pos = ns.prompt
+    for _ in range(ns.warmup):
+        pos = _decode_step(lm, caches, toks, pos, logprobs=ns.logprobs)
+    return caches, toks, pos
+
+
 def time_decode(lm: Any, concurrency: Sequence[int], ns: argparse.Namespace, *, vocab: int, seed: int = 0,
                 repeats: int = 1) -> dict[int, float]:
     """Greedy decode tokens/s of ``lm`` (a detcomm.hf engine or the probe decoder) at each concurrency: prompts
     of ``ns.prompt`` random tokens prefilled in T_pad-row steps and ``ns.warmup`` steps untimed, then the best of
     ``repeats`` timed blocks of ``ns.steps`` steps (other load on the host only slows one block), each timed as
     the slowest rank's. Collective."""
-    from detcomm.tp import Segment
-
     out = {}
     for c in concurrency:
-        caches = [lm.new_cache() for _ in range(c)]
-        gen = torch.Generator().manual_seed(seed + c)
-        prompts = [torch.randint(0, vocab, (ns.prompt,), generator=gen).tolist() for _ in range(c)]
-        toks = [0] * c
-        per_step = max(1, ns.t_pad // ns.prompt)
-        for i in range(0, c, per_step):  # prefill, untimed
-            group = list(range(i, min(c, i + per_step)))
-            logits, _ = lm.forward([Segment(caches[j], prompts[j], 0) for j in group])
-            for j, t in zip(group, lm.greedy(logits).tolist()):
-                toks[j] = int(t)
-        pos = ns.prompt
-        for _ in range(ns.warmup):
-            pos = _decode_step(lm, caches, toks, pos, logprobs=ns.logprobs)
+        caches, toks, pos = _prefill(lm, c, ns, vocab=vocab, seed=seed)
         best = float("inf")
         for _ in range(repeats):
             _sync(lm.device)
@@ -157,6 +165,36 @@ def time_decode(lm: Any, concurrency: Sequence[int], ns: argparse.Namespace, *, 
             dist.all_reduce(worst, op=dist.ReduceOp.MAX)
             best = min(best, float(worst))
         out[c] = c * ns.steps / best
+    return out
+
+
+def profile_decode(lm: Any, concurrency: Sequence[int], ns: argparse.Namespace, *, vocab: int,
+                   seed: int = 0) -> dict[int, dict[str, float]]:
+    """Where a decode step's time goes on a GPU, per concurrency, from torch.profiler over ``ns.steps`` steps
+    (after the same prefill and warmup as ``time_decode``): ``kernels`` (device operations per step: kernels,
+    copies, memsets), ``busy_ms`` (their summed device time per step) and ``wall_ms`` (the step's host time, the
+    profiler's overhead included: compare it with busy_ms, not with time_decode's numbers). A step whose busy_ms
+    is far below its wall_ms is launch-bound: the GPU waits for the host to issue work. Collective."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    if lm.device.type != "cuda":
+        raise ValueError("profile_decode counts device work: run it on a CUDA device")
+    out = {}
+    for c in concurrency:
+        caches, toks, pos = _prefill(lm, c, ns, vocab=vocab, seed=seed)
+        _sync(lm.device)
+        dist.barrier()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            for _ in range(ns.steps):
+                pos = _decode_step(lm, caches, toks, pos, logprobs=ns.logprobs)
+            _sync(lm.device)
+            wall = time.perf_counter() - t0
+        device_ops = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+        out[c] = {"kernels": len(device_ops) / ns.steps,
+                  "busy_ms": sum(e.time_range.elapsed_us() for e in device_ops) / 1e3 / ns.steps,
+                  "wall_ms": wall * 1e3 / ns.steps}
     return out
 
 

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from hf_decode import add_decode_arguments, time_decode
+from hf_decode import add_decode_arguments, profile_decode, time_decode
 
 __all__ = ["build_parser", "main", "PHASES"]
 
@@ -57,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=("nccl", "gloo"), default=None,
                    help="process group backend when none exists (default: nccl with CUDA, else gloo)")
     p.add_argument("--device", default=None, help="tensor device (default: cuda:LOCAL_RANK for nccl, cpu for gloo)")
+    p.add_argument("--profile", action="store_true",
+                   help="GPU only: also profile --steps steps per concurrency and layout (device operations per "
+                        "step, their device time, the step's wall time: how launch-bound each layout is)")
     p.add_argument("--json", metavar="PATH", help="rank 0 writes the results as JSON")
     return p
 
@@ -89,7 +92,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not dist.is_initialized():  # created here so that every phase shares it (detcomm.shutdown keeps it)
         dist.init_process_group(backend=backend, init_method="env://")
     rank, world = dist.get_rank(), dist.get_world_size()
+    if ns.profile and device.type != "cuda":
+        raise ValueError("--profile counts device work: it needs a CUDA device")
     results: dict[str, dict[int, float]] = {}
+    profiles: dict[str, dict[int, dict[str, float]]] = {}
     for phase in phases:
         detcomm.init(numerics="auto" if phase == "native" else "rl-bitwise", device=device)
         try:
@@ -101,6 +107,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             # An untimed pass first: a process's first steps pay one-time costs (allocator, kernel caches).
             time_decode(model, [1], ns, vocab=cfg.vocab)
             results[phase] = time_decode(model, ns.concurrency, ns, vocab=cfg.vocab, repeats=ns.repeats)
+            if ns.profile:
+                profiles[phase] = profile_decode(model, ns.concurrency, ns, vocab=cfg.vocab)
             del model
         finally:
             detcomm.shutdown()
@@ -121,11 +129,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                  f"best of {ns.repeats}x{ns.steps} steps "
                  f"logprobs={'yes' if ns.logprobs else 'no'}; (x) = tokens/s relative to fold")
         emit(format_table(["concurrency", *phases], rows, title=title))
+        if profiles:
+            prow = [[c, *(f"{profiles[p][c]['kernels']:.0f} / {profiles[p][c]['busy_ms']:.2f} / "
+                          f"{profiles[p][c]['wall_ms']:.2f}" for p in phases)] for c in ns.concurrency]
+            emit(format_table(["concurrency", *phases], prow,
+                              title=f"rank 0, per decode step (torch.profiler, {ns.steps} steps): device operations / "
+                                    "their device ms / wall ms (busy far below wall: launch-bound)"))
         if ns.json:
             with open(ns.json, "w") as f:
                 json.dump({"world_size": world, "backend": backend, "device": str(device),
                            "args": {k: v for k, v in vars(ns).items() if k != "json"},
-                           "tokens_per_s": {p: {str(c): v for c, v in r.items()} for p, r in results.items()}},
+                           "tokens_per_s": {p: {str(c): v for c, v in r.items()} for p, r in results.items()},
+                           "profile": {p: {str(c): v for c, v in r.items()} for p, r in profiles.items()}},
                           f, indent=2)
     dist.destroy_process_group()
     return 0
