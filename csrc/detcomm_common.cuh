@@ -634,13 +634,16 @@ __device__ __forceinline__ i64 grid_stride() { return (i64)gridDim.x * DETCOMM_B
 // launch's parity is the same in all of them, and store that epoch into its START flag (of that parity) in every
 // rank's header, without waiting: no rank waits on it (every rank's block b skips this launch), and it keeps every
 // flag one use of its copy old at most, so the equality test stays exact across the wrap whatever a block skipped.
-// Relaxed stores: they publish no data. Thread 0 alone (at most DETCOMM_MAX_W stores). The negative control (tests
+// Relaxed stores: they publish no data. Thread 0 alone (at most DETCOMM_MAX_W stores). In a workspace that has failed
+// (its abort word raised) it neither counts nor stores: a kernel that finds the workspace failed arrives nowhere
+// (docs/spec.md §9.3), and every later call is refused, so no parity is needed again. The negative control (tests
 // only, DETCOMM_TEST_UNCOUNTED_SKIP) skips without counting, as the earlier scheme did: a block's parity then
 // follows its own uses, and the mixed-layout test must catch a peer's block overwriting a copy still being read.
 __device__ __forceinline__ void skip_use(const Group& g) {
 #ifndef DETCOMM_TEST_UNCOUNTED_SKIP
   if (threadIdx.x == 0) {
     u32* own = g.sigs[g.rank];
+    if (ld_relaxed_sys(own + DETCOMM_ABORT_INDEX) != 0u) return;
     const u32 epoch = own[epoch_index(BARRIER_START, blockIdx.x)] + 1u;
     const u32 par = parity_of(epoch);
 #pragma unroll

@@ -404,14 +404,16 @@ def test_the_route_binds_a_tree_norm_site_to_the_fused_tree_kernels(world):
 
     v, rows, hidden, dtype = 8, 7, 4096, "bfloat16"
     site = SimpleNamespace(name="tree.add_norm", collective=Collective.ALL_REDUCE_RMSNORM, dtype=torch.bfloat16,
-                           shape=(hidden,), max_rows=64, op=ReduceOp.SUM, virtual_shards=v, shard_fold="tree",
+                           shape=(hidden,), max_rows=128, op=ReduceOp.SUM, virtual_shards=v, shard_fold="tree",
                            row_numel=hidden)
     R = ranks(world, capacity=8 << 20)
     bound = [IpcFoldBackend(view, resolved=resolve_numerics("rl-bitwise")).bind(site) for view in R.views]  # type: ignore[arg-type]
     assert all(b.fused is not None for b in bound), [b.note for b in bound]
     names = sorted(bound[0].variants)
-    # 64 rows of 4096 publish at most 1 MiB of fp32: every tree launch of the site takes the one-store kernel
-    assert names == ["fused_one_shot", "fused_two_shot", "one_store"], names
+    # Up to 128 rows of 4096: the fused tree kernel takes one-shot while the rows' bf16 bytes fit the one-shot limit
+    # (512 KiB: 64 rows) and two-shot above; the tree all-reduce takes the one-store kernel while its published fp32
+    # fits ONE_STORE (1 MiB: 64 rows) and then two-shot (the output's 512 KiB one-shot limit is passed at the same row)
+    assert names == ["fused_one_shot", "fused_two_shot", "one_store", "two_shot"], names
     bits = partials(80, v, rows, hidden, dtype, specials=False)
     xs = split(bits, world)
     want = tree_oracle(bits, dtype)
