@@ -433,7 +433,8 @@ def test_fast_rank_ahead_never_overwrites_a_slot_in_use(world):
 def test_cuda_fold_leaf_is_capturable_and_falls_back():
     """gather_fold's CUDA leaf inside a CUDA graph: captured once, replayed with new values, oracle bits. A dtype
     whose module is refused folds with the portable leaf (same bits) instead of raising."""
-    from detcomm.workspace import kernels, leaf
+    from detcomm.numerics import cuda_leaf as leaf
+    from detcomm.workspace import kernels
 
     world, dtype = 3, "bfloat16"
     rng = np.random.default_rng(9)
