@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -542,8 +542,11 @@ class Communicator:
 
         ``splits=None``: even blocks (rows divisible by W). Otherwise ``splits[q]`` rows go to rank q; the
         counts each rank receives are exchanged first (one small extra all-to-all), unless the caller already
-        knows them: ``out_splits[q]`` = the rows rank q sends here (it must equal rank q's ``splits[r]``; a
-        wrong count is the caller's bug and fails or hangs in the transport, as a wrong size does there).
+        knows them: ``out_splits[q]`` = the rows rank q sends here (it must equal rank q's ``splits[r]``). Given
+        counts are compared with what the peers send (one small all-gather of both count lists, after the call
+        guard proved the call and before any row moves): a count that disagrees raises ``CollectiveMismatch``
+        on every rank, naming the sender, the receiver and both counts, instead of a transport abort or rows
+        read past a message.
         """
         self._check_open()
         name = site.name if isinstance(site, Site) else site
@@ -571,9 +574,33 @@ class Communicator:
         if splits is None:
             n = x.shape[0] // self.world_size
             return sc.run(x, CallArgs(in_splits=(n,) * self.world_size, out_splits=(n,) * self.world_size))
-        with self._exclusive(name):  # the count exchange and the call are one collective call
-            outs = known if known is not None else self._native.exchange_splits(in_splits, self.device)
-            return sc.run(x, CallArgs(in_splits=tuple(in_splits), out_splits=tuple(outs)), uneven=True)
+        def counts() -> CallArgs:  # under the call's lock, after its guard: one collective call
+            outs = (self._native.exchange_splits(in_splits, self.device) if known is None
+                    else self._agree_splits(name, in_splits, known))
+            return CallArgs(in_splits=tuple(in_splits), out_splits=tuple(outs))
+
+        return sc.run(x, NO_ARGS, uneven=True, prepare=counts)
+
+    def _agree_splits(self, name: str, in_splits: list[int], out_splits: list[int]) -> list[int]:
+        """``out_splits`` after proving that every rank's ``out_splits[q]`` equals rank q's ``splits[r]``: every rank
+        gathers every rank's two count lists and checks the whole matrix, so every rank reaches the same verdict.
+        Collective (the call guard already proved that every rank makes this call, so the gathers pair)."""
+        w = self.world_size
+        if w == 1:
+            if out_splits != in_splits:
+                raise ValueError(f"site {name!r}: out_splits {out_splits} != splits {in_splits} on one rank")
+            return out_splits
+        mine = torch.tensor([*in_splits, *out_splits], dtype=torch.int64, device=self.device)
+        both = self._native.all_gather(mine).view(w, 2, w).tolist()
+        wrong = [f"rank {r} expects out_splits[{q}]={both[r][1][q]} rows from rank {q}, which sends it "
+                 f"splits[{r}]={both[q][0][r]}" for r in range(w) for q in range(w) if both[r][1][q] != both[q][0][r]]
+        if wrong:
+            raise CollectiveMismatch(
+                f"site {name!r} on rank {self.rank}: the uneven all_to_all's counts disagree ({'; '.join(wrong)}); "
+                "nothing was sent. Pass each rank the out_splits its peers send (rank r's out_splits[q] = rank q's "
+                "splits[r]), or leave out_splits=None and the counts are exchanged"
+            )
+        return out_splits
 
     def argmax(self, logits_shard: torch.Tensor, site: str | Site, *, vocab_start: int) -> torch.Tensor:
         """Vocabulary-parallel argmax: int64 global index per row; lowest index on exact ties; -0.0 == +0.0;
@@ -812,13 +839,16 @@ class SiteCall:
         return Work(result) if async_op else result
 
     def run(self, x: torch.Tensor, args: CallArgs, *, rows_per_rank: Sequence[int] | None = None,
-            uneven: bool = False) -> torch.Tensor:
-        """The call through the bound route (see the class docstring). Collective."""
+            uneven: bool = False, prepare: Callable[[], CallArgs] | None = None) -> torch.Tensor:
+        """The call through the bound route (see the class docstring). ``prepare``: builds the route's arguments
+        after the call is proven and before its data moves (an uneven all_to_all's count exchange). Collective."""
         comm = self.comm
         if not comm._lock.acquire(False):
             raise comm._busy(self.name)
         try:
             self._prove(x, rows_per_rank, uneven)
+            if prepare is not None:
+                args = prepare()
             return self.bound(x, args)
         except RuntimeError as e:  # torch.distributed.DistError derives from it
             if isinstance(e, DetcommError):

@@ -10,7 +10,7 @@ Scenarios (rank 1 is the odd one):
   decl-cached     every rank declares site a [8] (its self-check runs and is cached); then rank 1 declares site b
                   with shape [16] (a new self-check) while the others declare b as [8] (the cached one)
   decl-cached-ok  the same with every rank declaring b as [8] (the control: no error, and the call works)
-  a2a-splits      an uneven all_to_all whose out_splits on rank 1 disagree with what rank 0 sends it
+  a2a-splits      an uneven all_to_all whose out_splits on ranks 1 and 2 disagree with what ranks 0 and 1 send
   a2a-splits-ok   the same with consistent out_splits (the control: the rows arrive, exact)
 """
 
@@ -51,12 +51,15 @@ def declaration(rank: int, w: int, *, odd: bool) -> dict[str, object]:
 
 def a2a_splits(rank: int, w: int, *, odd: bool) -> dict[str, object]:
     """Rank r sends r + q + 1 rows to rank q, each row holding 100 r + q. In the odd run rank 1 believes rank 0
-    sends it 3 rows (rank 0 sends 2): gloo reads past the message (a silently wrong row) or aborts."""
+    sends it 3 rows (rank 0 sends 2) and rank 2 that rank 1 sends it 3 (it sends 4): gloo reads past a message (a
+    silently wrong row) or aborts the process."""
     detcomm.init(numerics="auto", timeout_s=DEADLINE_S)
     splits = [rank + q + 1 for q in range(w)]
     out_splits = [q + rank + 1 for q in range(w)]
     if odd and rank == 1:
-        out_splits[0] += 1
+        out_splits[0] += 1  # more rows than rank 0 sends
+    if odd and rank == 2:
+        out_splits[1] -= 1  # fewer rows than rank 1 sends
     x = torch.cat([torch.full((splits[q], 4), float(100 * rank + q)) for q in range(w)])
     got = detcomm.all_to_all(x, "a2a", splits=splits, out_splits=out_splits)
     return {"rows": got[:, 0].tolist()}

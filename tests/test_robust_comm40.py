@@ -146,3 +146,24 @@ def test_a_site_too_large_or_out_of_memory_refuses_that_site_only(cluster3) -> N
         assert seen == {"huge": "ValueError", "after huge": "", "oom": "RouteRefused", "after oom": "",
                         # negative control: a wrong bit refuses gather_fold for the next all_reduce sum site too
                         "bits": "RouteRefused", "after bits": "RouteRefused"}, seen
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 40.12: an uneven all_to_all whose out_splits disagree with what the peers send raises on every rank
+
+def test_all_to_all_out_splits_that_disagree_raise_on_every_rank(tmp_path: Path) -> None:
+    results = _ranks("a2a-splits", tmp_path)
+    assert all(r is not None for r in results), results  # no rank aborted inside gloo
+    for r in results:
+        assert r["raised"] == "CollectiveMismatch", results  # type: ignore[index]
+        msg = r["message"]  # type: ignore[index]
+        assert "rank 1 expects out_splits[0]=3 rows from rank 0, which sends it splits[1]=2" in msg, msg
+        assert "rank 2 expects out_splits[1]=3 rows from rank 1, which sends it splits[2]=4" in msg, msg
+
+
+def test_control_consistent_out_splits_deliver_every_row(tmp_path: Path) -> None:
+    results = _ranks("a2a-splits-ok", tmp_path)
+    for rank, r in enumerate(results):
+        assert r is not None and r["raised"] is None, results
+        # rank q sends q + rank + 1 rows holding 100 q + rank, in rank order
+        assert r["rows"] == [float(100 * q + rank) for q in range(W) for _ in range(q + rank + 1)], results
