@@ -167,3 +167,68 @@ def test_control_consistent_out_splits_deliver_every_row(tmp_path: Path) -> None
         assert r is not None and r["raised"] is None, results
         # rank q sends q + rank + 1 rows holding 100 q + rank, in rank order
         assert r["rows"] == [float(100 * q + rank) for q in range(W) for _ in range(q + rank + 1)], results
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 40.14: a site's shape argument that is not a shape is refused naming the argument and what it takes
+
+def job_bad_shape(rank: int, w: int) -> list[str]:
+    import detcomm
+
+    _fresh("auto")
+    seen = []
+    for bad in (4.0, None, True, "8"):
+        try:
+            detcomm.site(f"bad.{bad!r}", collective="all_reduce", dtype=torch.float32, shape=bad, max_rows=4)  # type: ignore[arg-type]
+            seen.append(f"{bad!r}: accepted")
+        except TypeError as e:
+            msg = str(e)
+            ok = "shape=" in msg and "an int" in msg and "sequence of ints" in msg and repr(bad) in msg
+            seen.append(f"{bad!r}: named" if ok else f"{bad!r}: {msg}")
+    # control: an int and a sequence of ints are one shape; the site serves the exact sum
+    a = detcomm.site("good", collective="all_reduce", dtype=torch.float32, shape=4, max_rows=4)
+    b = detcomm.site("good", collective="all_reduce", dtype=torch.float32, shape=(4,), max_rows=4)
+    got = detcomm.all_reduce(torch.full((2, 4), float(rank + 1)), "good")
+    seen.append("control" if a is b and torch.equal(got, torch.full((2, 4), float(w * (w + 1) // 2))) else "bad control")
+    detcomm.shutdown()
+    return seen
+
+
+def test_a_shape_that_is_not_a_shape_is_named(cluster3) -> None:  # noqa: ANN001
+    for seen in cluster3.run(job_bad_shape):
+        assert seen == ["4.0: named", "None: named", "True: named", "'8': named", "control"], seen
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 40.16: the vocabulary refusal lists the world sizes that work (the bound is not monotonic)
+
+def _works(vocab: int, w: int) -> bool:
+    """Independent of detcomm.hf: the last rank's shard (ceil(vocab / W) padded up to 64) starts inside the vocab."""
+    width = -(-vocab // w)
+    width = (width + 63) // 64 * 64
+    return (w - 1) * width < vocab
+
+
+@pytest.mark.parametrize("vocab,world,listed", [(200, 3, "{1-2, 4}"), (1000, 5, "{1-4, 6, 8, 16}")])
+def test_vocabulary_refusal_lists_the_world_sizes_that_work(vocab: int, world: int, listed: str) -> None:
+    from detcomm.hf.layers import vocab_shard_width
+
+    with pytest.raises(ValueError, match="too small") as e:
+        vocab_shard_width(vocab, world)
+    assert f"W in {listed}" in str(e.value), e.value
+    assert "at most" not in str(e.value)
+    names = {int(p) for part in listed.strip("{}").split(", ") for p in
+             ([part] if "-" not in part else range(int(part.split("-")[0]), int(part.split("-")[1]) + 1))}
+    for w in range(1, 4 * vocab // 64):  # every listed W works, every other W (up to far past the bound) does not
+        assert (w in names) == _works(vocab, w), w
+        if w in names:
+            assert vocab_shard_width(vocab, w) * w >= vocab
+    assert not _works(vocab, world)  # negative control: the refused size is refused by the oracle too
+
+
+def test_vocabulary_w4_works_where_w3_does_not() -> None:
+    from detcomm.hf.layers import vocab_shard_width
+
+    assert vocab_shard_width(200, 4) == 64  # W = 4 works: 3 * 64 = 192 < 200
+    with pytest.raises(ValueError, match=r"W in \{1-2, 4\}"):
+        vocab_shard_width(200, 3)
