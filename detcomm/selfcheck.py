@@ -27,6 +27,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -144,11 +145,12 @@ def run_check(
     flag = native.all_reduce(torch.tensor([1 if failures else 0], dtype=torch.int32, device=device), ReduceOp.MAX)
     if int(flag.item()) == 0:
         return CheckResult(key, True, "repeatable, offset/batch-invariant, equals the reference, ranks agree", time.perf_counter() - t0)
-    everyone: list[object] = [None] * w
-    dist.all_gather_object(everyone, (failures, resource), group=group)
-    reason = "; ".join(f"rank {r}: {', '.join(f)}" for r, (f, _) in enumerate(everyone) if f)  # type: ignore[misc]
+    gathered: list[object] = [None] * w
+    dist.all_gather_object(gathered, (failures, resource), group=group)
+    everyone = cast("list[tuple[list[str], bool]]", gathered)
+    reason = "; ".join(f"rank {r}: {', '.join(f)}" for r, (f, _) in enumerate(everyone) if f)
     # Site-only when every failing rank ran out of memory: a wrong bit anywhere still refuses the route.
-    site_only = all(res for f, res in everyone if f)  # type: ignore[misc]
+    site_only = all(res for f, res in everyone if f)
     return CheckResult(key, False, reason, time.perf_counter() - t0, site_only=site_only)
 
 
