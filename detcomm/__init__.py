@@ -422,8 +422,9 @@ def site(
     all_reduce_rmsnorm; ``dtype`` a torch dtype or its name (``"bfloat16"``);
     ``shape`` is one row's trailing shape; ``max_rows`` the most rows a call will carry; ``route`` forces a
     route (refused when it would void the envelope). Declaring the same name again with the same properties
-    returns the existing site; different properties raise ValueError. Collective when it runs a new
-    self-check: declare sites in the same order on every rank.
+    returns the existing site; different properties raise ValueError. Collective when the site is new (every
+    rank's declaration is compared; one that differs raises CollectiveMismatch on every rank): declare sites in
+    the same order on every rank.
 
     ``virtual_shards=V`` (all_reduce, reduce_scatter or all_reduce_rmsnorm, op "sum", a float ``dtype``;
     docs/spec.md §9.1): the reduction dimension is split into V fixed shards and every call passes this rank's V/W fp32 partial sums,

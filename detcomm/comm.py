@@ -3,8 +3,9 @@ self-checks and the route backends, and validates every call before any communic
 
 Which calls are collective (every rank of the group must make them, in the same order):
   - construction (``detcomm.init``): runs the startup self-checks;
-  - ``site(...)`` when it introduces a (route, collective, op, dtype, shape) whose self-check has not run
-    yet (it runs it), and the first call of an undeclared site (which declares it);
+  - ``site(...)`` when it declares a new site (its declaration is compared across ranks, cached self-check or
+    not, and a new (route, collective, op, dtype, shape) runs its self-check), and the first call of an
+    undeclared site (which declares it);
   - every collective call (``all_reduce``, ``all_gather``, ...);
   - ``close()``.
 ``routes()`` and ``checks()`` are local.
@@ -19,7 +20,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -49,7 +50,7 @@ from .route import (
     RouteTable,
     Site,
 )
-from .selfcheck import CheckResult, SelfChecks
+from .selfcheck import CheckResult, SelfChecks, declaration
 from .topology import discover as discover_topology
 
 if TYPE_CHECKING:
@@ -284,17 +285,16 @@ class Communicator:
         virtual_shards: int | None = None,
         shard_fold: str = "order",
     ) -> Site:
-        """Declare a call site (see ``detcomm.site``). Collective when it runs a new self-check."""
+        """Declare a call site (see ``detcomm.site``). Collective when the site is new (``_agree_declaration``)."""
         self._check_open()
-        if isinstance(shape, int) and not isinstance(shape, bool):
-            shape = (shape,)  # one trailing dimension, as torch accepts an int for a 1-D size
+        shape = _shape(shape, name)
         coll = _enum(Collective, collective, "collective", name)
         rop = ReduceOp.MAX if coll is Collective.ARGMAX and op == "sum" else _enum(ReduceOp, op, "op", name)
         s = Site(
             name=name,
             collective=coll,
             dtype=_dtype(dtype, name),
-            shape=tuple(shape),  # type: ignore[arg-type]  # a bool shape raises TypeError here
+            shape=shape,
             max_rows=max_rows,
             op=rop,
             group=self.group_label,
@@ -314,13 +314,35 @@ class Communicator:
                     f"{s.describe()} contradicts it. A site is static: use another name for the other call."
                 )
             return existing
-        with self._exclusive(s.name):  # routing may run a self-check: a collective
+        with self._exclusive(s.name):  # the declaration exchange and routing's self-check are collectives
+            self._agree_declaration(s)
             bound = self.auto.route(s)
         self._sites[s.name] = s
         self._site_calls[s.name] = SiteCall(self, s, bound)
         if where:
             self._implicit_where[s.name] = where
         return s
+
+    def _agree_declaration(self, s: Site) -> None:
+        """Every new declaration is proven the same on every rank, whether or not its self-check is cached (a
+        cached check runs no collective, so a rank whose declaration differs would otherwise wait alone in its
+        own check), and every rank refuses a site too large for this device's memory before its self-check
+        allocates (a check that ran out of memory would read as the route's failure). One header all-gather;
+        on a difference every rank raises ``CollectiveMismatch`` naming each rank's declaration. Collective."""
+        need, have = _site_bytes(s, self.world_size), _allocatable(self.device)
+        fits = need <= have
+        if self.world_size > 1:
+            header, readable = declaration(s, "new site")
+            if not fits:
+                readable += f" (too large: {need} B > {have} B of {self.device.type} memory)"
+            _guard.exchange(self._native, [*header, int(fits)], readable, device=self.device)
+        if not fits:
+            raise ValueError(
+                f"site {s.name!r} ({s.describe()}, max_rows={s.max_rows}): one call at max_rows carries {need} bytes "
+                f"(max_rows x {s.row_numel} elements per row), more than this {self.device.type} "
+                f"device's {have} bytes of memory, so no route can serve it (nothing was self-checked or refused). "
+                "Declare the real trailing shape and the most rows a call carries"
+            )
 
     def _declared_as(self, s: Site) -> str:
         if s.name in self._implicit_where:
@@ -520,8 +542,11 @@ class Communicator:
 
         ``splits=None``: even blocks (rows divisible by W). Otherwise ``splits[q]`` rows go to rank q; the
         counts each rank receives are exchanged first (one small extra all-to-all), unless the caller already
-        knows them: ``out_splits[q]`` = the rows rank q sends here (it must equal rank q's ``splits[r]``; a
-        wrong count is the caller's bug and fails or hangs in the transport, as a wrong size does there).
+        knows them: ``out_splits[q]`` = the rows rank q sends here (it must equal rank q's ``splits[r]``). Given
+        counts are compared with what the peers send (one small all-gather of both count lists, after the call
+        guard proved the call and before any row moves): a count that disagrees raises ``CollectiveMismatch``
+        on every rank, naming the sender, the receiver and both counts, instead of a transport abort or rows
+        read past a message.
         """
         self._check_open()
         name = site.name if isinstance(site, Site) else site
@@ -549,9 +574,33 @@ class Communicator:
         if splits is None:
             n = x.shape[0] // self.world_size
             return sc.run(x, CallArgs(in_splits=(n,) * self.world_size, out_splits=(n,) * self.world_size))
-        with self._exclusive(name):  # the count exchange and the call are one collective call
-            outs = known if known is not None else self._native.exchange_splits(in_splits, self.device)
-            return sc.run(x, CallArgs(in_splits=tuple(in_splits), out_splits=tuple(outs)), uneven=True)
+        def counts() -> CallArgs:  # under the call's lock, after its guard: one collective call
+            outs = (self._native.exchange_splits(in_splits, self.device) if known is None
+                    else self._agree_splits(name, in_splits, known))
+            return CallArgs(in_splits=tuple(in_splits), out_splits=tuple(outs))
+
+        return sc.run(x, NO_ARGS, uneven=True, prepare=counts)
+
+    def _agree_splits(self, name: str, in_splits: list[int], out_splits: list[int]) -> list[int]:
+        """``out_splits`` after proving that every rank's ``out_splits[q]`` equals rank q's ``splits[r]``: every rank
+        gathers every rank's two count lists and checks the whole matrix, so every rank reaches the same verdict.
+        Collective (the call guard already proved that every rank makes this call, so the gathers pair)."""
+        w = self.world_size
+        if w == 1:
+            if out_splits != in_splits:
+                raise ValueError(f"site {name!r}: out_splits {out_splits} != splits {in_splits} on one rank")
+            return out_splits
+        mine = torch.tensor([*in_splits, *out_splits], dtype=torch.int64, device=self.device)
+        both = self._native.all_gather(mine).view(w, 2, w).tolist()
+        wrong = [f"rank {r} expects out_splits[{q}]={both[r][1][q]} rows from rank {q}, which sends it "
+                 f"splits[{r}]={both[q][0][r]}" for r in range(w) for q in range(w) if both[r][1][q] != both[q][0][r]]
+        if wrong:
+            raise CollectiveMismatch(
+                f"site {name!r} on rank {self.rank}: the uneven all_to_all's counts disagree ({'; '.join(wrong)}); "
+                "nothing was sent. Pass each rank the out_splits its peers send (rank r's out_splits[q] = rank q's "
+                "splits[r]), or leave out_splits=None and the counts are exchanged"
+            )
+        return out_splits
 
     def argmax(self, logits_shard: torch.Tensor, site: str | Site, *, vocab_start: int) -> torch.Tensor:
         """Vocabulary-parallel argmax: int64 global index per row; lowest index on exact ties; -0.0 == +0.0;
@@ -790,13 +839,16 @@ class SiteCall:
         return Work(result) if async_op else result
 
     def run(self, x: torch.Tensor, args: CallArgs, *, rows_per_rank: Sequence[int] | None = None,
-            uneven: bool = False) -> torch.Tensor:
-        """The call through the bound route (see the class docstring). Collective."""
+            uneven: bool = False, prepare: Callable[[], CallArgs] | None = None) -> torch.Tensor:
+        """The call through the bound route (see the class docstring). ``prepare``: builds the route's arguments
+        after the call is proven and before its data moves (an uneven all_to_all's count exchange). Collective."""
         comm = self.comm
         if not comm._lock.acquire(False):
             raise comm._busy(self.name)
         try:
             self._prove(x, rows_per_rank, uneven)
+            if prepare is not None:
+                args = prepare()
             return self.bound(x, args)
         except RuntimeError as e:  # torch.distributed.DistError derives from it
             if isinstance(e, DetcommError):
@@ -892,6 +944,38 @@ def _dtype(dtype: object, name: str) -> torch.dtype:
         raise ValueError(f"site {name!r}: dtype {dtype} is not supported; use one of "
                          f"{[str(d) for d in SUPPORTED_DTYPES]}")
     return dtype
+
+
+def _shape(shape: object, name: str) -> tuple[int, ...]:
+    """A site's ``shape=`` argument as a tuple: one row's trailing shape, an int (one dimension, as torch accepts
+    an int for a 1-D size) or a sequence of ints. The ints themselves are checked by ``Site``."""
+    if isinstance(shape, int) and not isinstance(shape, bool):
+        return (shape,)
+    if isinstance(shape, Sequence) and not isinstance(shape, (str, bytes)):
+        return tuple(shape)
+    raise TypeError(
+        f"site {name!r}: shape= is one row's trailing shape: an int (the row width, e.g. 4096) or a sequence of "
+        f"ints (e.g. (8, 128); () for scalar rows), got {shape!r} ({type(shape).__name__})"
+    )
+
+
+def _site_bytes(s: Site, world_size: int) -> int:
+    """What one call at max_rows passes on this rank: max_rows rows of the site's trailing shape (the fp32
+    partials of V/W shards per row on a virtual-shard site)."""
+    if s.virtual_shards is not None:
+        return s.max_rows * s.row_numel * 4 * max(1, s.virtual_shards // world_size)
+    return s.max_rows * s.row_numel * s.dtype.itemsize
+
+
+def _allocatable(device: torch.device) -> int:
+    """The device's total memory in bytes (total, not free: the same on every rank of one host and at any time,
+    so every rank reaches the same verdict; what is free is the allocator's to report). Unknown: no limit."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):  # no sysconf on this platform
+        return sys.maxsize
 
 
 def _caller() -> str:

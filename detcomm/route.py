@@ -5,7 +5,7 @@ it will ever carry). ``AutoBackend.route(site)`` is the only function the runtim
 ranks the acceptable routes from the site's static properties, the resolved numerics envelope and the group's
 capabilities found at startup (``candidates``), runs the startup self-check of each candidate that claims
 exact bits, remembers refusals (a route that failed a check for a collective serves that collective for no
-dtype or shape), falls back only to another route with the same claim, and returns a ``BoundRoute`` that the
+dtype or shape; a check that failed for the site's own size, an allocation, refuses that site only), falls back only to another route with the same claim, and returns a ``BoundRoute`` that the
 communicator calls. It has no tensor argument and never sees a row count, so a site cannot change route with
 the batch. Inside a canonical-fold route the row count may still pick the kernel (one-store, one-shot, two-shot,
 chunked): every kernel produces the canonical fold's bits.
@@ -378,6 +378,7 @@ class CheckVerdict:
     passed: bool
     reason: str
     label: str
+    site_only: bool = False  # the failure was this site's own size or resources (see selfcheck.CheckResult)
 
 
 class Verdict(Protocol):
@@ -391,6 +392,9 @@ class Verdict(Protocol):
 
     @property
     def label(self) -> str: ...
+
+    @property
+    def site_only(self) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -738,10 +742,14 @@ class AutoBackend:
             if self._checker is not None and self.claims(cand, site):
                 verdict = self._checker(bound)
                 if not verdict.passed:
-                    self._refused[kind] = f"{verdict.label}: {verdict.reason}"
-                    refused.append(f"{cand.route.value}: {self._refused[kind]}")
+                    why = f"{verdict.label}: {verdict.reason}"
+                    if not verdict.site_only:
+                        # A wrong bit is the route's: it serves this collective and op for no other site either.
+                        self._refused[kind] = why
+                    # else the site's own size failed (an allocation): the route still serves every other site.
+                    refused.append(f"{cand.route.value}: {why}")
                     _log.warning("detcomm: route %s refused for %s (%s): %s", cand.route.value, site.name,
-                                 site.describe(), self._refused[kind])
+                                 site.describe(), why)
                     continue
                 check = "passed"
             decision = cand

@@ -27,6 +27,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -47,9 +48,9 @@ from .invariance import rows_changed as _rows_differing
 from .numerics.fold import average, canonical_nan, reference_fold
 from .numerics.tree import reference_tree
 from .payload import ill_conditioned, with_specials
-from .route import NO_ARGS, BoundRoute, CallArgs, Collective, ReduceOp, Route
+from .route import NO_ARGS, BoundRoute, CallArgs, Collective, ReduceOp, Route, Site
 
-__all__ = ["CheckKey", "CheckResult", "SelfChecks", "run_check", "bits_equal"]
+__all__ = ["CheckKey", "CheckResult", "SelfChecks", "run_check", "bits_equal", "declaration", "is_resource_error"]
 
 _BASE_ROWS = 3
 # Filler rows the compositions of check (b) draw from (detcomm.invariance places the checked rows among them).
@@ -85,6 +86,9 @@ class CheckResult:
     passed: bool
     reason: str
     seconds: float
+    # The check failed for this site's own size or resources (an allocation failure on every failing rank), not
+    # for the route's arithmetic: routing refuses this site only, not the route for every other site (route.py).
+    site_only: bool = False
 
     @property
     def label(self) -> str:
@@ -100,6 +104,26 @@ def _max_min_reference(stacked: torch.Tensor, op: ReduceOp) -> torch.Tensor:
     return torch.where(torch.isnan(out), canonical_nan(out.dtype, out.device), out)
 
 
+def is_resource_error(e: BaseException) -> bool:
+    """Whether ``e`` is an allocation failure (this site's size or this device's memory, not the route's
+    arithmetic): MemoryError, torch's OutOfMemoryError, or the allocators' RuntimeError texts."""
+    if isinstance(e, (MemoryError, torch.cuda.OutOfMemoryError)):
+        return True
+    text = str(e).lower()
+    return isinstance(e, RuntimeError) and any(m in text for m in (
+        "can't allocate memory", "cannot allocate memory", "not enough memory", "out of memory",
+        "numel overflow", "storage size calculation overflowed"))
+
+
+def declaration(site: Site, route: str) -> tuple[list[int], str]:
+    """The declaration header (``guard.exchange``) of ``site`` bound to ``route``, and its readable form: the
+    communicator exchanges it at every new declaration, the self-checks before a check runs."""
+    forced = "" if site.route is None else f", route={site.route.value}"
+    return ([_DECLARE, guard.site_hash(site), hash_text(site.name), site.max_rows,
+             hash_text(f"{site.group}|{site.route.value if site.route else ''}")],
+            f"declaring site {site.name!r} as {site.describe()}, max_rows={site.max_rows}{forced} ({route})")
+
+
 def run_check(
     key: CheckKey,
     execute: Callable[[torch.Tensor], torch.Tensor],
@@ -112,17 +136,22 @@ def run_check(
     t0 = time.perf_counter()
     group, w, rank = native.group, native.world_size, native.rank
     failures: list[str] = []
+    resource = False
     try:
         failures = _checks(key, execute, w=w, rank=rank, native=native, device=device)
     except Exception as e:  # noqa: BLE001 - a route that raises has failed its check; report why, agree below
         failures = [f"raised {type(e).__name__}: {e}"]
+        resource = is_resource_error(e)
     flag = native.all_reduce(torch.tensor([1 if failures else 0], dtype=torch.int32, device=device), ReduceOp.MAX)
     if int(flag.item()) == 0:
         return CheckResult(key, True, "repeatable, offset/batch-invariant, equals the reference, ranks agree", time.perf_counter() - t0)
-    everyone: list[object] = [None] * w
-    dist.all_gather_object(everyone, failures, group=group)
-    reason = "; ".join(f"rank {r}: {', '.join(f)}" for r, f in enumerate(everyone) if f)  # type: ignore[arg-type]
-    return CheckResult(key, False, reason, time.perf_counter() - t0)
+    gathered: list[object] = [None] * w
+    dist.all_gather_object(gathered, (failures, resource), group=group)
+    everyone = cast("list[tuple[list[str], bool]]", gathered)
+    reason = "; ".join(f"rank {r}: {', '.join(f)}" for r, (f, _) in enumerate(everyone) if f)
+    # Site-only when every failing rank ran out of memory: a wrong bit anywhere still refuses the route.
+    site_only = all(res for f, res in everyone if f)
+    return CheckResult(key, False, reason, time.perf_counter() - t0, site_only=site_only)
 
 
 def _shard_payload(key: CheckKey, rows: int, *, seed: int, rank: int, w: int, device: torch.device) -> torch.Tensor:
@@ -279,9 +308,8 @@ class SelfChecks:
         if self.native.world_size > 1 and any(k not in self.results for k in keys):
             # The checks are collectives: ranks that declared the site differently would pair unrelated check
             # calls and refuse a sound route; prove first that every rank checks the same site.
-            guard.exchange(self.native, [_DECLARE, guard.site_hash(site), hash_text(site.name), site.max_rows],
-                           f"declaring site {site.name!r} as {site.describe()}, max_rows={site.max_rows} (route "
-                           f"{bound.route.value}, self-checked now)", device=self.device)
+            header, readable = declaration(site, f"route {bound.route.value}, self-checked now")
+            guard.exchange(self.native, header, readable, device=self.device)
         result: CheckResult | None = None
         for key, call in zip(keys, calls.values()):
             result = self.results.get(key)

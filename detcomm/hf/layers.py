@@ -80,15 +80,36 @@ class RowParallelLinear(nn.Module):
 def vocab_shard_width(vocab: int, world: int) -> int:
     """Rows of the embedding / LM head each rank holds: ceil(vocab / W) rounded up to ``VOCAB_ALIGN``.
     Raises ValueError when the last rank would hold no real entry."""
-    width = -(-vocab // world)
-    width = -(-width // VOCAB_ALIGN) * VOCAB_ALIGN
+    width = _padded_width(vocab, world)
     if (world - 1) * width >= vocab:
+        # Not "at most N ranks": the padding makes the bound non-monotonic (vocab 200: W = 4 works, W = 3 does
+        # not), so name the sizes that work.
+        works = [w for w in range(1, -(-vocab // VOCAB_ALIGN) + 1) if (w - 1) * _padded_width(vocab, w) < vocab]
         raise ValueError(
             f"vocabulary of {vocab} entries is too small for {world} ranks at shard width {width} (shards are "
-            f"padded to multiples of {VOCAB_ALIGN}): the last rank would hold no real entry; use fewer ranks "
-            f"(at most {max(1, -(-vocab // VOCAB_ALIGN))})"
+            f"padded to multiples of {VOCAB_ALIGN}): the last rank would hold no real entry; run at a world size "
+            f"that works for this vocabulary: W in {_ranges(works)}"
         )
     return width
+
+
+def _padded_width(vocab: int, world: int) -> int:
+    """ceil(vocab / world), rounded up to a multiple of ``VOCAB_ALIGN``."""
+    width = -(-vocab // world)
+    return -(-width // VOCAB_ALIGN) * VOCAB_ALIGN
+
+
+def _ranges(ws: list[int]) -> str:
+    """[1, 2, 3, 5, 7, 8] -> "{1-3, 5, 7-8}"."""
+    parts: list[str] = []
+    i = 0
+    while i < len(ws):
+        j = i
+        while j + 1 < len(ws) and ws[j + 1] == ws[j] + 1:
+            j += 1
+        parts.append(str(ws[i]) if i == j else f"{ws[i]}-{ws[j]}")
+        i = j + 1
+    return "{" + ", ".join(parts) + "}"
 
 
 def _vocab_rows(weight: torch.Tensor, start: int, width: int) -> torch.Tensor:
