@@ -127,9 +127,10 @@ def load_causal_lm(directory: str, *, dtype: torch.dtype) -> nn.Module:
     checkpoint_config(directory, dtype=dtype)
     if os.path.isfile(os.path.join(directory, _INDEX)) or os.path.isfile(os.path.join(directory, _SINGLE)):
         Checkpoint(directory).shapes()  # every file's header: a truncated file is refused naming it
-    model, info = transformers.AutoModelForCausalLM.from_pretrained(directory, attn_implementation="eager",
+    loaded: Any = transformers.AutoModelForCausalLM.from_pretrained(directory, attn_implementation="eager",
                                                                     output_loading_info=True,
                                                                     **{_dtype_kwarg(): dtype})
+    model, info = loaded  # (model, loading info): what from_pretrained only warns about, checked here
     problems = []
     for kind, what in (("missing_keys", "missing from the checkpoint (from_pretrained would initialise them at "
                         "random)"), ("unexpected_keys", "in the checkpoint but not in the model"),
