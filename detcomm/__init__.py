@@ -301,15 +301,7 @@ def init(
                               "tensors on %s (NCCL refuses two ranks on one GPU)",
                               os.environ.get("LOCAL_WORLD_SIZE", "?"), torch.cuda.device_count(), device)
             deadline = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
-            try:
-                dist.init_process_group(backend=backend, init_method="env://", timeout=timedelta(seconds=deadline))
-            except dist.DistStoreError as e:
-                raise PeerTimeout(
-                    f"detcomm.init on rank {os.environ['RANK']}: not every one of the {os.environ['WORLD_SIZE']} "
-                    f"ranks joined the rendezvous at {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} within "
-                    f"{deadline:g} s: a rank exited (or failed) before detcomm.init, or is still starting; its own "
-                    f"output names the cause. Library error: {e}"
-                ) from e
+            _init_default_group(backend, deadline)
             created = True
         pg = dist.group.WORLD if group is None else group
         assert pg is not None  # the default group exists by now
@@ -341,6 +333,48 @@ def init(
         _DEFAULT = comm
         _SHUT_DOWN = False
     return comm
+
+
+_ARRIVED = "detcomm/init/arrived"  # rendezvous-store key prefix: rank r reached detcomm.init (outside torch's keys)
+
+
+def _init_default_group(backend: str, deadline: float) -> None:
+    """``init_process_group(backend, env://)`` as torch does it (the env:// store, then the group on it), with
+    one key of detcomm's own in the store first, ``_ARRIVED/<rank>``: when the group's rendezvous times out, the
+    ranks whose key is absent never reached ``detcomm.init`` (hung or still starting before it), and the
+    ``PeerTimeout`` names them (``silent``), rather than only saying that someone is missing."""
+    import torch.distributed as dist
+
+    from .deadline import arrivals
+
+    rank, world = os.environ.get("RANK", "?"), os.environ.get("WORLD_SIZE", "?")
+    where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+
+    def refused(e: BaseException, who: str, silent: tuple[int, ...] = ()) -> PeerTimeout:
+        return PeerTimeout(
+            f"detcomm.init on rank {rank}: not every one of the {world} ranks joined the rendezvous at {where} within "
+            f"{deadline:g} s: {who}; its own output names the cause. Library error: {e}", silent=silent)
+
+    timeout = timedelta(seconds=deadline)
+    try:
+        store, r, w = next(dist.rendezvous("env://", timeout=timeout))
+        store.set_timeout(timeout)
+    except dist.DistStoreError as e:  # a plain env:// rendezvous: rank 0's store waits for every rank to connect
+        raise refused(e, "a rank exited (or failed) before detcomm.init, or is still starting") from e
+    store.set(f"{_ARRIVED}/{r}", "1")
+    try:
+        dist.init_process_group(backend=backend, store=store, rank=r, world_size=w, timeout=timeout)
+    except dist.DistStoreError as e:
+        came = arrivals(store, _ARRIVED, list(range(w)))
+        missing = tuple(q for q in range(w) if came is not None and q not in came)
+        if missing:
+            who = (f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} never reached detcomm.init "
+                   "(hung, failed or still starting before it)")
+        elif came is None:
+            who = "the store did not answer which ranks reached detcomm.init"
+        else:
+            who = "every rank reached detcomm.init, and one of them stopped before joining the group"
+        raise refused(e, who, missing) from e
 
 
 class _ProcessState:

@@ -33,7 +33,8 @@ import torch.distributed as dist
 
 from .errors import PeerTimeout
 
-__all__ = ["DEFAULT_TIMEOUT_S", "REPORT_GRACE_S", "STORE_REPLY_S", "is_timeout", "timeout_reports", "peer_timeout"]
+__all__ = ["DEFAULT_TIMEOUT_S", "REPORT_GRACE_S", "STORE_REPLY_S", "is_timeout", "timeout_reports", "arrivals",
+           "peer_timeout"]
 
 DEFAULT_TIMEOUT_S = 300.0
 REPORT_GRACE_S = 2.0  # how long a timed-out rank waits for the other timed-out ranks to sign in
@@ -89,6 +90,23 @@ def timeout_reports(prefix: str, rank: int, ranks: list[int], mine: str, *, grac
     return answer[0] if done.wait(grace_s + reply_s) else None
 
 
+def arrivals(store: Any, prefix: str, ranks: list[int], *, reply_s: float = STORE_REPLY_S) -> list[int] | None:
+    """Which of ``ranks`` set ``prefix/rank`` in ``store``; None when the store fails or does not answer within
+    ``reply_s`` (its host may be the rank that is gone). Bounded as ``timeout_reports`` is: a daemon thread."""
+    answer: list[list[int] | None] = []
+
+    def ask() -> None:
+        try:
+            answer.append([r for r in ranks if store.check([f"{prefix}/{r}"])])
+        except Exception:  # noqa: BLE001 - the store's host is gone: the caller says the ranks are unknown
+            answer.append(None)
+        done.set()
+
+    done = threading.Event()
+    threading.Thread(target=ask, name="detcomm-arrivals", daemon=True).start()
+    return answer[0] if done.wait(reply_s) else None
+
+
 def peer_timeout(site: str, call: int, e: BaseException, *, group: dist.ProcessGroup, rank: int,
                  timeout_s: float | None = None) -> PeerTimeout:
     """The PeerTimeout to raise for a timed-out call of ``site`` (call number ``call`` of this communicator).
@@ -115,4 +133,4 @@ def peer_timeout(site: str, call: int, e: BaseException, *, group: dist.ProcessG
                 "creates)" if timeout_s is not None else "the process group's own timeout (set where it was created)")
     msg = f"site {site!r}, call #{call} on rank {rank}: the collective timed out; {who}. The deadline is {deadline}. Library error: {e}"
     _log.error("detcomm: %s", msg)
-    return PeerTimeout(msg)
+    return PeerTimeout(msg, silent=tuple(silent) if posted is not None else ())

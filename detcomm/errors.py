@@ -39,7 +39,15 @@ class CollectiveMismatch(DetcommError):
 
 
 class PeerTimeout(DetcommError):
-    """A peer did not reach a collective call within the deadline (it skipped it, stalled or died)."""
+    """A peer did not reach a collective call within the deadline (it skipped it, stalled or died).
+
+    ``silent``: the ranks known not to have arrived (they reported nothing: never reached ``detcomm.init``'s
+    rendezvous, or did not time out in the same call), empty when unknown; detcomm-launch names them as the cause
+    instead of the rank that only waited."""
+
+    def __init__(self, *args: object, silent: tuple[int, ...] = ()) -> None:
+        super().__init__(*args)
+        self.silent = tuple(silent)
 
 
 class WorkspaceUnavailable(DetcommError):

@@ -16,8 +16,11 @@ whose docstring says how local compute is made batch-invariant and what that cos
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
+from .agree import agreed
 from .checkpoints import TINY_CONFIGS, checkpoint_config, load_causal_lm, write_tiny_checkpoint
 from .engine import ServingConfig, StepLogits, TPCausalLM
 from .moe_block import EPConfig
@@ -37,8 +40,14 @@ def load(directory: str, *, dtype: torch.dtype = torch.bfloat16, serving: Servin
     of KV cache a request). ``route`` forces the route of the sum sites ("native": no bitwise claim). ``ep``: where
     an MoE model's experts live (``EPConfig(placement=detcomm.moe.Placement...)``; default every expert on
     every rank)."""
-    if not sliced:
-        return TPCausalLM(load_causal_lm(directory, dtype=dtype), serving or ServingConfig(), route=route, ep=ep)
-    config = checkpoint_config(directory, dtype=dtype)
-    return TPCausalLM(meta_model(config, dtype=dtype), serving or ServingConfig(), route=route, ep=ep,
-                      checkpoint=Checkpoint(directory))
+    def local() -> tuple[Any, Checkpoint | None]:
+        if not sliced:
+            return load_causal_lm(directory, dtype=dtype), None
+        return meta_model(checkpoint_config(directory, dtype=dtype), dtype=dtype), Checkpoint(directory)
+
+    # Every local step of the load ends in one verdict for the group (detcomm.hf.agree): a rank that cannot read
+    # the checkpoint raises, and so does every peer, with the same message, instead of waiting in the first
+    # collective. A refused checkpoint raises ValueError on every rank, naming the rank(s), the file or tensor.
+    # (The directory is in each rank's own message: ranks may be given different paths.)
+    model, checkpoint = agreed("detcomm.hf.load", local)
+    return TPCausalLM(model, serving or ServingConfig(), route=route, ep=ep, checkpoint=checkpoint)

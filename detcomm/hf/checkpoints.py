@@ -115,10 +115,32 @@ def checkpoint_config(directory: str, *, dtype: torch.dtype) -> Any:
 
 def load_causal_lm(directory: str, *, dtype: torch.dtype) -> nn.Module:
     """``AutoModelForCausalLM.from_pretrained(directory)`` in ``dtype`` with eager attention, on the CPU,
-    after checking the family: the whole model (``detcomm.hf.sliced`` reads only a rank's slices). Local."""
+    after checking the family: the whole model (``detcomm.hf.sliced`` reads only a rank's slices). Local.
+
+    Refuses (ValueError) what from_pretrained only warns about: a tensor the model has and the checkpoint lacks
+    (from_pretrained would give it a fresh random initialisation), one the checkpoint has and the model does not,
+    and one of another shape, naming them; and a safetensors file that does not open, naming the file."""
     import transformers
 
+    from .sliced import _INDEX, _SINGLE, Checkpoint, _names
+
     checkpoint_config(directory, dtype=dtype)
-    model = transformers.AutoModelForCausalLM.from_pretrained(directory, attn_implementation="eager",
-                                                              **{_dtype_kwarg(): dtype})
+    if os.path.isfile(os.path.join(directory, _INDEX)) or os.path.isfile(os.path.join(directory, _SINGLE)):
+        Checkpoint(directory).shapes()  # every file's header: a truncated file is refused naming it
+    loaded: Any = transformers.AutoModelForCausalLM.from_pretrained(directory, attn_implementation="eager",
+                                                                    output_loading_info=True,
+                                                                    **{_dtype_kwarg(): dtype})
+    model, info = loaded  # (model, loading info): what from_pretrained only warns about, checked here
+    problems = []
+    for kind, what in (("missing_keys", "missing from the checkpoint (from_pretrained would initialise them at "
+                        "random)"), ("unexpected_keys", "in the checkpoint but not in the model"),
+                       ("mismatched_keys", "stored with another shape than the model's")):
+        keys = sorted(str(k if isinstance(k, str) else k[0]) for k in info.get(kind) or ())
+        if keys:
+            problems.append(f"{what}: {_names(keys)}")
+    if info.get("error_msgs"):
+        problems.append("from_pretrained's errors: " + "; ".join(map(str, info["error_msgs"])))
+    if problems:
+        raise ValueError(f"{directory}: the checkpoint's tensors do not belong to the model its config.json describes "
+                         f"({'; '.join(problems)}): use the config saved with these weights")
     return model.eval()

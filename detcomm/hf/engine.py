@@ -85,6 +85,7 @@ import detcomm
 
 from ..numerics.norm import add_rms_norm
 from ..tp import Segment, pack_segments
+from .agree import agreed
 from .layers import StepRows
 from .moe_block import EPConfig, EPMoEBlock
 from .shard import Shards, add_norm_site, declare_sites, fuse_boundaries, shard_model
@@ -157,12 +158,21 @@ class TPCausalLM:
         self.device = comm.device
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.step_rows = StepRows()
-        self.shards: Shards = shard_model(model, rank=self.rank, world=self.world, step=self.step_rows, ep=ep,
-                                          layout=layout, virtual_shards=virtual_shards, max_rows=serving.t_pad,
-                                          shard_fold=shard_fold)
-        if checkpoint is not None:  # a meta-device model: read this rank's slices (detcomm.hf.sliced)
-            fill(model, self.shards, checkpoint, dtype=next(model.parameters()).dtype)
-        self.model: Any = model.to(self.device).eval()
+
+        def local() -> Shards:  # everything before the first collective (the sites' declarations)
+            shards = shard_model(model, rank=self.rank, world=self.world, step=self.step_rows, ep=ep, layout=layout,
+                                 virtual_shards=virtual_shards, max_rows=serving.t_pad, shard_fold=shard_fold)
+            if checkpoint is not None:  # a meta-device model: read this rank's slices (detcomm.hf.sliced)
+                fill(model, shards, checkpoint, dtype=next(model.parameters()).dtype)
+            model.to(self.device)
+            return shards
+
+        # One verdict for the group (detcomm.hf.agree): a rank whose slice of the checkpoint is refused must not
+        # leave its peers waiting in the first collective until the deadline.
+        what = ("detcomm.hf: reading each rank's slices of the checkpoint" if checkpoint is not None
+                else "detcomm.hf: sharding the model")
+        self.shards: Shards = agreed(what, local)
+        self.model: Any = model.eval()
         self.config: Any = model.config
         self.dtype = next(model.parameters()).dtype
         if self.dtype not in (torch.float32, torch.bfloat16):

@@ -134,6 +134,14 @@ def _expert_weights(experts: Any, e: int) -> tuple[torch.Tensor, torch.Tensor, A
     return torch.cat([m.gate_proj.weight.data, m.up_proj.weight.data]), m.down_proj.weight.data, m.act_fn
 
 
+def expert_ffn(experts: Any) -> int:
+    """The FFN width of every expert (all experts of a block have one), in either transformers layout."""
+    if hasattr(experts, "gate_up_proj"):  # transformers >= 5: [E, 2I, H]
+        return int(experts.gate_up_proj.shape[1]) // 2
+    m = experts[0]
+    return int((m.w2 if hasattr(m, "w2") else m.down_proj).weight.shape[1])
+
+
 class EPMoEBlock(nn.Module):
     """This rank's part of one sparse MoE block (module docstring). ``forward(x)`` takes [..., H] and returns
     the block's output, the same on every rank. Collective (dispatch, combine, gather)."""
@@ -169,6 +177,9 @@ class EPMoEBlock(nn.Module):
         self.gate_up = nn.Parameter(torch.stack(ups) if ups else gate_weight.new_zeros(0, 0, hidden), requires_grad=False)
         self.down = nn.Parameter(torch.stack(downs) if downs else gate_weight.new_zeros(0, hidden, 0), requires_grad=False)
         self.ffn = ffn
+        # Every expert's width, hosted here or not: each checkpoint tensor's shape is checked on every rank
+        # (detcomm.hf.sliced), so the verdict does not depend on which experts a rank hosts.
+        self.expert_ffn = expert_ffn(block.experts)
         self.shared_expert: Any = getattr(block, "shared_expert", None)  # transformers' own modules, replicated
         self.shared_expert_gate: Any = getattr(block, "shared_expert_gate", None)
         self.sites = MoESite(name, f"{name}.dispatch", f"{name}.combine")  # what moe_site(name) declares

@@ -55,11 +55,14 @@ SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", *MOE_FAMILIES)
 @dataclass(frozen=True)
 class Cut:
     """Where one parameter of a rank's shard lies in the checkpoint tensor of the same name: rows (``dim`` 0)
-    or columns (``dim`` 1) [start, stop). Rows past the tensor's end are zeros (the padded vocabulary shards)."""
+    or columns (``dim`` 1) [start, stop). Rows past the tensor's end are zeros (the padded vocabulary shards).
+    ``full``: the whole (unsharded) parameter's shape, which the stored tensor must have (a slice alone would let
+    a tensor stored larger than the config load, detcomm.hf.sliced checks it)."""
 
     dim: int
     start: int
     stop: int
+    full: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -220,9 +223,9 @@ def shard_model(model: Any, *, rank: int, world: int, step: StepRows, ep: EPConf
 
     def cut(module: Any, dim: int, start: int, stop: int) -> None:  # record where the module's shard lies
         name = names[id(module)]
-        cuts[f"{name}.weight"] = Cut(dim, start, stop)
+        cuts[f"{name}.weight"] = Cut(dim, start, stop, tuple(module.weight.shape))
         if module.bias is not None and dim == 0:  # a row-parallel bias is whole (added once, after the sum)
-            cuts[f"{name}.bias"] = Cut(0, start, stop)
+            cuts[f"{name}.bias"] = Cut(0, start, stop, tuple(module.bias.shape))
 
     # The invariant layouts' row-parallel options, the same for every layer.
     row = dict(step=step, layout=layout, virtual_shards=virtual_shards, shard_fold=shard_fold,
@@ -282,8 +285,9 @@ def shard_model(model: Any, *, rank: int, world: int, step: StepRows, ep: EPConf
     head_sites = {k: f"{head_name}.{k}" for k in ("gather", "argmax", "stats", "logprobs")}
     # The head first: with tied embeddings both modules share one weight, which the embedding swap drops.
     if layout == "fold":
-        cuts[f"{head_name}.weight"] = Cut(0, rank * width, (rank + 1) * width)
-        cuts[f"{embed_site}.weight"] = Cut(0, rank * width, (rank + 1) * width)
+        cuts[f"{head_name}.weight"] = Cut(0, rank * width, (rank + 1) * width, tuple(model.lm_head.weight.shape))
+        cuts[f"{embed_site}.weight"] = Cut(0, rank * width, (rank + 1) * width,
+                                           tuple(decoder.embed_tokens.weight.shape))
         model.lm_head = VocabParallelHead(model.lm_head, rank * width, width, vocab, gather_site=head_sites["gather"])
     else:
         width = vocab // world

@@ -107,9 +107,10 @@ class _RankErrors(ErrorHandler):
         faulthandler.enable(file=fault, all_threads=True)
         faulthandler.register(signal.SIGTERM, file=term, all_threads=True, chain=True)
 
-    def end(self, status: int, error: str | None, *, returned: bool = True) -> None:
+    def end(self, status: int, error: str | None, *, returned: bool = True, silent: tuple[int, ...] = ()) -> None:
         """Record how the target ended: ``error`` None for a clean exit; ``returned`` False for an exit that
-        skipped the end of the program (``os._exit``)."""
+        skipped the end of the program (``os._exit``); ``silent`` the ranks its ``PeerTimeout`` names as never
+        having arrived (the launcher names them, not this rank that waited)."""
         when = time.time()
         if error is not None:
             file = self._get_error_file_path()
@@ -121,13 +122,26 @@ class _RankErrors(ErrorHandler):
             path = os.path.join(self.folder, f"rank{self.rank}.json")
             with open(path + ".tmp", "w") as f:
                 json.dump({"rank": self.rank, "world_size": self.world_size, "time": when, "status": status,
-                           "error": error, "returned": returned}, f)
+                           "error": error, "returned": returned, "silent": list(silent)}, f)
             os.replace(path + ".tmp", path)  # the launcher never reads half a record
         elif error is not None:
             sys.stdout.flush()
             for line in error.rstrip("\n").split("\n"):
                 sys.stderr.write(f"[rank{self.rank}]: {line}\n")
             sys.stderr.flush()
+
+
+def _silent(exc: BaseException) -> tuple[int, ...]:
+    """The ranks a ``PeerTimeout`` in ``exc``'s chain names as never having arrived (``PeerTimeout.silent``)."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        silent = getattr(e, "silent", None)
+        if isinstance(silent, tuple) and silent:
+            return tuple(int(r) for r in silent)
+        e = e.__cause__ or e.__context__
+    return ()
 
 
 def _last(error: str) -> str:
@@ -169,7 +183,7 @@ def run(rank: int, world_size: int, module: bool, target: str, args: Sequence[st
         errors.end(1, str(code))
         return 1
     except BaseException as exc:  # noqa: BLE001 - everything the target raises is the rank's error
-        errors.end(1, _target_traceback(exc))
+        errors.end(1, _target_traceback(exc), silent=_silent(exc))
         return 1
     errors.end(0, None)
     return 0

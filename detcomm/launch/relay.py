@@ -73,6 +73,15 @@ class _End:
     detail: str = ""  # its own traceback or faulthandler dump
     title: str = ""  # what ``detail`` is, for the report's headline
     clean: bool = False  # exited with status 0
+    lost_peer: bool = False  # its error is a communication failure: a consequence of a peer that left or hung
+    silent: tuple[int, ...] = ()  # the ranks its PeerTimeout names as never having arrived
+    own_error: bool = False  # it raised an error (or exited non-zero) itself
+
+
+# What a rank raises when a peer left, hung or closed its connection (gloo's, the store's and detcomm's own
+# words): a clean exit before such a failure is its cause; before any other failure it is only a rank that finished.
+_LOST_PEER = re.compile(r"Connection (?:closed|reset) by peer|Broken pipe|PeerTimeout|CollectiveFailed|DistNetworkError|"
+                        r"DistStoreError|[Tt]imed out")
 
 
 def _ends(folder: Path, exits: Mapping[int, int], *, agent_saw: bool = False) -> list[_End]:
@@ -87,9 +96,15 @@ def _ends(folder: Path, exits: Mapping[int, int], *, agent_saw: bool = False) ->
         rec, code = recs.get(rank), exits.get(rank)
         if rec is not None and not rec.get("returned", True):  # os._exit: its program did not finish
             ends.append(_End(rank, rec["time"], f"exited early (status {rec['status']}, through os._exit: its "
-                             "program did not return)", clean=rec["status"] == 0))
+                             "program did not return)", clean=rec["status"] == 0, own_error=rec["status"] != 0))
         elif rec is not None and rec["status"] != 0:
-            ends.append(_End(rank, rec["time"], f"raised {_last(rec['error'])}", rec["error"], "Its error:"))
+            error = rec["error"] or ""
+            if error == f"exited with status {rec['status']}":  # sys.exit(N): the program printed its own reason
+                ends.append(_End(rank, rec["time"], error, own_error=True))
+            else:
+                ends.append(_End(rank, rec["time"], f"raised {_last(error)}", error, "Its error:",
+                                 lost_peer=bool(_LOST_PEER.search(error)), own_error=True,
+                                 silent=tuple(int(r) for r in rec.get("silent") or ())))
         elif rank in faults:
             sig = _exit(code) if code is not None and code < 0 else "a fatal signal"
             ends.append(_End(rank, faults[rank].stat().st_mtime, f"died of {sig}", faults[rank].read_text(),
@@ -101,7 +116,7 @@ def _ends(folder: Path, exits: Mapping[int, int], *, agent_saw: bool = False) ->
             ends.append(_End(rank, None, f"was killed by {_exit(code)}, without a Python error (a signal from "
                              "outside the job: a user, a supervisor, the kernel's OOM killer)"))
         elif code:
-            ends.append(_End(rank, None, f"exited with status {code} without recording a Python error"))
+            ends.append(_End(rank, None, f"exited with status {code} without recording a Python error", own_error=True))
         elif rec is not None:
             ends.append(_End(rank, rec["time"], "exited with status 0 while the other ranks still ran", clean=True))
         elif agent_saw:  # the torchrun agent lists every rank it saw fail: this one exited with status 0
@@ -111,9 +126,39 @@ def _ends(folder: Path, exits: Mapping[int, int], *, agent_saw: bool = False) ->
             ends.append(_End(rank, None, "ended without a record: killed by SIGKILL (from outside the job: a user, a "
                              "supervisor, the kernel's OOM killer) or exited through a C-level _exit"))
     ends.sort(key=lambda e: (e.time is not None, e.time or 0.0))
-    # A clean exit is news only before the first failure: after it, a rank finishing is no cause.
     first_failure = next((i for i, e in enumerate(ends) if not e.clean), len(ends))
-    return ends[:first_failure] + [e for e in ends[first_failure:] if not e.clean]
+    if first_failure < len(ends):
+        failure = ends[first_failure]
+        # A rank the first failure's PeerTimeout names as never having arrived (it hung before the rendezvous or
+        # the call) is the cause, unless it raised an error of its own: how it ended (stopped by the tear-down's
+        # SIGTERM, its stack showing where it hung) is then the news, and the rank that waited for it is not.
+        by_rank = {e.rank: e for e in ends}
+        hung = [by_rank[r] for r in failure.silent if r in by_rank and not by_rank[r].own_error and r != failure.rank]
+        if hung:
+            blamed = [_End(e.rank, e.time, f"never arrived (rank {failure.rank}'s PeerTimeout names it as the rank "
+                           f"it waited for) and {e.how}", e.detail, e.title) for e in hung]
+            rest = [e for e in ends if e.rank not in {b.rank for b in blamed}]
+            ends = blamed + rest
+            first_failure = len(blamed) + next((i for i, e in enumerate(rest) if not e.clean), len(rest))
+    # A clean exit is news only before the first failure, and only when that failure is a lost peer (the clean
+    # exit left it waiting): a rank that finished its program is no failure, and a peer's own error after it
+    # (an exit status, an exception of its own) is the cause.
+    lost = first_failure < len(ends) and ends[first_failure].lost_peer
+    cause = ends[:first_failure] if lost else [e for e in ends[:first_failure] if not e.clean]
+    return cause + [e for e in ends[first_failure:] if not e.clean]
+
+
+def _cleanly_before(folder: Path, ends: list[_End]) -> list[int]:
+    """The ranks that exited with status 0 before the first failure but are not in ``ends`` (no cause)."""
+    if not ends or ends[0].clean or ends[0].time is None:
+        return []
+    shown = {e.rank for e in ends}
+    cleans = []
+    for p in folder.glob("rank*.json"):
+        rec = json.loads(p.read_text())
+        if rec["status"] == 0 and rec.get("returned", True) and rec["time"] < ends[0].time and rec["rank"] not in shown:
+            cleans.append(int(rec["rank"]))
+    return sorted(cleans)
 
 
 def failure_report(folder: Path, status: int, *, exits: Mapping[int, int] | None = None) -> list[str]:
@@ -135,6 +180,10 @@ def failure_report(folder: Path, status: int, *, exits: Mapping[int, int] | None
     of = f" of {world.pop()}" if len(world) == 1 else ""
     first, later = ends[0], ends[1:]
     lines = []
+    cleans = _cleanly_before(folder, ends)
+    if cleans:
+        lines.append(f"detcomm-launch: rank{'s' if len(cleans) > 1 else ''} {', '.join(map(str, cleans))} finished "
+                     f"cleanly (status 0) before rank {first.rank} failed: a clean exit is no failure")
     if later:
         lines.append(f"detcomm-launch: after rank {first.rank} {'ended' if first.clean else 'failed'}: " +
                      "; ".join(f"rank {e.rank} {e.how[:160]}" for e in later))
