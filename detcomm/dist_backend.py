@@ -643,8 +643,9 @@ class DetcommProcessGroup(dist.ProcessGroup):
         route = self._sites.get((flat.device, name))
         if what is not None and (n == 0 or route is None or flat.device not in self._comms):
             # An empty call moves nothing, and a cold one starts with the communicator's agreement or the site's
-            # declaration: neither begins with the communicator's header, so the backend's goes first.
-            self._guard(flat, what)
+            # declaration: neither begins with the communicator's header, so the backend's goes first. A cold
+            # call is named as the site call it is about to be (its first), as the communicator names its calls.
+            self._guard(flat, what if n == 0 else f"site {name!r} call #1 ({what})")
         if n == 0:
             return flat[:0]
         comm = self._communicator(flat.device)
