@@ -34,8 +34,17 @@ does (docs/trainers.md has the user's view, docs/spec.md §1 the definitions):
   ``gather``, ``send``/``recv``, ``barrier``: delegated to gloo / NCCL (data movement: exact).
 * Every op on integer and bool tensors: delegated, one tensor per call (exact in any order; integer SUM wraps
   on overflow, as in gloo and NCCL).
-* ``PRODUCT`` on floats is refused (ValueError): its result depends on the rank order and the fold defines
-  none; multiply locally and reduce with SUM.
+* ``PRODUCT`` on bf16 / fp16 / fp32 / fp64: the rank-order product of docs/spec.md §1.1 (``acc = 1.0``, one
+  multiplication per rank in fp32, fp64 for fp64, one rounding to the dtype, NaN canonical), served by the
+  backend on every device: an all-gather of the W inputs (a reduce-scatter: an all-to-all of the blocks) and
+  ``detcomm.numerics.fold.product_fold``. Complex PRODUCT is refused (ValueError).
+* Every reduction and ``barrier`` starts with one call-guard header all-gather on the group (``_guard``): the
+  backend's own for the calls it serves itself (an empty tensor, fp64, PRODUCT, integers and bools, a reduce,
+  whose root it names, a barrier, a float reduction whose site is not made yet) or the communicator's (a warm
+  site). Ranks making different calls raise ``CollectiveMismatch`` on every rank, naming each rank's call, before
+  any data moves. Not on CUDA over NCCL (no guard there, as the communicator's; below), not in a capture.
+* A non-contiguous tensor a collective writes (or reads) goes to gloo / NCCL as a dense copy, and the result is
+  copied back into the caller's view (gloo would treat the view's storage as dense; NCCL refuses it).
 * Tensor subclasses that wrap one plain tensor (``AsyncCollectiveTensor``, what DTensor's ``to_local()``
   returns) are waited for and unwrapped; the result is written through to the caller's tensor.
 
@@ -94,9 +103,10 @@ releases the group's communicators (``shutdown``).
 
 Why not ``"cpu:gloo,cuda:detcomm"``: torch replaces the whole group by a Python process group as soon as one
 device's backend is one, so the gloo half of that string would be dropped; ``"detcomm"`` serves both devices.
-Tested on torch 2.13 (CPU, gloo) and torch 2.11 with NCCL 2.28 on two H200s (W processes sharing one GPU:
-tests/gpu/test_trainers_shared_gpu.py); written against the API torch has
-had since 2.4 (``ProcessGroup(rank, size)`` subclasses, ``Backend.register_backend(name, fn, devices=...)``).
+Tested on torch 2.13 (CPU, gloo), torch 2.11 (CPU, CI's floor job .ci/torch_floor.sh) and torch 2.11 with NCCL
+2.28 on two H200s (W processes sharing one GPU: tests/gpu/test_trainers_shared_gpu.py); pyproject.toml requires
+torch >= 2.11 (``detcomm._torch_version``). PREMUL_SUM's factor is read from the ReduceOp's pickle state
+(``premul_factor``): ``ReduceOp.factor`` exists from torch 2.13 only.
 torch's C++ bridge to a Python group calls methods by name, and the names moved between releases
 (``_allgather_base`` / ``all_gather_single``, ``allgather_into_tensor_coalesced`` /
 ``all_gather_single_coalesced``, and the same for reduce-scatter): every name is served.

@@ -26,8 +26,11 @@ from enum import IntEnum
 
 import torch
 
+from .._torch_version import require
 from ..dtypes import FLOAT_DTYPES, bits_view, info
 from ..errors import NoFoldLeaf
+
+require(torch.__version__)  # every route folds through here: an unsupported torch is refused at import
 
 __all__ = [
     "FLOAT_DTYPES",
