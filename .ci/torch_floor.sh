@@ -7,7 +7,9 @@
 # Which torch build: the CPU build where an index has it ($FLOOR_TORCH_INDEX_URL, e.g.
 # https://download.pytorch.org/whl/cpu, about 200 MB). Without one (a machine that reaches PyPI only, as this
 # project's CI machine does), PyPI's Linux x86_64 wheel, a CUDA 13 build whose nvidia-* packages pip pulls too:
-# measured there 2.6 GB, 112 s to download and 56 s to install; it imports and runs on a machine without a GPU.
+# measured there 2.6 GB, 112 s to download and 56 s to install alone, 391 s for the whole venv step on the loaded
+# 2-core machine; it imports and runs on a machine without a GPU. The tests: 116 in 259 s there (the whole job
+# 11 min on the loaded machine, about 7 on an idle one).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=.ci/common.sh

@@ -94,7 +94,8 @@ def job_mismatch(rank: int, w: int, scenario: str) -> str:
 _NAMED = {
     "empty": ["rank 1: dist.all_reduce(float32[0] on cpu, op=SUM)", "torch.all_reduce.sum.float32.8"],
     "empty-reduce-scatter": ["rank 1: dist.reduce_scatter(float32[0] on cpu, op=SUM)",
-                             "rank 0: dist.reduce_scatter(float32[8] on cpu, op=SUM)"],
+                             "rank 0: site 'torch.reduce_scatter.sum.float32.8' call #1 "
+                             "(dist.reduce_scatter(float32[8] on cpu, op=SUM))"],
     "fp64": ["rank 0: dist.all_reduce(float64[8] on cpu, op=SUM)", "rank 1: site 'torch.all_reduce.sum.float32.8'"],
     "fp64-sizes": ["rank 0: dist.all_reduce(float64[9] on cpu, op=SUM)",
                    "rank 1: dist.all_reduce(float64[8] on cpu, op=SUM)"],
