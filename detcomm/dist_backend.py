@@ -34,8 +34,17 @@ does (docs/trainers.md has the user's view, docs/spec.md §1 the definitions):
   ``gather``, ``send``/``recv``, ``barrier``: delegated to gloo / NCCL (data movement: exact).
 * Every op on integer and bool tensors: delegated, one tensor per call (exact in any order; integer SUM wraps
   on overflow, as in gloo and NCCL).
-* ``PRODUCT`` on floats is refused (ValueError): its result depends on the rank order and the fold defines
-  none; multiply locally and reduce with SUM.
+* ``PRODUCT`` on bf16 / fp16 / fp32 / fp64: the rank-order product of docs/spec.md §1.1 (``acc = 1.0``, one
+  multiplication per rank in fp32, fp64 for fp64, one rounding to the dtype, NaN canonical), served by the
+  backend on every device: an all-gather of the W inputs (a reduce-scatter: an all-to-all of the blocks) and
+  ``detcomm.numerics.fold.product_fold``. Complex PRODUCT is refused (ValueError).
+* Every reduction and ``barrier`` starts with one call-guard header all-gather on the group (``_guard``): the
+  backend's own for the calls it serves itself (an empty tensor, fp64, PRODUCT, integers and bools, a reduce,
+  whose root it names, a barrier, a float reduction whose site is not made yet) or the communicator's (a warm
+  site). Ranks making different calls raise ``CollectiveMismatch`` on every rank, naming each rank's call, before
+  any data moves. Not on CUDA over NCCL (no guard there, as the communicator's; below), not in a capture.
+* A non-contiguous tensor a collective writes (or reads) goes to gloo / NCCL as a dense copy, and the result is
+  copied back into the caller's view (gloo would treat the view's storage as dense; NCCL refuses it).
 * Tensor subclasses that wrap one plain tensor (``AsyncCollectiveTensor``, what DTensor's ``to_local()``
   returns) are waited for and unwrapped; the result is written through to the caller's tensor.
 
@@ -94,9 +103,10 @@ releases the group's communicators (``shutdown``).
 
 Why not ``"cpu:gloo,cuda:detcomm"``: torch replaces the whole group by a Python process group as soon as one
 device's backend is one, so the gloo half of that string would be dropped; ``"detcomm"`` serves both devices.
-Tested on torch 2.13 (CPU, gloo) and torch 2.11 with NCCL 2.28 on two H200s (W processes sharing one GPU:
-tests/gpu/test_trainers_shared_gpu.py); written against the API torch has
-had since 2.4 (``ProcessGroup(rank, size)`` subclasses, ``Backend.register_backend(name, fn, devices=...)``).
+Tested on torch 2.13 (CPU, gloo), torch 2.11 (CPU, CI's floor job .ci/torch_floor.sh) and torch 2.11 with NCCL
+2.28 on two H200s (W processes sharing one GPU: tests/gpu/test_trainers_shared_gpu.py); pyproject.toml requires
+torch >= 2.11 (``detcomm._torch_version``). PREMUL_SUM's factor is read from the ReduceOp's pickle state
+(``premul_factor``): ``ReduceOp.factor`` exists from torch 2.13 only.
 torch's C++ bridge to a Python group calls methods by name, and the names moved between releases
 (``_allgather_base`` / ``all_gather_single``, ``allgather_into_tensor_coalesced`` /
 ``all_gather_single_coalesced``, and the same for reduce-scatter): every name is served.
@@ -124,11 +134,13 @@ from torch._C._distributed_c10d import (
 )
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
+from .backends import guard as _guard
+from .backends.native import all_gather_flat
 from .comm import Communicator, RouteTable
 from .dtypes import name_of
 from .envelope import resolve_numerics
 from .errors import CaptureThroughHost, DetcommError
-from .numerics.fold import FLOAT_DTYPES, canonical_nan, canonicalize_nan, divide_exactly
+from .numerics.fold import FLOAT_DTYPES, canonical_nan, canonicalize_nan, divide_exactly, product_fold
 from .route import Route
 from .selfcheck import CheckResult
 from .topology import RankFacts, _local_facts, from_facts
@@ -186,11 +198,12 @@ def transport_for(facts: Sequence[RankFacts], *, nccl_available: bool) -> tuple[
     return NCCL, f"one rank per GPU ({topo.describe()})"
 
 
-# How a reduction is carried out: "fold" (SUM / AVG / PREMUL_SUM on floats), "keys" (float MAX / MIN) or
-# "delegate" (the library's own collective: exact integer and bitwise reductions).
+# How a reduction is carried out: "fold" (SUM / AVG / PREMUL_SUM on floats), "keys" (float MAX / MIN),
+# "product" (float PRODUCT: the backend's own gather and rank-order product) or "delegate" (the library's own
+# collective: exact integer and bitwise reductions).
 def plan(op: Any, dtype: torch.dtype) -> str:
-    """How the group reduces ``op`` on ``dtype``: ``"fold"``, ``"keys"`` or ``"delegate"`` (module docstring).
-    Raises ValueError for the float reductions the backend refuses. Local."""
+    """How the group reduces ``op`` on ``dtype``: ``"fold"``, ``"keys"``, ``"product"`` or ``"delegate"``
+    (module docstring). Raises ValueError for the float reductions the backend refuses. Local."""
     op = _kind(op)
     if not (dtype.is_floating_point or dtype.is_complex):
         return "delegate"
@@ -200,14 +213,33 @@ def plan(op: Any, dtype: torch.dtype) -> str:
         return "keys"
     if op in (_R.SUM, _R.AVG, _R.PREMUL_SUM):
         return "fold"
-    raise ValueError(f"the detcomm backend refuses {op} on {dtype}: a floating-point {op} depends on the order "
-                     "of the ranks and the canonical fold defines only SUM, AVG and PREMUL_SUM; multiply locally "
-                     "and reduce with SUM")
+    if op == _R.PRODUCT:
+        if dtype.is_complex:
+            # A complex product mixes the real and imaginary parts; the rank-order product of docs/spec.md §1.1
+            # is defined on real floats only.
+            raise ValueError(f"the detcomm backend refuses PRODUCT on {dtype}: the canonical product is defined on "
+                             "real floats (bf16, fp16, fp32, fp64); multiply the complex values locally instead")
+        return "product"
+    raise ValueError(f"the detcomm backend refuses {op} on {dtype}: the canonical reductions are SUM, AVG, "
+                     "PREMUL_SUM, PRODUCT, MAX and MIN on floats; reduce bitwise ops on an integer view instead")
 
 
 def _kind(op: Any) -> Any:
     """The RedOpType of a ReduceOp object (as options hold it) or of a RedOpType."""
     return getattr(op, "op", op)
+
+
+def _op_name(op: Any) -> str:
+    return str(_kind(op)).rsplit(".", 1)[-1]
+
+
+def _call(coll: str, t: torch.Tensor, op: Any, *, numel: int | None = None, root: int | None = None) -> str:
+    """The readable form of a reduction call, as the backend's call guard names it (and hashes it: two ranks
+    whose strings differ made different calls)."""
+    dst = "" if root is None else f", dst={root}"
+    n = t.numel() if numel is None else numel
+    dtype = str(t.dtype).removeprefix("torch.")  # any dtype (name_of knows only the sites' dtypes)
+    return f"dist.{coll}({dtype}[{n}] on {t.device.type}, op={_op_name(op)}{dst})"
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
@@ -293,10 +325,26 @@ class _FoldWork(Work):
         self.wait()
 
 
+def premul_factor(op: Any) -> float | torch.Tensor:
+    """The factor of a ``PREMUL_SUM`` ReduceOp (``_make_nccl_premul_sum(f)``): a float or a 0-d tensor. Read
+    through the ReduceOp's pickle state, ``(op, factor)``, which every torch the package supports has (the
+    ``.factor`` attribute only exists from torch 2.13; older ones raised AttributeError here, issue 40 item 10)."""
+    try:
+        state = op.__getstate__()
+    except (AttributeError, RuntimeError) as e:
+        raise ValueError(f"the detcomm backend cannot read the factor of this PREMUL_SUM ReduceOp ({op!r}: {e}); "
+                         "make it with torch.distributed._make_nccl_premul_sum(factor)") from e
+    factor = state[1]
+    if not isinstance(factor, float | torch.Tensor):
+        raise ValueError(f"the detcomm backend cannot read the factor of this PREMUL_SUM ReduceOp (its state is "
+                         f"{state!r}); make it with torch.distributed._make_nccl_premul_sum(factor)")
+    return factor
+
+
 def _premultiplied(flat: torch.Tensor, op: Any) -> torch.Tensor:
     """PREMUL_SUM's per-rank operand (docs/spec.md §1.1): fp32(x) * fp32(factor), one IEEE fp32 rounding (fp64:
     the product in fp64). The factor is a fill on the tensor's device, so a CUDA graph can capture it."""
-    factor = op.factor
+    factor = premul_factor(op)
     wide = torch.float64 if flat.dtype == torch.float64 else torch.float32
     if isinstance(factor, torch.Tensor):
         f = factor.to(device=flat.device, dtype=wide).reshape(())
@@ -571,18 +619,47 @@ class DetcommProcessGroup(dist.ProcessGroup):
         self._comms[device] = comm
         return comm
 
-    def _folded(self, flat: torch.Tensor, op: str, *, scatter: bool) -> torch.Tensor:
+    # -- the backend's call guard ------------------------------------------------------------------------------
+    def _guard(self, t: torch.Tensor, what: str) -> None:
+        """Prove, before anything of this call moves, that every rank makes the call ``what`` (collective; raises
+        ``CollectiveMismatch`` on every rank naming each rank's call otherwise).
+
+        Every reduction and barrier of this group starts with exactly one fixed-size header all-gather on the
+        group: this one (a call the backend serves itself: an empty tensor, fp64, PRODUCT, an integer or bool
+        reduction, a reduce's root, a barrier; or a float reduction whose communicator or site is not made yet)
+        or the communicator's own call header (a float reduction on a warm site). Both are the same 9 int64 on
+        the same all-gather, so whichever two ranks pair, they compare, and every rank raises instead of pairing
+        its data with another call's (issue 40 items 1, 2, 7, 9, 13). Where the communicator carries no guard
+        (CUDA over NCCL: its callers overlap collectives with compute, which a host read per call would
+        serialize; docs/trainers.md) this one stands aside too, and so it does inside a CUDA-graph capture."""
+        if self._size == 1:
+            return
+        if t.is_cuda:
+            self._backend(t)  # decides the device's transport (collective, the first time)
+            if self._transports[t.device][0] == NCCL or torch.cuda.is_current_stream_capturing():
+                return
+        _guard.exchange(_GroupHeaders(self), [_BACKEND_MAGIC, _guard.hash_text(what)], what,
+                        device=torch.device("cpu"))
+
+    def _folded(self, flat: torch.Tensor, op: str, *, scatter: bool, what: str | None) -> torch.Tensor:
         """``op`` ("sum", "avg", "max", "min") of every rank's 1-D ``flat`` through the communicator's site for
-        this (collective, op, dtype, size); ``scatter``: this rank's block of it. Returns a 1-D tensor."""
+        this (collective, op, dtype, size); ``scatter``: this rank's block of it. Returns a 1-D tensor. ``what``:
+        the user's call for the backend's guard where the communicator's header will not be the call's first
+        exchange (no communicator or no site yet; None: the caller guarded already)."""
         w = self._size
         n = flat.numel() // w if scatter else flat.numel()
+        coll = "reduce_scatter" if scatter else "all_reduce"
+        name = f"torch.{coll}.{op}.{name_of(flat.dtype)}.{n}"
+        route = self._sites.get((flat.device, name))
+        if what is not None and (n == 0 or route is None or flat.device not in self._comms):
+            # An empty call moves nothing, and a cold one starts with the communicator's agreement or the site's
+            # declaration: neither begins with the communicator's header, so the backend's goes first. A cold
+            # call is named as the site call it is about to be (its first), as the communicator names its calls.
+            self._guard(flat, what if n == 0 else f"site {name!r} call #1 ({what})")
         if n == 0:
             return flat[:0]
         comm = self._communicator(flat.device)
         rows, width = row_layout(n)
-        coll = "reduce_scatter" if scatter else "all_reduce"
-        name = f"torch.{coll}.{op}.{name_of(flat.dtype)}.{n}"
-        route = self._sites.get((flat.device, name))
         if route is None:
             if flat.is_cuda and torch.cuda.is_current_stream_capturing():
                 raise CaptureBeforeWarmup(
@@ -609,19 +686,25 @@ class DetcommProcessGroup(dist.ProcessGroup):
         assert isinstance(out, torch.Tensor)
         return out.view(-1)[:n]
 
-    def _reduce_flat(self, flat: torch.Tensor, op: Any, *, scatter: bool) -> torch.Tensor:
-        """The reduction of every rank's ``flat`` (``scatter``: only this rank's block of it), in flat's dtype."""
+    def _reduce_flat(self, flat: torch.Tensor, op: Any, *, scatter: bool, what: str | None) -> torch.Tensor:
+        """The reduction of every rank's ``flat`` (``scatter``: only this rank's block of it), in flat's dtype.
+        ``what``: the user's call, for the backend's guard (None: the caller guarded it already)."""
         how, kind = plan(op, flat.dtype), _kind(op)
         flat = flat.detach()
-        if flat.dtype == torch.float64:
+        if flat.dtype == torch.float64 or how == "product":
+            # Served by the backend itself (no communicator site): its guard always goes first.
+            if what is not None:
+                self._guard(flat, what)
+            if how == "product":
+                return product_fold((self._exchange_blocks if scatter else self._gather_rows)(flat), flat.dtype)
             return self._reduce_fp64(flat, op, scatter=scatter)
         if how == "keys":
-            return self._folded(flat, "max" if kind == _R.MAX else "min", scatter=scatter)
+            return self._folded(flat, "max" if kind == _R.MAX else "min", scatter=scatter, what=what)
         assert how == "fold", how
         if kind != _R.PREMUL_SUM:
-            return self._folded(flat, "avg" if kind == _R.AVG else "sum", scatter=scatter)
+            return self._folded(flat, "avg" if kind == _R.AVG else "sum", scatter=scatter, what=what)
         # docs/spec.md §1.1: the fp32 products, their canonical fold in fp32, one rounding to the input dtype.
-        out = self._folded(_premultiplied(flat, op), "sum", scatter=scatter)
+        out = self._folded(_premultiplied(flat, op), "sum", scatter=scatter, what=what)
         return out if flat.dtype == torch.float32 else canonicalize_nan(out.to(flat.dtype))
 
     # fp64, which detcomm's sites do not carry: the fold and the extremum in fp64 on a gather of the W inputs.
@@ -687,9 +770,17 @@ class DetcommProcessGroup(dist.ProcessGroup):
             comm.close()
         super().shutdown()
 
-    def _reduce_into(self, t: torch.Tensor, op: Any) -> None:
+    def _reduce_into(self, t: torch.Tensor, op: Any, what: str | None) -> None:
         src = torch.view_as_real(t) if t.is_complex() else t
-        src.copy_(self._reduce_flat(src.contiguous().view(-1), op, scatter=False).view_as(src))
+        src.copy_(self._reduce_flat(src.contiguous().view(-1), op, scatter=False, what=what).view_as(src))
+
+    def _delegated_allreduce(self, t: torch.Tensor, op: Any) -> None:
+        """The library's own all-reduce of one integer / bool tensor, written into ``t`` whatever its strides
+        (gloo reads and writes a non-contiguous tensor as if it were dense: issue 40 item 6)."""
+        dense = t if t.is_contiguous() else t.contiguous()
+        _settle(self._backend(dense).allreduce([dense], _stream_ordered(_allreduce_opts(op))))
+        if dense is not t:
+            t.copy_(dense)
 
     def allreduce(self, tensors: Any, opts: Any = None) -> Work:  # type: ignore[override]
         tensors = _plains([tensors] if isinstance(tensors, torch.Tensor) else list(tensors))
@@ -699,10 +790,12 @@ class DetcommProcessGroup(dist.ProcessGroup):
             op, opts = opts, AllreduceOptions()
             opts.reduceOp = op
         for t in tensors:  # one tensor at a time: gloo's list form would also sum the list's tensors together
+            what = _call("all_reduce", t, opts.reduceOp)
             if plan(opts.reduceOp, t.dtype) == "delegate":
-                _settle(self._backend(t).allreduce([t], _stream_ordered(_allreduce_opts(opts.reduceOp))))
+                self._guard(t, what)
+                self._delegated_allreduce(t, opts.reduceOp)
             else:
-                self._reduce_into(t, opts.reduceOp)
+                self._reduce_into(t, opts.reduceOp, what)
         return _FoldWork(tensors)
 
     def allreduce_coalesced(self, tensors: Sequence[torch.Tensor], opts: Any = None) -> Work:
@@ -710,14 +803,15 @@ class DetcommProcessGroup(dist.ProcessGroup):
 
     def reduce(self, tensors: Any, opts: Any) -> Work:  # type: ignore[override]
         tensors = _plains([tensors] if isinstance(tensors, torch.Tensor) else list(tensors))
-        if all(plan(opts.reduceOp, t.dtype) == "delegate" for t in tensors) and len(tensors) == 1:
-            return self._backend(tensors[0]).reduce(tensors, opts)
         for t in tensors:  # every rank computes the reduction; only the root keeps it, as torch's reduce promises
+            # The root is part of the call: ranks that name different roots would each keep or drop a result
+            # nobody else expects (issue 40 item 13), so the backend's guard, which names it, always runs.
+            self._guard(t, _call("reduce", t, opts.reduceOp, root=opts.rootRank))
             keep = t.clone()
             if plan(opts.reduceOp, t.dtype) == "delegate":
-                _settle(self._backend(keep).allreduce([keep], _stream_ordered(_allreduce_opts(opts.reduceOp))))
+                self._delegated_allreduce(keep, opts.reduceOp)
             else:
-                self._reduce_into(keep, opts.reduceOp)
+                self._reduce_into(keep, opts.reduceOp, None)
             if self._rank == opts.rootRank:
                 t.copy_(keep)
         return _FoldWork(tensors)
@@ -728,7 +822,9 @@ class DetcommProcessGroup(dist.ProcessGroup):
         if flat_in.numel() != n * self._size:
             raise ValueError(f"reduce_scatter: the input holds {flat_in.numel()} elements, expected "
                              f"{self._size} x {n} (world size x output)")
+        what = _call("reduce_scatter", flat_in, opts.reduceOp, numel=n)
         if plan(opts.reduceOp, flat_in.dtype) == "delegate":
+            self._guard(flat_in, what)
             # The library compares the leading dimensions: hand it the output flat, as the input is.
             if output.is_contiguous():
                 return self._backend(output)._reduce_scatter_base(output.view(-1), flat_in, opts)
@@ -738,7 +834,7 @@ class DetcommProcessGroup(dist.ProcessGroup):
             return _FoldWork([output])
         src = torch.view_as_real(flat_in).view(-1) if flat_in.is_complex() else flat_in
         dst = torch.view_as_real(output) if output.is_complex() else output
-        dst.copy_(self._reduce_flat(src, opts.reduceOp, scatter=True).view_as(dst))
+        dst.copy_(self._reduce_flat(src, opts.reduceOp, scatter=True, what=what).view_as(dst))
         return _FoldWork([output])
 
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> Work:
@@ -762,8 +858,15 @@ class DetcommProcessGroup(dist.ProcessGroup):
         return self._reduce_scatter_flat(outputs[0], flat, opts)
 
     # -- delegated: data movement ----------------------------------------------------------------------------
+    # gloo reads and writes a tensor's storage as if it were dense whatever its strides (a broadcast into
+    # ``base[:, 1]`` wrote wrong values over the neighbouring elements, issue 40 item 6), and torch's NCCL backend
+    # refuses one. Every call below hands the library dense tensors (``_dense``: the tensor itself, or a dense
+    # copy) and writes a copy's result back into the caller's view (``_written``).
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Work:
-        return self._backend(_plain(input))._allgather_base(_plain(output), _plain(input), opts or AllgatherOptions())
+        output, input = _plain(output), _dense(_plain(input))
+        out = _dense(output)
+        return _written(self._backend(input)._allgather_base(out, input, opts or AllgatherOptions()),
+                        [(output, out)])
 
     all_gather_single = _allgather_base  # torch >= 2.12 names it so
 
@@ -771,62 +874,122 @@ class DetcommProcessGroup(dist.ProcessGroup):
                                         opts: Any = None) -> Work:
         outputs, inputs = _plains(outputs), _plains(inputs)
         for out, inp in zip(outputs, inputs, strict=True):
-            _settle(self._backend(inp)._allgather_base(out, inp, _stream_ordered(AllgatherOptions())))
+            dense = _dense(out)
+            _settle(self._backend(inp)._allgather_base(dense, _dense(inp), _stream_ordered(AllgatherOptions())))
+            if dense is not out:
+                out.copy_(dense)
         return _FoldWork(outputs)
 
     all_gather_single_coalesced = allgather_into_tensor_coalesced  # type: ignore[assignment]  # torch >= 2.12
 
     def allgather(self, outputs: Any, inputs: Any, opts: Any = None) -> Work:
-        outputs, inputs = [_plains(o) for o in outputs], _plains(inputs)
-        return self._backend(inputs[0]).allgather(outputs, inputs, opts or AllgatherOptions())
+        outputs, inputs = [_plains(o) for o in outputs], [_dense(t) for t in _plains(inputs)]
+        dense = [[_dense(o) for o in lst] for lst in outputs]
+        return _written(self._backend(inputs[0]).allgather(dense, inputs, opts or AllgatherOptions()),
+                        _pairs(outputs, dense))
 
     def allgather_coalesced(self, outputs: Any, inputs: Any, opts: Any = None) -> Work:
-        outputs, inputs = [_plains(o) for o in outputs], _plains(inputs)
-        return self._backend(inputs[0]).allgather_coalesced(outputs, inputs, opts or AllgatherOptions())
+        outputs, inputs = [_plains(o) for o in outputs], [_dense(t) for t in _plains(inputs)]
+        dense = [[_dense(o) for o in lst] for lst in outputs]
+        return _written(self._backend(inputs[0]).allgather_coalesced(dense, inputs, opts or AllgatherOptions()),
+                        _pairs(outputs, dense))
 
     def broadcast(self, tensors: Any, opts: Any) -> Work:  # type: ignore[override]
         tensors = _plains([tensors] if isinstance(tensors, torch.Tensor) else list(tensors))
-        return self._backend(tensors[0]).broadcast(tensors, opts)
+        dense = [_dense(t) for t in tensors]
+        return _written(self._backend(dense[0]).broadcast(dense, opts), list(zip(tensors, dense)))
 
     def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],
                       input_split_sizes: list[int], opts: Any = None) -> Work:
-        input, output = _plain(input), _plain(output)
-        return self._backend(input).alltoall_base(output, input, output_split_sizes, input_split_sizes,
-                                                  opts or AllToAllOptions())
+        input, output = _dense(_plain(input)), _plain(output)
+        out = _dense(output)
+        return _written(self._backend(input).alltoall_base(out, input, output_split_sizes, input_split_sizes,
+                                                           opts or AllToAllOptions()), [(output, out)])
 
     all_to_all_single = alltoall_base  # type: ignore[assignment]
 
     def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> Work:
-        outputs, inputs = _plains(outputs), _plains(inputs)
-        return self._backend(inputs[0]).alltoall(outputs, inputs, opts or AllToAllOptions())
+        outputs, inputs = _plains(outputs), [_dense(t) for t in _plains(inputs)]
+        dense = [_dense(o) for o in outputs]
+        return _written(self._backend(inputs[0]).alltoall(dense, inputs, opts or AllToAllOptions()),
+                        list(zip(outputs, dense)))
 
     def gather(self, outputs: Any, inputs: Any, opts: Any) -> Work:  # type: ignore[override]
-        outputs, inputs = [_plains(o) for o in outputs], _plains(inputs)
-        return self._backend(inputs[0]).gather(outputs, inputs, opts)
+        outputs, inputs = [_plains(o) for o in outputs], [_dense(t) for t in _plains(inputs)]
+        dense = [[_dense(o) for o in lst] for lst in outputs]
+        return _written(self._backend(inputs[0]).gather(dense, inputs, opts), _pairs(outputs, dense))
 
     def scatter(self, outputs: Any, inputs: Any, opts: Any) -> Work:  # type: ignore[override]
-        outputs, inputs = _plains(outputs), [_plains(i) for i in inputs]
-        return self._backend(outputs[0]).scatter(outputs, inputs, opts)
+        outputs, inputs = _plains(outputs), [[_dense(t) for t in _plains(i)] for i in inputs]
+        dense = [_dense(o) for o in outputs]
+        return _written(self._backend(dense[0]).scatter(dense, inputs, opts), list(zip(outputs, dense)))
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> Work:
-        tensors = _plains(tensors)
+        tensors = [_dense(t) for t in _plains(tensors)]
         return self._backend(tensors[0]).send(tensors, dst, tag)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> Work:
         tensors = _plains(tensors)
-        return self._backend(tensors[0]).recv(tensors, src, tag)
+        dense = [_dense(t) for t in tensors]
+        return _written(self._backend(dense[0]).recv(dense, src, tag), list(zip(tensors, dense)))
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> Work:
         tensors = _plains(tensors)
-        return self._backend(tensors[0]).recv_anysource(tensors, tag)
+        dense = [_dense(t) for t in tensors]
+        return _written(self._backend(dense[0]).recv_anysource(dense, tag), list(zip(tensors, dense)))
 
     def barrier(self, opts: Any = None) -> Work:
+        # A barrier pairs with whatever its peers call; the guard names an extra reduction on another rank
+        # instead of gloo's timeout (issue 40 item 9).
+        self._guard(torch.empty(0), "dist.barrier()")
         return self._gloo.barrier(opts) if opts is not None else self._gloo.barrier()  # type: ignore[attr-defined]
 
     def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> None:
         """gloo's monitored barrier on this group's ranks (collective). ``dist.monitored_barrier`` refuses any
         group whose backend is not named "gloo" before it gets here; call this method on the group instead."""
         self._gloo.monitored_barrier(timeout, wait_all_ranks)  # type: ignore[attr-defined]
+
+
+# The first word of the backend's call header: never the communicator's (guard._MAGIC), so a backend call
+# and a communicator call compare unequal whatever else they hold.
+_BACKEND_MAGIC = 0x0DE7C0_BAC4
+
+
+class _GroupHeaders:
+    """What ``guard.exchange`` needs of a group: the same all-gather on this group that a CPU communicator's
+    call header uses (``all_gather_flat``, served by gloo), and ``all_gather_object`` on it on a mismatch."""
+
+    def __init__(self, group: DetcommProcessGroup) -> None:
+        self.group = group
+        self.world_size = group.size()
+        self.rank = group.rank()
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(self.world_size * x.numel(), dtype=x.dtype, device=x.device)
+        all_gather_flat(out, x, group=self.group)
+        return out
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """``t`` if the library can read and write it as it is (dense), else a dense copy of it."""
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def _pairs(outputs: list[list[torch.Tensor]], dense: list[list[torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [p for lo, ld in zip(outputs, dense) for p in zip(lo, ld)]
+
+
+def _written(work: Work, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Work:
+    """``work`` as it is where every output was handed over as itself; else finish it and copy each dense
+    stand-in's result into the caller's tensor (on CUDA: after ``wait()`` orders the current stream after the
+    library's), returning a finished work."""
+    moved = [(o, d) for o, d in pairs if o is not d]
+    if not moved:
+        return work
+    _settle(work)
+    for o, d in moved:
+        o.copy_(d)
+    return _FoldWork([o for o, _ in pairs])
 
 
 def _allreduce_opts(op: Any) -> AllreduceOptions:

@@ -255,7 +255,8 @@ def job_delegated(rank: int, w: int) -> dict[str, object]:
                                       "bfloat16")
     refused = ""
     try:
-        dist.all_reduce(torch.ones(3), op=dist.ReduceOp.PRODUCT, group=pg)
+        # PRODUCT is defined since issue 40 (tests/test_dist_backend_calls.py); a bitwise op on floats is not.
+        dist.all_reduce(torch.ones(3), op=dist.ReduceOp.BAND, group=pg)
     except ValueError as e:
         refused = str(e)
     return {"int": i.tolist(), "max": m.tolist(), "avg": np.array_equal(to_bits(a), want_avg), "refused": refused,

@@ -26,8 +26,11 @@ from enum import IntEnum
 
 import torch
 
+from .._torch_version import require
 from ..dtypes import FLOAT_DTYPES, bits_view, info
 from ..errors import NoFoldLeaf
+
+require(torch.__version__)  # every route folds through here: an unsupported torch is refused at import
 
 __all__ = [
     "FLOAT_DTYPES",
@@ -37,6 +40,7 @@ __all__ = [
     "canonical_nan",
     "canonicalize_nan",
     "reference_fold",
+    "product_fold",
     "portable_fold",
     "fold_shards",
     "register_leaf",
@@ -83,6 +87,26 @@ def reference_fold(stacked: torch.Tensor, out_dtype: torch.dtype) -> torch.Tenso
     acc = torch.zeros(stacked.shape[1:], dtype=torch.float32, device=stacked.device)
     for r in range(stacked.shape[0]):
         acc.add_(stacked[r].to(torch.float32))
+    return canonicalize_nan(acc.to(out_dtype))
+
+
+def product_fold(stacked: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """The canonical PRODUCT (docs/spec.md §1.1): ``stacked`` is [W, *rest] in rank order; returns [*rest].
+
+    ``acc = 1.0``, then for r in 0..W-1 one IEEE multiplication ``acc = acc * wide(x_r)`` (fp32 for bf16 / fp16 /
+    fp32, fp64 for fp64; exact widening), then one round-to-nearest-even to ``out_dtype``. A product's rounding
+    (and an intermediate overflow or underflow) depends on the order, so the order is the group's rank order,
+    never another. The sign of a zero is IEEE's (the XOR of the inputs' signs: order-free, so it is kept); a NaN
+    result is the canonical NaN (fp64: torch's quiet NaN, as for the backend's fp64 extrema)."""
+    wide = torch.float64 if stacked.dtype == torch.float64 else torch.float32
+    if stacked.dtype not in (*FLOAT_DTYPES, torch.float64) or out_dtype != stacked.dtype:
+        raise ValueError(f"the product takes one of {(*FLOAT_DTYPES, torch.float64)} to itself, got "
+                         f"{stacked.dtype} -> {out_dtype}")
+    acc = torch.ones(stacked.shape[1:], dtype=wide, device=stacked.device)
+    for r in range(stacked.shape[0]):
+        acc.mul_(stacked[r].to(wide))
+    if wide == torch.float64:
+        return torch.where(torch.isnan(acc), torch.full_like(acc, float("nan")), acc)
     return canonicalize_nan(acc.to(out_dtype))
 
 

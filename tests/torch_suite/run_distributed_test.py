@@ -5,8 +5,9 @@ runs it for gloo: ``torch.testing._internal.distributed.distributed_test.Distrib
     python tests/torch_suite/run_distributed_test.py [--world-size 3] [--extended] [-k PATTERN ...] [-v]
 
 The selection (``SELECTED``, CI's; ``EXTENDED`` with ``--extended``; docs/trainers.md says why) covers the
-collectives and DDP calls on CPU tensors; ``-k PATTERN`` replaces it (unittest's patterns). Tests that fail only for a documented refusal (float
-PRODUCT) are listed in ``EXPECTED_REFUSALS`` and pass when they fail with the backend's ValueError. This file
+collectives and DDP calls on CPU tensors; ``-k PATTERN`` replaces it (unittest's patterns). A test that fails only
+for a documented refusal would be listed in ``EXPECTED_REFUSALS`` (none since float PRODUCT got its canonical
+definition, docs/spec.md §1.1: the PRODUCT tests run and pass). This file
 is not collected by pytest (its name does not start with ``test_``): CI runs it through .ci/torch_suite.sh.
 torch's suite imports ``expecttest`` (a torch test dependency): ``pip install expecttest``.
 """
@@ -43,8 +44,10 @@ import detcomm.dist_backend  # noqa: E402, F401 - registers "detcomm" in this pr
 # shared cores): the float reductions whose bits the backend defines (SUM, MAX, the refused PRODUCT), reduce,
 # the all-gather that DTensor and FSDP2 use, and DDP's CPU path. Measured: 6 min 37 s for these and
 # test_all_reduce_sum_async on the loaded 2-core machine; that one moved to EXTENDED to keep a margin.
+# The four PRODUCT tests (issue 40 item 20: they failed while the backend refused float PRODUCT) run in CI.
 SELECTED = (
-    "test_all_reduce_sum", "test_all_reduce_max", "test_all_reduce_product", "test_reduce_sum", "test_all_gather",
+    "test_all_reduce_sum", "test_all_reduce_max", "test_all_reduce_product", "test_all_reduce_full_group_product",
+    "test_reduce_product", "test_reduce_full_group_product", "test_reduce_sum", "test_all_gather",
     "test_DistributedDataParallelCPU",
 )
 # ``--extended``: the rest of the collectives, groups, objects, point-to-point and DDP tests that run on CPU.
@@ -58,13 +61,9 @@ EXTENDED = (
     "test_ddp_hook_parity_allreduce", "test_accumulate_gradients_no_sync", "test_get_future",
 )
 
-# Float PRODUCT depends on the rank order, so the backend refuses it (docs/trainers.md): these tests call it.
-EXPECTED_REFUSALS = (
-    "test_reduce_product", "test_reduce_group_product", "test_reduce_full_group_product",
-    "test_all_reduce_product", "test_all_reduce_group_product", "test_all_reduce_full_group_product",
-    "test_all_reduce_coalesced_product", "test_all_reduce_coalesced_group_product",
-    "test_all_reduce_coalesced_full_group_product",
-)
+# Tests that fail only for a documented refusal, marked expectedFailure. Empty: float PRODUCT, the one refusal
+# the suite met, is now the rank-order product of docs/spec.md §1.1.
+EXPECTED_REFUSALS: tuple[str, ...] = ()
 
 
 class TestDetcommBackendWithSpawn(TestDistBackend, DistributedTest._DistTestBase):
