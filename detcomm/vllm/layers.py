@@ -15,7 +15,8 @@ Layout "tree" (``DETCOMM_VLLM_LAYOUT=tree``: TP-size invariance, docs/spec.md §
 sees, whatever the TP size W:
 
 * a row-parallel layer splits its K inputs into V fixed virtual shards (``DETCOMM_VLLM_VIRTUAL_SHARDS``, default
-  8): one fp32 GEMM [T, K/V] x [K/V, N] per shard, this rank's V/W partials folded by the fixed balanced tree and
+  8): one fp32 GEMM [T, K/V] x [K/V, N] per shard (on fixed tiles of ROW_TILE rows, so a row's bits do not
+  follow the batch either), this rank's V/W partials folded by the fixed balanced tree and
   the W subtree roots by detcomm's tree site; the bias is added after the sum (the same at every W);
 * column-parallel layers (QKV, gate_up, ...) and the LM head compute their output columns in fixed blocks (one
   GEMM per block of width gcd(output_i / V)), so no GEMM's N follows W.
@@ -41,6 +42,22 @@ from . import tp
 __all__ = ["register_layers", "REGISTERED"]
 
 REGISTERED: dict[str, type] = {}
+
+
+# The tree layout's GEMMs run on fixed tiles of this many rows (the last one zero-padded): a CPU GEMM takes
+# other code paths for M < 4 (measured with torch 2.13's CPU matmul: rows of a 1-3-row product differ from the
+# same rows inside a larger one), so a decode step of one request would differ from the same row in a batch.
+ROW_TILE = 16
+
+
+def tiled_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x @ w`` for a 2-D ``x`` of any row count, every row computed inside a [ROW_TILE, K] x [K, N] product
+    (one batched GEMM over the tiles), so a row's bits do not depend on how many rows share the call."""
+    t, k = x.shape
+    tiles = -(-t // ROW_TILE)
+    xp = x.new_zeros(tiles * ROW_TILE, k)
+    xp[:t] = x
+    return torch.bmm(xp.view(tiles, ROW_TILE, k), w.expand(tiles, *w.shape)).reshape(tiles * ROW_TILE, -1)[:t]
 
 
 def _site_group(layer: Any, what: str) -> tp.TPGroup:
@@ -72,7 +89,8 @@ class _TreeLinearMethod(_linear.UnquantizedLinearMethod):
 
     def apply(self, layer: Any, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         assert self.rows_of == "n", "row-parallel tree layers compute in their own forward"
-        y = torch.cat([torch.matmul(x, w) for w in layer.detcomm_blocks], dim=-1)
+        x2 = x.reshape(-1, x.shape[-1])
+        y = torch.cat([tiled_matmul(x2, w) for w in layer.detcomm_blocks], dim=-1).reshape(*x.shape[:-1], -1)
         return y if bias is None else y + bias
 
 
@@ -128,7 +146,7 @@ class RowParallelLinear(_linear.RowParallelLinear):
         x = input_.reshape(-1, shape[-1]).to(torch.float32)
         kv = self.input_size // self.detcomm_v
         # One fp32 GEMM of one shape per virtual shard, whatever W and the row count.
-        parts = torch.stack([torch.matmul(x[:, j * kv:(j + 1) * kv].contiguous(), w)
+        parts = torch.stack([tiled_matmul(x[:, j * kv:(j + 1) * kv].contiguous(), w)
                              for j, w in enumerate(self.detcomm_blocks)])
         if self.detcomm_site is not None:
             y = torch.ops.detcomm.vllm_all_reduce(parts, self.detcomm_site)

@@ -97,6 +97,11 @@ def test_alone_packed_and_rerun_are_identical_with_the_plugin(runs, tp: int) -> 
           f"vs {off['start_s']:.0f} s, generate {res['generate_s']:.2f} s vs {off['generate_s']:.2f} s")
     for phase in ("packed", "packed2", "rerun"):
         assert _same(res["alone"], res[phase]) == [], (phase, report)
+    if tp == 4:
+        # The end-to-end negative control: vLLM's own all-reduce at W = 4 (gloo's ring here) sums a row in an
+        # order that follows the batch's size, so requests packed with others differ from the same requests alone
+        # (measured: all 8 of 8); at W = 2 a + b == b + a and nothing can differ.
+        assert _same(off["alone"], off["packed"]) != [], report
     # Run to run, vLLM alone is deterministic too (the same batches give the same sums): the rerun is not where
     # the plugin matters, the batch composition is.
     assert _same(off["packed"], off["rerun"]) == []
