@@ -573,8 +573,8 @@ def test_call_guard_catches_a_mismatched_size_and_routes_list_the_sites(cluster3
                               "torch.reduce_scatter.avg.float32.7": "a2a_fold"}, r
         err = str(r["error"])
         assert err.startswith("CollectiveMismatch"), err
-        # Rank 0's call of a new size declares its site: the declaration meets the peers' call (issue 40.8).
-        assert "rank 0: declaring site 'torch.all_reduce.sum.float32.101'" in err, err
+        # Rank 0's call of a new size meets the peers' call in the backend's guard, before any declaration (40.1-40.9).
+        assert "rank 0: site 'torch.all_reduce.sum.float32.101' call #1 (dist.all_reduce(float32[101]" in err, err
         assert "rank 1: site 'torch.all_reduce.sum.float32.100' call #2" in err, err
         assert "torch.all_reduce.sum.float32.100" in str(r["printed"])
         # Each site's (route, collective, op, dtype, row width) was self-checked (100 elements: one row of 128).
