@@ -126,7 +126,7 @@ class RowParallelLinear(_linear.RowParallelLinear):
             g.declare(self.prefix, dtype=self.params_dtype, shape=(self.output_size,),
                       virtual_shards=self.detcomm_v if self.detcomm_tree else None)
             # vLLM's forward must not all-reduce as well: its own call would run after detcomm's.
-            self.reduce_results = False
+            setattr(self, "reduce_results", False)  # noqa: B010  (vLLM's attribute, untyped for mypy)
 
     def forward(self, input_: torch.Tensor) -> Any:
         if self.detcomm_tree:
@@ -213,7 +213,7 @@ class VocabParallelEmbedding(_vocab.VocabParallelEmbedding):
                       .arguments.get("prefix") or f"vocab_parallel_embedding.{len(g.sites)}")
             self.detcomm_site = prefix
             g.declare(prefix, dtype=self.params_dtype, shape=(self.embedding_dim,))
-            self.reduce_results = False
+            setattr(self, "reduce_results", False)  # noqa: B010  (vLLM's attribute, untyped for mypy)
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
         out = super().forward(input_)
