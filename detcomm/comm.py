@@ -314,6 +314,9 @@ class Communicator:
                     f"{s.describe()} contradicts it. A site is static: use another name for the other call."
                 )
             return existing
+        # A declaration the router refuses by itself (a forced route the envelope voids) is refused before the
+        # exchange, on the rank that made it, as every other bad input is: it depends only on the declaration.
+        self.auto.candidates(s)
         with self._exclusive(s.name):  # the declaration exchange and routing's self-check are collectives
             self._agree_declaration(s)
             bound = self.auto.route(s)
