@@ -22,6 +22,13 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def mixtral(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("mixtral-vllm-tiny")
+    subprocess.run([sys.executable, str(HERE / "checkpoint.py"), "mixtral", str(d)], check=True, timeout=300)
+    return d
+
+
+@pytest.fixture(scope="session")
 def runs(tmp_path_factory: pytest.TempPathFactory, llama: Path):
     """Engine runs cached for the session (one vLLM start costs 40-90 s on two cores): key -> (result, audit)."""
     cache: dict[tuple, tuple[dict, Path | None]] = {}

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from vllm_engine import HERE, audit_records, vllm_env
+from vllm_engine import HERE, audit_records, serve, vllm_env
 
 sys.path.insert(0, str(HERE.parent))
 from oracle import fold_oracle  # noqa: E402  (tests/oracle.py: numpy only, shares no code with detcomm)
@@ -131,3 +131,22 @@ def test_plugin_refuses_to_run_when_vllm_skips_platform_plugins(llama: Path, tmp
                         str(tmp_path / "r.json")], env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode != 0
     assert "VLLM_TARGET_DEVICE=cpu makes vLLM skip platform plugins: unset it" in p.stdout + p.stderr
+
+
+def test_a_fused_moe_output_reaches_detcomm_through_the_tp_communicator(mixtral: Path, tmp_path: Path) -> None:
+    """vLLM's fused-MoE block all-reduces its output itself (no layer the plugin replaces): the TP group's
+    communicator sends it to detcomm at the shape-named site, every call the canonical fold on every rank, at
+    TP = 4; requests alone, packed and rerun agree."""
+    audit = tmp_path / "audit"
+    res = serve(mixtral, tmp_path / "moe.json", vllm_env(tp=4, plugin=True, audit=audit), tp=4)
+    ranks = audit_records(audit, 4)
+    counts = Counter(x["site"] for x in ranks[0])
+    per_step = counts["model.layers.0.self_attn.o_proj"]
+    assert per_step > 10, counts
+    assert counts == {"vocab_parallel_embedding.0": per_step, "model.layers.0.self_attn.o_proj": per_step,
+                      "model.layers.1.self_attn.o_proj": per_step, "vllm.tp.all_reduce.float32x256": 2 * per_step}
+    calls, wrong, disagree = _fold_mismatches(ranks)
+    print(f"TP=4 Mixtral plugin: {calls} all-reduces, {wrong} differ from the fold oracle, {disagree} across ranks")
+    assert (wrong, disagree) == (0, 0)
+    for phase in ("packed", "packed2", "rerun"):
+        assert _same(res["alone"], res[phase]) == [], phase
