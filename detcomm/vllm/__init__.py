@@ -20,7 +20,7 @@ Why both, and not one:
 * monkey-patching vLLM's functions (``tensor_model_parallel_all_reduce``) was rejected: modules bind the name at
   import, so a patch misses whoever imported it first, and nothing tells the user.
 So the layers own the sites they can name and the communicator catches the rest; ``calls()`` counts both, per
-site, and tests/vllm checks that vLLM's own all-reduce is never reached.
+site, and tests/vllm_plugin checks that vLLM's own all-reduce is never reached.
 
 Failing loudly: with ``DETCOMM_VLLM=1`` every vLLM process checks, when the general plugin loads, that the
 platform in use is detcomm's; it is not when another platform plugin won, or when ``VLLM_TARGET_DEVICE=cpu``

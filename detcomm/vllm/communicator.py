@@ -7,7 +7,7 @@ become detcomm calls, every other collective (gathers, broadcasts, point-to-poin
 other group stays vLLM's. Integer and bool all-reduces stay vLLM's too: an integer sum is exact in any order.
 
 With the plugin off and ``DETCOMM_VLLM_AUDIT`` set, the same classes leave vLLM's arithmetic alone and only
-record its TP all-reduces (the negative control of tests/vllm).
+record its TP all-reduces (the negative control of tests/vllm_plugin).
 """
 
 from __future__ import annotations

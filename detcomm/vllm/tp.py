@@ -17,7 +17,7 @@ a constant, and runs eagerly inside the compiled graph, the way vLLM's own ``tor
 
 ``DETCOMM_VLLM_AUDIT=<dir>`` records every TP all-reduce of every rank (site, call number, input, output) in
 ``<dir>/rank<r>.pkl``, with the plugin (these calls) or without it (vLLM's own communicator: the negative control):
-tests/vllm compares each record with an independent fold of the ranks' inputs.
+tests/vllm_plugin compares each record with an independent fold of the ranks' inputs.
 """
 
 from __future__ import annotations

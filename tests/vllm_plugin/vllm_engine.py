@@ -1,4 +1,4 @@
-"""Running the real vLLM engine for tests/vllm: the environment, one engine run, the audit records."""
+"""Running the real vLLM engine for tests/vllm_plugin: the environment, one engine run, the audit records."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def vllm_env(*, tp: int, plugin: bool, audit: Path | None = None, layout: str | 
 
 
 def serve(model: Path, out: Path, env: dict[str, str], *, tp: int, timeout: float = 600) -> dict:
-    """Run tests/vllm/serve.py (an unmodified vLLM script) in a fresh process; its result."""
+    """Run tests/vllm_plugin/serve.py (an unmodified vLLM script) in a fresh process; its result."""
     p = subprocess.run([sys.executable, str(HERE / "serve.py"), "--model", str(model), "--tp", str(tp),
                         "--out", str(out)], env=env, cwd=str(out.parent), capture_output=True, text=True,
                        timeout=timeout)

@@ -8,10 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-pytest.importorskip("vllm", reason="the vLLM tests need vllm (CPU: .ci/vllm.sh builds their venv)")
-
-from vllm_engine import HERE, serve, vllm_env  # noqa: E402
+from vllm_engine import HERE, serve, vllm_env
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,6 @@
 """An unmodified vLLM script (it never imports detcomm): the plugin is on or off by the environment alone.
 
-    python tests/vllm/serve.py --model DIR --tp N --out result.json
+    python tests/vllm_plugin/serve.py --model DIR --tp N --out result.json
 
 Generates the same 8 requests alone (one request per ``generate``), packed twice among 8 other requests in two
 orders and rerun (the first packing again), greedy with the top-2 logprobs, and writes the token ids and the
