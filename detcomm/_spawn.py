@@ -118,20 +118,23 @@ class LocalCluster:
             raise ValueError("this LocalCluster was torn down; start a new one")
         for q in self._jobs:
             q.put((fn, args))
-        deadline = self.pg_timeout_s + 30.0 if timeout_s is None else timeout_s
+        # The job's deadline is a hang detector, not a timer of the work: a rank stuck in a collective already
+        # fails at the group's timeout and reports it, and a rank whose process died is noticed within a second
+        # (below). So the default is generous (4 group timeouts): on a busy 2-core machine a job that loads a
+        # model on 3-4 ranks took longer than the former pg_timeout + 30 s and failed although nothing hung.
+        deadline = 4 * self.pg_timeout_s + 30.0 if timeout_s is None else timeout_s
         got: dict[int, tuple[bool, Any]] = {}
         failures: dict[int, str] = {}
         end = time.monotonic() + deadline
         while len(got) < self.world_size:
-            # Once a rank failed, the others get a short grace period to fail or finish too.
             left = end - time.monotonic()
-            if failures:
-                left = min(left, 10.0)
             try:
-                rank, ok, value = self._results.get(timeout=max(left, 0.01))
+                rank, ok, value = self._results.get(timeout=max(min(left, 1.0), 0.01))
             except queue.Empty:
                 dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
                 missing = [r for r in range(self.world_size) if r not in got]
+                if time.monotonic() < end and not any(r in dead for r in missing):
+                    continue
                 self.close(force=True)
                 for r in missing:
                     failures.setdefault(r, f"no result within the deadline of {deadline:g} s (LocalCluster.run's "
@@ -140,6 +143,7 @@ class LocalCluster:
             got[rank] = (ok, value)
             if not ok:
                 failures[rank] = value
+                end = min(end, time.monotonic() + 10.0)  # the others' grace period to fail or finish too
         if failures:
             raise RankFailed(failures, torn_down=False)
         return [got[r][1] for r in range(self.world_size)]

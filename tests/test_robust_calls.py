@@ -362,7 +362,11 @@ def test_a_rank_that_exits_before_init_is_named(tmp_path: Path) -> None:
     for r in (0, 2):
         res = results[r]
         assert res is not None and res["raised"] == "PeerTimeout", results
-        assert "joined the rendezvous" in res["message"] and "exited" in res["message"], results
+        # Which wait notices first is timing: the env:// rendezvous (a rank exited before init) or the group's
+        # join, which names the ranks whose arrival key is missing (issue 40.18); rank 1 is among them either way.
+        m = res["message"]
+        assert "joined the rendezvous" in m and ("exited" in m or "never reached detcomm.init" in m), results
+        assert "exited" in m or "1" in m.split("never reached")[0], results
 
 
 def test_init_registers_the_group_it_creates(tmp_path: Path) -> None:
