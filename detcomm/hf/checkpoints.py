@@ -16,6 +16,7 @@ from torch import nn
 
 from ..dtypes import name_of
 from .shard import SUPPORTED_FAMILIES
+from .sliced import _dtype_kwarg
 
 __all__ = ["TINY_CONFIGS", "MOE_TINY_CONFIGS", "tiny_config", "write_tiny_checkpoint", "load_causal_lm",
            "checkpoint_config", "DTYPE_NAMES"]
@@ -88,13 +89,6 @@ def write_tiny_checkpoint(name: str, directory: str, *, seed: int, max_shard_siz
         torch.random.set_rng_state(state)
     model.save_pretrained(directory, **({} if max_shard_size is None else {"max_shard_size": max_shard_size}))
     return directory
-
-
-def _dtype_kwarg() -> str:
-    import transformers
-
-    major, minor = (int(p) for p in transformers.__version__.split(".")[:2])
-    return "dtype" if (major, minor) >= (4, 56) else "torch_dtype"  # renamed in 4.56
 
 
 def checkpoint_config(directory: str, *, dtype: torch.dtype) -> Any:

@@ -136,13 +136,19 @@ def _names(keys: list[str], most: int = 8) -> str:
     return shown + (f" and {len(keys) - most} more" if len(keys) > most else "")
 
 
+def _dtype_kwarg() -> str:
+    """transformers' name of from_pretrained's dtype argument (checkpoints.py imports it from here)."""
+    import transformers
+
+    major, minor = (int(p) for p in transformers.__version__.split(".")[:2])
+    return "dtype" if (major, minor) >= (4, 56) else "torch_dtype"  # renamed in 4.56
+
+
 def meta_model(config: Any, *, dtype: torch.dtype) -> nn.Module:
     """transformers' ``AutoModelForCausalLM.from_config`` (eager attention, ``dtype``) with its parameters on the
     meta device and its buffers computed. Local."""
     import transformers
     from accelerate import init_empty_weights  # type: ignore[import-untyped]
-
-    from .checkpoints import _dtype_kwarg
 
     with init_empty_weights(include_buffers=False):
         model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager",
