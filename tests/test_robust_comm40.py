@@ -10,10 +10,6 @@ run one process per rank (tests/comm40_rank_job.py) with init's own short deadli
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -22,8 +18,7 @@ import torch
 
 import oracle
 from datagen import ill_bits, to_bits, to_torch
-from detcomm.envelope import MULTICAST_OFF_ENV
-from detcomm.launch.mpi_bootstrap import free_port
+from subproc import rank_jobs
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB = ROOT / "tests" / "comm40_rank_job.py"
@@ -39,22 +34,7 @@ def cluster3():  # noqa: ANN201
 
 def _ranks(scenario: str, out: Path, world: int = W, timeout_s: float = 120.0) -> list[dict | None]:
     """Run the scenario on one process per rank; what each rank wrote (None: it wrote nothing, e.g. it aborted)."""
-    env = dict(os.environ, WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
-               PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}", **MULTICAST_OFF_ENV)
-    for k in ("DETCOMM_CHECK", "DETCOMM_NUMERICS", "RANK", "LOCAL_RANK"):
-        env.pop(k, None)
-    procs = [subprocess.Popen([sys.executable, str(JOB), scenario, str(out)],
-                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), cwd=ROOT) for r in range(world)]
-    try:
-        for p in procs:
-            p.wait(timeout=timeout_s)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return [json.loads((out / f"rank{r}.json").read_text()) if (out / f"rank{r}.json").exists() else None
-            for r in range(world)]
+    return rank_jobs(JOB, scenario, out, world=world, timeout_s=timeout_s)
 
 
 def _fresh(numerics: str = "auto", **kw: object):  # type: ignore[no-untyped-def]
