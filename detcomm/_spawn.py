@@ -133,13 +133,21 @@ class LocalCluster:
             except queue.Empty:
                 dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
                 missing = [r for r in range(self.world_size) if r not in got]
-                if time.monotonic() < end and not any(r in dead for r in missing):
+                expired = time.monotonic() >= end
+                if not expired and not any(r in dead for r in missing):
                     continue
+                codes = {r: self._procs[r].exitcode for r in dead}  # before close() terminates the others
                 self.close(force=True)
                 for r in missing:
-                    failures.setdefault(r, f"no result within the deadline of {deadline:g} s (LocalCluster.run's "
-                                           f"timeout_s raises it){' (process died)' if r in dead else ''}")
-                raise RankFailed(failures, torn_down=True, late=tuple(missing), deadline_s=deadline) from None
+                    if r in dead:
+                        why = f"the process died (exit code {codes[r]}) before returning a result"
+                    elif expired:
+                        why = f"no result within the deadline of {deadline:g} s (LocalCluster.run's timeout_s raises it)"
+                    else:
+                        why = "still running when a peer's process died (torn down)"
+                    failures.setdefault(r, why)
+                late = tuple(r for r in missing if expired and r not in dead)
+                raise RankFailed(failures, torn_down=True, late=late, deadline_s=deadline) from None
             got[rank] = (ok, value)
             if not ok:
                 failures[rank] = value

@@ -49,18 +49,31 @@ _LOCK = threading.Lock()
 
 class Audit:
     """Appends one pickled record per TP all-reduce to ``<dir>/rank<r>.pkl`` (flushed per record: vLLM ends its
-    workers with ``os._exit``, so nothing may wait for an exit hook)."""
+    workers with ``os._exit``, so nothing may wait for an exit hook). ``step`` numbers vLLM's forward passes (a new
+    forward context is a new pass; None outside one): how many passes a generation takes follows the engine's
+    timing (async scheduling may run one more), how many all-reduces a pass issues does not."""
 
     def __init__(self, directory: str, *, rank: int, world_size: int, path: str) -> None:
         os.makedirs(directory, exist_ok=True)
         self.rank, self.world_size, self.path = rank, world_size, path
         self._file = open(os.path.join(directory, f"rank{rank}.pkl"), "ab")  # noqa: SIM115  (open for the process)
         self._calls: Counter[str] = Counter()
+        self._context: object = None  # the last forward context seen, held so that its id cannot be reused
+        self._step = -1
 
     def record(self, site: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        from vllm.forward_context import get_forward_context, is_forward_context_available
+
         k = self._calls[site]
         self._calls[site] += 1
-        pickle.dump({"site": site, "call": k, "rank": self.rank, "world_size": self.world_size, "path": self.path,
+        step = None
+        if is_forward_context_available():
+            context = get_forward_context()
+            if context is not self._context:
+                self._context, self._step = context, self._step + 1
+            step = self._step
+        pickle.dump({"site": site, "call": k, "step": step, "rank": self.rank, "world_size": self.world_size,
+                     "path": self.path,
                      "x": x.detach().to("cpu", copy=True), "y": y.detach().to("cpu", copy=True)}, self._file)
         self._file.flush()
 

@@ -65,10 +65,14 @@ def test_every_tp_all_reduce_is_the_canonical_fold_on_every_rank(runs, tp: int) 
           f"{disagree} differ across ranks")
     assert (wrong, disagree) == (0, 0)
     assert "detcomm route table of vLLM's TP group" in res["log"]
-    # The same number of TP all-reduces as vLLM issues without the plugin: none escaped to vLLM's own path.
+    # As many TP all-reduces in every forward pass as vLLM issues without the plugin: none escaped to vLLM's own
+    # path. Per pass, not in all: how many passes a generation takes follows the engine's timing (vLLM's async
+    # scheduling may run one more; seen in CI: 73 passes with the plugin, 72 without).
+    per_pass = Counter(Counter(x["step"] for x in ranks[0]).values())
     off, off_audit = runs(tp=tp, plugin=False)
     assert off_audit is not None
-    assert len(audit_records(off_audit, tp)[0]) == calls
+    off_per_pass = Counter(Counter(x["step"] for x in audit_records(off_audit, tp)[0]).values())
+    assert set(per_pass) == set(off_per_pass) == {len(counts)}, (per_pass, off_per_pass)
 
 
 def test_without_the_plugin_vllm_all_reduce_is_not_the_fold_at_tp4(runs) -> None:
