@@ -31,7 +31,10 @@ _SCRIPT = textwrap.dedent("""
     import torch.multiprocessing as mp
 
     def rank_main(rank, world, out_dir, tests):
-        faulthandler.dump_traceback_later(45, exit=True)  # a hang prints every thread's stack, then exits
+        # A hang prints every thread's stack, then exits. 150 s: a cold kernel cache compiles the workspace's NVRTC
+        # kernels first (measured past 45 s on the H200 on a first run), and a hang is still caught long before
+        # the parent's limit.
+        faulthandler.dump_traceback_later(150, exit=True)
         from detcomm.envelope import MULTICAST_OFF_ENV
         os.environ.update(MULTICAST_OFF_ENV)
         sys.path.insert(0, tests)
@@ -139,7 +142,7 @@ def test_folded_collectives_eager_async_and_in_a_cuda_graph(tmp_path, world: int
     env = dict(os.environ, NCCL_DEBUG="WARN",
                PYTHONPATH=os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p))
     proc = subprocess.run([sys.executable, str(script), str(tmp_path), str(world), TESTS], capture_output=True,
-                          text=True, timeout=150, env=env, cwd=REPO)
+                          text=True, timeout=240, env=env, cwd=REPO)
     for r in range(world):
         path = tmp_path / f"rank{r}.txt"
         log = (tmp_path / f"rank{r}.log").read_text() if (tmp_path / f"rank{r}.log").exists() else ""

@@ -1,0 +1,140 @@
+"""Batch-invariant attention over a paged KV cache (issue 42 item 1; the serving step's attention contract).
+
+One call serves every real row of a step: prefill chunks and decode rows of any number of requests, packed. Row
+r (query position p_r of request q_r) attends to its own request's cached keys at positions 0 .. p_r (and, with a
+sliding ``window``, only those > p_r - window), read through the request's block table from a cache of
+fixed-size blocks of ``block_size`` positions. Its arithmetic is fixed by its position alone:
+
+* the keys are visited block by block in position order, from the first block holding a visible key to the
+  block holding p_r: never the cache's capacity (max_context), never a split of the keys chosen from the batch;
+* within a block: fp32 scores from one batched GEMM of a fixed shape, the block's maximum, exp in fp32, the
+  block's probabilities times V in one batched GEMM of a fixed shape; across blocks the online softmax in fp32
+  (running max m, sum l and accumulator rescaled by exp(m_old - m_new)); out = acc / l, rounded once to q's dtype;
+* rows are computed in tiles of ``ROW_TILE`` rows whatever the step's row count, so every GEMM of every call has
+  the same shape (batch ROW_TILE * kv_heads): the kernel a library picks follows the shape, and the shape never
+  follows the batch. A row of a tile whose range does not cover a block is left untouched by that block (a
+  select, not arithmetic), and keys outside a row's range enter as exact zeros (a select on K's scores and on V),
+  so neither the tile's other rows nor stale slots of a reused block can reach a row's bits.
+
+So a row's bits do not depend on the other rows of the step, on chunking, on the cache's capacity or the block
+ids it was given, or on whether it is computed in a prefill (teacher forcing) or a decode step. The same code runs
+on CPU and CUDA (torch's GEMMs at fixed shapes); it is the contract the serving step's fused kernels must meet.
+
+Rejected: split-KV (flash-decoding) chosen from the batch size (a row's sum order would follow the batch: the
+tests' negative control); a dense [rows, max_context] score matrix (its cost and, on some libraries, its kernel
+follow max_context); one GEMM per step over a variable row count (the kernel may change with the count).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["ROW_TILE", "PagedKVCache", "BlockAllocator", "paged_attention"]
+
+ROW_TILE = 16  # rows per tile: part of the arithmetic's definition (every GEMM's batch is ROW_TILE * kv_heads)
+
+
+@dataclass
+class PagedKVCache:
+    """K and V of every layer in blocks: ``k``, ``v`` [layers, num_blocks, block_size, kv_heads, head_dim]."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @classmethod
+    def empty(cls, *, layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
+              dtype: torch.dtype, device: torch.device | str = "cpu") -> PagedKVCache:
+        for name, n in (("layers", layers), ("num_blocks", num_blocks), ("block_size", block_size),
+                        ("kv_heads", kv_heads), ("head_dim", head_dim)):
+            if n < 1:
+                raise ValueError(f"PagedKVCache.empty: {name} must be >= 1, got {n}")
+        shape = (layers, num_blocks, block_size, kv_heads, head_dim)
+        return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+
+    @property
+    def block_size(self) -> int:
+        return self.k.shape[2]
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, *, block_tables: torch.Tensor,
+              row_request: torch.Tensor, positions: torch.Tensor) -> None:
+        """Store the step's new keys and values ([rows, kv_heads, head_dim]) at their requests' positions."""
+        b = self.block_size
+        blocks = block_tables[row_request, positions // b]
+        self.k[layer, blocks, positions % b] = k
+        self.v[layer, blocks, positions % b] = v
+
+
+class BlockAllocator:
+    """Hands out block ids of a cache; which ids a request gets never changes its bits (the tests vary it)."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self._free = list(range(num_blocks - 1, -1, -1))
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise ValueError(f"BlockAllocator: {n} blocks asked, {len(self._free)} free: a larger cache "
+                             "(num_blocks) or fewer concurrent requests")
+        return [self._free.pop() for _ in range(n)]
+
+    def free(self, blocks: list[int]) -> None:
+        self._free.extend(reversed(blocks))
+
+
+def paged_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, *, block_tables: torch.Tensor,
+                    row_request: torch.Tensor, positions: torch.Tensor, scale: float,
+                    window: int | None = None) -> torch.Tensor:
+    """Attention of every row of a step (module docstring): ``q`` [rows, heads, head_dim], heads a multiple of the
+    cache's kv_heads (grouped queries); ``block_tables`` [requests, max_blocks] int (a request's block ids in
+    position order; entries past its length are ignored); ``row_request`` [rows] the request of each row;
+    ``positions`` [rows] each row's query position (its keys, this step's included, must be written first).
+    Returns [rows, heads, head_dim] in q's dtype."""
+    rows, heads, hd = q.shape
+    _, _, bs, kvh, hd_c = cache.k.shape
+    if hd != hd_c or heads % kvh:
+        raise ValueError(f"paged_attention: q has {heads} heads of {hd}, the cache {kvh} kv heads of {hd_c}: heads "
+                         "must be a multiple of kv_heads and head_dim equal")
+    if row_request.shape != (rows,) or positions.shape != (rows,):
+        raise ValueError(f"paged_attention: row_request and positions must be [{rows}] (one per row of q), got "
+                         f"{tuple(row_request.shape)} and {tuple(positions.shape)}")
+    if window is not None and window < 1:
+        raise ValueError(f"paged_attention: window must be >= 1 or None, got {window}")
+    group = heads // kvh
+    dev = q.device
+    out = torch.empty(rows, heads, hd, dtype=q.dtype, device=dev)
+    offs = torch.arange(bs, device=dev)
+    for t0 in range(0, rows, ROW_TILE):
+        n = min(ROW_TILE, rows - t0)
+        qt = torch.zeros(ROW_TILE, heads, hd, dtype=torch.float32, device=dev)
+        qt[:n] = q[t0 : t0 + n]
+        req = torch.zeros(ROW_TILE, dtype=torch.long, device=dev)
+        req[:n] = row_request[t0 : t0 + n]
+        pos = torch.full((ROW_TILE,), -1, dtype=torch.long, device=dev)  # filler rows cover no block
+        pos[:n] = positions[t0 : t0 + n]
+        lo = torch.zeros_like(pos) if window is None else (pos - window + 1).clamp(min=0)
+        first, last = lo // bs, torch.where(pos >= 0, pos // bs, -1)
+        qg = qt.view(ROW_TILE * kvh, group, hd)
+        m = torch.full((ROW_TILE * kvh, group, 1), float("-inf"), device=dev)
+        l = torch.zeros((ROW_TILE * kvh, group, 1), device=dev)
+        acc = torch.zeros((ROW_TILE * kvh, group, hd), device=dev)
+        j_lo, j_hi = int(first[:n].min()), int(last[:n].max())
+        for j in range(j_lo, j_hi + 1):
+            active = ((first <= j) & (j <= last)).repeat_interleave(kvh).view(-1, 1, 1)
+            ids = block_tables[req, min(j, block_tables.shape[1] - 1)].clamp(min=0)
+            kpos = j * bs + offs  # [B]
+            visible = (kpos[None] <= pos[:, None]) & (kpos[None] >= lo[:, None])  # [R, B]
+            vis = visible.repeat_interleave(kvh, dim=0)[:, None, :]  # [R*kvh, 1, B]
+            kb = cache.k[layer, ids].to(torch.float32).permute(0, 2, 3, 1).reshape(ROW_TILE * kvh, hd, bs)
+            vb = cache.v[layer, ids].to(torch.float32).permute(0, 2, 1, 3).reshape(ROW_TILE * kvh, bs, hd)
+            vb = torch.where(vis.transpose(1, 2), vb, 0.0)  # stale or future slots enter as exact zeros
+            s = torch.where(vis, torch.bmm(qg, kb) * scale, float("-inf"))  # [R*kvh, group, B]
+            m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
+            p = torch.exp(s - m_new)
+            corr = torch.exp(m - m_new)
+            l_new = l * corr + p.sum(dim=-1, keepdim=True)
+            acc_new = acc * corr + torch.bmm(p, vb)
+            m, l, acc = (torch.where(active, a, b) for a, b in ((m_new, m), (l_new, l), (acc_new, acc)))
+        o = (acc / l).view(ROW_TILE, heads, hd)
+        out[t0 : t0 + n] = o[:n].to(q.dtype)
+    return out
