@@ -647,9 +647,9 @@ def _one_store_schedule(world: int, launches: int, buffers: int, rng: random.Ran
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_one_store_protocol_two_buffers_are_enough(world):
-    """docs/spec.md §9.3's argument, checked on the protocol's mirror: with two buffers no schedule lets a rank read
-    another launch's data or lose a store; with one buffer (the `one_buffer` control build's protocol) some
-    schedules do, so the mirror can tell the two apart."""
+    """The two-buffer argument of docs/spec.md §9.3 (docs/design/workspace-protocol.md), checked on the protocol's
+    mirror: with two buffers no schedule lets a rank read another launch's data or lose a store; with one buffer (the
+    `one_buffer` control build's protocol) some schedules do, so the mirror can tell the two apart."""
     rng = random.Random(world)
     assert all(_one_store_schedule(world, 8, 2, rng) is None for _ in range(400))
     bad = [p for p in (_one_store_schedule(world, 8, 1, rng) for _ in range(400)) if p is not None]
