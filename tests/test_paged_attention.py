@@ -55,9 +55,9 @@ class Engine:
     """A minimal step loop over a paged cache: each step writes its rows' k/v, then attends once."""
 
     def __init__(self, seqs, dtype: torch.dtype, *, attend: Attention, num_blocks: int, shuffle_ids: int | None,
-                 window: int | None, device: str = "cpu") -> None:
+                 window: int | None, device: str = "cpu", kv_heads: int = KV_HEADS) -> None:
         self.seqs, self.attend, self.window, self.device = seqs, attend, window, device
-        self.cache = PagedKVCache.empty(layers=1, num_blocks=num_blocks, block_size=BLOCK, kv_heads=KV_HEADS,
+        self.cache = PagedKVCache.empty(layers=1, num_blocks=num_blocks, block_size=BLOCK, kv_heads=kv_heads,
                                         head_dim=HEAD_DIM, dtype=dtype, device=device)
         # Stale data in every slot: a reused block's old contents must never reach a row.
         self.cache.k.copy_(torch.randn(self.cache.k.shape, generator=torch.Generator().manual_seed(99)))
@@ -244,3 +244,26 @@ def test_the_triton_kernel_keeps_the_contract_in_triton_s_interpreter(tmp_path) 
     p = subprocess.run([sys.executable, "-c", script, os.path.dirname(__file__)], env=env, capture_output=True,
                        text=True, timeout=900)
     assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stdout[-2000:] + p.stderr[-4000:]
+
+
+def kv_head_split_mismatches(attend: Attention, *, device: str = "cpu") -> int:
+    """Tensor parallelism splits the kv heads over W ranks: rows whose bits for kv head g's query group, computed
+    from a cache holding that head alone (W = KV_HEADS), differ from the same heads computed with every head
+    (W = 1)."""
+    seqs = _sequences(torch.float32)
+    whole = Engine(seqs, torch.float32, attend=attend, num_blocks=64, shuffle_ids=None, window=None, device=device)
+    rows = [(r, p) for r, n in enumerate(LENGTHS) for p in range(n)]
+    whole.step(rows)
+    group, bad = HEADS // KV_HEADS, 0
+    for g in range(KV_HEADS):
+        sliced = [(q[:, g * group : (g + 1) * group].contiguous(), k[:, g : g + 1].contiguous(),
+                   v[:, g : g + 1].contiguous()) for q, k, v in seqs]
+        e = Engine(sliced, torch.float32, attend=attend, num_blocks=64, shuffle_ids=None, window=None,
+                   device=device, kv_heads=1)
+        e.step(rows)
+        bad += sum(_bits(e.out[key]) != _bits(whole.out[key][g * group : (g + 1) * group]) for key in rows)
+    return bad
+
+
+def test_a_heads_bits_do_not_depend_on_how_many_kv_heads_a_rank_holds() -> None:
+    assert kv_head_split_mismatches(paged_attention) == 0

@@ -10,9 +10,9 @@ fixed-size blocks of ``block_size`` positions. Its arithmetic is fixed by its po
 * within a block: fp32 scores from one batched GEMM of a fixed shape, the block's maximum, exp in fp32, the
   block's probabilities times V in one batched GEMM of a fixed shape; across blocks the online softmax in fp32
   (running max m, sum l and accumulator rescaled by exp(m_old - m_new)); out = acc / l, rounded once to q's dtype;
-* rows are computed in tiles of ``ROW_TILE`` rows whatever the step's row count, so every GEMM of every call has
-  the same shape (batch ROW_TILE * kv_heads): the kernel a library picks follows the shape, and the shape never
-  follows the batch. A row of a tile whose range does not cover a block is left untouched by that block (a
+* rows are computed in tiles of ``ROW_TILE`` rows whatever the step's row count, one kv head at a time, so every
+  GEMM of every call has the same shape (batch ROW_TILE, whatever the step and however many kv heads a rank
+  holds): the kernel a library picks follows the shape, and the shape never follows the batch or W. A row of a tile whose range does not cover a block is left untouched by that block (a
   select, not arithmetic), and keys outside a row's range enter as exact zeros (a select on K's scores and on V),
   so neither the tile's other rows nor stale slots of a reused block can reach a row's bits.
 
@@ -33,7 +33,7 @@ import torch
 
 __all__ = ["ROW_TILE", "IMPLS", "PagedKVCache", "BlockAllocator", "paged_attention"]
 
-ROW_TILE = 16  # rows per tile: part of the arithmetic's definition (every GEMM's batch is ROW_TILE * kv_heads)
+ROW_TILE = 16  # rows per tile: part of the arithmetic's definition (every GEMM's batch is ROW_TILE)
 
 
 @dataclass
@@ -120,7 +120,6 @@ def paged_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, *, block_t
     group = heads // kvh
     dev = q.device
     out = torch.empty(rows, heads, hd, dtype=q.dtype, device=dev)
-    offs = torch.arange(bs, device=dev)
     for t0 in range(0, rows, ROW_TILE):
         n = min(ROW_TILE, rows - t0)
         qt = torch.zeros(ROW_TILE, heads, hd, dtype=torch.float32, device=dev)
@@ -130,28 +129,38 @@ def paged_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, *, block_t
         pos = torch.full((ROW_TILE,), -1, dtype=torch.long, device=dev)  # filler rows cover no block
         pos[:n] = positions[t0 : t0 + n]
         lo = torch.zeros_like(pos) if window is None else (pos - window + 1).clamp(min=0)
-        first, last = lo // bs, torch.where(pos >= 0, pos // bs, -1)
-        qg = qt.view(ROW_TILE * kvh, group, hd)
-        m = torch.full((ROW_TILE * kvh, group, 1), float("-inf"), device=dev)
-        l = torch.zeros((ROW_TILE * kvh, group, 1), device=dev)
-        acc = torch.zeros((ROW_TILE * kvh, group, hd), device=dev)
-        j_lo, j_hi = int(first[:n].min()), int(last[:n].max())
-        for j in range(j_lo, j_hi + 1):
-            active = ((first <= j) & (j <= last)).repeat_interleave(kvh).view(-1, 1, 1)
-            ids = block_tables[req, min(j, block_tables.shape[1] - 1)].clamp(min=0)
-            kpos = j * bs + offs  # [B]
-            visible = (kpos[None] <= pos[:, None]) & (kpos[None] >= lo[:, None])  # [R, B]
-            vis = visible.repeat_interleave(kvh, dim=0)[:, None, :]  # [R*kvh, 1, B]
-            kb = cache.k[layer, ids].to(torch.float32).permute(0, 2, 3, 1).reshape(ROW_TILE * kvh, hd, bs)
-            vb = cache.v[layer, ids].to(torch.float32).permute(0, 2, 1, 3).reshape(ROW_TILE * kvh, bs, hd)
-            vb = torch.where(vis.transpose(1, 2), vb, 0.0)  # stale or future slots enter as exact zeros
-            s = torch.where(vis, torch.bmm(qg, kb) * scale, float("-inf"))  # [R*kvh, group, B]
-            m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
-            p = torch.exp(s - m_new)
-            corr = torch.exp(m - m_new)
-            l_new = l * corr + p.sum(dim=-1, keepdim=True)
-            acc_new = acc * corr + torch.bmm(p, vb)
-            m, l, acc = (torch.where(active, a, b) for a, b in ((m_new, m), (l_new, l), (acc_new, acc)))
-        o = (acc / l).view(ROW_TILE, heads, hd)
-        out[t0 : t0 + n] = o[:n].to(q.dtype)
+        tables = block_tables[req]
+        # One kv head at a time: every GEMM's batch is ROW_TILE whatever the number of kv heads this rank holds,
+        # so a head's bits do not follow the tensor-parallel W either.
+        for g in range(kvh):
+            o = _one_kv_head(qt[:, g * group : (g + 1) * group].contiguous(), cache.k[layer, :, :, g],
+                             cache.v[layer, :, :, g], tables=tables, pos=pos, lo=lo, n=n, scale=scale)
+            out[t0 : t0 + n, g * group : (g + 1) * group] = o[:n].to(q.dtype)
     return out
+
+
+def _one_kv_head(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, tables: torch.Tensor, pos: torch.Tensor,
+                 lo: torch.Tensor, n: int, scale: float) -> torch.Tensor:
+    """One tile's rows for one kv head: q [ROW_TILE, group, hd] fp32; k, v [num_blocks, block_size, hd] of that
+    head; tables [ROW_TILE, max_blocks] the rows' block tables; rows n.. are filler. [ROW_TILE, group, hd] fp32."""
+    dev, bs = q.device, k.shape[1]
+    first, last = lo // bs, torch.where(pos >= 0, pos // bs, -1)
+    m = torch.full((*q.shape[:2], 1), float("-inf"), device=dev)
+    l = torch.zeros((*q.shape[:2], 1), device=dev)
+    acc = torch.zeros(q.shape, device=dev)
+    offs = torch.arange(bs, device=dev)
+    for j in range(int(first[:n].min()), int(last[:n].max()) + 1):
+        active = ((first <= j) & (j <= last)).view(-1, 1, 1)
+        ids = tables[:, min(j, tables.shape[1] - 1)].clamp(min=0)
+        kpos = j * bs + offs  # [B]
+        vis = ((kpos[None] <= pos[:, None]) & (kpos[None] >= lo[:, None]))[:, None, :]  # [R, 1, B]
+        kb = k[ids].to(torch.float32).transpose(1, 2)  # [R, hd, B]
+        vb = torch.where(vis.transpose(1, 2), v[ids].to(torch.float32), 0.0)  # stale or future slots: exact zeros
+        s = torch.where(vis, torch.bmm(q, kb) * scale, float("-inf"))  # [R, group, B]
+        m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
+        p = torch.exp(s - m_new)
+        corr = torch.exp(m - m_new)
+        l_new = l * corr + p.sum(dim=-1, keepdim=True)
+        acc_new = acc * corr + torch.bmm(p, vb)
+        m, l, acc = (torch.where(active, a, b) for a, b in ((m_new, m), (l_new, l), (acc_new, acc)))
+    return acc / l

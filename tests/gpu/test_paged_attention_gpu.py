@@ -1,6 +1,7 @@
 """The serving step's paged attention on a GPU (detcomm.numerics.attention): the Triton kernel (one launch, the
 CUDA default) and the torch implementation on CUDA tensors keep the contract of tests/test_paged_attention.py:
-bitwise alone == packed == chunked == another cache and block ids, fp32 and bf16, full and windowed; the Triton
+bitwise alone == packed == chunked == another cache and block ids, fp32 and bf16, full and windowed, at any
+number of kv heads per rank; the Triton
 kernel within the fp64 bound; the split-KV negative control fails the same check."""
 
 from __future__ import annotations
@@ -23,6 +24,11 @@ pytestmark = pytest.mark.gpu
 def test_bitwise_invariant_on_cuda(impl: str, dtype: torch.dtype, window: int | None) -> None:
     m = t.invariance_mismatches(functools.partial(paged_attention, impl=impl), dtype, window=window, device="cuda")
     assert m == dict.fromkeys(m, 0), m
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_a_heads_bits_do_not_depend_on_how_many_kv_heads_a_rank_holds_on_cuda(impl: str) -> None:
+    assert t.kv_head_split_mismatches(functools.partial(paged_attention, impl=impl), device="cuda") == 0
 
 
 def test_negative_control_split_kv_on_cuda() -> None:
