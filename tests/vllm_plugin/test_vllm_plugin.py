@@ -108,9 +108,9 @@ def test_alone_packed_and_rerun_are_identical_with_the_plugin(runs, tp: int) -> 
         # order that follows the batch's size, so requests packed with others differ from the same requests alone
         # (measured: all 8 of 8); at W = 2 a + b == b + a and nothing can differ.
         assert _same(off["alone"], off["packed"]) != [], report
-    # Run to run, vLLM alone is deterministic too (the same batches give the same sums): the rerun is not where
-    # the plugin matters, the batch composition is.
-    assert _same(off["packed"], off["rerun"]) == []
+    # vLLM's own rerun is not asserted either way: the same requests give the same batches only if the engine's
+    # timing does (its async scheduling may split the steps otherwise; seen in CI at TP = 4: packed != rerun
+    # without the plugin, under load). With the plugin a rerun is identical whatever the steps (asserted above).
 
 
 def test_tree_layout_gives_the_same_bits_at_tp_1_2_and_4(runs) -> None:
