@@ -30,15 +30,15 @@ from . import envelope as _env
 from .backends import A2AFoldBackend, GatherFoldBackend, NativeBackend, RsAgFoldBackend
 from .backends import guard as _guard
 from .backends.guard import SHUTDOWN, CallHeader, shutdown_header
-from .dtypes import from_name, name_of
+from .dtypes import SUPPORTED_DTYPES, from_name, name_of
 from .numerics.fold import BATCH_INVARIANT, FLOAT_DTYPES, Leaf, select_leaf
-from .route import (
+from .route import AutoBackend, RouteEntry, RouteTable
+from .selfcheck import CheckResult, SelfChecks, declaration
+from .sites import (
     DEFAULT_MAX_ROWS,
-    DEFAULT_WORKSPACE_BYTES,  # defined beside the routing policy, torch-free (the static route view reads it)
+    DEFAULT_WORKSPACE_BYTES,  # defined with the sites' vocabulary, torch-free (the static route view reads it)
     DEFAULT_WORKSPACE_MAX_ROWS,
     NO_ARGS,
-    SUPPORTED_DTYPES,
-    AutoBackend,
     BoundRoute,
     CallArgs,
     Capabilities,
@@ -46,11 +46,8 @@ from .route import (
     ReduceOp,
     Route,
     RouteBackend,
-    RouteEntry,
-    RouteTable,
     Site,
 )
-from .selfcheck import CheckResult, SelfChecks, declaration
 from .topology import discover as discover_topology
 
 if TYPE_CHECKING:

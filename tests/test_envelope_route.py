@@ -22,7 +22,8 @@ from detcomm.envelope import (
     resolve_numerics,
     unregister_numerics_envelope,
 )
-from detcomm.route import AutoBackend, Capabilities, Collective, ReduceOp, Route, Site
+from detcomm.route import AutoBackend
+from detcomm.sites import Capabilities, Collective, ReduceOp, Route, Site
 
 
 def test_auto_defaults_and_rl_bitwise_tightens() -> None:

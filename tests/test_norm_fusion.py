@@ -10,8 +10,9 @@ import torch
 from detcomm.envelope import resolve_numerics
 from detcomm.numerics import norm
 from detcomm.numerics.fold import BATCH_INVARIANT
-from detcomm.route import AutoBackend, Capabilities, Collective, Route, Site
+from detcomm.route import AutoBackend
 from detcomm.route import fusion_refusal as route_fusion_refusal
+from detcomm.sites import Capabilities, Collective, Route, Site
 from detcomm.workspace import kernels, plan
 
 GPU2_WS = Capabilities(backend="nccl", device_type="cuda", world_size=2, workspace=True, workspace_max_rows=2048)

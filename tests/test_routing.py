@@ -11,19 +11,8 @@ from detcomm.backends import A2AFoldBackend, GatherFoldBackend, NativeBackend
 from detcomm.envelope import resolve_numerics
 from detcomm.errors import RouteRefused
 from detcomm.numerics.fold import select_leaf
-from detcomm.route import (
-    _CARRIES,
-    NO_ARGS,
-    AutoBackend,
-    BoundRoute,
-    CallArgs,
-    Capabilities,
-    CheckVerdict,
-    Collective,
-    ReduceOp,
-    Route,
-    Site,
-)
+from detcomm.route import AutoBackend, CheckVerdict
+from detcomm.sites import _CARRIES, NO_ARGS, BoundRoute, CallArgs, Capabilities, Collective, ReduceOp, Route, Site
 
 CPU1 = Capabilities(backend="gloo", device_type="cpu", world_size=1)
 

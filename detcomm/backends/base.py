@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..route import CallArgs, Collective, Route, Site
+from ..sites import CallArgs, Collective, Route, Site
 from .guard import MessageGuard
 
 Call = Callable[[torch.Tensor, CallArgs], torch.Tensor]
