@@ -204,9 +204,6 @@ class Communicator:
 
     def _discover_capabilities(self, workspace: bool | None, max_rows: int, capacity: int,
                                timeout_s: float | None) -> Capabilities:
-        allowed, mc_why = _env.multicast_allowed(self.resolved, hardware_supports=False)
-        if allowed:  # pragma: no cover - unreachable until a multicast route exists
-            mc_why = "no multicast route in this build"
         topo = discover_topology(self.group, self.device)
         if not topo.same_host:
             armed, ws_why = False, "ranks on several hosts: CUDA IPC does not cross hosts"
@@ -222,8 +219,6 @@ class Communicator:
             workspace_bytes=capacity if armed else 0,
             topology=topo.describe(),
             hosts=topo.hosts,
-            multicast=False,
-            multicast_reason=mc_why,
         )
 
     def _arm_workspace(self, want: bool | None, max_rows: int, capacity: int,

@@ -23,6 +23,7 @@ exists to prevent); a separate "fallback" layer in the communicator (it made fou
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, cast
@@ -35,15 +36,7 @@ from .sites import ROUTE_INFO, BoundRoute, Capabilities, Collective, ReduceOp, R
 from .tables import format_table
 from .workspace import admission
 
-__all__ = [
-    "RouteDecision",
-    "CheckVerdict",
-    "Verdict",
-    "RouteEntry",
-    "RouteTable",
-    "AutoBackend",
-    "fusion_refusal",
-]
+__all__ = ["RouteDecision", "Verdict", "RouteEntry", "RouteTable", "AutoBackend", "fusion_refusal"]
 
 
 @dataclass(frozen=True)
@@ -56,19 +49,8 @@ class RouteDecision:
         return ROUTE_INFO[self.route].canonical_sum
 
 
-
-@dataclass(frozen=True)
-class CheckVerdict:
-    """The outcome of one self-check, as routing needs it (selfcheck.CheckResult provides these fields)."""
-
-    passed: bool
-    reason: str
-    label: str
-    site_only: bool = False  # the failure was this site's own size or resources (see selfcheck.CheckResult)
-
-
 class Verdict(Protocol):
-    """What routing reads from a self-check's outcome (CheckVerdict and selfcheck.CheckResult both provide it)."""
+    """What routing reads from a self-check's outcome (selfcheck.CheckResult provides it)."""
 
     @property
     def passed(self) -> bool: ...
@@ -80,7 +62,7 @@ class Verdict(Protocol):
     def label(self) -> str: ...
 
     @property
-    def site_only(self) -> bool: ...
+    def site_only(self) -> bool: ...  # the failure was this site's own size or resources (selfcheck.CheckResult)
 
 
 @dataclass(frozen=True)
@@ -132,14 +114,6 @@ class RouteTable:
         if self.note:
             head += "\n" + self.note
         return format_table(cols, rows, title=head, align="l" * len(cols)) + ("" if rows else "\n(no sites declared)")
-
-
-def _order_v(w: int) -> int:
-    """A shard count the shard-order fold serves at W and at 1, 2, 4 (the lcm of W and 8)."""
-    a, b = w, 8
-    while b:
-        a, b = b, a % b
-    return w * 8 // a
 
 
 def _cell(d: Mapping[str, object], col: str) -> str:
@@ -213,11 +187,6 @@ class AutoBackend:
         if site.route is not None:
             return [self._forced(site)]
         if site.collective in (Collective.ALL_GATHER, Collective.TOKEN_ALL_GATHER):
-            if self.caps.multicast and not sw.force_deterministic_rsag:
-                return [
-                    RouteDecision(Route.MULTICAST_GATHER, "data movement on the multicast kernels"),
-                    RouteDecision(Route.NATIVE, "data movement (multicast gather refused)"),
-                ]
             why = "data movement" + (" (force_deterministic_rsag)" if sw.force_deterministic_rsag else "")
             return [RouteDecision(Route.NATIVE, why)]
         if site.collective is Collective.ALL_TO_ALL:
@@ -316,7 +285,7 @@ class AutoBackend:
             raise ValueError(
                 f"site {site.name!r}: shard_fold='tree' at W={w}: rank r folds the subtree of shards r*V/W .. "
                 f"(r+1)*V/W - 1, so W must be a power of two dividing V={v}; shard_fold='order' serves every W "
-                f"dividing V (declare V a multiple of every TP size you will run, e.g. {_order_v(w)}, with V/W fp32 "
+                f"dividing V (declare V a multiple of every TP size you will run, e.g. {math.lcm(w, 8)}, with V/W fp32 "
                 "partials per rank on the wire)"
             )
         if v % w:
@@ -394,8 +363,6 @@ class AutoBackend:
         no_ws = admission.unavailable(self.caps, self.resolved) if route is Route.IPC_FOLD else None
         if no_ws is not None:
             raise ValueError(f"site {site.name!r}: route='ipc_fold' is unavailable: {no_ws}")
-        if route in (Route.MULTICAST_GATHER, Route.IN_SWITCH) and not self.caps.multicast:
-            raise ValueError(f"site {site.name!r}: route={route.value!r} is unavailable: {self.caps.multicast_reason}")
         return RouteDecision(route, "forced by the site's route=")
 
     # -- the runtime resolution --------------------------------------------------------------------------------

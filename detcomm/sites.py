@@ -86,8 +86,6 @@ class Route(str, Enum):
     A2A_FOLD = "a2a_fold"
     RS_AG_FOLD = "rs_ag_fold"
     IPC_FOLD = "ipc_fold"
-    MULTICAST_GATHER = "multicast_gather"
-    IN_SWITCH = "in_switch"
 
 
 @dataclass(frozen=True)
@@ -105,8 +103,6 @@ ROUTE_INFO: Mapping[Route, RouteInfo] = {
     Route.RS_AG_FOLD: RouteInfo("all-to-all of column blocks, canonical fold of each, all-gather of the rounded "
                                 "blocks", canonical_sum=True),
     Route.IPC_FOLD: RouteInfo("CUDA-IPC workspace, one-store, one-shot or two-shot fold kernels", canonical_sum=True),
-    Route.MULTICAST_GATHER: RouteInfo("NVLS multimem stores (gathers only)", canonical_sum=False),
-    Route.IN_SWITCH: RouteInfo("NVLS in-switch reduction, order follows the buffer offset", canonical_sum=False),
 }
 
 # Which routes can carry which collective at all (before envelope and capabilities).
@@ -117,8 +113,6 @@ _CARRIES: Mapping[Route, frozenset[Collective]] = {
     Route.RS_AG_FOLD: frozenset({Collective.ALL_REDUCE, Collective.ALL_REDUCE_RMSNORM}),
     Route.IPC_FOLD: frozenset({Collective.ALL_REDUCE, Collective.REDUCE_SCATTER, Collective.ALL_GATHER,
                                Collective.ALL_REDUCE_RMSNORM}),
-    Route.MULTICAST_GATHER: frozenset({Collective.ALL_GATHER, Collective.TOKEN_ALL_GATHER}),
-    Route.IN_SWITCH: frozenset({Collective.ALL_REDUCE}),
 }
 
 
@@ -283,8 +277,6 @@ class Capabilities:
     workspace_bytes: int = 0
     topology: str = ""
     hosts: int = 1  # distinct hosts the group's ranks run on (topology.py; DETCOMM_HOSTS simulates several)
-    multicast: bool = False
-    multicast_reason: str = "not opted in"
 
 
 
