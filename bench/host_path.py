@@ -26,7 +26,7 @@ import torch.distributed as dist
 import detcomm
 from detcomm.backends.base import Bound
 from detcomm.bench.timing import host_us_per_call
-from detcomm.route import Route, Site
+from detcomm.sites import Route, Site
 
 
 class _NopBackend:

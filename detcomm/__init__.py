@@ -46,11 +46,11 @@ from .errors import (
     WorkspaceUnavailable,
 )
 from .mpi_env import rank_facts_from_environment
-from .route import (
+from .route import AutoBackend
+from .sites import (
     DEFAULT_MAX_ROWS,
     DEFAULT_WORKSPACE_BYTES,
     DEFAULT_WORKSPACE_MAX_ROWS,
-    AutoBackend,
     Capabilities,
     Collective,
     ReduceOp,
@@ -64,13 +64,13 @@ if TYPE_CHECKING:
 
     from .comm import Communicator, RouteEntry, RouteTable
     from .deadline import DEFAULT_TIMEOUT_S
-    from .moe import moe_combine, moe_dispatch, moe_site
     from .numerics.fold import BATCH_INVARIANT, Leaf, Priority, reference_fold, register_leaf, select_leaf
     from .numerics.norm import rms_norm
     from .work import Work
 
 # name -> the submodule that defines it (each imports torch); importing detcomm.numerics also registers the
-# CUDA fold leaf where cupy is installed.
+# CUDA fold leaf where cupy is installed. The MoE names are reached by name only, with no import even for types:
+# detcomm.moe is an integration a layer above this one (docs/map.md) and asks this module for the communicator.
 _LAZY = {
     "Communicator": "comm", "RouteEntry": "comm", "RouteTable": "comm",
     "DEFAULT_TIMEOUT_S": "deadline",

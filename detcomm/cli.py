@@ -144,7 +144,8 @@ def _routes(args: argparse.Namespace) -> int:
                          "one rank")
 
     from .envelope import resolve_numerics
-    from .route import DEFAULT_WORKSPACE_BYTES, AutoBackend, Capabilities, Collective, ReduceOp, Site
+    from .route import AutoBackend
+    from .sites import DEFAULT_WORKSPACE_BYTES, Capabilities, Collective, ReduceOp, Site
 
     resolved = resolve_numerics(numerics)
     sw = resolved.switches
@@ -211,7 +212,7 @@ def _routes(args: argparse.Namespace) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     from .launch.environment import DEFAULT_NUMERICS
-    from .route import DEFAULT_WORKSPACE_MAX_ROWS
+    from .sites import DEFAULT_WORKSPACE_MAX_ROWS
 
     p = argparse.ArgumentParser(
         prog="detcomm", description="bitwise batch-invariant collectives",

@@ -30,15 +30,15 @@ from . import envelope as _env
 from .backends import A2AFoldBackend, GatherFoldBackend, NativeBackend, RsAgFoldBackend
 from .backends import guard as _guard
 from .backends.guard import SHUTDOWN, CallHeader, shutdown_header
-from .dtypes import from_name, name_of
+from .dtypes import SUPPORTED_DTYPES, from_name, name_of
 from .numerics.fold import BATCH_INVARIANT, FLOAT_DTYPES, Leaf, select_leaf
-from .route import (
+from .route import AutoBackend, RouteEntry, RouteTable
+from .selfcheck import CheckResult, SelfChecks, declaration
+from .sites import (
     DEFAULT_MAX_ROWS,
-    DEFAULT_WORKSPACE_BYTES,  # defined beside the routing policy, torch-free (the static route view reads it)
+    DEFAULT_WORKSPACE_BYTES,  # defined with the sites' vocabulary, torch-free (the static route view reads it)
     DEFAULT_WORKSPACE_MAX_ROWS,
     NO_ARGS,
-    SUPPORTED_DTYPES,
-    AutoBackend,
     BoundRoute,
     CallArgs,
     Capabilities,
@@ -46,11 +46,8 @@ from .route import (
     ReduceOp,
     Route,
     RouteBackend,
-    RouteEntry,
-    RouteTable,
     Site,
 )
-from .selfcheck import CheckResult, SelfChecks, declaration
 from .topology import discover as discover_topology
 
 if TYPE_CHECKING:
@@ -207,9 +204,6 @@ class Communicator:
 
     def _discover_capabilities(self, workspace: bool | None, max_rows: int, capacity: int,
                                timeout_s: float | None) -> Capabilities:
-        allowed, mc_why = _env.multicast_allowed(self.resolved, hardware_supports=False)
-        if allowed:  # pragma: no cover - unreachable until a multicast route exists
-            mc_why = "no multicast route in this build"
         topo = discover_topology(self.group, self.device)
         if not topo.same_host:
             armed, ws_why = False, "ranks on several hosts: CUDA IPC does not cross hosts"
@@ -225,8 +219,6 @@ class Communicator:
             workspace_bytes=capacity if armed else 0,
             topology=topo.describe(),
             hosts=topo.hosts,
-            multicast=False,
-            multicast_reason=mc_why,
         )
 
     def _arm_workspace(self, want: bool | None, max_rows: int, capacity: int,

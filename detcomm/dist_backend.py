@@ -141,8 +141,8 @@ from .dtypes import name_of
 from .envelope import resolve_numerics
 from .errors import CaptureThroughHost, DetcommError
 from .numerics.fold import FLOAT_DTYPES, canonical_nan, canonicalize_nan, divide_exactly, product_fold
-from .route import Route
 from .selfcheck import CheckResult
+from .sites import Route
 from .topology import RankFacts, _local_facts, from_facts
 from .verify import check_from_env
 

@@ -60,13 +60,8 @@ class Switches:
 
     Attributes:
         batch_invariant_collectives: every floating-point SUM reduction takes a canonical-fold route.
-        enable_allreduce_fusion: the engine may fuse all-reduce with the following norm (no bitwise claim).
-        comm_fusion_max_num_tokens: largest token count the fused kernels serve; -1 disables them.
-        layer_boundary_norm: "fused" or "unfused"; unfused vetoes all-reduce fusion (detcomm's own included).
-
-    The three switches above are ADVISORY for the engine's own fused all-reduce + norm kernels, whose reduction
-    geometry follows the token count: nothing in detcomm reads the first two. They exist so that an engine
-    reading ``Resolved.switches`` gets one coherent answer (under a bitwise envelope: its fusion off).
+        layer_boundary_norm: "fused" or "unfused"; unfused vetoes every all-reduce + norm fusion: detcomm's own
+            (batch_invariant_fusion) and, for an engine reading ``Resolved.switches``, the engine's.
         batch_invariant_fusion: ``all_reduce_residual_rmsnorm`` may run detcomm's fused workspace kernel instead
             of the all-reduce followed by the canonical norm. Allowed in every envelope because the only fused
             kernel detcomm routes to has the ``batch_invariant`` feature and serves a site only after the
@@ -81,8 +76,6 @@ class Switches:
     """
 
     batch_invariant_collectives: bool | None = None
-    enable_allreduce_fusion: bool | None = None
-    comm_fusion_max_num_tokens: int | None = None
     layer_boundary_norm: str | None = None
     batch_invariant_fusion: bool | None = None
     nccl_ring_simple: bool | None = None
@@ -109,10 +102,7 @@ class Switches:
 def _check_type(name: str, value: object) -> None:
     if value is None:
         return
-    if name == "comm_fusion_max_num_tokens":
-        if isinstance(value, bool) or not isinstance(value, int) or value < -1:
-            raise ValueError(f"switch {name} must be an int >= -1 (-1 disables fusion), got {value!r}")
-    elif name == "layer_boundary_norm":
+    if name == "layer_boundary_norm":
         if value not in _LAYER_BOUNDARY_NORMS:
             raise ValueError(f"switch {name} must be one of {_LAYER_BOUNDARY_NORMS}, got {value!r}")
     elif not isinstance(value, bool):
@@ -122,8 +112,6 @@ def _check_type(name: str, value: object) -> None:
 # The defaults of a plain (auto) deployment: the fast paths on.
 _DEFAULTS = Switches(
     batch_invariant_collectives=False,
-    enable_allreduce_fusion=True,
-    comm_fusion_max_num_tokens=2048,
     layer_boundary_norm="fused",
     batch_invariant_fusion=True,
     nccl_ring_simple=False,
@@ -136,18 +124,12 @@ _DEFAULTS = Switches(
 # first is the user's own knob and the second an opt-in that the envelope neither grants nor needs.
 _BITWISE_TIGHT: Mapping[str, object] = {
     "batch_invariant_collectives": True,
-    "enable_allreduce_fusion": False,
-    "comm_fusion_max_num_tokens": -1,
     "nccl_ring_simple": True,
     "disable_tf32": True,
 }
 
 _WHY_TIGHT: Mapping[str, str] = {
     "batch_invariant_collectives": "a bitwise envelope needs every SUM reduction on a canonical-fold route",
-    "enable_allreduce_fusion": "the engine's fused all-reduce+norm kernels make no bitwise claim (detcomm's "
-                               "batch-invariant fused kernel is batch_invariant_fusion)",
-    "comm_fusion_max_num_tokens": "the engine's fused all-reduce+norm kernels make no bitwise claim (-1 disables "
-                                  "them)",
     "nccl_ring_simple": "NCCL's algorithm/protocol switch by message size changes the association order",
     "disable_tf32": "TF32 matrix products round differently from fp32 and vary with the kernel chosen",
 }
@@ -267,8 +249,8 @@ def resolve_numerics(numerics: str = "auto", **switches: object) -> Resolved:
     """Resolve an envelope and explicit switches into a coherent set, or raise ValueError with the reason.
 
     Order: the envelope's pins first (an explicit contrary choice is refused), then the implications
-    between switches (batch_invariant_collectives and layer_boundary_norm="unfused" both veto all-reduce
-    fusion; an explicit contrary choice is a conflict), then the defaults for whatever is still open.
+    between switches (layer_boundary_norm="unfused" vetoes batch_invariant_fusion; an explicit contrary choice
+    is a conflict), then the defaults for whatever is still open.
     """
     if numerics not in _ENVELOPES:
         raise ValueError(f"unknown numerics envelope {numerics!r}; known: {list(known_envelopes())}")
@@ -286,20 +268,6 @@ def resolve_numerics(numerics: str = "auto", **switches: object) -> Resolved:
             )
         values[key] = tight
 
-    fusion_vetoes = []
-    if values["batch_invariant_collectives"]:
-        fusion_vetoes.append("batch_invariant_collectives=True")
-    if values["layer_boundary_norm"] == "unfused":
-        fusion_vetoes.append("layer_boundary_norm='unfused'")
-    if fusion_vetoes:
-        for key, off in (("enable_allreduce_fusion", False), ("comm_fusion_max_num_tokens", -1)):
-            if key in explicit and values[key] != off:
-                raise ValueError(
-                    f"conflicting switches: {key}={values[key]!r} with {' and '.join(fusion_vetoes)} "
-                    f"(the fused all-reduce+norm kernels make no bitwise claim); set {key}={off!r} "
-                    "or drop one of them"
-                )
-            values[key] = off
     if values["layer_boundary_norm"] == "unfused":
         if values["batch_invariant_fusion"]:
             raise ValueError("conflicting switches: batch_invariant_fusion=True with layer_boundary_norm='unfused' "

@@ -48,7 +48,7 @@ from .invariance import rows_changed as _rows_differing
 from .numerics.fold import average, canonical_nan, reference_fold
 from .numerics.tree import reference_tree
 from .payload import ill_conditioned, with_specials
-from .route import NO_ARGS, BoundRoute, CallArgs, Collective, ReduceOp, Route, Site
+from .sites import NO_ARGS, BoundRoute, CallArgs, Collective, ReduceOp, Route, Site
 
 __all__ = ["CheckKey", "CheckResult", "SelfChecks", "run_check", "bits_equal", "declaration", "is_resource_error"]
 

@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from .deadline import is_timeout
 from .errors import CollectiveMismatch, PeerTimeout
-from .route import Collective, ReduceOp
+from .sites import Collective, ReduceOp
 
 __all__ = ["CallChecker", "CollectiveMismatch", "PeerTimeout", "check_from_env"]
 

@@ -29,10 +29,10 @@ def _live_decisions(rows: list[dict[str, str]], backend: str, world: int) -> lis
     import torch
 
     from detcomm.envelope import resolve_numerics
-    from detcomm.route import (
+    from detcomm.route import AutoBackend
+    from detcomm.sites import (
         DEFAULT_WORKSPACE_BYTES,
         DEFAULT_WORKSPACE_MAX_ROWS,
-        AutoBackend,
         Capabilities,
         Collective,
         ReduceOp,
@@ -77,7 +77,7 @@ def test_python_m_detcomm_routes_imports_no_torch() -> None:
                           capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr
     imported = [line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")]
-    assert "detcomm.cli" in imported and "detcomm.route" in imported
+    assert {"detcomm.cli", "detcomm.sites", "detcomm.route"} <= set(imported)
     assert not [m for m in imported if m.split(".")[0] == "torch"]
 
 
@@ -88,7 +88,8 @@ def test_routes_show_layer_boundary_norm_sites() -> None:
     import torch
 
     from detcomm.envelope import resolve_numerics
-    from detcomm.route import DEFAULT_WORKSPACE_BYTES, AutoBackend, Capabilities, Collective, Site
+    from detcomm.route import AutoBackend
+    from detcomm.sites import DEFAULT_WORKSPACE_BYTES, Capabilities, Collective, Site
 
     specs = ["b.add_norm:all_reduce_rmsnorm:bf16:4096:2048", "o.add_norm:all_reduce_rmsnorm:bf16:4096:2048:sum:vs=8",
              "t.add_norm:all_reduce_rmsnorm:bf16:4096:2048:sum:vs=8:fold=tree"]

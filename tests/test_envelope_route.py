@@ -22,17 +22,17 @@ from detcomm.envelope import (
     resolve_numerics,
     unregister_numerics_envelope,
 )
-from detcomm.route import AutoBackend, Capabilities, Collective, ReduceOp, Route, Site
+from detcomm.route import AutoBackend
+from detcomm.sites import Capabilities, Collective, ReduceOp, Route, Site
 
 
 def test_auto_defaults_and_rl_bitwise_tightens() -> None:
     auto = resolve_numerics("auto")
-    assert not auto.bitwise and auto.switches.enable_allreduce_fusion and not auto.switches.batch_invariant_collectives
+    assert not auto.bitwise and not auto.switches.batch_invariant_collectives and not auto.switches.nccl_ring_simple
     rl = resolve_numerics("rl-bitwise")
     assert rl.bitwise and "rl-bitwise" in BITWISE_ENVELOPES and "auto" not in BITWISE_ENVELOPES
     sw = rl.switches
-    assert sw.batch_invariant_collectives and not sw.enable_allreduce_fusion
-    assert sw.comm_fusion_max_num_tokens == -1 and sw.nccl_ring_simple and sw.disable_tf32
+    assert sw.batch_invariant_collectives and sw.nccl_ring_simple and sw.disable_tf32
     assert not sw.force_deterministic_rsag  # the user's own knob, not folded in
 
 
@@ -40,16 +40,14 @@ def test_every_switch_settable_on_its_own_under_auto() -> None:
     r = resolve_numerics("auto", nccl_ring_simple=True)
     assert r.switches.nccl_ring_simple and not r.switches.batch_invariant_collectives
     r = resolve_numerics("auto", batch_invariant_collectives=True)
-    assert r.switches.batch_invariant_collectives and not r.switches.enable_allreduce_fusion  # implied
-    assert r.switches.comm_fusion_max_num_tokens == -1
+    assert r.switches.batch_invariant_collectives and not r.switches.nccl_ring_simple
     r = resolve_numerics("auto", layer_boundary_norm="unfused")
-    assert not r.switches.enable_allreduce_fusion
+    assert not r.switches.batch_invariant_fusion  # implied
     r = resolve_numerics("auto", force_deterministic_rsag=True, disable_tf32=True)
     assert r.switches.force_deterministic_rsag and r.switches.disable_tf32 and r.explicit == {"force_deterministic_rsag", "disable_tf32"}
 
 
-@pytest.mark.parametrize("switch,value", [("enable_allreduce_fusion", True), ("comm_fusion_max_num_tokens", 512),
-                                          ("batch_invariant_collectives", False), ("nccl_ring_simple", False),
+@pytest.mark.parametrize("switch,value", [("batch_invariant_collectives", False), ("nccl_ring_simple", False),
                                           ("disable_tf32", False)])
 def test_rl_bitwise_refuses_what_it_cannot_tighten(switch: str, value: object) -> None:
     with pytest.raises(ValueError, match=f"cannot keep the explicit choice {switch}"):
@@ -57,15 +55,13 @@ def test_rl_bitwise_refuses_what_it_cannot_tighten(switch: str, value: object) -
 
 
 def test_rl_bitwise_accepts_explicit_tight_values() -> None:
-    r = resolve_numerics("rl-bitwise", enable_allreduce_fusion=False, batch_invariant_collectives=True)
-    assert r.switches.batch_invariant_collectives
+    r = resolve_numerics("rl-bitwise", nccl_ring_simple=True, batch_invariant_collectives=True)
+    assert r.switches.batch_invariant_collectives and r.explicit == {"nccl_ring_simple", "batch_invariant_collectives"}
 
 
 def test_conflicting_switches_refused() -> None:
-    with pytest.raises(ValueError, match="conflicting switches: enable_allreduce_fusion=True"):
-        resolve_numerics("auto", batch_invariant_collectives=True, enable_allreduce_fusion=True)
-    with pytest.raises(ValueError, match="layer_boundary_norm='unfused'"):
-        resolve_numerics("auto", layer_boundary_norm="unfused", comm_fusion_max_num_tokens=64)
+    with pytest.raises(ValueError, match="conflicting switches: batch_invariant_fusion=True with layer_boundary_norm"):
+        resolve_numerics("auto", layer_boundary_norm="unfused", batch_invariant_fusion=True)
 
 
 def test_unknown_names_and_bad_values() -> None:
@@ -75,8 +71,9 @@ def test_unknown_names_and_bad_values() -> None:
         resolve_numerics("auto", batch_invariant=True)
     with pytest.raises(ValueError, match="must be True or False"):
         resolve_numerics("auto", disable_tf32="yes")
-    with pytest.raises(ValueError, match="int >= -1"):
-        resolve_numerics("auto", comm_fusion_max_num_tokens=-5)
+    for gone in ("enable_allreduce_fusion", "comm_fusion_max_num_tokens"):  # advisory switches nothing read
+        with pytest.raises(ValueError, match="unknown numerics switch"):
+            resolve_numerics("auto", **{gone: -1})
     with pytest.raises(ValueError, match="layer_boundary_norm"):
         resolve_numerics("auto", layer_boundary_norm="sometimes")
 
@@ -229,8 +226,6 @@ def test_forced_routes_validated() -> None:
         rl.decide(_site("all_reduce", route=Route.NATIVE))
     with pytest.raises(ValueError, match="route='ipc_fold' is unavailable"):
         rl.decide(_site("all_reduce", route=Route.IPC_FOLD))
-    with pytest.raises(ValueError, match="unavailable: not opted in"):
-        AutoBackend(resolve_numerics("auto"), CPU4).decide(_site("all_reduce", route=Route.IN_SWITCH))
     with pytest.raises(ValueError, match="cannot carry all_reduce"):
         _site("all_reduce", route=Route.A2A_FOLD)
     auto = AutoBackend(resolve_numerics("auto"), CPU4)

@@ -77,7 +77,7 @@ def test_out_x_is_handed_only_to_routes_that_write_in_place(cluster) -> None:  #
 def job_fast_path(rank: int, w: int) -> list[str]:
     import detcomm
     from detcomm.errors import DetcommError
-    from detcomm.route import Collective, ReduceOp, Site
+    from detcomm.sites import Collective, ReduceOp, Site
 
     detcomm.shutdown()
     comm = detcomm.init(numerics="rl-bitwise")

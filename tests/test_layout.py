@@ -1,8 +1,9 @@
 """The package layout matches docs/map.md: every module of detcomm/ is on the map (and every entry exists), the
 import graph has no cycle, and no module imports from a layer above its own. Imports are read from the source
-with ast (no module is imported), lazy imports inside functions included, ``if TYPE_CHECKING:`` blocks left out
-(they never run). Negative controls: the same checkers on synthetic graphs and sources must report the cycle,
-the upward edge, the module missing from the map and the lazy import."""
+with ast (no module is imported), every one counted: lazy imports inside functions and ``if TYPE_CHECKING:``
+blocks too (a type-only import is still a dependency of the module's meaning, and a circle through one is a
+circle). Negative controls: the same checkers on synthetic graphs and sources must report the cycle, the upward
+edge, the module missing from the map, the lazy import and the type-only one."""
 
 from __future__ import annotations
 
@@ -22,21 +23,13 @@ def module_name(path: Path, root: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _is_type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
-
-
 def imported_names(source: str, module: str, *, is_package: bool) -> set[tuple[str, str]]:
-    """Every import ``source`` runs, as (module, name) pairs: ``from a import b`` gives ("a", "b") (b a submodule
-    or an attribute of a), ``import a.b`` gives ("a.b", ""). Relative imports are resolved against ``module``."""
+    """Every import statement of ``source``, wherever it stands (a function, an ``if TYPE_CHECKING:`` block), as
+    (module, name) pairs: ``from a import b`` gives ("a", "b") (b a submodule or an attribute of a), ``import a.b``
+    gives ("a.b", ""). Relative imports are resolved against ``module``."""
     found: set[tuple[str, str]] = set()
 
     def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _is_type_checking(node.test):
-            for child in node.orelse:
-                visit(child)
-            return
         if isinstance(node, ast.Import):
             found.update((a.name, "") for a in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -188,12 +181,26 @@ def test_checkers_report_a_cycle_an_upward_edge_and_an_unmapped_module() -> None
     assert unmapped([*acyclic, "p.d"], entries) == ["p.d"]
 
 
-def test_imports_are_read_lazy_included_type_checking_left_out() -> None:
-    source = ("from typing import TYPE_CHECKING\nfrom . import b\nif TYPE_CHECKING:\n    from .c import C\n"
+def test_imports_are_read_lazy_and_type_checking_included() -> None:
+    source = ("import typing\nfrom typing import TYPE_CHECKING\nfrom . import b\nif TYPE_CHECKING:\n"
+              "    from .c import C\nif typing.TYPE_CHECKING:\n    import p.d\n"
               "def f():\n    from ..top import g\n    return g\n")
     names = imported_names(source, "p.sub.a", is_package=False)
-    assert {("p.sub", "b"), ("p.top", "g")} <= names, names
-    assert not any(m.startswith("p.sub.c") for m, _ in names), names
+    assert {("p.sub", "b"), ("p.top", "g"), ("p.sub.c", "C"), ("p.d", "")} <= names, names
+
+
+def test_a_cycle_through_a_type_checking_import_is_reported(tmp_path) -> None:
+    """The circle the layout once hid (norm -> route -> admission -> route): a runtime import one way, a type-only
+    import back, planted in a synthetic package, is a cycle and an upward edge."""
+    pkg = tmp_path / "p"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "low.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .high import H\n")
+    (pkg / "high.py").write_text("from .low import L\n")
+    graph = import_graph(pkg)
+    assert graph["p.low"] == {"p.high"} and graph["p.high"] == {"p.low"}, graph
+    assert cycles(graph) == [["p.high", "p.low"]]
+    assert upward(graph, {"p/low.py": 1, "p/high.py": 2}) == ["p.low (layer 1) imports p.high (layer 2)"]
 
 
 def test_the_checker_sees_the_real_packages_layers() -> None:

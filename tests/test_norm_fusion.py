@@ -10,8 +10,9 @@ import torch
 from detcomm.envelope import resolve_numerics
 from detcomm.numerics import norm
 from detcomm.numerics.fold import BATCH_INVARIANT
-from detcomm.route import AutoBackend, Capabilities, Collective, Route, Site
+from detcomm.route import AutoBackend
 from detcomm.route import fusion_refusal as route_fusion_refusal
+from detcomm.sites import Capabilities, Collective, Route, Site
 from detcomm.workspace import kernels, plan
 
 GPU2_WS = Capabilities(backend="nccl", device_type="cuda", world_size=2, workspace=True, workspace_max_rows=2048)
@@ -24,9 +25,6 @@ def _site(shape: tuple[int, ...] = (4096,)) -> Site:
 def test_switch_defaults_and_veto() -> None:
     assert resolve_numerics("rl-bitwise").switches.batch_invariant_fusion
     assert resolve_numerics("auto").switches.batch_invariant_fusion
-    # The engine's own fusion stays pinned off under rl-bitwise, with the reason naming detcomm's switch.
-    with pytest.raises(ValueError, match="batch_invariant_fusion"):
-        resolve_numerics("rl-bitwise", enable_allreduce_fusion=True)
     off = resolve_numerics("rl-bitwise", layer_boundary_norm="unfused")
     assert not off.switches.batch_invariant_fusion
     with pytest.raises(ValueError, match="conflicting switches: batch_invariant_fusion=True"):

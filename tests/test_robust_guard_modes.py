@@ -294,7 +294,7 @@ def test_in_message_guard_on_cuda_with_nccl(tmp_path) -> None:  # noqa: ANN001
     from detcomm.backends.guard import HEADER_BYTES, MessageGuard
     from detcomm.backends.native import NativeBackend
     from detcomm.errors import CollectiveMismatch
-    from detcomm.route import Collective, ReduceOp, Site
+    from detcomm.sites import Collective, ReduceOp, Site
 
     if dist.is_initialized():
         pytest.skip("needs a process group of its own")

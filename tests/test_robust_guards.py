@@ -81,8 +81,8 @@ def job_variant_checks(rank: int, w: int) -> list[tuple[str | None, bool, str, l
     from detcomm.backends.ipc_fold import IpcFoldBackend
     from detcomm.backends.native import NativeBackend
     from detcomm.envelope import resolve_numerics
-    from detcomm.route import Collective, ReduceOp, Site
     from detcomm.selfcheck import SelfChecks
+    from detcomm.sites import Collective, ReduceOp, Site
 
     native = NativeBackend(dist.group.WORLD)
     site = Site("guards.ar", Collective.ALL_REDUCE, torch.float32, (24,), 64, ReduceOp.SUM)

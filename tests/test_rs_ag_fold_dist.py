@@ -106,7 +106,7 @@ def job_negative_controls(rank: int, w: int) -> tuple[bool, bool, bool]:
     import detcomm
     from detcomm.backends.rs_ag_fold import RsAgFoldBackend
     from detcomm.numerics.fold import Leaf, portable_fold
-    from detcomm.route import ReduceOp
+    from detcomm.sites import ReduceOp
 
     comm = detcomm.init(numerics="rl-bitwise")
     try:
@@ -150,7 +150,7 @@ def job_bytes(rank: int, w: int) -> tuple[int, int, int, int]:
     import detcomm
     from detcomm.backends.gather_fold import GatherFoldBackend
     from detcomm.backends.rs_ag_fold import RsAgFoldBackend
-    from detcomm.route import ReduceOp
+    from detcomm.sites import ReduceOp
 
     comm = detcomm.init(numerics="rl-bitwise", selfcheck=False)
     try:

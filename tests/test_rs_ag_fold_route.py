@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from detcomm.envelope import resolve_numerics
-from detcomm.route import AutoBackend, Capabilities, Collective, ReduceOp, Route, Site
+from detcomm.route import AutoBackend
+from detcomm.sites import Capabilities, Collective, ReduceOp, Route, Site
 
 LINK = {1: 5_500_000, 2: 1_000_000}
 

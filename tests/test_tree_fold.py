@@ -169,8 +169,8 @@ def job_selfcheck(rank: int, w: int) -> dict[str, object]:
     check run against mutant routes (the shard-order fold, another pairing, a reversed fold, no +0.0): all must
     fail."""
     import detcomm
-    from detcomm.route import Collective, ReduceOp, Route
     from detcomm.selfcheck import CheckKey, run_check
+    from detcomm.sites import Collective, ReduceOp, Route
 
     comm = detcomm.init(numerics="rl-bitwise")
     detcomm.site("sc.o_proj", collective="all_reduce", dtype=torch.bfloat16, shape=(1,), max_rows=64,

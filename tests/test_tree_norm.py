@@ -185,8 +185,8 @@ def job_fused_check(rank: int, w: int) -> dict[str, tuple[bool, str]]:
     from detcomm.backends.ipc_fold import _proving_tree
     from detcomm.numerics.norm import add_rms_norm
     from detcomm.numerics.tree import tree_fold
-    from detcomm.route import Collective, ReduceOp, Route
     from detcomm.selfcheck import CheckKey, run_check
+    from detcomm.sites import Collective, ReduceOp, Route
 
     comm = detcomm.init(numerics="rl-bitwise", selfcheck=False)
     native = comm._native

@@ -115,8 +115,8 @@ def job_selfcheck(rank: int, w: int) -> dict[str, object]:
     """Declare a virtual-shard site with self-checks on; report its check and table row, and the verdict of
     the same check run against the route with this rank's shards reversed (must fail)."""
     import detcomm
-    from detcomm.route import NO_ARGS, Collective, ReduceOp, Route
     from detcomm.selfcheck import CheckKey, run_check
+    from detcomm.sites import NO_ARGS, Collective, ReduceOp, Route
 
     comm = detcomm.init(numerics="rl-bitwise")
     site = detcomm.site("sc.o_proj", collective="all_reduce", dtype=torch.bfloat16, shape=(7,), max_rows=64,

@@ -736,7 +736,7 @@ def test_tree_sites_are_admitted_where_the_tree_kernels_fold_them():
     import torch
 
     from detcomm.envelope import resolve_numerics
-    from detcomm.route import Capabilities, Collective, Site
+    from detcomm.sites import Capabilities, Collective, Site
     from detcomm.workspace import admission
 
     bitwise = resolve_numerics("rl-bitwise")

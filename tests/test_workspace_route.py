@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 
 from detcomm.envelope import resolve_numerics
-from detcomm.route import AutoBackend, Capabilities, Collective, Route, Site
+from detcomm.route import AutoBackend
+from detcomm.sites import Capabilities, Collective, Route, Site
 
 ARMED = 2048
 CAPS = Capabilities(backend="nccl", device_type="cuda", world_size=2, workspace=True, workspace_max_rows=ARMED,
@@ -45,7 +46,7 @@ def test_rule_leaves_what_it_was_not_measured_for() -> None:
 
 def test_the_workspace_answers_for_its_own_rules() -> None:
     """workspace.admission is what the router asks: serves, and why or why not, for each of its rules."""
-    from detcomm.route import ReduceOp
+    from detcomm.sites import ReduceOp
     from detcomm.workspace import admission
 
     bitwise = resolve_numerics("rl-bitwise")
@@ -74,7 +75,7 @@ def test_the_router_and_the_workspace_rules_import_no_torch() -> None:
     import sys
 
     probe = "import sys, {0}; print('torch' in sys.modules)"
-    for mod, torch_loaded in (("detcomm.route", "False"), ("detcomm.workspace.admission", "False"),
-                              ("detcomm.workspace.workspace", "True")):
+    for mod, torch_loaded in (("detcomm.sites", "False"), ("detcomm.route", "False"),
+                              ("detcomm.workspace.admission", "False"), ("detcomm.workspace.workspace", "True")):
         out = subprocess.run([sys.executable, "-c", probe.format(mod)], capture_output=True, text=True, timeout=120)
         assert out.stdout.strip() == torch_loaded, (mod, out.stdout, out.stderr)

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from detcomm.envelope import resolve_numerics
-from detcomm.route import NO_ARGS, AutoBackend, Capabilities, Collective, Route, Site
+from detcomm.route import AutoBackend
+from detcomm.sites import NO_ARGS, Capabilities, Collective, Route, Site
 
 ARMED = 2048
 CAPS = Capabilities(backend="nccl", device_type="cuda", world_size=2, workspace=True, workspace_max_rows=ARMED,

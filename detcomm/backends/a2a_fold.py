@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from ..numerics import tree
 from ..numerics.fold import Leaf, average, fold_shards
-from ..route import BoundRoute, Collective, ReduceOp, Route, Site
+from ..sites import BoundRoute, Collective, ReduceOp, Route, Site
 from .base import bind_from
 from .guard import MessageGuard, append_each, split
 from .native import NativeBackend

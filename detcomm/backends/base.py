@@ -3,7 +3,7 @@
 The communicator validates inputs and routing picks the route before a backend sees a tensor; a backend only
 moves and reduces. Every method is collective over the backend's group: all ranks call it in the same order
 with tensors of the same dtype and trailing shape. ``bind`` resolves the collective (and op) once per site, so
-a call does no dispatch work; a route asked to bind a collective it cannot carry is a routing bug (route.py's
+a call does no dispatch work; a route asked to bind a collective it cannot carry is a routing bug (sites.py's
 table of what each route carries), hence an assertion, not a user error.
 """
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..route import CallArgs, Collective, Route, Site
+from ..sites import CallArgs, Collective, Route, Site
 from .guard import MessageGuard
 
 Call = Callable[[torch.Tensor, CallArgs], torch.Tensor]

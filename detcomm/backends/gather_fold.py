@@ -17,7 +17,7 @@ import torch
 
 from ..numerics import tree
 from ..numerics.fold import Leaf, average, fold_shards
-from ..route import BoundRoute, Collective, ReduceOp, Route, Site
+from ..sites import BoundRoute, Collective, ReduceOp, Route, Site
 from .base import bind_from
 from .guard import MessageGuard, append, split
 from .native import NativeBackend

@@ -64,7 +64,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CollectiveMismatch
-from ..route import Site
+from ..sites import Site
 
 __all__ = ["HEADER", "IN_MESSAGE", "FINGERPRINT", "NONE", "MODES", "HEADER_INTS", "HEADER_BYTES", "SHUTDOWN",
            "CallHeader", "MessageGuard", "mode", "exchange", "hash_text", "shutdown_header", "site_hash"]

@@ -23,7 +23,8 @@ from ..envelope import Resolved
 from ..errors import RouteRefused
 from ..invariance import bits_equal
 from ..numerics import norm
-from ..route import BoundRoute, Collective, ReduceOp, Route, Site, fusion_refusal
+from ..route import fusion_refusal
+from ..sites import BoundRoute, Collective, ReduceOp, Route, Site
 from ..workspace import Workspace
 from .base import Bound, Call, bind_from
 

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from ..errors import CaptureThroughHost
 from ..numerics import keys, tree
 from ..numerics.fold import reference_fold
-from ..route import BoundRoute, Collective, ReduceOp, Route, Site
+from ..sites import BoundRoute, Collective, ReduceOp, Route, Site
 from . import guard as _guard
 from .base import bind_from
 from .guard import MessageGuard

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ..numerics.fold import Leaf, average
-from ..route import BoundRoute, Collective, ReduceOp, Route, Site
+from ..sites import BoundRoute, Collective, ReduceOp, Route, Site
 from .base import bind_from
 from .guard import MessageGuard, append_each, split
 from .native import NativeBackend

@@ -37,7 +37,7 @@ from . import norm_cuda
 from .fold import BATCH_INVARIANT, FLOAT_DTYPES, canonicalize_nan, divide_exactly
 
 if TYPE_CHECKING:
-    from ..route import Site
+    from ..sites import Site
 
 __all__ = [
     "LANES",

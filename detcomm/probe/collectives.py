@@ -29,7 +29,7 @@ import detcomm
 from detcomm import invariance as inv
 from detcomm.dtypes import name_of
 from detcomm.payload import ill_conditioned
-from detcomm.route import ROUTE_INFO, Route
+from detcomm.sites import ROUTE_INFO, Route
 
 from ..tables import format_table
 from .envelope import ROUTE_CHOICES, probe_numerics

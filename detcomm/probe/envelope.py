@@ -13,7 +13,7 @@ import os
 from collections.abc import Mapping
 
 from detcomm.envelope import BITWISE_ENVELOPES, DEFAULT_NUMERICS
-from detcomm.route import ROUTE_INFO, Route
+from detcomm.sites import ROUTE_INFO, Route
 
 __all__ = ["ROUTE_CHOICES", "probe_numerics"]
 

@@ -35,7 +35,7 @@ import torch.distributed as dist
 import detcomm
 
 from ..dtypes import name_of
-from ..route import Site
+from ..sites import Site
 from .settings import Settings
 
 __all__ = ["TPGroup", "Audit", "attach", "current", "calls", "all_reduce", "reduce_scatter", "audited_all_reduce",

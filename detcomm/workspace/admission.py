@@ -32,7 +32,7 @@ from ..envelope import Resolved
 from . import plan
 
 if TYPE_CHECKING:
-    from ..route import Capabilities, Site
+    from ..sites import Capabilities, Site
 
 __all__ = ["Admission", "unavailable", "admit", "fused_layout_refusal"]
 

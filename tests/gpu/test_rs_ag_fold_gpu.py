@@ -38,7 +38,7 @@ def job_two_hosts_one_gpu(rank: int, w: int) -> list[str]:
     import detcomm
     from detcomm.backends.rs_ag_fold import RsAgFoldBackend
     from detcomm.numerics.fold import Leaf, portable_fold
-    from detcomm.route import ReduceOp
+    from detcomm.sites import ReduceOp
 
     os.environ["DETCOMM_HOSTS"] = "a,a,b,b"
     problems: list[str] = []

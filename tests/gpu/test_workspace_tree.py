@@ -400,7 +400,7 @@ def test_the_route_binds_a_tree_norm_site_to_the_fused_tree_kernels(world):
 
     from detcomm.backends.ipc_fold import IpcFoldBackend
     from detcomm.envelope import resolve_numerics
-    from detcomm.route import Collective, ReduceOp
+    from detcomm.sites import Collective, ReduceOp
 
     v, rows, hidden, dtype = 8, 7, 4096, "bfloat16"
     site = SimpleNamespace(name="tree.add_norm", collective=Collective.ALL_REDUCE_RMSNORM, dtype=torch.bfloat16,
