@@ -29,7 +29,7 @@ from ..numerics import tree
 from ..numerics.fold import Leaf, average, fold_shards
 from ..route import BoundRoute, Collective, ReduceOp, Route, Site
 from .base import bind_from
-from .guard import MessageGuard
+from .guard import MessageGuard, exchange_blocks
 from .native import NativeBackend
 
 
@@ -63,7 +63,7 @@ class A2AFoldBackend:
         assert op.sums, "routing sends only floating-point SUM and AVG here"
         w = self.native.world_size
         n = x.shape[0] // w
-        stacked = self.native.exchange(x.view(w, n, *x.shape[1:]), guard, contiguous=x.is_cuda)
+        stacked = exchange_blocks(self.native, x.view(w, n, *x.shape[1:]), guard, contiguous=x.is_cuda)
         if op is ReduceOp.AVG:
             return average(self.leaf.fold(stacked, torch.float32), w, x.dtype)
         return self.leaf.fold(stacked, x.dtype)
@@ -72,7 +72,7 @@ class A2AFoldBackend:
     def _exchange(self, blocks: torch.Tensor, guard: MessageGuard | None) -> torch.Tensor:
         """``blocks`` [W, V/W, ...]: block q goes to rank q. Returns [V, ...]: what every rank sent this rank, in
         rank order, so in shard order."""
-        return self.native.exchange(blocks, guard, contiguous=True).view(-1, *blocks.shape[2:])
+        return exchange_blocks(self.native, blocks, guard, contiguous=True).view(-1, *blocks.shape[2:])
 
     def virtual_reduce_scatter(self, x: torch.Tensor, dtype: torch.dtype, *,
                                guard: MessageGuard | None = None) -> torch.Tensor:

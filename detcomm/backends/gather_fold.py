@@ -19,7 +19,7 @@ from ..numerics import tree
 from ..numerics.fold import Leaf, average, fold_shards
 from ..route import BoundRoute, Collective, ReduceOp, Route, Site
 from .base import bind_from
-from .guard import MessageGuard
+from .guard import MessageGuard, gather
 from .native import NativeBackend
 
 
@@ -52,7 +52,7 @@ class GatherFoldBackend:
 
     def _gathered(self, x: torch.Tensor, guard: MessageGuard | None, *, contiguous: bool = False) -> torch.Tensor:
         # The torch leaf folds strided views; the CUDA leaf reads one contiguous [W, ...] block.
-        return self.native.gather(x, guard, contiguous=contiguous or x.is_cuda)
+        return gather(self.native, x, guard, contiguous=contiguous or x.is_cuda)
 
     def _fold(self, stacked: torch.Tensor, dtype: torch.dtype, op: ReduceOp) -> torch.Tensor:
         assert op.sums, "routing sends only floating-point SUM and AVG here"

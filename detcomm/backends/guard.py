@@ -41,7 +41,8 @@ from ..errors import CollectiveMismatch
 from ..route import Site
 
 __all__ = ["HEADER", "IN_MESSAGE", "FINGERPRINT", "NONE", "MODES", "HEADER_INTS", "HEADER_BYTES", "SHUTDOWN",
-           "CallHeader", "MessageGuard", "mode", "exchange", "hash_text", "shutdown_header", "site_hash"]
+           "CallHeader", "MessageGuard", "mode", "exchange", "hash_text", "shutdown_header", "site_hash", "gather",
+           "exchange_blocks"]
 
 HEADER, IN_MESSAGE, FINGERPRINT, NONE = "header", "in_message", "fingerprint", "none"
 MODES = (HEADER, IN_MESSAGE, FINGERPRINT, NONE)
@@ -146,7 +147,7 @@ class MessageGuard:
     """One site's header inside its calls' own messages (mode ``IN_MESSAGE``), bound by the route's backend.
 
     Per call: the communicator ``arm``s it with the call's number, rows and ``rows_per_rank`` (an unarmed call,
-    a self-check's, carries call number 0); the transport the routes call (native.py's primitives) takes the
+    a self-check's, carries call number 0); the transport the routes call (native.py, gather, exchange_blocks) takes the
     header's bytes with ``begin`` (None: no guard on this call, inside a CUDA-graph capture), puts them into the
     message, and hands the W headers it received to ``end``, which raises ``CollectiveMismatch`` on every rank
     unless they all equal this rank's. No route body touches the header. Where it rides:
@@ -230,6 +231,41 @@ def split(messages: torch.Tensor, like: torch.Tensor, *, contiguous: bool) -> tu
     if contiguous:
         payload = payload.contiguous()
     return payload.view(like.dtype).view(w, *like.shape), messages[:, -HEADER_BYTES:]
+
+
+def gather(native, x: torch.Tensor, guard: MessageGuard | None, *,  # type: ignore[no-untyped-def]
+           contiguous: bool = False) -> torch.Tensor:
+    """Every rank's ``x`` as [W, *x.shape], in rank order, through ``native.all_gather``; with ``guard`` each
+    rank's contribution is its bytes and its header, compared before this returns, and the payloads are a strided
+    view of the received messages unless ``contiguous`` (a copy). Collective."""
+    w = native.world_size
+    header = guard.begin(x) if guard is not None else None
+    if header is None:
+        return native.all_gather(x).view(w, *x.shape)  # type: ignore[no-any-return]
+    assert guard is not None
+    stacked, headers = split(native.all_gather(append(x, header).view(1, -1)), x, contiguous=contiguous)
+    guard.end(headers)
+    return stacked
+
+
+def exchange_blocks(native, blocks: torch.Tensor, guard: MessageGuard | None, *,  # type: ignore[no-untyped-def]
+                    contiguous: bool = False) -> torch.Tensor:
+    """``blocks`` [W, ...]: block q goes to rank q, through ``native.all_to_all``. Returns [W, ...]: block ``rank``
+    of every rank, in rank order. With ``guard`` every destination block carries the same header, so each rank
+    receives all W headers, compared before this returns; the payloads are a strided view unless
+    ``contiguous``. Collective."""
+    w = native.world_size
+    # contiguous: a reshape of permuted blocks can be a strided view, which neither the library nor the byte view
+    # of the guarded message takes.
+    flat = blocks.reshape(w, blocks[0].numel()).contiguous()
+    header = guard.begin(blocks) if guard is not None else None
+    if header is None:
+        return native.all_to_all(flat, [1] * w, [1] * w).view(w, *blocks.shape[1:])  # type: ignore[no-any-return]
+    assert guard is not None
+    recv = native.all_to_all(append_each(flat.view(torch.uint8), header), [1] * w, [1] * w)
+    stacked, headers = split(recv, blocks[0], contiguous=contiguous)
+    guard.end(headers)
+    return stacked
 
 
 def _identity(dtype: torch.dtype, op: str) -> int:

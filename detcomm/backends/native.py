@@ -118,7 +118,9 @@ class NativeBackend:
         return keys.argmax_index(self.reduce(keys.argmax_keys(logits, vocab_start), ReduceOp.MAX, guard, owned=True))
 
     def all_gather(self, x: torch.Tensor, *, guard: MessageGuard | None = None) -> torch.Tensor:
-        return self.gather(x, guard, contiguous=True).view(x.shape[0] * self.world_size, *x.shape[1:])
+        if guard is None:
+            return self._back(self._gather_flat(self._lib(x)), x)
+        return _guard.gather(self, x, guard, contiguous=True).view(x.shape[0] * self.world_size, *x.shape[1:])
 
     def token_all_gather(self, x: torch.Tensor, rows_per_rank: Sequence[int], *,
                          guard: MessageGuard | None = None) -> torch.Tensor:
@@ -133,10 +135,11 @@ class NativeBackend:
         parts = [gathered[r * pad : r * pad + n] for r, n in enumerate(rows_per_rank)]
         return torch.cat(parts, dim=0)
 
-    # -- the transport: every message of every route, the call guard's header inside it ------------------------
-    # The one place a route's message meets the call guard (guard.py, mode IN_MESSAGE): each primitive takes the
-    # site's MessageGuard (None: the message is the data alone), embeds this call's header, and compares the W
-    # headers it received before it returns. The fold routes call these; no route builds or reads a header.
+    # -- the transport: the library's collectives, the call guard's header inside their messages -----------------
+    # Each takes the site's MessageGuard (None: the message is the data alone), embeds this call's header in the
+    # layout its collective needs (guard.py: slots for a reduction, appended bytes for data movement), and
+    # compares the W headers it received before it returns; guard.gather and guard.exchange do the same over
+    # all_gather and all_to_all for the fold routes. No route body builds or reads a header.
     def reduce(self, x: torch.Tensor, op: ReduceOp, guard: MessageGuard | None, *, out: torch.Tensor | None = None,
                owned: bool = False) -> torch.Tensor:
         """All-reduce ``x`` (SUM, or an integer MIN/MAX) with the library. ``out=x``: x itself is reduced where the
@@ -181,40 +184,10 @@ class NativeBackend:
         guard.end(_guard.read_slots(mine[n:], world_size=w))
         return mine[:n].view(src.shape[0] // w, *src.shape[1:])
 
-    def gather(self, x: torch.Tensor, guard: MessageGuard | None, *, contiguous: bool = False) -> torch.Tensor:
-        """Every rank's ``x`` as [W, *x.shape], in rank order. Guarded: each rank's contribution is its bytes and its
-        header, and the payloads are a strided view of the received messages unless ``contiguous`` (a copy)."""
-        w = self.world_size
-        header = guard.begin(x) if guard is not None else None
-        if header is None:
-            return self._back(self._gather_flat(self._lib(x)), x).view(w, *x.shape)
-        assert guard is not None
-        msgs = self._gather_flat(self._lib(_guard.append(x, header)).view(1, -1))
-        stacked, headers = _guard.split(self._back(msgs, x), x, contiguous=contiguous)
-        guard.end(headers)
-        return stacked
-
     def _gather_flat(self, src: torch.Tensor) -> torch.Tensor:
         out = torch.empty((src.shape[0] * self.world_size, *src.shape[1:]), dtype=src.dtype, device=src.device)
         all_gather_flat(out, src, group=self.group)
         return out
-
-    def exchange(self, blocks: torch.Tensor, guard: MessageGuard | None, *, contiguous: bool = False) -> torch.Tensor:
-        """``blocks`` [W, ...]: block q goes to rank q. Returns [W, ...]: block ``rank`` of every rank, in rank
-        order. Guarded: every destination block carries the same header, so each rank receives all W headers;
-        the payloads are a strided view unless ``contiguous``."""
-        w = self.world_size
-        # contiguous: a reshape of permuted blocks can be a strided view, which neither the library nor the byte
-        # view of the guarded message takes.
-        flat = blocks.reshape(w, blocks[0].numel()).contiguous()
-        header = guard.begin(blocks) if guard is not None else None
-        if header is None:
-            return self.all_to_all(flat, [1] * w, [1] * w).view(w, *blocks.shape[1:])
-        assert guard is not None
-        recv = self.all_to_all(_guard.append_each(flat.view(torch.uint8), header), [1] * w, [1] * w)
-        stacked, headers = _guard.split(recv, blocks[0], contiguous=contiguous)
-        guard.end(headers)
-        return stacked
 
     def all_to_all(self, x: torch.Tensor, in_splits: Sequence[int], out_splits: Sequence[int], *,
                    guard: MessageGuard | None = None) -> torch.Tensor:

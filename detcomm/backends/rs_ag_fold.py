@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from ..numerics.fold import Leaf, average
 from ..route import BoundRoute, Collective, ReduceOp, Route, Site
 from .base import bind_from
-from .guard import MessageGuard
+from .guard import MessageGuard, exchange_blocks
 from .native import NativeBackend
 
 __all__ = ["RsAgFoldBackend"]
@@ -56,7 +56,7 @@ class RsAgFoldBackend:
         if w * c != n:
             flat = F.pad(flat, (0, w * c - n))
         # Block q goes to rank q; rank q receives block q of every rank, in rank order.
-        stacked = self.native.exchange(flat.view(w, c), guard, contiguous=x.is_cuda)
+        stacked = exchange_blocks(self.native, flat.view(w, c), guard, contiguous=x.is_cuda)
         if op is ReduceOp.AVG:
             mine = average(self.leaf.fold(stacked, torch.float32), w, x.dtype)
         else:
