@@ -266,8 +266,9 @@ def init(
     import torch
     import torch.distributed as dist
 
-    from .comm import Communicator, warn_missing_environment
+    from .comm import Communicator
     from .deadline import DEFAULT_TIMEOUT_S
+    from .envelope import warn_missing_environment
     from .verify import check_from_env
 
     global _DEFAULT, _SHUT_DOWN

@@ -1,5 +1,5 @@
 """The communicator: one per process group. It owns the group's sites, their route decisions, the startup
-self-checks and the route backends, and validates every call before any communication happens.
+self-checks and the route backends; every call goes through its site's one call path (calls.py, SiteCall).
 
 Which calls are collective (every rank of the group must make them, in the same order):
   - construction (``detcomm.init``): runs the startup self-checks;
@@ -15,12 +15,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import sys
 import threading
 import time
-import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -29,8 +26,9 @@ import torch.distributed as dist
 from . import envelope as _env
 from .backends import A2AFoldBackend, GatherFoldBackend, NativeBackend, RsAgFoldBackend
 from .backends import guard as _guard
-from .backends.guard import SHUTDOWN, CallHeader, shutdown_header
-from .dtypes import SUPPORTED_DTYPES, from_name, name_of
+from .backends.guard import SHUTDOWN, shutdown_header
+from .calls import SiteCall, a2a_splits, argmax_start, busy, check_tensor, norm_args, rs_rows, token_counts
+from .declare import allocatable, caller, dtype_of, member, shape_of, site_bytes
 from .numerics.fold import BATCH_INVARIANT, FLOAT_DTYPES, Leaf, select_leaf
 from .route import AutoBackend, RouteEntry, RouteTable
 from .selfcheck import CheckResult, SelfChecks, declaration
@@ -38,9 +36,7 @@ from .sites import (
     DEFAULT_MAX_ROWS,
     DEFAULT_WORKSPACE_BYTES,  # defined with the sites' vocabulary, torch-free (the static route view reads it)
     DEFAULT_WORKSPACE_MAX_ROWS,
-    NO_ARGS,
     BoundRoute,
-    CallArgs,
     Capabilities,
     Collective,
     ReduceOp,
@@ -53,12 +49,11 @@ from .topology import discover as discover_topology
 if TYPE_CHECKING:
     from .workspace import Workspace
 from .deadline import DEFAULT_TIMEOUT_S, is_timeout, peer_timeout
-from .errors import CollectiveFailed, CollectiveMismatch, ConcurrentCall, DetcommError, WorkspaceUnavailable
-from .numerics import norm as _norm
+from .errors import CollectiveFailed, CollectiveMismatch, DetcommError, WorkspaceUnavailable
 from .verify import CallChecker
 from .work import Work
 
-__all__ = ["Communicator", "SiteCall", "RouteTable", "RouteEntry"]
+__all__ = ["Communicator", "RouteTable", "RouteEntry"]
 
 _log = logging.getLogger("detcomm")
 
@@ -279,18 +274,18 @@ class Communicator:
     ) -> Site:
         """Declare a call site (see ``detcomm.site``). Collective when the site is new (``_agree_declaration``)."""
         self._check_open()
-        shape = _shape(shape, name)
-        coll = _enum(Collective, collective, "collective", name)
-        rop = ReduceOp.MAX if coll is Collective.ARGMAX and op == "sum" else _enum(ReduceOp, op, "op", name)
+        shape = shape_of(shape, name)
+        coll = member(Collective, collective, "collective", name)
+        rop = ReduceOp.MAX if coll is Collective.ARGMAX and op == "sum" else member(ReduceOp, op, "op", name)
         s = Site(
             name=name,
             collective=coll,
-            dtype=_dtype(dtype, name),
+            dtype=dtype_of(dtype, name),
             shape=shape,
             max_rows=max_rows,
             op=rop,
             group=self.group_label,
-            route=None if route is None else _enum(Route, route, "route", name),
+            route=None if route is None else member(Route, route, "route", name),
             virtual_shards=virtual_shards,
             shard_fold=shard_fold,
         )
@@ -324,7 +319,7 @@ class Communicator:
         own check), and every rank refuses a site too large for this device's memory before its self-check
         allocates (a check that ran out of memory would read as the route's failure). One header all-gather;
         on a difference every rank raises ``CollectiveMismatch`` naming each rank's declaration. Collective."""
-        need, have = _site_bytes(s, self.world_size), _allocatable(self.device)
+        need, have = site_bytes(s, self.world_size), allocatable(self.device)
         fits = need <= have
         if self.world_size > 1:
             header, readable = declaration(s, "new site")
@@ -351,6 +346,11 @@ class Communicator:
         """The bound call of the site a call names, declaring an undeclared site from its first call. Raises the
         precise error for a closed communicator, a foreign or unknown site, and a call that contradicts the site's
         collective or op (the tensor itself is checked by ``SiteCall.check``)."""
+        if (collective is Collective.REDUCE_SCATTER and isinstance(x, torch.Tensor) and x.dim() >= 1
+                and x.shape[0] % self.world_size):
+            label = site.name if isinstance(site, Site) else site  # a virtual site's rows are its dim 1:
+            if not (isinstance(label, str) and getattr(self._site_calls.get(label), "virtual", False)):
+                raise ValueError(rs_rows(label, x.shape[0], self.world_size))  # type: ignore[arg-type]
         self._check_open()
         if isinstance(site, Site):
             declared = self._sites.get(site.name)
@@ -364,10 +364,10 @@ class Communicator:
             name = site
         else:
             raise TypeError(f"site must be a site name (str) or a detcomm Site, got {type(site).__name__}")
-        rop = _enum(ReduceOp, op, "op", name)
+        rop = member(ReduceOp, op, "op", name)
         sc = self._site_calls.get(name)
         if sc is None:
-            self._check_tensor(name, x)
+            check_tensor(name, x, device=self.device, backend=self.backend_name)
             assert isinstance(x, torch.Tensor)
             rows = max(rows_per_rank) if rows_per_rank is not None else x.shape[0]
             if rows > self.default_max_rows:
@@ -386,7 +386,7 @@ class Communicator:
                 with self._exclusive(name):
                     self._verifier.agree(name, collective, rop, x, rows_per_rank=rows_per_rank,
                                          uneven=uneven)
-            self._declare(implicit, where=_caller())
+            self._declare(implicit, where=caller())
             sc = self._site_calls[name]
             sc.agreed = self._verifier is not None
             return sc
@@ -403,43 +403,14 @@ class Communicator:
                              f"{'; '.join(problems)}. A site is static: declare another site for this call.")
         return sc
 
-    def _check_tensor(self, name: str, x: object) -> None:
-        """What any call's tensor must be before its site is known (an undeclared site's first call)."""
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"site {name!r}: expected a torch.Tensor, got {type(x).__name__}")
-        if x.dtype not in SUPPORTED_DTYPES:
-            raise ValueError(
-                f"site {name!r}: dtype {x.dtype} is not supported; use one of {[str(d) for d in SUPPORTED_DTYPES]}"
-            )
-        if x.dim() < 1:
-            raise ValueError(f"site {name!r}: expected a tensor of rows (at least 1-D, dim 0 = rows), got a 0-d tensor")
-        if x.device != self.device:
-            raise ValueError(
-                f"site {name!r}: tensor is on {x.device}, but this communicator ({self.backend_name}) works on "
-                f"{self.device}; move it with x.to({str(self.device)!r})"
-            )
-        if not x.is_contiguous():
-            # Refused, not copied: a hidden copy on the hot path costs a full pass over the data, and for a
-            # transposed view "row = dim 0" would be ambiguous.
-            raise ValueError(f"site {name!r}: tensor is not contiguous; pass x.contiguous()")
-        _check_grad(name, x)
-
     @contextlib.contextmanager
     def _exclusive(self, name: str) -> Iterator[None]:
         if not self._lock.acquire(blocking=False):
-            raise self._busy(name)
+            raise busy(name, self.rank)
         try:
             yield
         finally:
             self._lock.release()
-
-    def _busy(self, name: str) -> ConcurrentCall:
-        return ConcurrentCall(
-            f"site {name!r} on rank {self.rank}: another thread is inside a collective call of this communicator. "
-            "The ranks pair calls by their order, which two threads cannot keep: make "
-            "one thread issue the group's collectives, or give each thread its own process group and communicator "
-            "(detcomm.init(group=torch.distributed.new_group(...)))"
-        )
 
     def _failure(self, name: str, call: int, e: RuntimeError) -> DetcommError:
         """The error a route's library error becomes: it names the site, the call, this rank and the cause."""
@@ -451,7 +422,17 @@ class Communicator:
             "call; the first rank that failed is the one to look at (detcomm-launch names it)"
         )
 
-    # -- collectives --------------------------------------------------------------------------------
+    def _site_call(self, site: object, collective: Collective, x: object, op: object, *,
+                   rows_per_rank: Sequence[int] | None = None, uneven: bool = False) -> SiteCall:
+        """The bound call a call names: one lookup for a declared site called by its name or Site; any other call
+        (undeclared, foreign, contradicting, after close) takes the resolution that declares or refuses it."""
+        sc = self._site_calls.get(site if type(site) is str else _name_of(site))
+        if (sc is None or sc.collective is not collective or op != sc.op
+                or (type(site) is not str and site is not sc.site)):
+            return self._resolve(site, collective, x, op, rows_per_rank=rows_per_rank, uneven=uneven)
+        return sc
+
+    # -- collectives: each checks its own arguments, then its site's bound call (calls.py) ------------------
     def all_reduce(self, x: torch.Tensor, site: str | Site, *, op: str = "sum", out: torch.Tensor | None = None,
                    async_op: bool = False) -> torch.Tensor | Work:
         """Reduce every rank's ``x`` (sum, avg, max or min); identical bits on every rank.
@@ -461,10 +442,7 @@ class Communicator:
 
         On a virtual-shard site ``x`` is this rank's [V/W, rows, *shape] fp32 partial sums and the result is
         [rows, *shape] in the site's dtype (docs/spec.md §9.1)."""
-        sc = self._site_calls.get(site if type(site) is str else _name_of(site))  # the hot path: one lookup
-        if sc is None or sc.collective is not Collective.ALL_REDUCE or op != sc.op or (type(site) is not str and site is not sc.site):
-            sc = self._resolve(site, Collective.ALL_REDUCE, x, op)
-        return sc.call(x, out, async_op)
+        return self._site_call(site, Collective.ALL_REDUCE, x, op).call(x, out, async_op)
 
     def reduce_scatter(self, x: torch.Tensor, site: str | Site, *, op: str = "sum", out: torch.Tensor | None = None,
                        async_op: bool = False) -> torch.Tensor | Work:
@@ -473,26 +451,12 @@ class Communicator:
 
         On a virtual-shard site ``x`` is this rank's [V/W, rows, *shape] fp32 partial sums and rank r receives
         row block r of the folded [rows, *shape] result, in the site's dtype (docs/spec.md §9.1)."""
-        sc = self._site_calls.get(site if type(site) is str else _name_of(site))
-        if sc is None or sc.collective is not Collective.REDUCE_SCATTER or op != sc.op or (type(site) is not str and site is not sc.site):
-            if isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[0] % self.world_size and not (
-                    isinstance(site, (str, Site)) and self._is_virtual(site)):
-                name = site.name if isinstance(site, Site) else site
-                raise ValueError(_rs_rows(name, x.shape[0], self.world_size))
-            sc = self._resolve(site, Collective.REDUCE_SCATTER, x, op)
-        return sc.call(x, out, async_op)
-
-    def _is_virtual(self, site: str | Site) -> bool:
-        sc = self._site_calls.get(site.name if isinstance(site, Site) else site)
-        return sc is not None and sc.site.virtual_shards is not None
+        return self._site_call(site, Collective.REDUCE_SCATTER, x, op).call(x, out, async_op)
 
     def all_gather(self, x: torch.Tensor, site: str | Site, *, out: torch.Tensor | None = None,
                    async_op: bool = False) -> torch.Tensor | Work:
         """Every rank's ``x`` concatenated along dim 0 in rank order (``out``: ``W * rows`` rows). Collective."""
-        sc = self._site_calls.get(site if type(site) is str else _name_of(site))
-        if sc is None or sc.collective is not Collective.ALL_GATHER or (type(site) is not str and site is not sc.site):
-            sc = self._resolve(site, Collective.ALL_GATHER, x, ReduceOp.SUM)
-        return sc.call(x, out, async_op)
+        return self._site_call(site, Collective.ALL_GATHER, x, ReduceOp.SUM).call(x, out, async_op)
 
     def all_reduce_residual_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, *,
                                     eps: float, site: str | Site) -> tuple[torch.Tensor, torch.Tensor]:
@@ -506,30 +470,16 @@ class Communicator:
         name = site.name if isinstance(site, Site) else site
         if type(name) is str and name not in self._site_calls:
             # An undeclared site is declared from this call (a self-check is collective): its arguments first.
-            _norm._check_add(f"site {name!r}: all_reduce_residual_rmsnorm", x, residual, weight)
-            _norm.eps_fp32(eps)
-        sc = self._resolve(site, Collective.ALL_REDUCE_RMSNORM, x, ReduceOp.SUM)
-        sc.check_norm(x, residual, weight, eps)
-        return sc.run_norm(x, residual, weight, eps)
+            norm_args(name, x, residual, weight, eps)
+        return self._site_call(site, Collective.ALL_REDUCE_RMSNORM, x, ReduceOp.SUM).norm(x, residual, weight, eps)
 
     def token_all_gather(self, x: torch.Tensor, site: str | Site, *, rows_per_rank: Sequence[int]) -> torch.Tensor:
         """Uneven all-gather: rank r contributes ``rows_per_rank[r]`` rows; concatenated in rank order. Collective."""
         self._check_open()
-        name = site.name if isinstance(site, Site) else site
-        counts = _int_list(rows_per_rank, name, "rows_per_rank")
-        if len(counts) != self.world_size:
-            raise ValueError(f"site {name!r}: rows_per_rank has {len(counts)} entries, the group has {self.world_size} ranks")
-        if isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[0] != counts[self.rank]:
-            raise ValueError(
-                f"site {name!r}: this rank ({self.rank}) passes {x.shape[0]} rows but rows_per_rank[{self.rank}] = "
-                f"{counts[self.rank]}; every rank must pass the same rows_per_rank"
-            )
-        sc = self._resolve(site, Collective.TOKEN_ALL_GATHER, x, ReduceOp.SUM, rows_per_rank=counts)
-        if max(counts) > sc.site.max_rows:
-            raise ValueError(f"site {name!r}: rows_per_rank {counts} exceeds the declared max_rows="
-                             f"{sc.site.max_rows}; declare the site with a larger max_rows")
-        sc.check(x, None)
-        return sc.run(x, CallArgs(rows_per_rank=tuple(counts)), rows_per_rank=counts)
+        counts = token_counts(site.name if isinstance(site, Site) else site, x, rows_per_rank,
+                              world_size=self.world_size, rank=self.rank)
+        sc = self._site_call(site, Collective.TOKEN_ALL_GATHER, x, ReduceOp.SUM, rows_per_rank=counts)
+        return sc.token_all_gather(x, counts)
 
     def all_to_all(self, x: torch.Tensor, site: str | Site, *, splits: Sequence[int] | None = None,
                    out_splits: Sequence[int] | None = None) -> torch.Tensor:
@@ -544,78 +494,17 @@ class Communicator:
         read past a message.
         """
         self._check_open()
-        name = site.name if isinstance(site, Site) else site
-        if splits is None:
-            if isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[0] % self.world_size:
-                raise ValueError(
-                    f"site {name!r}: an even all_to_all needs rows divisible by {self.world_size}, got "
-                    f"{x.shape[0]}; pass splits=[rows for each rank] for an uneven one"
-                )
-        else:
-            in_splits = _int_list(splits, name, "splits")
-            if len(in_splits) != self.world_size:
-                raise ValueError(f"site {name!r}: splits has {len(in_splits)} entries, the group has {self.world_size} ranks")
-            if isinstance(x, torch.Tensor) and x.dim() >= 1 and sum(in_splits) != x.shape[0]:
-                raise ValueError(f"site {name!r}: splits sum to {sum(in_splits)}, the tensor has {x.shape[0]} rows")
-        known: list[int] | None = None
-        if out_splits is not None:
-            if splits is None:
-                raise ValueError(f"site {name!r}: out_splits is for an uneven all_to_all; pass splits= too")
-            known = _int_list(out_splits, name, "out_splits")
-            if len(known) != self.world_size:
-                raise ValueError(f"site {name!r}: out_splits has {len(known)} entries, the group has {self.world_size} ranks")
-        sc = self._resolve(site, Collective.ALL_TO_ALL, x, ReduceOp.SUM, uneven=splits is not None)
-        sc.check(x, None)
-        if splits is None:
-            n = x.shape[0] // self.world_size
-            return sc.run(x, CallArgs(in_splits=(n,) * self.world_size, out_splits=(n,) * self.world_size))
-        def counts() -> CallArgs:  # under the call's lock, after its guard: one collective call
-            outs = (self._native.exchange_splits(in_splits, self.device) if known is None
-                    else self._agree_splits(name, in_splits, known))
-            return CallArgs(in_splits=tuple(in_splits), out_splits=tuple(outs))
-
-        return sc.run(x, NO_ARGS, uneven=True, prepare=counts)
-
-    def _agree_splits(self, name: str, in_splits: list[int], out_splits: list[int]) -> list[int]:
-        """``out_splits`` after proving that every rank's ``out_splits[q]`` equals rank q's ``splits[r]``: every rank
-        gathers every rank's two count lists and checks the whole matrix, so every rank reaches the same verdict.
-        Collective (the call guard already proved that every rank makes this call, so the gathers pair)."""
-        w = self.world_size
-        if w == 1:
-            if out_splits != in_splits:
-                raise ValueError(f"site {name!r}: out_splits {out_splits} != splits {in_splits} on one rank")
-            return out_splits
-        mine = torch.tensor([*in_splits, *out_splits], dtype=torch.int64, device=self.device)
-        both = self._native.all_gather(mine).view(w, 2, w).tolist()
-        wrong = [f"rank {r} expects out_splits[{q}]={both[r][1][q]} rows from rank {q}, which sends it "
-                 f"splits[{r}]={both[q][0][r]}" for r in range(w) for q in range(w) if both[r][1][q] != both[q][0][r]]
-        if wrong:
-            raise CollectiveMismatch(
-                f"site {name!r} on rank {self.rank}: the uneven all_to_all's counts disagree ({'; '.join(wrong)}); "
-                "nothing was sent. Pass each rank the out_splits its peers send (rank r's out_splits[q] = rank q's "
-                "splits[r]), or leave out_splits=None and the counts are exchanged"
-            )
-        return out_splits
+        in_splits, known = a2a_splits(site.name if isinstance(site, Site) else site, x, splits, out_splits,
+                                      world_size=self.world_size)
+        sc = self._site_call(site, Collective.ALL_TO_ALL, x, ReduceOp.SUM, uneven=splits is not None)
+        return sc.all_to_all(x, in_splits, known)
 
     def argmax(self, logits_shard: torch.Tensor, site: str | Site, *, vocab_start: int) -> torch.Tensor:
         """Vocabulary-parallel argmax: int64 global index per row; lowest index on exact ties; -0.0 == +0.0;
         NaN counts as the largest value (as torch.argmax). Collective."""
         self._check_open()
-        name = site.name if isinstance(site, Site) else site
-        if isinstance(vocab_start, bool) or not isinstance(vocab_start, int):
-            raise TypeError(f"site {name!r}: vocab_start must be an int, got {type(vocab_start).__name__}")
-        if vocab_start < 0:
-            raise ValueError(f"site {name!r}: vocab_start must be a non-negative int, got {vocab_start!r}")
-        if isinstance(logits_shard, torch.Tensor):
-            if logits_shard.dim() != 2:
-                raise ValueError(f"site {name!r}: argmax takes [rows, vocab_shard] logits, got shape {tuple(logits_shard.shape)}")
-            if logits_shard.dtype not in FLOAT_DTYPES:
-                raise ValueError(f"site {name!r}: argmax takes floating-point logits, got {logits_shard.dtype}")
-            if vocab_start + logits_shard.shape[1] > 2**31:
-                raise ValueError(f"site {name!r}: global vocabulary indices must stay below 2**31")
-        sc = self._resolve(site, Collective.ARGMAX, logits_shard, ReduceOp.MAX)
-        sc.check(logits_shard, None)
-        return sc.run(logits_shard, CallArgs(vocab_start=vocab_start))
+        argmax_start(site.name if isinstance(site, Site) else site, logits_shard, vocab_start)
+        return self._site_call(site, Collective.ARGMAX, logits_shard, ReduceOp.MAX).argmax(logits_shard, vocab_start)
 
     # -- introspection and lifecycle ----------------------------------------------------------------
     def routes(self) -> RouteTable:
@@ -698,325 +587,6 @@ class Communicator:
         return {name: sc.bound for name, sc in self._site_calls.items()}
 
 
-class SiteCall:
-    """One declared site's call path, built once at declaration; every entry (eager, ``out=``, async, the fused
-    norm, graph capture) goes through it.
-
-    ``check(x, out)`` is the site's one validator: each fact a call must match (type, dtype, trailing shape,
-    rows, device, contiguity, autograd, the output's shape, dtype, device and overlap) is one comparison against
-    a value cached here, and a failed comparison raises its precise error, before any communication.
-    ``run(x, args)`` is the one way a call reaches the route: it refuses a second thread, counts the site's user
-    calls, proves across ranks that every rank makes this call (``init(check=True)``'s full comparison, else the
-    call guard: its separate fixed-size header, or the header the route carries in its messages, armed here;
-    backends/guard.py), calls the bound route and turns a library error into a
-    ``PeerTimeout`` or ``CollectiveFailed`` that names the site, the call, this rank and the cause."""
-
-    __slots__ = ("comm", "site", "name", "bound", "collective", "op", "dtype", "in_dtype", "ndim", "row_dim",
-                 "width", "tail", "lead", "max_rows", "device", "in_place", "mul", "div", "header", "message", "calls",
-                 "virtual", "fused", "agreed")
-
-    def __init__(self, comm: Communicator, site: Site, bound: BoundRoute) -> None:
-        self.comm = comm
-        self.site = site
-        self.name = site.name
-        self.bound = bound
-        self.collective = site.collective
-        self.op = site.op
-        self.dtype = site.dtype
-        v = site.virtual_shards
-        self.virtual = v is not None
-        # A virtual-shard call passes this rank's V/W fp32 partials [V/W, rows, *shape] (docs/spec.md §9.1).
-        self.lead: tuple[int, ...] = () if v is None else (v // comm.world_size,)
-        self.in_dtype = torch.float32 if self.virtual else site.dtype
-        self.row_dim = len(self.lead)
-        self.ndim = self.row_dim + 1 + len(site.shape)
-        self.tail = site.shape
-        # One trailing dimension (a hidden size: the usual site) is compared as an int: slicing a torch.Size
-        # builds a new one on every call. None: compare the whole trailing shape.
-        self.width = site.shape[0] if len(site.shape) == 1 and not self.virtual else None
-        self.max_rows = site.max_rows
-        self.device = comm.device
-        self.in_place = bound.in_place and not self.virtual
-        # The output's rows are the input's * mul // div; a reduce_scatter's input rows must divide by div.
-        self.mul = comm.world_size if site.collective is Collective.ALL_GATHER else 1
-        self.div = comm.world_size if site.collective is Collective.REDUCE_SCATTER else 1
-        # The call guard (backends/guard.py): the separate header, or the one the route carries in its messages.
-        self.header = (CallHeader(site, native=comm._native, device=comm.device)
-                       if comm.call_guard == _guard.HEADER else None)
-        self.message = getattr(bound, "guard", None)
-        self.calls = 0  # this site's user calls on this communicator (named in errors; self-checks not counted)
-        self.fused = getattr(bound, "fused", None)  # the workspace's fused norm kernel, where routing chose it
-        self.agreed = False  # the next call's fingerprint was already compared (Communicator._resolve)
-
-    def check(self, x: object, out: object) -> torch.Tensor | None:
-        """Validate a call (see the class docstring); returns what the route gets as ``CallArgs.out`` (None:
-        it allocates, and the collective copies the result into ``out``)."""
-        if type(x) is not torch.Tensor and not isinstance(x, torch.Tensor):
-            raise TypeError(f"site {self.name!r}: expected a torch.Tensor, got {type(x).__name__}")
-        sh = x.shape
-        if (len(sh) != self.ndim or x.dtype is not self.in_dtype
-                or (sh[1] != self.width if self.width is not None else sh[self.row_dim + 1:] != self.tail)
-                or (self.virtual and sh[0] != self.lead[0])):
-            self._contradiction(x)
-        rows = sh[self.row_dim]
-        if rows > self.max_rows:
-            raise ValueError(f"site {self.name!r}: {rows} rows exceed the declared max_rows={self.max_rows}; "
-                             "declare the site with a larger max_rows (the most rows it will ever carry)")
-        if rows % self.div:
-            raise ValueError(_rs_rows(self.name, rows, self.div))
-        if x.device != self.device:
-            self.comm._check_tensor(self.name, x)
-        if not x.is_contiguous():
-            raise ValueError(f"site {self.name!r}: tensor is not contiguous; pass x.contiguous()")
-        if x.requires_grad:
-            _check_grad(self.name, x)
-        if out is None:
-            return None
-        if out is x:
-            return x if self.in_place else None
-        if type(out) is not torch.Tensor and not isinstance(out, torch.Tensor):
-            raise TypeError(f"site {self.name!r}: out must be a torch.Tensor, got {type(out).__name__}")
-        osh = out.shape
-        if self.mul == self.div == 1 and not self.virtual:
-            bad = osh != sh
-        else:
-            bad = (len(osh) != 1 + len(self.tail) or osh[0] != rows * self.mul // self.div
-                   or osh[1:] != sh[self.row_dim + 1:])
-        if bad or out.dtype is not self.dtype or out.device != self.device:
-            want = [rows * self.mul // self.div, *self.tail]
-            raise ValueError(
-                f"site {self.name!r}: out must be a {name_of(self.dtype)} tensor of shape {want} on {self.device}, "
-                f"got {str(out.dtype).replace('torch.', '')} {list(osh)} on {out.device}"
-            )
-        if not out.is_contiguous():
-            raise ValueError(f"site {self.name!r}: out is not contiguous; pass a contiguous buffer")
-        a, b = out.data_ptr(), x.data_ptr()
-        if a == b:  # x's bytes (x itself, or another view of them): in place
-            return out if self.in_place else None
-        if a < b + x.nbytes and b < a + out.nbytes:
-            raise ValueError(f"site {self.name!r}: out partially overlaps the input; pass out=x (in place) or a "
-                             "separate buffer")
-        return None if self.virtual else out
-
-    def _contradiction(self, x: torch.Tensor) -> None:
-        name, s = self.name, self.site
-        if x.dim() < 1:
-            raise ValueError(f"site {name!r}: expected a tensor of rows (at least 1-D, dim 0 = rows), got a 0-d tensor")
-        if self.virtual:
-            k, v = self.lead[0], s.virtual_shards
-            r = self.comm.rank
-            want = f"float32 [V/W={k}, rows, {', '.join(map(str, s.shape))}]"
-            mine = f"this rank's {k} fp32 partial sums (shards {r * k}..{r * k + k - 1} of {v})"
-            if x.dtype != torch.float32:
-                raise ValueError(f"site {name!r}: a virtual-shard call takes {mine} as {want}; got dtype "
-                                 f"{str(x.dtype).replace('torch.', '')}: pass the GEMM's fp32 partials "
-                                 "(out_dtype=torch.float32), not values rounded to the output dtype")
-            raise ValueError(f"site {name!r}: a virtual-shard call takes {mine} as {want}; got shape "
-                             f"{list(x.shape)}: stack this rank's shards on dim 0 (V={v}, W={self.comm.world_size})")
-        problems = []
-        if x.dtype != s.dtype:
-            problems.append(f"dtype {str(x.dtype).replace('torch.', '')} != {name_of(s.dtype)}")
-        if tuple(x.shape[1:]) != s.shape:
-            problems.append(f"trailing shape {tuple(x.shape[1:])} != {s.shape}")
-        raise ValueError(
-            f"site {name!r} was {self.comm._declared_as(s)}; this call contradicts it: {'; '.join(problems)}. "
-            "A site is static: declare another site for this call (or cast/reshape the input)."
-        )
-
-    def call(self, x: torch.Tensor, out: torch.Tensor | None, async_op: bool) -> torch.Tensor | Work:
-        """A plain collective entry (all_reduce, reduce_scatter, all_gather): validate, run, deliver into ``out``
-        where given, wrap in a ``Work`` for ``async_op``. Collective."""
-        target = self.check(x, out)
-        result = self.run(x, NO_ARGS if target is None else CallArgs(out=target))
-        if out is not None and result is not out:
-            out.copy_(result)
-            result = out
-        return Work(result) if async_op else result
-
-    def run(self, x: torch.Tensor, args: CallArgs, *, rows_per_rank: Sequence[int] | None = None,
-            uneven: bool = False, prepare: Callable[[], CallArgs] | None = None) -> torch.Tensor:
-        """The call through the bound route (see the class docstring). ``prepare``: builds the route's arguments
-        after the call is proven and before its data moves (an uneven all_to_all's count exchange). Collective."""
-        comm = self.comm
-        if not comm._lock.acquire(False):
-            raise comm._busy(self.name)
-        try:
-            self._prove(x, rows_per_rank, uneven)
-            if prepare is not None:
-                args = prepare()
-            return self.bound(x, args)
-        except RuntimeError as e:  # torch.distributed.DistError derives from it
-            if isinstance(e, DetcommError):
-                raise
-            raise comm._failure(self.name, self.calls, e) from e
-        finally:
-            comm._lock.release()
-
-    def _prove(self, x: torch.Tensor, rows_per_rank: Sequence[int] | None, uneven: bool) -> None:
-        """Count the call and prove across ranks that every rank makes it (the checker's fingerprint with checking
-        on, else the call guard's separate header), before its data moves; or arm the header the route carries
-        in its messages (compared before the route returns). Collective; runs under
-        the communicator's lock, for run and the fused norm alike."""
-        comm = self.comm
-        self.calls += 1
-        if comm._verifier is not None:
-            if self.agreed:  # the first call's fingerprint went before the site's implicit declaration
-                self.agreed = False
-            else:
-                comm._verifier.agree(self.name, self.collective, self.op, x, rows_per_rank=rows_per_rank,
-                                     uneven=uneven)
-        elif self.header is not None:
-            # Inside a CUDA-graph capture no header can be exchanged (host traffic): captured calls carry no guard,
-            # as with the in-message guard (backends/guard.py). This is what lets a gloo-staged CUDA group capture
-            # its ipc_fold calls, whose kernels compare their own per-call descriptor.
-            if not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
-                self.header.exchange(self.calls, -1 if uneven or rows_per_rank is not None else x.shape[self.row_dim],
-                                     rows_per_rank)
-        elif self.message is not None:
-            self.message.arm(self.calls, -1 if uneven or rows_per_rank is not None else x.shape[self.row_dim],
-                             rows_per_rank)
-
-    def check_norm(self, x: object, residual: object, weight: object, eps: float) -> None:
-        """Validate an all_reduce_residual_rmsnorm call before any communication: x as every call of the site
-        (``check``: a virtual-shard site's fp32 partials [V/W, rows, *shape]), the residual as the all-reduced
-        rows ([rows, *shape] in the site's dtype, on this communicator's device), the weight [H] and eps."""
-        what = f"site {self.name!r}: all_reduce_residual_rmsnorm"
-        if not self.virtual:
-            _norm._check_add(what, x, residual, weight)  # type: ignore[arg-type]
-        self.check(x, None)
-        if self.virtual:
-            assert isinstance(x, torch.Tensor)
-            _norm.check_residual(what, residual, weight, dtype=self.dtype, shape=tuple(x.shape[1:]),
-                                 device=self.device)
-        _norm.eps_fp32(eps)
-
-    def run_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """An all_reduce_residual_rmsnorm call: the fused kernel where routing chose it, else the all-reduce
-        through ``run`` and the canonical norm. Collective."""
-        if self.fused is None:
-            return _norm.add_rms_norm(self.run(x, NO_ARGS), residual, weight, eps=eps)
-        comm = self.comm
-        if not comm._lock.acquire(False):
-            raise comm._busy(self.name)
-        try:
-            self._prove(x, None, False)
-            return self.fused(x, residual, weight, eps)  # type: ignore[no-any-return]
-        except RuntimeError as e:
-            if isinstance(e, DetcommError):
-                raise
-            raise comm._failure(self.name, self.calls, e) from e
-        finally:
-            comm._lock.release()
-
-
 def _name_of(site: object) -> str:
     """A Site's name ("" for anything else; the identity test after the lookup sends it to the resolution)."""
     return site.name if type(site) is Site else ""
-
-
-def _check_grad(name: str, x: torch.Tensor) -> None:
-    if x.requires_grad and torch.is_grad_enabled():
-        raise ValueError(
-            f"site {name!r}: the input requires grad, and detcomm's collectives are forward-only (no backward: "
-            "gradients would silently stop here). Call it under torch.no_grad() / torch.inference_mode() "
-            "(serving), pass x.detach(), or use torch.distributed.nn.functional's collectives to train through it"
-        )
-
-
-def _rs_rows(name: str, rows: int, w: int) -> str:
-    return (f"site {name!r}: reduce_scatter needs a row count divisible by the world size {w} (rank r receives "
-            f"row block r); got {rows} rows: pad to {-(-rows // w) * w}")
-
-
-def _dtype(dtype: object, name: str) -> torch.dtype:
-    """A site's dtype: a torch dtype, or its name ("bfloat16")."""
-    if isinstance(dtype, str):
-        return from_name(dtype.removeprefix("torch."))
-    if not isinstance(dtype, torch.dtype):
-        raise TypeError(f"site {name!r}: dtype must be a torch.dtype or its name (\"bfloat16\"), got {dtype!r}")
-    if dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"site {name!r}: dtype {dtype} is not supported; use one of "
-                         f"{[str(d) for d in SUPPORTED_DTYPES]}")
-    return dtype
-
-
-def _shape(shape: object, name: str) -> tuple[int, ...]:
-    """A site's ``shape=`` argument as a tuple: one row's trailing shape, an int (one dimension, as torch accepts
-    an int for a 1-D size) or a sequence of ints. The ints themselves are checked by ``Site``."""
-    if isinstance(shape, int) and not isinstance(shape, bool):
-        return (shape,)
-    if isinstance(shape, Sequence) and not isinstance(shape, (str, bytes)):
-        return tuple(shape)
-    raise TypeError(
-        f"site {name!r}: shape= is one row's trailing shape: an int (the row width, e.g. 4096) or a sequence of "
-        f"ints (e.g. (8, 128); () for scalar rows), got {shape!r} ({type(shape).__name__})"
-    )
-
-
-def _site_bytes(s: Site, world_size: int) -> int:
-    """What one call at max_rows passes on this rank: max_rows rows of the site's trailing shape (the fp32
-    partials of V/W shards per row on a virtual-shard site)."""
-    if s.virtual_shards is not None:
-        return s.max_rows * s.row_numel * 4 * max(1, s.virtual_shards // world_size)
-    return s.max_rows * s.row_numel * s.dtype.itemsize
-
-
-def _allocatable(device: torch.device) -> int:
-    """The device's total memory in bytes (total, not free: the same on every rank of one host and at any time,
-    so every rank reaches the same verdict; what is free is the allocator's to report). Unknown: no limit."""
-    if device.type == "cuda":
-        return int(torch.cuda.get_device_properties(device).total_memory)
-    try:
-        return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
-    except (ValueError, OSError, AttributeError):  # no sysconf on this platform
-        return sys.maxsize
-
-
-def _caller() -> str:
-    """file:line of the first frame outside detcomm (where an implicit declaration came from)."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    f = sys._getframe(1)
-    while f is not None and os.path.abspath(f.f_code.co_filename).startswith(here + os.sep):
-        f = f.f_back  # type: ignore[assignment]
-    return "unknown caller" if f is None else f"{f.f_code.co_filename}:{f.f_lineno}"
-
-
-def _enum(cls, value, what: str, site: object = None):  # type: ignore[no-untyped-def]
-    if isinstance(value, cls):
-        return value
-    try:
-        return cls(value)
-    except ValueError:
-        where = f"site {site.name if isinstance(site, Site) else site!r}: " if site is not None else ""
-        raise ValueError(f"{where}unknown {what} {value!r}; expected one of {[m.value for m in cls]}") from None
-
-
-def _int_list(values: Sequence[int], site: str, what: str) -> list[int]:
-    out = []
-    for v in values:
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise TypeError(f"site {site!r}: {what} must be ints, got {list(values)!r}")
-        if v < 0:
-            raise ValueError(f"site {site!r}: {what} must be non-negative, got {list(values)!r}")
-        out.append(v)
-    return out
-
-
-def warn_missing_environment(resolved: _env.Resolved, backend: str) -> None:
-    """Refuse (NCCL under a bitwise envelope) or warn when the group was created without the environment
-    the envelope needs: NCCL reads it only when a communicator is created."""
-    missing = _env.missing_environment(resolved, backend=backend)
-    if not missing:
-        return
-    text = ", ".join(f"{k}={v}" for k, v in missing.items())
-    fix = (
-        f"launch with `detcomm-launch --numerics {resolved.numerics}` or call "
-        f"detcomm.apply_environment({resolved.numerics!r}) before torch.distributed.init_process_group"
-    )
-    if resolved.bitwise and "NCCL_ALGO" in missing:
-        raise DetcommError(
-            f"numerics={resolved.numerics!r} needs {text} before the NCCL communicator is created, and the "
-            f"process group already exists without it: {fix}"
-        )
-    warnings.warn(f"the process group was created without {text}; {fix}", RuntimeWarning, stacklevel=3)

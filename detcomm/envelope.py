@@ -17,8 +17,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from collections.abc import Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
+
+from .errors import DetcommError
 
 __all__ = [
     "BITWISE_ENVELOPES",
@@ -29,6 +32,7 @@ __all__ = [
     "Resolved",
     "register_numerics_envelope",
     "resolve_numerics",
+    "warn_missing_environment",
     "envelope_environment",
     "apply_environment",
     "known_envelopes",
@@ -349,3 +353,22 @@ def fingerprint(resolved: Resolved) -> dict[str, str]:
     out = {"numerics": resolved.numerics}
     out.update({f"switch {k}": repr(getattr(resolved.switches, k)) for k in Switches.names()})
     return out
+
+
+def warn_missing_environment(resolved: Resolved, backend: str) -> None:
+    """Refuse (NCCL under a bitwise envelope) or warn when the group was created without the environment
+    the envelope needs: NCCL reads it only when a communicator is created."""
+    missing = missing_environment(resolved, backend=backend)
+    if not missing:
+        return
+    text = ", ".join(f"{k}={v}" for k, v in missing.items())
+    fix = (
+        f"launch with `detcomm-launch --numerics {resolved.numerics}` or call "
+        f"detcomm.apply_environment({resolved.numerics!r}) before torch.distributed.init_process_group"
+    )
+    if resolved.bitwise and "NCCL_ALGO" in missing:
+        raise DetcommError(
+            f"numerics={resolved.numerics!r} needs {text} before the NCCL communicator is created, and the "
+            f"process group already exists without it: {fix}"
+        )
+    warnings.warn(f"the process group was created without {text}; {fix}", RuntimeWarning, stacklevel=3)

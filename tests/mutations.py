@@ -148,7 +148,7 @@ MUTATIONS: tuple[Mutation, ...] = (
       "    if ks is None:  # mutant: a refused dtype's kernel is launched anyway",
       (f"{FAILURES}::test_cuda_fold_leaf_is_capturable_and_falls_back",), gpu=True, limit_s=150),
     # 6: an overlapping out/x pair is refused before any communication.
-    M("6-comm", "6", "the communicator refuses a partially overlapping out", "detcomm/comm.py",
+    M("6-comm", "6", "the communicator refuses a partially overlapping out", "detcomm/calls.py",
       "        if a < b + x.nbytes and b < a + out.nbytes:",
       "        if False:  # mutant: partial overlap accepted",
       ("tests/test_api_calls.py::test_out_inplace_avg_async[W2-float32]",), gpu=False, limit_s=180),

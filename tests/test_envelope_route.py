@@ -10,7 +10,6 @@ import pytest
 import torch
 
 import detcomm
-from detcomm.comm import warn_missing_environment
 from detcomm.envelope import (
     BITWISE_ENVELOPES,
     MULTICAST_OFF_ENV,
@@ -21,6 +20,7 @@ from detcomm.envelope import (
     register_numerics_envelope,
     resolve_numerics,
     unregister_numerics_envelope,
+    warn_missing_environment,
 )
 from detcomm.route import AutoBackend
 from detcomm.sites import Capabilities, Collective, ReduceOp, Route, Site

@@ -29,7 +29,7 @@ from ..numerics import tree
 from ..numerics.fold import Leaf, average, fold_shards
 from ..sites import BoundRoute, Collective, ReduceOp, Route, Site
 from .base import bind_from
-from .guard import MessageGuard, append_each, split
+from .guard import MessageGuard, exchange_blocks
 from .native import NativeBackend
 
 
@@ -63,16 +63,7 @@ class A2AFoldBackend:
         assert op.sums, "routing sends only floating-point SUM and AVG here"
         w = self.native.world_size
         n = x.shape[0] // w
-        block = x.view(w, n, *x.shape[1:])
-        header = guard.begin(x) if guard is not None else None
-        if header is None:
-            stacked = self.native.all_to_all(x, [n] * w, [n] * w).view(w, n, *x.shape[1:])
-        else:
-            assert guard is not None
-            # Every destination block carries the same header, so each rank receives all W ranks' headers.
-            recv = self.native.all_to_all(append_each(block.reshape(w, -1).view(torch.uint8), header), [1] * w, [1] * w)
-            stacked, headers = split(recv, block[0], contiguous=x.is_cuda)
-            guard.end(headers)
+        stacked = exchange_blocks(self.native, x.view(w, n, *x.shape[1:]), guard, contiguous=x.is_cuda)
         if op is ReduceOp.AVG:
             return average(self.leaf.fold(stacked, torch.float32), w, x.dtype)
         return self.leaf.fold(stacked, x.dtype)
@@ -81,19 +72,7 @@ class A2AFoldBackend:
     def _exchange(self, blocks: torch.Tensor, guard: MessageGuard | None) -> torch.Tensor:
         """``blocks`` [W, V/W, ...]: block q goes to rank q. Returns [V, ...]: what every rank sent this rank, in
         rank order, so in shard order."""
-        w = self.native.world_size
-        # contiguous: a reshape of permuted blocks can be a strided view (one element per block and slab), which
-        # neither the library nor the byte view of the guarded message takes.
-        flat = blocks.reshape(w, -1).contiguous()
-        header = guard.begin(blocks) if guard is not None else None
-        if header is None:
-            recv = self.native.all_to_all(flat, [1] * w, [1] * w)
-            return recv.view(-1, *blocks.shape[2:])
-        assert guard is not None
-        msgs = append_each(flat.view(torch.uint8), header)
-        stacked, headers = split(self.native.all_to_all(msgs, [1] * w, [1] * w), blocks[0], contiguous=True)
-        guard.end(headers)
-        return stacked.view(-1, *blocks.shape[2:])
+        return exchange_blocks(self.native, blocks, guard, contiguous=True).view(-1, *blocks.shape[2:])
 
     def virtual_reduce_scatter(self, x: torch.Tensor, dtype: torch.dtype, *,
                                guard: MessageGuard | None = None) -> torch.Tensor:

@@ -19,7 +19,7 @@ from ..numerics import tree
 from ..numerics.fold import Leaf, average, fold_shards
 from ..sites import BoundRoute, Collective, ReduceOp, Route, Site
 from .base import bind_from
-from .guard import MessageGuard, append, split
+from .guard import MessageGuard, gather
 from .native import NativeBackend
 
 
@@ -51,16 +51,8 @@ class GatherFoldBackend:
         }, guard=guard)
 
     def _gathered(self, x: torch.Tensor, guard: MessageGuard | None, *, contiguous: bool = False) -> torch.Tensor:
-        w = self.native.world_size
-        header = guard.begin(x) if guard is not None else None
-        if header is None:
-            return self.native.all_gather(x).view(w, *x.shape)
-        assert guard is not None
-        msgs = self.native.all_gather(append(x, header).view(1, -1))
         # The torch leaf folds strided views; the CUDA leaf reads one contiguous [W, ...] block.
-        stacked, headers = split(msgs, x, contiguous=contiguous or x.is_cuda)
-        guard.end(headers)
-        return stacked
+        return gather(self.native, x, guard, contiguous=contiguous or x.is_cuda)
 
     def _fold(self, stacked: torch.Tensor, dtype: torch.dtype, op: ReduceOp) -> torch.Tensor:
         assert op.sums, "routing sends only floating-point SUM and AVG here"

@@ -17,42 +17,16 @@ any rank returns the call's data.
 Exactly one guard runs per call, chosen once per communicator from static facts (``mode``):
 
 - ``HEADER`` where a call's messages live in host memory (a CPU group, or CUDA tensors that a gloo group stages
-  through the host): the communicator (``comm.SiteCall``) all-gathers the header *before* the call's data
+  through the host): the communicator (``calls.SiteCall``) all-gathers the header *before* the call's data
   moves (``CallHeader.exchange``). The header has a fixed size, so ranks that would send messages of different
   sizes (other rows) compare first and raise instead of aborting in the library. Cost: one all-gather of
   ``HEADER_BYTES`` per call.
 - ``IN_MESSAGE`` where the messages live in device memory (an NCCL group): a separate header would be a second
   collective plus a device-to-host read before the data may move. Instead the header travels inside the call's
-  own message (``MessageGuard``, bound by every route's backend) and is compared after it:
-  * data movement (all_gather, token_all_gather, all_to_all, and the fold routes' gathers and all-to-alls):
-    the ``HEADER_BYTES`` header bytes are appended to each rank's contribution (to each destination block of an
-    all-to-all, so every rank receives all W headers). Data movement copies bytes, so the header arrives bit for
-    bit and the payload's bits are untouched.
-  * a native reduction (all_reduce, reduce_scatter: SUM, and MAX/MIN on integers or on the order-preserving
-    keys; argmax's int64 keys): the reduced buffer is extended by a region of W slots; rank r writes its header
-    into slot r and the reduction's identity into every other slot (0 for SUM, the integer minimum for MAX,
-    the maximum for MIN). Slot r of the result is then h_r + 0 + ... + 0 (or max(h_r, min, ..., min)), which
-    is h_r exactly in any association order: integer arithmetic is exact (wrapping cannot occur when every
-    other term is the identity), and in a float SUM each header byte is stored as the float of an integer in
-    [0, 255] (exact in bf16, fp16 and fp32), never -0.0 or NaN, so adding +0.0 leaves it unchanged. A
-    reduce-scatter extends each destination block by the W slots. The payload region is reduced exactly as
-    without the slots (an element's result depends only on that element's W inputs).
-  The region costs W * 72 elements (float SUM: one header byte per element) or W * 72 bytes (integers and
-  keys) per call, plus building the message (the concatenation replaces the copy the native route makes of
-  its input anyway; an all_gather or all_to_all also copies its payload out of the received messages). The
-  comparison reads the W headers back to the host: one device-to-host copy, which waits for the collective
-  (a host synchronization per call). A call made while its stream is being captured into a CUDA graph can do
-  neither (no host read, no host-built header inside a capture), so captured calls carry no guard; graph
-  replays repeat the captured call sequence on every rank. ``ipc_fold`` carries its own guard on device: the
-  workspace kernels compare a per-call descriptor (kernel, dtype, count, call number) at their start barrier.
-  What a header inside the message cannot see: ranks whose messages differ in size (another row count, another
-  collective); the library then fails or waits for the deadline. ``init(check=True)`` compares a fixed-size
-  fingerprint before every call's data moves and covers those too.
+  own message and is compared after it (``MessageGuard``: how, what it costs, what it cannot see).
 - ``FINGERPRINT`` with checking on (``init(check=True)``): the call checker's full per-call comparison
   (detcomm/verify.py) replaces the header.
-- ``NONE`` for one rank.
-
-On host-memory groups the fold routes carry no header in their messages: the separate header already ran.
+- ``NONE`` for one rank. (On host-memory groups the routes' messages carry no header: the separate one ran.)
 """
 
 from __future__ import annotations
@@ -67,7 +41,8 @@ from ..errors import CollectiveMismatch
 from ..sites import Site
 
 __all__ = ["HEADER", "IN_MESSAGE", "FINGERPRINT", "NONE", "MODES", "HEADER_INTS", "HEADER_BYTES", "SHUTDOWN",
-           "CallHeader", "MessageGuard", "mode", "exchange", "hash_text", "shutdown_header", "site_hash"]
+           "CallHeader", "MessageGuard", "mode", "exchange", "hash_text", "shutdown_header", "site_hash", "gather",
+           "exchange_blocks"]
 
 HEADER, IN_MESSAGE, FINGERPRINT, NONE = "header", "in_message", "fingerprint", "none"
 MODES = (HEADER, IN_MESSAGE, FINGERPRINT, NONE)
@@ -172,9 +147,36 @@ class MessageGuard:
     """One site's header inside its calls' own messages (mode ``IN_MESSAGE``), bound by the route's backend.
 
     Per call: the communicator ``arm``s it with the call's number, rows and ``rows_per_rank`` (an unarmed call,
-    a self-check's, carries call number 0); the route takes the header's bytes with ``begin`` (None: no guard
-    on this call, inside a CUDA-graph capture), puts them into its message, and hands the W headers it received
-    to ``end``, which raises ``CollectiveMismatch`` on every rank unless they all equal this rank's."""
+    a self-check's, carries call number 0); the transport the routes call (native.py, gather, exchange_blocks) takes the
+    header's bytes with ``begin`` (None: no guard on this call, inside a CUDA-graph capture), puts them into the
+    message, and hands the W headers it received to ``end``, which raises ``CollectiveMismatch`` on every rank
+    unless they all equal this rank's. No route body touches the header. Where it rides:
+
+    * data movement (all_gather, token_all_gather, all_to_all, and the fold routes' gathers and all-to-alls):
+      the ``HEADER_BYTES`` header bytes are appended to each rank's contribution (to each destination block of an
+      all-to-all, so every rank receives all W headers). Data movement copies bytes, so the header arrives bit for
+      bit and the payload's bits are untouched.
+    * a native reduction (all_reduce, reduce_scatter: SUM, and MAX/MIN on integers or on the order-preserving
+      keys; argmax's int64 keys): the reduced buffer is extended by a region of W slots; rank r writes its header
+      into slot r and the reduction's identity into every other slot (0 for SUM, the integer minimum for MAX,
+      the maximum for MIN). Slot r of the result is then h_r + 0 + ... + 0 (or max(h_r, min, ..., min)), which
+      is h_r exactly in any association order: integer arithmetic is exact (wrapping cannot occur when every
+      other term is the identity), and in a float SUM each header byte is stored as the float of an integer in
+      [0, 255] (exact in bf16, fp16 and fp32), never -0.0 or NaN, so adding +0.0 leaves it unchanged. A
+      reduce-scatter extends each destination block by the W slots. The payload region is reduced exactly as
+      without the slots (an element's result depends only on that element's W inputs).
+    The region costs W * 72 elements (float SUM: one header byte per element) or W * 72 bytes (integers and
+    keys) per call, plus building the message (the concatenation replaces the copy the native route makes of
+    its input anyway; an all_gather or all_to_all also copies its payload out of the received messages). The
+    comparison reads the W headers back to the host: one device-to-host copy, which waits for the collective
+    (a host synchronization per call). A call made while its stream is being captured into a CUDA graph can do
+    neither (no host read, no host-built header inside a capture), so captured calls carry no guard; graph
+    replays repeat the captured call sequence on every rank. ``ipc_fold`` carries its own guard on device: the
+    workspace kernels compare a per-call descriptor (kernel, dtype, count, call number) at their start barrier.
+    What a header inside the message cannot see: ranks whose messages differ in size (another row count, another
+    collective); the library then fails or waits for the deadline. ``init(check=True)`` compares a fixed-size
+    fingerprint before every call's data moves and covers those too.
+    """
 
     __slots__ = ("site", "native", "_name", "_sig", "_armed", "_open")
 
@@ -229,6 +231,41 @@ def split(messages: torch.Tensor, like: torch.Tensor, *, contiguous: bool) -> tu
     if contiguous:
         payload = payload.contiguous()
     return payload.view(like.dtype).view(w, *like.shape), messages[:, -HEADER_BYTES:]
+
+
+def gather(native, x: torch.Tensor, guard: MessageGuard | None, *,  # type: ignore[no-untyped-def]
+           contiguous: bool = False) -> torch.Tensor:
+    """Every rank's ``x`` as [W, *x.shape], in rank order, through ``native.all_gather``; with ``guard`` each
+    rank's contribution is its bytes and its header, compared before this returns, and the payloads are a strided
+    view of the received messages unless ``contiguous`` (a copy). Collective."""
+    w = native.world_size
+    header = guard.begin(x) if guard is not None else None
+    if header is None:
+        return native.all_gather(x).view(w, *x.shape)  # type: ignore[no-any-return]
+    assert guard is not None
+    stacked, headers = split(native.all_gather(append(x, header).view(1, -1)), x, contiguous=contiguous)
+    guard.end(headers)
+    return stacked
+
+
+def exchange_blocks(native, blocks: torch.Tensor, guard: MessageGuard | None, *,  # type: ignore[no-untyped-def]
+                    contiguous: bool = False) -> torch.Tensor:
+    """``blocks`` [W, ...]: block q goes to rank q, through ``native.all_to_all``. Returns [W, ...]: block ``rank``
+    of every rank, in rank order. With ``guard`` every destination block carries the same header, so each rank
+    receives all W headers, compared before this returns; the payloads are a strided view unless
+    ``contiguous``. Collective."""
+    w = native.world_size
+    # contiguous: a reshape of permuted blocks can be a strided view, which neither the library nor the byte view
+    # of the guarded message takes.
+    flat = blocks.reshape(w, blocks[0].numel()).contiguous()
+    header = guard.begin(blocks) if guard is not None else None
+    if header is None:
+        return native.all_to_all(flat, [1] * w, [1] * w).view(w, *blocks.shape[1:])  # type: ignore[no-any-return]
+    assert guard is not None
+    recv = native.all_to_all(append_each(flat.view(torch.uint8), header), [1] * w, [1] * w)
+    stacked, headers = split(recv, blocks[0], contiguous=contiguous)
+    guard.end(headers)
+    return stacked
 
 
 def _identity(dtype: torch.dtype, op: str) -> int:

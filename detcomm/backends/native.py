@@ -95,7 +95,7 @@ class NativeBackend:
     def _back(self, out: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         return out.to(like.device) if self.stage else out
 
-    # -- reductions ---------------------------------------------------------------------------------
+    # -- the collectives a bound call runs ----------------------------------------------------------
     def all_reduce(self, x: torch.Tensor, op: ReduceOp, *, out: torch.Tensor | None = None,
                    guard: MessageGuard | None = None) -> torch.Tensor:
         """``out=x`` reduces x itself where the library sees x (not staged through the host); any other ``out``
@@ -104,92 +104,23 @@ class NativeBackend:
             # gloo has no AVG: the library's SUM (not batch-invariant: this route makes no claim), one division.
             return (self.all_reduce(x, ReduceOp.SUM, guard=guard).to(torch.float32) / self.world_size).to(x.dtype)
         if op is ReduceOp.SUM or not x.is_floating_point():
-            header = guard.begin(x) if guard is not None else None
-            if header is not None:
-                assert guard is not None
-                return self._reduce_guarded(x, op, header, guard, out=out)
-            in_place = out is x and not self.stage
-            buf = x if in_place else self._lib(x).clone()
-            dist.all_reduce(buf, op=_TORCH_OP[op], group=self.group)
-            return x if in_place else self._back(buf, x)
-        k = keys.to_key(x, op=op.value)
-        header = guard.begin(x) if guard is not None else None
-        if header is not None:
-            assert guard is not None
-            k = self._reduce_guarded(k, op, header, guard)
-        else:
-            k = self._lib(k)
-            dist.all_reduce(k, op=_TORCH_OP[op], group=self.group)
-            k = self._back(k, x)
-        return keys.from_key(k, x.dtype, op=op.value)
-
-    def _reduce_guarded(self, x: torch.Tensor, op: ReduceOp, header: torch.Tensor, guard: MessageGuard, *,
-                        out: torch.Tensor | None = None) -> torch.Tensor:
-        """All-reduce ``x`` (SUM, or an integer MIN/MAX) with the W-slot region appended; the headers are compared
-        before the result is returned. The buffer replaces the copy of ``x`` the unguarded call makes."""
-        region = _guard.slots(header, rank=self.rank, world_size=self.world_size, dtype=x.dtype, op=op.value)
-        buf = self._lib(torch.cat([x.reshape(-1), region]))
-        dist.all_reduce(buf, op=_TORCH_OP[op], group=self.group)
-        buf = self._back(buf, x)
-        n = x.numel()
-        guard.end(_guard.read_slots(buf[n:], world_size=self.world_size))
-        result = buf[:n].view(x.shape)
-        if out is x:
-            return x.copy_(result)
-        return result
+            return self.reduce(x, op, guard, out=out)
+        return keys.from_key(self.reduce(keys.to_key(x, op=op.value), op, guard, owned=True), x.dtype, op=op.value)
 
     def reduce_scatter(self, x: torch.Tensor, op: ReduceOp, *, guard: MessageGuard | None = None) -> torch.Tensor:
         if op is ReduceOp.AVG:
             return (self.reduce_scatter(x, ReduceOp.SUM, guard=guard).to(torch.float32) / self.world_size).to(x.dtype)
         keyed = op is not ReduceOp.SUM and x.is_floating_point()
-        src = keys.to_key(x, op=op.value) if keyed else x
-        w = self.world_size
-        header = guard.begin(x) if guard is not None else None
-        if header is None:
-            src = self._lib(src)
-            out = torch.empty((src.shape[0] // w, *src.shape[1:]), dtype=src.dtype, device=src.device)
-            reduce_scatter_flat(out, src, op=_TORCH_OP[op], group=self.group)
-            out = self._back(out, x)
-        else:
-            assert guard is not None
-            # Every destination block carries the W slots, so every rank receives every rank's header.
-            region = _guard.slots(header, rank=self.rank, world_size=w, dtype=src.dtype, op=op.value)
-            blocks = src.reshape(w, -1)
-            buf = self._lib(torch.cat([blocks, region.expand(w, -1)], dim=1))
-            mine = torch.empty(buf.shape[1], dtype=buf.dtype, device=buf.device)
-            reduce_scatter_flat(mine, buf.reshape(-1), op=_TORCH_OP[op], group=self.group)
-            mine = self._back(mine, x)
-            n = blocks.shape[1]
-            guard.end(_guard.read_slots(mine[n:], world_size=w))
-            out = mine[:n].view(src.shape[0] // w, *src.shape[1:])
+        out = self.scatter(keys.to_key(x, op=op.value) if keyed else x, op, guard)
         return keys.from_key(out, x.dtype, op=op.value) if keyed else out
 
     def argmax(self, logits: torch.Tensor, vocab_start: int, *, guard: MessageGuard | None = None) -> torch.Tensor:
-        k = keys.argmax_keys(logits, vocab_start)
-        header = guard.begin(logits) if guard is not None else None
-        if header is not None:
-            assert guard is not None
-            return keys.argmax_index(self._reduce_guarded(k, ReduceOp.MAX, header, guard))
-        k = self._lib(k)
-        dist.all_reduce(k, op=dist.ReduceOp.MAX, group=self.group)
-        return keys.argmax_index(self._back(k, logits))
+        return keys.argmax_index(self.reduce(keys.argmax_keys(logits, vocab_start), ReduceOp.MAX, guard, owned=True))
 
-    # -- data movement ------------------------------------------------------------------------------
     def all_gather(self, x: torch.Tensor, *, guard: MessageGuard | None = None) -> torch.Tensor:
-        header = guard.begin(x) if guard is not None else None
-        if header is not None:
-            assert guard is not None
-            # Each rank's contribution is its bytes and its header; the payloads are copied out of the messages.
-            msgs = self._gather_flat(self._lib(_guard.append(x, header)).view(1, -1))
-            stacked, headers = _guard.split(self._back(msgs, x), x, contiguous=True)
-            guard.end(headers)
-            return stacked.view(x.shape[0] * self.world_size, *x.shape[1:])
-        return self._back(self._gather_flat(self._lib(x)), x)
-
-    def _gather_flat(self, src: torch.Tensor) -> torch.Tensor:
-        out = torch.empty((src.shape[0] * self.world_size, *src.shape[1:]), dtype=src.dtype, device=src.device)
-        all_gather_flat(out, src, group=self.group)
-        return out
+        if guard is None:
+            return self._back(self._gather_flat(self._lib(x)), x)
+        return _guard.gather(self, x, guard, contiguous=True).view(x.shape[0] * self.world_size, *x.shape[1:])
 
     def token_all_gather(self, x: torch.Tensor, rows_per_rank: Sequence[int], *,
                          guard: MessageGuard | None = None) -> torch.Tensor:
@@ -204,22 +135,73 @@ class NativeBackend:
         parts = [gathered[r * pad : r * pad + n] for r, n in enumerate(rows_per_rank)]
         return torch.cat(parts, dim=0)
 
+    # -- the transport: the library's collectives, the call guard's header inside their messages -----------------
+    # Each takes the site's MessageGuard (None: the message is the data alone), embeds this call's header in the
+    # layout its collective needs (guard.py: slots for a reduction, appended bytes for data movement), and
+    # compares the W headers it received before it returns; guard.gather and guard.exchange do the same over
+    # all_gather and all_to_all for the fold routes. No route body builds or reads a header.
+    def reduce(self, x: torch.Tensor, op: ReduceOp, guard: MessageGuard | None, *, out: torch.Tensor | None = None,
+               owned: bool = False) -> torch.Tensor:
+        """All-reduce ``x`` (SUM, or an integer MIN/MAX) with the library. ``out=x``: x itself is reduced where the
+        library sees it; ``owned``: x is the caller's temporary (keys), reduced without a copy. Guarded: the W-slot
+        region follows the payload in one buffer, which replaces the copy of ``x`` the unguarded call makes."""
+        header = guard.begin(x) if guard is not None else None
+        if header is None:
+            in_place = out is x and not self.stage
+            buf = x if in_place else self._lib(x) if owned else self._lib(x).clone()
+            dist.all_reduce(buf, op=_TORCH_OP[op], group=self.group)
+            return x if in_place else self._back(buf, x)
+        assert guard is not None
+        region = _guard.slots(header, rank=self.rank, world_size=self.world_size, dtype=x.dtype, op=op.value)
+        buf = self._lib(torch.cat([x.reshape(-1), region]))
+        dist.all_reduce(buf, op=_TORCH_OP[op], group=self.group)
+        buf = self._back(buf, x)
+        n = x.numel()
+        guard.end(_guard.read_slots(buf[n:], world_size=self.world_size))
+        result = buf[:n].view(x.shape)
+        if out is x:
+            return x.copy_(result)
+        return result
+
+    def scatter(self, src: torch.Tensor, op: ReduceOp, guard: MessageGuard | None) -> torch.Tensor:
+        """Reduce-scatter ``src`` (SUM, or an integer MIN/MAX): row block ``rank`` of the reduction. Guarded: every
+        destination block carries the W slots, so every rank receives every rank's header."""
+        w = self.world_size
+        header = guard.begin(src) if guard is not None else None
+        if header is None:
+            lib = self._lib(src)
+            out = torch.empty((lib.shape[0] // w, *lib.shape[1:]), dtype=lib.dtype, device=lib.device)
+            reduce_scatter_flat(out, lib, op=_TORCH_OP[op], group=self.group)
+            return self._back(out, src)
+        assert guard is not None
+        region = _guard.slots(header, rank=self.rank, world_size=w, dtype=src.dtype, op=op.value)
+        blocks = src.reshape(w, -1)
+        buf = self._lib(torch.cat([blocks, region.expand(w, -1)], dim=1))
+        mine = torch.empty(buf.shape[1], dtype=buf.dtype, device=buf.device)
+        reduce_scatter_flat(mine, buf.reshape(-1), op=_TORCH_OP[op], group=self.group)
+        mine = self._back(mine, src)
+        n = blocks.shape[1]
+        guard.end(_guard.read_slots(mine[n:], world_size=w))
+        return mine[:n].view(src.shape[0] // w, *src.shape[1:])
+
+    def _gather_flat(self, src: torch.Tensor) -> torch.Tensor:
+        out = torch.empty((src.shape[0] * self.world_size, *src.shape[1:]), dtype=src.dtype, device=src.device)
+        all_gather_flat(out, src, group=self.group)
+        return out
+
     def all_to_all(self, x: torch.Tensor, in_splits: Sequence[int], out_splits: Sequence[int], *,
                    guard: MessageGuard | None = None) -> torch.Tensor:
+        """Rows ``in_splits[q]`` of x to rank q; ``out_splits[q]`` rows from rank q, in rank order. Guarded: each
+        destination block followed by the header, as bytes, so every rank receives every rank's header."""
         header = guard.begin(x) if guard is not None else None
-        if header is not None:
-            assert guard is not None
-            return self._all_to_all_guarded(x, in_splits, out_splits, header, guard)
-        src = self._lib(x)
-        out = torch.empty((sum(out_splits), *x.shape[1:]), dtype=x.dtype, device=src.device)
-        dist.all_to_all_single(
-            out, src, output_split_sizes=list(out_splits), input_split_sizes=list(in_splits), group=self.group
-        )
-        return self._back(out, x)
-
-    def _all_to_all_guarded(self, x: torch.Tensor, in_splits: Sequence[int], out_splits: Sequence[int],
-                            header: torch.Tensor, guard: MessageGuard) -> torch.Tensor:
-        """Each destination block followed by the header, as bytes: every rank receives every rank's header."""
+        if header is None:
+            src = self._lib(x)
+            out = torch.empty((sum(out_splits), *x.shape[1:]), dtype=x.dtype, device=src.device)
+            dist.all_to_all_single(
+                out, src, output_split_sizes=list(out_splits), input_split_sizes=list(in_splits), group=self.group
+            )
+            return self._back(out, x)
+        assert guard is not None
         row = x.element_size() * math.prod(x.shape[1:])
         flat = x.reshape(-1).view(torch.uint8)
         parts, at = [], 0

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from ..numerics.fold import Leaf, average
 from ..sites import BoundRoute, Collective, ReduceOp, Route, Site
 from .base import bind_from
-from .guard import MessageGuard, append_each, split
+from .guard import MessageGuard, exchange_blocks
 from .native import NativeBackend
 
 __all__ = ["RsAgFoldBackend"]
@@ -46,20 +46,6 @@ class RsAgFoldBackend:
         return bind_from(self.route, site,
                          {Collective.ALL_REDUCE: lambda x, a: self.all_reduce(x, site.op, guard=guard)}, guard=guard)
 
-    def _exchange(self, blocks: torch.Tensor, guard: MessageGuard | None) -> torch.Tensor:
-        """``blocks`` [W, c]: block q goes to rank q. Returns [W, c]: block ``rank`` of every rank, in rank order."""
-        w = self.native.world_size
-        header = guard.begin(blocks) if guard is not None else None
-        if header is None:
-            return self.native.all_to_all(blocks, [1] * w, [1] * w)
-        assert guard is not None
-        # Every destination block carries the same header, so each rank receives all W ranks' headers.
-        msgs = append_each(blocks.view(torch.uint8), header)
-        stacked, headers = split(self.native.all_to_all(msgs, [1] * w, [1] * w), blocks[0],
-                                 contiguous=blocks.is_cuda)
-        guard.end(headers)
-        return stacked
-
     def all_reduce(self, x: torch.Tensor, op: ReduceOp, *, guard: MessageGuard | None = None) -> torch.Tensor:
         """The canonical all-reduce of ``x`` (SUM or AVG). Collective over the group."""
         assert op.sums, "routing sends only floating-point SUM and AVG here"
@@ -69,7 +55,8 @@ class RsAgFoldBackend:
         flat = x.reshape(-1)
         if w * c != n:
             flat = F.pad(flat, (0, w * c - n))
-        stacked = self._exchange(flat.view(w, c), guard)
+        # Block q goes to rank q; rank q receives block q of every rank, in rank order.
+        stacked = exchange_blocks(self.native, flat.view(w, c), guard, contiguous=x.is_cuda)
         if op is ReduceOp.AVG:
             mine = average(self.leaf.fold(stacked, torch.float32), w, x.dtype)
         else:
