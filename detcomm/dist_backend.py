@@ -4,112 +4,26 @@
     dist.init_process_group("detcomm")               # instead of "gloo" / "nccl" / "cpu:gloo,cuda:nccl"
     pg = dist.new_group(ranks, backend="detcomm")    # or one group of a larger job
 
-The group is a ``torch.distributed.ProcessGroup`` written in Python (the extension point torch's own
-python-process-group tests use). Underneath it holds a gloo backend for CPU tensors and a transport for CUDA
-tensors, both on the same store; every call is routed by its tensors' device. The CUDA transport is chosen at
-the group's first CUDA collective on a device, from static facts (``transport_for``: every rank's host and PCI bus
-id, exchanged on the gloo backend before anything touches NCCL): NCCL where every rank has its own GPU; host
-memory on gloo where two ranks share a GPU (NCCL refuses that) or NCCL is missing, and then no NCCL communicator
-is ever made (``cuda_transport()`` says which; docs/trainers.md, "Ranks sharing one GPU"). It carries a group name (``group_name``), so DeviceMesh, DTensor, FSDP2 and torch's functional
-collectives (``torch.ops._c10d_functional``, which find a group by its name) run on it. What each collective
-does (docs/trainers.md has the user's view, docs/spec.md §1 the definitions):
+A ``torch.distributed.ProcessGroup`` written in Python over a gloo backend (CPU tensors) and a CUDA transport
+(NCCL where every rank has its own GPU, host memory on gloo where ranks share one), both on the same store; it
+carries a group name, so DeviceMesh, DTensor, FSDP2 and torch's functional collectives run on it.
 
-* ``all_reduce``, ``reduce`` and every coalesced form with ``SUM``, ``AVG``, ``MAX`` or ``MIN`` on bf16 / fp16 /
-  fp32: detcomm's own ``all_reduce`` through a ``detcomm.comm.Communicator`` over this group (below), so the
-  route, the fold leaf, the call guard and the self-checks are the runtime's: SUM / AVG the canonical fold of
-  §1 (gather_fold, or rs_ag_fold for a large tensor at W >= 3, or the CUDA-IPC workspace on one node; every
-  canonical route gives the same bits), MAX / MIN the order-preserving keys of ``detcomm.numerics.keys`` (a NaN
-  among an element's inputs gives the canonical NaN, a zero result is +0.0, whatever the rank order). fp64,
-  which detcomm's sites do not carry: the same rank order folded in fp64 on a gather of the W inputs (AVG one
-  fp64 division by W), MAX / MIN with the same rules on that gather.
-* ``PREMUL_SUM(f)`` (FSDP2's divide factor, ``_make_nccl_premul_sum``) on bf16 / fp16 / fp32: each rank's
-  input times the fp32 factor, one rounding to fp32, then the canonical fold of those fp32 values (the
-  communicator's fp32 SUM site of that size) and one rounding to the input dtype (docs/spec.md §1.1). fp64:
-  the product and the fold in fp64.
-* ``reduce_scatter_tensor`` / ``reduce_scatter`` (and their coalesced forms) with the ops above: the
-  communicator's ``reduce_scatter`` (a2a_fold: an all-to-all of the row blocks and the fold of each, no extra
-  traffic; MAX / MIN on keys), fp64 as above on an all-to-all.
-* Each tensor of a coalesced call is reduced on its own (as if called alone), whatever the list holds.
-* ``all_gather_into_tensor`` (and coalesced), ``all_gather``, ``broadcast``, ``all_to_all``, ``scatter``,
-  ``gather``, ``send``/``recv``, ``barrier``: delegated to gloo / NCCL (data movement: exact).
-* Every op on integer and bool tensors: delegated, one tensor per call (exact in any order; integer SUM wraps
-  on overflow, as in gloo and NCCL).
-* ``PRODUCT`` on bf16 / fp16 / fp32 / fp64: the rank-order product of docs/spec.md §1.1 (``acc = 1.0``, one
-  multiplication per rank in fp32, fp64 for fp64, one rounding to the dtype, NaN canonical), served by the
-  backend on every device: an all-gather of the W inputs (a reduce-scatter: an all-to-all of the blocks) and
-  ``detcomm.numerics.fold.product_fold``. Complex PRODUCT is refused (ValueError).
-* Every reduction and ``barrier`` starts with one call-guard header all-gather on the group (``_guard``): the
-  backend's own for the calls it serves itself (an empty tensor, fp64, PRODUCT, integers and bools, a reduce,
-  whose root it names, a barrier, a float reduction whose site is not made yet) or the communicator's (a warm
-  site). Ranks making different calls raise ``CollectiveMismatch`` on every rank, naming each rank's call, before
-  any data moves. Not on CUDA over NCCL (no guard there, as the communicator's; below), not in a capture.
-* A non-contiguous tensor a collective writes (or reads) goes to gloo / NCCL as a dense copy, and the result is
-  copied back into the caller's view (gloo would treat the view's storage as dense; NCCL refuses it).
-* Tensor subclasses that wrap one plain tensor (``AsyncCollectiveTensor``, what DTensor's ``to_local()``
-  returns) are waited for and unwrapped; the result is written through to the caller's tensor.
+* Float ``all_reduce`` / ``reduce`` / ``reduce_scatter`` (and coalesced forms) with SUM, AVG, MAX, MIN and
+  PREMUL_SUM go through one ``detcomm.comm.Communicator`` per device over this group (rl-bitwise): the
+  canonical fold of docs/spec.md §1 and §1.1 on the runtime's routes, sites and self-checks. fp64 and PRODUCT
+  are folded by the backend itself on a gather in rank order; integers, bools and all data movement are
+  delegated to gloo / NCCL (exact).
+* Every reduction and barrier begins with the call guard's header (not on CUDA over NCCL, not in a capture):
+  ranks making different calls raise ``CollectiveMismatch`` on every rank before any data moves.
+* A tensor becomes rows of one site per (collective, op, dtype, number of elements) (``row_layout``), so a
+  trainer's many sizes cost a few self-checks; the router gives each site its route from its bytes.
+* On CUDA the work is queued on the caller's stream and ``Work`` behaves as NCCL's; a captured call needs its
+  communicator and site made eagerly first (``CaptureBeforeWarmup`` otherwise), and host-staged calls refuse
+  capture (``CaptureThroughHost``).
 
-``dist.monitored_barrier`` checks for the name "gloo" before it reaches a group; call the group's own
-``DetcommProcessGroup.monitored_barrier(timeout, wait_all_ranks=...)`` (gloo's, on the same ranks) instead.
-
-Work objects: a delegated data-movement call returns gloo's / NCCL's own ``Work``. A reduction (folded, keyed,
-or an integer one, which runs one tensor at a time) on CPU tensors runs inside the call and returns a finished
-``Work``. On CUDA tensors the route's collectives (NCCL, on the current stream) and the fold are queued on the
-stream current at the call, and the returned ``Work`` behaves as NCCL's: ``wait()`` orders the caller's then-current stream after the fold and
-returns at once (the host never blocks), ``is_completed()`` asks the GPU, ``get_future()`` is a CUDA-aware
-future (DDP's comm hooks use it). ``async_op=True`` therefore returns before the GPU has run the fold, as NCCL's
-does; on CPU there is no overlap.
-
-How the reductions reach the runtime. The group makes one ``Communicator`` per device (CPU; each CUDA device)
-at its first float reduction there, over the group itself, with the rl-bitwise envelope whatever
-``DETCOMM_NUMERICS`` says (the backend promises the fold's bits; a trainer's gradients agree with a detcomm
-server only if both fold) and ``DETCOMM_CHECK`` as ``detcomm.init`` reads it. Making it is collective, like the
-reduction that triggers it: every rank makes its first reduction in the same order, as torch requires of every
-call. Its own traffic (the agreement at init, topology, self-checks, the call guard's header, the routes'
-all-gathers and all-to-alls) is data movement, integer MAX (the self-checks' verdict) and object all-gathers,
-which this group delegates to gloo / NCCL; none is a float reduction, so nothing recurses into the fold. A
-CUDA tensor's communicator over NCCL passes CUDA tensors to the group as they are (NCCL carries them); on
-ranks sharing a GPU it is staged (``stage_through_host=True``: its routes' traffic goes to gloo as host copies)
-and its CUDA-IPC workspace serves the float SUM sites it admits on the GPU.
-
-A tensor becomes rows of one site per (collective, op, dtype, number of elements n), named
-``torch.<collective>.<op>.<dtype>.<n>`` (``row_layout``): up to ``ROW_WIDTH`` elements one row padded with zeros
-to the next power of two, more as rows of ``ROW_WIDTH`` elements, the last zero-padded (a reduce-scatter pads
-each rank's block the same way). The fold is element-wise and the padding is dropped, so the layout moves no
-bit. A site's self-check runs once per (route, collective, op, dtype, row width): every large tensor shares the
-``ROW_WIDTH`` checks and a small one at most one of 13 widths per (op, dtype), so a trainer's many bucket and
-parameter sizes cost a few small self-checks, not one per size (measured in docs/performance.md). The
-router's static rule then gives each site its route from its bytes (rs_ag_fold above the break-even at W >= 3,
-docs/spec.md §3): a large DDP bucket takes rs_ag_fold, 2(W-1)/W of the message received per rank instead of
-gather_fold's W-1. ``DetcommProcessGroup.routes()`` prints the sites, their routes and self-checks.
-
-Rejected: a site per tensor shape (a trainer's parameters have many shapes: one self-check each, and a
-reshape of the same bucket would change nothing but the cost); one fixed row width for every tensor (a
-scalar loss would travel padded to thousands of elements); ``PREMUL_SUM`` as a virtual-shard site with V = W
-(the same bits, but its all-reduce candidates start with gather_fold of W fp32 slabs, and its sites and checks
-would be separate from the fp32 SUM ones the premultiplied values already fit); building the communicator
-when torch constructs the group (the group is not registered yet, so no collective can run on it).
-
-CUDA graphs: a captured call must find its device's communicator and its site already made, since both are
-made by collectives that synchronize with the host: the first reduction on a device, and the first of each
-(collective, op, dtype, size), must run eagerly (the usual warm-up); inside a capture they raise
-``CaptureBeforeWarmup`` at once with that fix. Delegated calls capture as NCCL's own do, and, as with torch's
-own NCCL backend, the group's NCCL communicator for a device is made by the first collective on that device.
-On ranks sharing a GPU only the workspace's calls capture (no host traffic: the separate call header stands
-aside during a capture, and the kernels compare their own per-call descriptor); any call that goes through host
-memory raises ``CaptureThroughHost`` at once, before anything is queued.
-Free captured graphs (and synchronize) before ``destroy_process_group``: with a graph holding NCCL work still
-alive, torch 2.11's own NCCL backend hung in ``destroy_process_group`` on two H200s. ``destroy_process_group``
-releases the group's communicators (``shutdown``).
-
-Why not ``"cpu:gloo,cuda:detcomm"``: torch replaces the whole group by a Python process group as soon as one
-device's backend is one, so the gloo half of that string would be dropped; ``"detcomm"`` serves both devices.
-Tested on torch 2.13 (CPU, gloo), torch 2.11 (CPU, CI's floor job .ci/torch_floor.sh) and torch 2.11 with NCCL
-2.28 on two H200s (W processes sharing one GPU: tests/gpu/test_trainers_shared_gpu.py); pyproject.toml requires
-torch >= 2.11 (``detcomm._torch_version``). PREMUL_SUM's factor is read from the ReduceOp's pickle state
-(``premul_factor``): ``ReduceOp.factor`` exists from torch 2.13 only.
-torch's C++ bridge to a Python group calls methods by name, and the names moved between releases
-(``_allgather_base`` / ``all_gather_single``, ``allgather_into_tensor_coalesced`` /
-``all_gather_single_coalesced``, and the same for reduce-scatter): every name is served.
+The design in full (each collective, Work objects, how reductions reach the runtime, the row layout, CUDA graphs,
+what was rejected, the torch versions and method names served): docs/design/dist-backend.md; the user's view:
+docs/trainers.md.
 """
 
 from __future__ import annotations

@@ -6,54 +6,23 @@
     y = run_experts_blocked(d.rows, d.expert_ids, my_expert_fn, block=64)   # the model's part (below)
     out = moe_combine(y, weights, d.handle, site=site, shared=shared_out)  # collective
 
-**Dispatch** moves every (token t, slot j) pair whose expert id is >= 0 to one rank hosting that expert, over
-the site's uneven all-to-all (exact data movement: rows travel as raw bits). A slot goes to a *replica* chosen
-by one rule that depends only on the token's key and the expert, never on the rest of the batch::
+**Dispatch** moves every (token, slot) pair whose expert id is >= 0 to one replica of its expert over the site's
+uneven all-to-all (rows as raw bits), the replica chosen from the token's key and the expert alone:
+``hosts(e)[(key(t) + e) mod len(hosts(e))]``, key = the global token id when given, else rank + t.
 
-    replica(t, e) = hosts(e)[(key(t) + e) mod len(hosts(e))]
-    key(t) = token_ids[t] when the caller passes global token ids, else (this rank + t)
+**Combine** sends each expert output row back to the token's rank and folds the token's slots there in slot
+order from +0.0: ``acc = fp32(acc + fp32(fp32(w[t, j]) * fp32(y[t, j])))`` for j = 0..k-1 (no FMA), the
+shared expert's output as one more term of weight 1, one rounding to the dtype (canonical NaN). No per-rank
+partials are summed, so no placement, replica choice, batch or W moves a bit. ``ZERO_EXPERT`` (-1) is skipped
+(the same bits as adding +0.0); ``IDENTITY_EXPERT`` (-2) contributes ``w * token``.
 
-(consecutive tokens of a rank cycle through an expert's replicas: balanced, and reproducible from the token
-alone when global ids are given). Which replica serves a slot never changes the bits of the result: replicas
-hold the same weights and the expert compute is row-invariant (below).
+``combine_order="rank"`` (per-rank partials summed in rank order, as engines do today) is the negative control,
+refused under a bitwise envelope. The model's part of the bargain: ``run_experts_blocked`` runs each expert on
+fixed blocks of ``block`` rows, so every expert GEMM has one shape whatever the batch.
 
-**Combine** sends each expert output row back to the token's rank and folds the token's slots there, in slot
-order, from +0.0 (docs/spec.md §1's fold with slots in place of ranks)::
-
-    acc = +0.0 (fp32)
-    for j in 0 .. k-1:   acc = fp32(acc + fp32(fp32(weight[t, j]) * fp32(expert_out[t, j])))
-    if shared is given:  acc = fp32(acc + fp32(shared[t]))           # the shared expert: slot k, weight 1
-    out[t] = round_to_nearest_even(acc -> expert_out's dtype), NaN -> the canonical NaN
-
-Each product is rounded to fp32 on its own and then added (a multiply and an add as two torch operations,
-never an FMA). The fold runs on the token's own rank over the token's own slots only, so the result is a pure
-function of the token, its expert ids, its weights and the experts' outputs for it: the combine never sums
-per-rank partials, and no placement, replica choice, batch composition or world size can move a bit.
-
-Special expert ids (docs/spec.md §9's exact-definition rule):
-
-- ``ZERO_EXPERT`` (-1): the slot is skipped; nothing is sent and its weight is never read (a NaN weight there
-  is ignored). Skipping is the same as adding +0.0: the accumulator starts at +0.0 and an IEEE sum is -0.0 only
-  when both addends are, so the accumulator is never -0.0 and ``acc + 0.0 == acc`` bit for bit.
-- ``IDENTITY_EXPERT`` (-2): the slot's expert output is the token row itself (nothing is sent); it contributes
-  ``fp32(weight) * fp32(token)`` at its slot like any other expert.
-- The shared expert's output (``shared=``, already gated by the caller if the model gates it) is the last term
-  of the same fold, with weight exactly 1 (``fp32(1 * x) == x``, so it is added as is), before the one rounding:
-  one rounding per token, not two.
-
-``combine_order="rank"`` is the negative control: what engines do today (each serving rank's weighted sum of
-its slots, then those per-rank partials summed in rank order). Its bits move with the placement and the batch,
-so it is refused under a bitwise envelope (``comm.resolved.bitwise``) and offered only under ``auto``.
-
-**The model's part of the bargain**: the experts must compute a row's output independently of how many rows
-the expert received. ``run_experts_blocked`` runs each expert on fixed blocks of ``block`` rows (the last block
-zero-padded), so every expert GEMM has the same shape whatever the batch; a kernel that is row-invariant at a
-fixed shape then gives every row the same bits.
-
-Cost: dispatch is one uneven all-to-all of the rows, each carrying 16 bytes of metadata as raw bits in extra
-columns (expert id, source rank, token index, slot as int32), after its count exchange; combine is one uneven
-all-to-all of the rows back (its counts are the dispatch's, known on both sides: no count exchange) plus 2k
-elementwise fp32 passes over [T, k, H]-sized data (k products, k adds): the traffic of a plain expert-parallel all-to-all pair plus 16 bytes per slot.
+Cost: one uneven all-to-all each way (16 bytes of metadata per slot; the combine reuses the dispatch's counts)
+plus 2k elementwise fp32 passes. The full derivation (why skipping equals adding +0.0, the shared expert's
+single rounding, the cost): docs/design/moe.md, "The collectives".
 """
 
 from __future__ import annotations

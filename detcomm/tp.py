@@ -1,9 +1,7 @@
-"""Tensor-parallel layers whose bits do not depend on the tensor-parallel width W (docs/spec.md §9.1 and
-"TP-size invariance: layouts").
+"""Tensor-parallel layers whose bits do not depend on the tensor-parallel width W (docs/spec.md §9.1).
 
-A Megatron row-parallel layer sums W per-rank partials, so its bits follow W: a TP=1 trainer and a TP=4
-server disagree in the last bits, and greedy tokens flip where two logits are close. The layers here fix
-every shape the arithmetic sees, whatever W is:
+A Megatron row-parallel layer sums W per-rank partials, so its bits follow W. The layers here fix every shape
+the arithmetic sees, whatever W is:
 
 * ``ColumnParallelLinear``: each rank computes its output columns in fixed column blocks (one GEMM per block,
   the same [rows, K] x [K, block] shape at every W), so a column's kernel configuration never changes with
@@ -21,20 +19,15 @@ every shape the arithmetic sees, whatever W is:
     GEMMs in fixed column blocks, then an all-gather of the output columns. No cross-rank sum at all: the
     value a TP=1 layer with the same column blocks computes, for every W dividing the block count.
 
-* ``VocabParallelEmbedding``: each rank holds vocab/W rows; the rank that owns a token's row supplies it
-  (an all-gather and a pick: data movement, exact).
+* ``VocabParallelEmbedding``: vocab/W rows a rank; the owner of a token's row supplies it (all-gather, exact).
 * ``VocabParallelHead``: the LM head's logits in fixed vocabulary blocks, and from them the log-softmax,
   the greedy argmax and seeded Gumbel-max sampling. The log-softmax takes each block's max and sum of exp
   in a fixed order (a halving tree over a power-of-two padded block) and combines the blocks in block
   order, so it does not depend on W.
 
-Every transcendental function (exp, log) is applied to tensors of one fixed shape whose rows hold a multiple
-of 64 elements, so a CPU's vectorized loops never hand an element to their scalar tail and the same element
-takes the same code path at every W (GPU elementwise kernels compute every element alike anyway).
-
-Layers take the FULL weight (identical on every rank, e.g. drawn from one seed or loaded from one
-checkpoint) and keep this rank's part. Rows are dim 0; callers pass activations in a buffer of a fixed row
-count (the serving step's padded width) and say how many rows are real: only those travel.
+exp and log run on tensors of one fixed shape whose rows hold a multiple of 64 elements (no CPU scalar tail).
+Layers take the FULL weight (the same on every rank) and keep this rank's part; rows are dim 0, in a buffer of a
+fixed row count (the step's padded width), and callers say how many rows are real: only those travel.
 """
 
 from __future__ import annotations

@@ -1,73 +1,29 @@
-"""A transformers causal LM served tensor-parallel over detcomm at one fixed step shape.
+"""A transformers causal LM served tensor-parallel over detcomm at one fixed step shape (docs/hf.md).
 
-Why the modules are sharded here and not through transformers' ``tp_plan``: the plan's reductions are
-DTensor redistributions issued on the process group directly, so they can't be given detcomm sites (a name, a
-static ``max_rows``, a route decided once), and the plan's API and its ``from_pretrained(tp_plan=...)`` entry
-have changed between transformers releases. Sharding the loaded ``nn.Module`` tree (``detcomm.hf.shard``)
-touches only the Linear and Embedding modules, keeps the rest of transformers' modules (norms, rotary
-embedding, activation, Qwen3's per-head q/k norms, the attention kernel ``eager_attention_forward``), and
-works with any transformers version that loads the four families. transformers' own ``model(input_ids)`` also
-runs on the sharded model (its o_proj / down_proj / embedding / head call detcomm), but not batch-invariantly.
+``TPCausalLM`` shards the loaded ``nn.Module`` tree (``detcomm.hf.shard``: only the Linear and Embedding modules,
+so transformers' norms, rotary embedding, activations and attention kernel stay; not transformers' ``tp_plan``,
+whose DTensor reductions cannot be given detcomm sites) and runs its own step loop (``forward``, ``generate``),
+because transformers' attention takes one cache position for the whole batch. Local compute is batch-invariant
+by construction:
 
-Why a step loop of our own (``TPCausalLM.forward``) instead of ``model.generate``: transformers' attention
-takes one cache-position vector for the whole batch, so it can't run requests at different positions in one
-step, and its kernels are handed the batch's real row count. Here, as in the fixed-width scheme of
-docs/spec.md §7 (row-count mapper), local compute is made batch-invariant by construction:
+* every step runs at one padded width ``T_pad`` (``ServingConfig.t_pad``): the real rows (prefill chunks and
+  decode rows of any number of requests, packed) first, filler rows after, so every GEMM, norm and elementwise op
+  sees one shape; T_pad and max_context are multiples of 64 (no CPU scalar tail);
+* attention runs per request, in blocks of ``q_block`` query rows, against a static KV cache of ``max_context``
+  positions with an additive causal (and sliding-window) mask, through transformers' ``eager_attention_forward``;
+* the real row count reaches the arithmetic only at the row-parallel all-reduces (o_proj, down_proj, the
+  vocabulary-parallel embedding): detcomm sites declared with ``max_rows = T_pad``;
+* the LM head is vocabulary-parallel: fp32 logits, greedy through ``detcomm.argmax``, an exact
+  vocabulary-parallel log-softmax combined in rank order.
 
-* every step runs at one padded token width ``T_pad`` (``ServingConfig.t_pad``): the step's real rows (prefill
-  chunks and decode rows of any number of requests, packed) come first, filler rows (token 0 at position 0)
-  after. Every GEMM, norm, rotary and elementwise op sees the same [T_pad, ...] shape, so one kernel
-  configuration serves every batch; rows never mix, and a row's bits do not depend on its offset (checked at
-  startup by the probe). T_pad and max_context are multiples of 64 so that no [T_pad, N] buffer has a scalar
-  remainder in torch's vectorized CPU loops (a remainder element would take a scalar exp/silu path);
-* attention runs per request, its rows in blocks of ``q_block`` query rows padded to exactly q_block, against a
-  static KV cache of fixed length ``max_context`` per request with an additive causal (and sliding-window)
-  mask, through transformers' own ``eager_attention_forward``;
-* the only place the real row count reaches the arithmetic is the row-parallel all-reduce (o_proj,
-  down_proj, the vocabulary-parallel embedding): that is detcomm's job, at sites declared with
-  ``max_rows = T_pad``;
-* the LM head is vocabulary-parallel: fp32 logits, greedy through ``detcomm.argmax`` (lowest index on exact
-  ties), and an exact vocabulary-parallel log-softmax: each rank's row max and sum of exp over its shard
-  (computed on the fixed [T_pad, shard] buffer) are all-gathered (data movement) and combined in rank order
-  in fp32, ``lse = M + log(sum_r s_r * exp(m_r - M))``, on a fixed [T_pad] buffer.
+``layout="virtual"`` (``virtual_shards=V``, ``shard_fold``) or ``"full_k"`` make the bits TP-size invariant
+(docs/spec.md §9.1): fixed column blocks, fixed head groups, fixed vocabulary blocks. Under a bitwise envelope
+the fold and tree layouts fuse each layer boundary into one ``detcomm.all_reduce_residual_rmsnorm`` call
+(docs/spec.md §9.2), and every decoder RMSNorm is detcomm's canonical norm with the module's weight and eps.
 
-TP-size invariance (``layout="virtual"`` with ``virtual_shards=V``, or ``layout="full_k"``; docs/spec.md §9.1):
-q/k/v/gate/up in fixed column blocks, o_proj/down_proj through ``detcomm.tp.RowParallelLinear``, attention in
-fixed head groups (heads/B query heads with their KV heads, one call each) and the LM head in fixed vocabulary
-blocks (``detcomm.tp.VocabParallelHead``), B = ``shard.invariant_blocks(config)``: the same bits at every W
-dividing B (and V).
-
-Layer boundaries (docs/spec.md §9.2). In the fold layout and the tree layout (``layout="virtual"``,
-``shard_fold="tree"``), under a bitwise envelope with no forced route (``TPCausalLM.fuse``, the rule of
-``shard.fused_layout`` and ``shard.fuse_boundaries``), each boundary after a row-parallel projection is one
-``detcomm.all_reduce_residual_rmsnorm`` call at the site ``<projection site>.add_norm``, returning the next residual
-stream r and the next norm's output y: after o_proj the norm is the layer's ``post_attention_layernorm``, after
-down_proj the next layer's ``input_layernorm`` (the final ``model.norm`` after the last layer). The fold layout
-passes this rank's partial product to a plain ``all_reduce_rmsnorm`` site; the tree layout passes this rank's V/W
-fp32 shard partials [V/W, rows, H] (``detcomm.tp.RowParallelLinear.partials``) to a site declared with
-``virtual_shards=V, shard_fold="tree"`` (§9.2 "Tree sites": the tree all-reduce, then the add and norm, on the
-workspace's fused tree kernels where they serve: the same bits on every route and at every W, a power of two
-dividing V). Every decoder-level RMSNorm (those three, and layer 0's ``input_layernorm`` after the embedding) is
-then detcomm's canonical norm with the module's weight (model dtype) and ``variance_epsilon``, not transformers'
-arithmetic (fp32 mean of squares, ``torch.rsqrt``, a cast, the weight product in the model dtype): the outputs
-differ from transformers' own by rounding, never by batch (nor, in the tree layout, by W). Qwen3's per-head q/k norms stay
-transformers' (local, row-wise). Two boundaries have nothing to reduce and run the same composition with the sum
-already whole (``detcomm.numerics.norm.add_rms_norm``: r = round(fp32(residual) + fp32(s)), y = the canonical norm
-of r, which is the composition at W = 1): after an expert-parallel MoE block, whose output is already the full row
-(the combine's fold, all-gathered), and after a projection with a bias, which keeps its own all-reduce + bias
-(``RowParallelLinear``, or the tree layout's ``InvariantRowLinear``) and so its rounding of s + bias. Under
-``numerics="auto"`` or a forced route (the negative controls), and in the shard-order virtual layout and full_k
-(no fused kernel folds the shard order; full_k has no cross-rank sum), the boundaries stay transformers' residual
-adds and norm modules.
-
-What it costs: every step pays T_pad rows of GEMM whatever its real row count (a decode step of c requests
-does T_pad / c times the useful GEMM work: 64x at c = 1 with T_pad = 64, nothing extra at c = T_pad); each
-request's attention costs ceil(n / q_block) blocks of q_block x max_context scores per layer whatever its
-length (a decode row pays q_block rows; a short context pays for max_context keys); each request holds a
-[layers, 2, KV heads of the rank (kv_heads / W, or 1 when W > kv_heads), max_context, head_dim] cache
-from its first step; and the attention loop is one
-small kernel chain per request per layer (launch-bound on GPUs at high concurrency). The collectives carry
-only the real rows.
+Each step pays T_pad rows of GEMM and each request ceil(n / q_block) attention blocks against max_context keys,
+whatever its real size: the costs, the boundaries' rules and what differs from transformers' own arithmetic
+are in docs/design/hf-engine.md.
 """
 
 from __future__ import annotations

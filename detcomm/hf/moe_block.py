@@ -25,10 +25,8 @@ expert outputs in expert-index order in the model dtype (one rounding per expert
 expert's output (one more rounding); here the slots are folded in topk order in fp32 with one rounding. The
 two agree to rounding, not bitwise (bf16 especially).
 
-transformers' own ``model(input_ids)`` also runs on the sharded model with transformers >= 5 (in 4.x the sparse
-blocks return (hidden, router_logits) and the layers unpack it: there only ``TPCausalLM``'s step loop runs them).
-
-Sites per MoE block (named after the block, e.g. ``model.layers.3.mlp``): ``.dispatch`` and ``.combine``
+transformers' own ``model(input_ids)`` also runs on the sharded model with transformers >= 5 (4.x's blocks
+return (hidden, router_logits): there only ``TPCausalLM``'s step loop runs them). Sites per MoE block (named after the block, e.g. ``model.layers.3.mlp``): ``.dispatch`` and ``.combine``
 (all_to_all) and ``.gather`` (all_gather), ``max_rows`` from the step width ``T_pad``.
 """
 
