@@ -13,27 +13,17 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
 
 import torch
 import torch.nn.functional as F
 
+from detcomm.bench.timing import median_ms_back_to_back
 from detcomm.numerics.attention import PagedKVCache, paged_attention
 
 
-def _time_ms(fn, *, iters: int = 20, repeats: int = 7) -> float:  # noqa: ANN001
-    fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(iters):
-            fn()
-        b.record()
-        torch.cuda.synchronize()
-        samples.append(a.elapsed_time(b) / iters)
-    return statistics.median(samples)
+def _time_ms(fn) -> float:  # noqa: ANN001
+    fn()  # the first call compiles the Triton kernel: not part of the time
+    return median_ms_back_to_back(fn, repeats=7, iters=20)
 
 
 def main() -> None:
