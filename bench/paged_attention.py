@@ -21,9 +21,9 @@ from detcomm.bench.timing import median_ms_back_to_back
 from detcomm.numerics.attention import PagedKVCache, paged_attention
 
 
-def _time_ms(fn) -> float:  # noqa: ANN001
+def _time_ms(fn, *, iters: int = 20) -> float:  # noqa: ANN001
     fn()  # the first call compiles the Triton kernel: not part of the time
-    return median_ms_back_to_back(fn, repeats=7, iters=20)
+    return median_ms_back_to_back(fn, repeats=7, iters=iters)
 
 
 def main() -> None:
