@@ -24,12 +24,12 @@ import torch
 import torch.distributed as dist
 
 import detcomm
-from detcomm.backends.base import Bound
 from detcomm.bench.timing import host_us_per_call
+from detcomm.route_impls.base import Bound
 from detcomm.sites import Route, Site
 
 
-class _NopBackend:
+class _NopRoute:
     """The native route doing nothing: returns the caller's ``out`` (in place included) or the input."""
 
     route = Route.NATIVE
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
         comm = detcomm.init(numerics="auto", selfcheck=False)
         # The native route's binding, swapped before the site is declared, so the site is bound to it the way
         # every route is (the communicator's caches included).
-        comm.auto._backends[Route.NATIVE] = _NopBackend()
+        comm.router._impls[Route.NATIVE] = _NopRoute()
         site = detcomm.site("bench.host", collective="all_reduce", dtype=torch.bfloat16, shape=(8192,), max_rows=8)
         detcomm.site("bench.rs", collective="reduce_scatter", dtype=torch.bfloat16, shape=(8192,), max_rows=8)
         assert {e.decision.route for e in comm.routes().entries} == {Route.NATIVE}

@@ -1,5 +1,5 @@
 """Cost of the call checks on CPU gloo: the cross-rank call verification (detcomm.init(check=True) /
-DETCOMM_CHECK=1) and the always-on call guard in each of its modes (detcomm/backends/guard.py).
+DETCOMM_CHECK=1) and the always-on call guard in each of its modes (detcomm/route_impls/guard.py).
 
     python bench/verify_cost.py [--nproc 4] [--calls 400] [--rows 8] [--width 64]
 
@@ -46,7 +46,7 @@ GUARDS = ("none", "header", "in_message", "header+in_message")
 
 def guard_job(rank: int, world_size: int, calls: int, rows: int, width: int, guard: str) -> dict[str, float]:
     """Median per-call time of an all_gather, a native all_reduce (numerics=auto) and a gather_fold all_reduce
-    (rl-bitwise) under one call guard (backends/guard.py): "none" (a device group's unguarded routes before the
+    (rl-bitwise) under one call guard (route_impls/guard.py): "none" (a device group's unguarded routes before the
     in-message guard), "header" (a host group's separate header), "in_message" (a device group's guard, here run
     on gloo) and "header+in_message" (a host group's fold routes before their redundant in-message header was
     dropped)."""
@@ -54,9 +54,9 @@ def guard_job(rank: int, world_size: int, calls: int, rows: int, width: int, gua
     import torch.distributed as dist
 
     import detcomm
-    from detcomm.backends.guard import CallHeader
     from detcomm.comm import Communicator
     from detcomm.envelope import resolve_numerics
+    from detcomm.route_impls.guard import CallHeader
 
     detcomm.shutdown()
     out: dict[str, float] = {}

@@ -46,7 +46,7 @@ from .errors import (
     WorkspaceUnavailable,
 )
 from .mpi_env import rank_facts_from_environment
-from .route import AutoBackend
+from .route import Router
 from .sites import (
     DEFAULT_MAX_ROWS,
     DEFAULT_WORKSPACE_BYTES,
@@ -145,7 +145,7 @@ __all__ = [
     "register_leaf",
     "select_leaf",
     "reference_fold",
-    "AutoBackend",
+    "Router",
     "Capabilities",
     "Collective",
     "ReduceOp",

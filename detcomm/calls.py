@@ -4,7 +4,7 @@ A ``SiteCall`` is built once, when its site is declared and bound: everything a 
 only on the site (dtype, trailing shape, rows, device, the output's rows, the call guard's header, the route)
 is cached then, so a call compares values and makes no decision. Every collective goes through one entry,
 ``SiteCall.run``: the communicator's lock, the proof that every rank makes this call (the call checker's
-fingerprint with ``init(check=True)``, else the call guard, backends/guard.py), the bound route, and the
+fingerprint with ``init(check=True)``, else the call guard, route_impls/guard.py), the bound route, and the
 mapping of a library error to ``PeerTimeout`` / ``CollectiveFailed``, once per call.
 
 The arguments a collective takes beyond its tensor (``rows_per_rank``, ``splits``, ``vocab_start``, the fused
@@ -20,20 +20,20 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from .backends import guard as _guard
-from .backends.base import Bound
-from .backends.guard import CallHeader
 from .dtypes import SUPPORTED_DTYPES, name_of
 from .errors import CollectiveMismatch, ConcurrentCall, DetcommError
 from .numerics import norm as _norm
 from .numerics.fold import FLOAT_DTYPES
+from .route_impls import guard as _guard
+from .route_impls.base import Bound
+from .route_impls.guard import CallHeader
 from .sites import NO_ARGS, BoundRoute, CallArgs, Collective, Site
 from .work import Work
 
 if TYPE_CHECKING:
     import threading
 
-    from .backends.native import NativeBackend
+    from .route_impls.native import NativeRoute
     from .verify import CallChecker
 
 
@@ -54,7 +54,7 @@ class CallOwner(Protocol):
     @property
     def _lock(self) -> threading.RLock: ...
     @property
-    def _native(self) -> NativeBackend: ...
+    def _native(self) -> NativeRoute: ...
     @property
     def _verifier(self) -> CallChecker | None: ...
 
@@ -77,7 +77,7 @@ class SiteCall:
     ``run(x, args)`` is the one way a call reaches the route: it refuses a second thread, counts the site's user
     calls, proves across ranks that every rank makes this call (``init(check=True)``'s full comparison, else the
     call guard: its separate fixed-size header, or the header the route carries in its messages, armed here;
-    backends/guard.py), calls the bound route and turns a library error into a
+    route_impls/guard.py), calls the bound route and turns a library error into a
     ``PeerTimeout`` or ``CollectiveFailed`` that names the site, the call, this rank and the cause."""
 
     __slots__ = ("comm", "site", "name", "_bound", "_call", "collective", "op", "dtype", "in_dtype", "ndim", "row_dim",
@@ -109,7 +109,7 @@ class SiteCall:
         # The output's rows are the input's * mul // div; a reduce_scatter's input rows must divide by div.
         self.mul = comm.world_size if site.collective is Collective.ALL_GATHER else 1
         self.div = comm.world_size if site.collective is Collective.REDUCE_SCATTER else 1
-        # The call guard (backends/guard.py): the separate header, or the one the route carries in its messages.
+        # The call guard (route_impls/guard.py): the separate header, or the one the route carries in its messages.
         self.header = (CallHeader(site, native=comm._native, device=comm.device)
                        if comm.call_guard == _guard.HEADER else None)
         self.message = getattr(bound, "guard", None)
@@ -126,7 +126,7 @@ class SiteCall:
     @bound.setter
     def bound(self, bound: BoundRoute) -> None:
         self._bound = bound
-        # A backends.base.Bound's own method, called directly: its __call__ would be one more frame per call.
+        # A route_impls.base.Bound's own method, called directly: its __call__ would be one more frame per call.
         self._call: Call = bound.call if isinstance(bound, Bound) else bound
 
     def check(self, x: object, out: object) -> torch.Tensor | None:
@@ -309,7 +309,7 @@ class SiteCall:
                     verifier.agree(self.name, self.collective, self.op, x, rows_per_rank=rows_per_rank, uneven=uneven)
             elif self.header is not None:
                 # Inside a CUDA-graph capture no header can be exchanged (host traffic): captured calls carry no
-                # guard, as with the in-message guard (backends/guard.py). This is what lets a gloo-staged CUDA
+                # guard, as with the in-message guard (route_impls/guard.py). This is what lets a gloo-staged CUDA
                 # group capture its ipc_fold calls, whose kernels compare their own per-call descriptor.
                 if not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
                     self.header.exchange(self.calls, -1 if uneven or rows_per_rank is not None

@@ -1,7 +1,7 @@
 """The ``detcomm`` command: ``detcomm demo`` (the collectives alone, on local ranks) and ``detcomm routes`` (the
 route table a live group would give a set of sites, without starting one).
 
-``detcomm routes`` decides with the runtime's own router (detcomm.route.AutoBackend) on the capabilities a
+``detcomm routes`` decides with the runtime's own router (detcomm.route.Router) on the capabilities a
 live group of that kind would find, so the static view cannot drift from what ``init`` does. It starts no
 ranks and imports neither a backend nor torch: the router decides from dtype names (detcomm.dtypes answers
 sizes and float-ness by name), so the command costs the interpreter start and a few pure-Python modules.
@@ -144,7 +144,7 @@ def _routes(args: argparse.Namespace) -> int:
                          "one rank")
 
     from .envelope import resolve_numerics
-    from .route import AutoBackend
+    from .route import Router
     from .sites import DEFAULT_WORKSPACE_BYTES, Capabilities, Collective, ReduceOp, Site
 
     resolved = resolve_numerics(numerics)
@@ -171,8 +171,8 @@ def _routes(args: argparse.Namespace) -> int:
     else:
         no_ws = ""
     arms = not no_ws
-    live = AutoBackend(resolved, caps(True, "armed") if arms else caps(False, no_ws))
-    unarmed = AutoBackend(resolved, caps(False, "the workspace did not arm at init"))
+    live = Router(resolved, caps(True, "armed") if arms else caps(False, no_ws))
+    unarmed = Router(resolved, caps(False, "the workspace did not arm at init"))
     rows = []
     for spec in specs:
         # The dtype by name: Site's checks and the router read only its name and size (detcomm.dtypes), so the
@@ -228,7 +228,7 @@ def _parser() -> argparse.ArgumentParser:
     r = sub.add_parser(
         "routes", help="the route table a live group would give a set of sites (static; starts no ranks)",
         description="The route each site would take on a live group of this kind, decided by the runtime's own "
-        "router (detcomm.route.AutoBackend) from static facts; where the choice depends on what init finds "
+        "router (detcomm.route.Router) from static facts; where the choice depends on what init finds "
         "(the CUDA-IPC workspace arming), the 'condition' column says so.",
         epilog=SITE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     r.add_argument("--numerics", default=None,

@@ -1,5 +1,5 @@
 """The communicator: one per process group. It owns the group's sites, their route decisions, the startup
-self-checks and the route backends; every call goes through its site's one call path (calls.py, SiteCall).
+self-checks and the route implementations; every call goes through its site's one call path (calls.py, SiteCall).
 
 Which calls are collective (every rank of the group must make them, in the same order):
   - construction (``detcomm.init``): runs the startup self-checks;
@@ -24,13 +24,13 @@ import torch
 import torch.distributed as dist
 
 from . import envelope as _env
-from .backends import A2AFoldBackend, GatherFoldBackend, NativeBackend, RsAgFoldBackend
-from .backends import guard as _guard
-from .backends.guard import SHUTDOWN, shutdown_header
 from .calls import SiteCall, a2a_splits, argmax_start, busy, check_tensor, norm_args, rs_rows, token_counts
 from .declare import allocatable, caller, dtype_of, member, shape_of, site_bytes
 from .numerics.fold import BATCH_INVARIANT, FLOAT_DTYPES, Leaf, select_leaf
-from .route import AutoBackend, RouteEntry, RouteTable
+from .route import RouteEntry, Router, RouteTable
+from .route_impls import A2AFoldRoute, GatherFoldRoute, NativeRoute, RsAgFoldRoute
+from .route_impls import guard as _guard
+from .route_impls.guard import SHUTDOWN, shutdown_header
 from .selfcheck import CheckResult, SelfChecks, declaration
 from .sites import (
     DEFAULT_MAX_ROWS,
@@ -41,7 +41,7 @@ from .sites import (
     Collective,
     ReduceOp,
     Route,
-    RouteBackend,
+    RouteImpl,
     Site,
 )
 from .topology import discover as discover_topology
@@ -101,7 +101,7 @@ class Communicator:
         call_guard: str | None = None,
     ) -> None:
         """``stage_through_host``: whether CUDA tensors go through host memory to the library (None: a gloo
-        group's do). ``call_guard`` replaces the call guard the group's kind picks (backends/guard.py): "header" or
+        group's do). ``call_guard`` replaces the call guard the group's kind picks (route_impls/guard.py): "header" or
         "in_message" (tests run the device groups' in-message guard on gloo), or "none", which the
         torch.distributed backend's CUDA communicator takes: the in-message guard reads each call's headers back
         on the host, and DDP / FSDP overlap their collectives with compute only while the host runs ahead."""
@@ -127,16 +127,16 @@ class Communicator:
         # tensors itself under another name (the "detcomm" torch.distributed backend over NCCL) says so.
         staged = (self.device.type == "cuda" and "nccl" not in self.backend_name if stage_through_host is None
                   else stage_through_host)
-        # The one guard every call carries, from static facts (backends/guard.py): a separate header where the
+        # The one guard every call carries, from static facts (route_impls/guard.py): a separate header where the
         # messages live in host memory, the header inside each route's messages where they live on the device.
         self.call_guard = _guard.mode(world_size=self.world_size, messages_on_device=self.device.type == "cuda" and not staged,
                                       checking=check, forced=call_guard)
-        self._native = NativeBackend(group, stage_through_host=staged, in_message=self.call_guard == _guard.IN_MESSAGE)
-        self._backends: dict[Route, RouteBackend] = {
+        self._native = NativeRoute(group, stage_through_host=staged, in_message=self.call_guard == _guard.IN_MESSAGE)
+        self._impls: dict[Route, RouteImpl] = {
             Route.NATIVE: self._native,
-            Route.GATHER_FOLD: GatherFoldBackend(self._native, self.leaf),
-            Route.A2A_FOLD: A2AFoldBackend(self._native, self.leaf),
-            Route.RS_AG_FOLD: RsAgFoldBackend(self._native, self.leaf),
+            Route.GATHER_FOLD: GatherFoldRoute(self._native, self.leaf),
+            Route.A2A_FOLD: A2AFoldRoute(self._native, self.leaf),
+            Route.RS_AG_FOLD: RsAgFoldRoute(self._native, self.leaf),
         }
         self._workspace: Workspace | None = None
         # One collective call at a time per communicator (SiteCall.run): the ranks pair calls by their order.
@@ -152,7 +152,7 @@ class Communicator:
         self._verifier = (CallChecker(native=self._native, device=self.device, rank=self.rank,
                                       world_size=self.world_size, timeout_s=timeout_s) if check else None)
         self._selfchecks = SelfChecks(native=self._native, device=self.device)
-        self.auto = AutoBackend(resolved, self.caps, backends=self._backends,
+        self.router = Router(resolved, self.caps, impls=self._impls,
                                 checker=self._selfchecks if selfcheck else None, leaf=self.leaf.name)
         self._sites: dict[str, Site] = {}
         self._site_calls: dict[str, SiteCall] = {}  # the declared sites' bound calls: every call goes through one
@@ -170,7 +170,7 @@ class Communicator:
     def _log_summary(self, seconds: float) -> None:
         checks = self.checks()
         failed = [c for c in checks if not c.passed]
-        routes = sorted({e.decision.route.value for e in self.auto.table(self.auto.bound_sites()).entries})
+        routes = sorted({e.decision.route.value for e in self.router.table(self.router.bound_sites()).entries})
         _log.info(
             "detcomm: init on %s W=%d rank=%d device=%s (%s) numerics=%s fold leaf=%s routes in use=%s; "
             "call guard=%s; workspace: %s; %d self-checks (%d failed) in %.3f s; init took %.3f s",
@@ -228,7 +228,7 @@ class Communicator:
             return False, "force_deterministic_rsag: no symmetric-memory path"
         if want is False or (want is None and not sw.batch_invariant_collectives):
             return False, "workspace not armed (init(workspace=True) arms it)"
-        from .backends.ipc_fold import IpcFoldBackend
+        from .route_impls.ipc_fold import IpcFoldRoute
         from .workspace import Workspace
 
         kw: dict[str, Any] = {} if timeout_s is None else {"timeout_s": timeout_s}
@@ -242,7 +242,7 @@ class Communicator:
                          "instead of ipc_fold (same bits, slower): %s", e)
             return False, f"workspace unavailable: {e}"
         self._workspace = ws
-        self._backends[Route.IPC_FOLD] = IpcFoldBackend(ws, resolved=self.resolved)
+        self._impls[Route.IPC_FOLD] = IpcFoldRoute(ws, resolved=self.resolved)
         store = (f"one-store kernel up to {ws.one_store_max_bytes // 1024} KiB" if ws.one_store_max_bytes
                  else "no one-store kernel (one rank, or more than two ranks on one GPU)")
         return True, f"armed: {capacity // 1024} KiB per launch, sites up to {max_rows} rows, {store}"
@@ -255,7 +255,7 @@ class Communicator:
                 # A one-row site reaches an armed workspace; a DEFAULT_MAX_ROWS one the gather/all-to-all
                 # fold. Where both land on one route the second check is the first's cached result.
                 for max_rows in (1, DEFAULT_MAX_ROWS):
-                    self.auto.route(Site("<startup>", coll, dtype, _STARTUP_CHECK_SHAPE, max_rows, ReduceOp.SUM,
+                    self.router.route(Site("<startup>", coll, dtype, _STARTUP_CHECK_SHAPE, max_rows, ReduceOp.SUM,
                                          self.group_label))
 
     # -- sites --------------------------------------------------------------------------------------
@@ -303,10 +303,10 @@ class Communicator:
             return existing
         # A declaration the router refuses by itself (a forced route the envelope voids) is refused before the
         # exchange, on the rank that made it, as every other bad input is: it depends only on the declaration.
-        self.auto.candidates(s)
+        self.router.candidates(s)
         with self._exclusive(s.name):  # the declaration exchange and routing's self-check are collectives
             self._agree_declaration(s)
-            bound = self.auto.route(s)
+            bound = self.router.route(s)
         self._sites[s.name] = s
         self._site_calls[s.name] = SiteCall(self, s, bound)
         if where:
@@ -509,7 +509,7 @@ class Communicator:
     # -- introspection and lifecycle ----------------------------------------------------------------
     def routes(self) -> RouteTable:
         """The route table of the declared sites (local; identical on every rank)."""
-        return self.auto.table(list(self._sites.values()),
+        return self.router.table(list(self._sites.values()),
                                note=f"topology: {self.caps.topology}; workspace: {self.caps.workspace_reason}")
 
     def checks(self) -> list[CheckResult]:
@@ -567,10 +567,10 @@ class Communicator:
         # Drop every reference to the process group: a ProcessGroup object outliving destroy_process_group is
         # finalized at interpreter exit, where gloo's worker threads can abort the process.
         # Every holder of the native backend counts: the bound calls, the call checker, the self-checks, the router.
-        self._backends.clear()
+        self._impls.clear()
         self._verifier = None
         self._selfchecks = None  # type: ignore[assignment]
-        self.auto.release()
+        self.router.release()
         self._native = None  # type: ignore[assignment]
         self.group = None  # type: ignore[assignment]
         if failed is not None:

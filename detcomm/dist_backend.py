@@ -48,13 +48,13 @@ from torch._C._distributed_c10d import (
 )
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
-from .backends import guard as _guard
-from .backends.native import all_gather_flat
 from .comm import Communicator, RouteTable
 from .dtypes import name_of
 from .envelope import resolve_numerics
 from .errors import CaptureThroughHost, DetcommError
 from .numerics.fold import FLOAT_DTYPES, canonical_nan, canonicalize_nan, divide_exactly, product_fold
+from .route_impls import guard as _guard
+from .route_impls.native import all_gather_flat
 from .selfcheck import CheckResult
 from .sites import Route
 from .topology import RankFacts, _local_facts, from_facts
@@ -583,7 +583,7 @@ class DetcommProcessGroup(dist.ProcessGroup):
                     "warm-up) before capturing")
             site = comm.site(name, collective=coll, dtype=flat.dtype, shape=(width,),
                              max_rows=rows * (w if scatter else 1), op=op)
-            route = self._sites[(flat.device, name)] = comm.auto.table([site]).entries[0].decision.route
+            route = self._sites[(flat.device, name)] = comm.router.table([site]).entries[0].decision.route
         if (route is not Route.IPC_FOLD and flat.is_cuda and self._transports[flat.device][0] == HOST
                 and torch.cuda.is_current_stream_capturing()):
             # Every route but the workspace's goes through host memory here: refuse before anything is queued.

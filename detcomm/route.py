@@ -1,7 +1,7 @@
 """Static call-site routing (docs/spec.md sections 2 and 3): the one place where a site gets its route.
 
 A call site is a static declaration (name, collective, reduce op, dtype, trailing shape, group, the most rows
-it will ever carry). ``AutoBackend.route(site)`` is the only function the runtime calls to resolve a site: it
+it will ever carry). ``Router.route(site)`` is the only function the runtime calls to resolve a site: it
 ranks the acceptable routes from the site's static properties, the resolved numerics envelope and the group's
 capabilities found at startup (``candidates``), runs the startup self-check of each candidate that claims
 exact bits, remembers refusals (a route that failed a check for a collective serves that collective for no
@@ -13,7 +13,7 @@ chunked): every kernel produces the canonical fold's bits.
 ``decide(site)`` is the same policy without self-checks: ``detcomm routes`` prints it for a group that does not
 exist yet, and ``table()`` builds both that static table and the live ``detcomm.routes()``.
 
-The words it decides in (Site, Route, Capabilities, the BoundRoute / RouteBackend protocol) are
+The words it decides in (Site, Route, Capabilities, the BoundRoute / RouteImpl protocol) are
 detcomm/sites.py's, a layer below: the routes, the workspace's admission and the numerics read them from there.
 
 Rejected: routing from the message size (the route would change with the batch: exactly the bug this package
@@ -32,11 +32,11 @@ from . import dtypes
 from .dtypes import name_of
 from .envelope import Resolved
 from .errors import RouteRefused
-from .sites import ROUTE_INFO, BoundRoute, Capabilities, Collective, ReduceOp, Route, RouteBackend, Site
+from .sites import ROUTE_INFO, BoundRoute, Capabilities, Collective, ReduceOp, Route, RouteImpl, Site
 from .tables import format_table
 from .workspace import admission
 
-__all__ = ["RouteDecision", "Verdict", "RouteEntry", "RouteTable", "AutoBackend", "fusion_refusal"]
+__all__ = ["RouteDecision", "Verdict", "RouteEntry", "RouteTable", "Router", "fusion_refusal"]
 
 
 @dataclass(frozen=True)
@@ -147,12 +147,12 @@ RS_AG_LINK_BYTES_ONE_HOST = 5_500_000
 RS_AG_LINK_BYTES_HOSTS = 1_000_000
 
 
-class AutoBackend:
+class Router:
     """Maps sites to routes from static facts only (the site, the envelope, the group's capabilities).
 
     ``candidates(site)``: the acceptable routes in preference order (pure policy). ``decide(site)``: the first
     candidate (the static view: no group needed). ``route(site)``: the runtime's resolution, with self-checks,
-    refusal memory and fallback, cached per site; needs ``backends`` (and ``checker`` when checks are on).
+    refusal memory and fallback, cached per site; needs ``impls`` (and ``checker`` when checks are on).
     """
 
     def __init__(
@@ -160,14 +160,14 @@ class AutoBackend:
         resolved: Resolved,
         caps: Capabilities,
         *,
-        backends: Mapping[Route, RouteBackend] | None = None,
+        impls: Mapping[Route, RouteImpl] | None = None,
         checker: Callable[[BoundRoute], Verdict] | None = None,
         leaf: str = "-",
     ) -> None:
         self.resolved = resolved
         self.caps = caps
         self.leaf = leaf
-        self._backends = dict(backends or {})
+        self._impls = dict(impls or {})
         self._checker = checker
         self._bound: dict[Site, tuple[BoundRoute, RouteDecision, str]] = {}
         # (route, collective, op, shard fold of a virtual-shard site or None) -> why it was refused: a route that
@@ -387,10 +387,10 @@ class AutoBackend:
             if kind in self._refused:
                 refused.append(f"{cand.route.value}: {self._refused[kind]}")
                 continue
-            backend = self._backends.get(cand.route)
-            if backend is None:
-                raise AssertionError(f"route {cand.route.value!r} was chosen but has no backend on this group")
-            bound = backend.bind(site)
+            impl = self._impls.get(cand.route)
+            if impl is None:
+                raise AssertionError(f"route {cand.route.value!r} was chosen but has no implementation on this group")
+            bound = impl.bind(site)
             check = "-"
             if self._checker is not None and self.claims(cand, site):
                 verdict = self._checker(bound)
@@ -424,15 +424,15 @@ class AutoBackend:
         return list(self._bound)
 
     def release(self) -> None:
-        """Drop the backends, the checker and the bound routes (they hold the process group, which must not outlive
+        """Drop the route implementations, the checker and the bound routes (they hold the process group, which must not outlive
         its destruction: gloo's threads abort a process that finalizes one at exit). The decisions stay, so the
         route table still reads as before; nothing can be routed afterwards. Local."""
-        self._backends.clear()
+        self._impls.clear()
         self._checker = None
         self._bound = {s: (cast("BoundRoute", None), d, c) for s, (_, d, c) in self._bound.items()}
 
     def table(self, sites: Sequence[Site], *, note: str = "") -> RouteTable:
-        """The route table of ``sites``: live entries for sites this backend has bound, the static decision
+        """The route table of ``sites``: live entries for sites this router has bound, the static decision
         (``selfcheck`` reads "static") for the others. Local; identical on every rank."""
         entries = []
         for s in sites:

@@ -32,9 +32,6 @@ from typing import cast
 import torch
 import torch.distributed as dist
 
-from .backends import guard
-from .backends.guard import hash_text
-from .backends.native import NativeBackend
 from .dtypes import name_of
 from .invariance import (
     Composition,
@@ -48,6 +45,9 @@ from .invariance import rows_changed as _rows_differing
 from .numerics.fold import average, canonical_nan, reference_fold
 from .numerics.tree import reference_tree
 from .payload import ill_conditioned, with_specials
+from .route_impls import guard
+from .route_impls.guard import hash_text
+from .route_impls.native import NativeRoute
 from .sites import NO_ARGS, BoundRoute, CallArgs, Collective, ReduceOp, Route, Site
 
 __all__ = ["CheckKey", "CheckResult", "SelfChecks", "run_check", "bits_equal", "declaration", "is_resource_error"]
@@ -56,7 +56,7 @@ _BASE_ROWS = 3
 # Filler rows the compositions of check (b) draw from (detcomm.invariance places the checked rows among them).
 _FILLER_ROWS = 8
 _SEED = 0x5E1FC
-_DECLARE = 0x0DE7C0_DEC1  # the declaration header's tag (backends/guard.py)
+_DECLARE = 0x0DE7C0_DEC1  # the declaration header's tag (route_impls/guard.py)
 
 
 @dataclass(frozen=True)
@@ -128,7 +128,7 @@ def run_check(
     key: CheckKey,
     execute: Callable[[torch.Tensor], torch.Tensor],
     *,
-    native: NativeBackend,
+    native: NativeRoute,
     device: torch.device,
 ) -> CheckResult:
     """Run the four checks of ``key``'s route through ``execute`` (the route's collective); gathers and the
@@ -229,7 +229,7 @@ def _shards_first(execute: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[
 
 
 def _checks(key: CheckKey, execute: Callable[[torch.Tensor], torch.Tensor], *, w: int, rank: int,
-            native: NativeBackend, device: torch.device) -> list[str]:
+            native: NativeRoute, device: torch.device) -> list[str]:
     rs = key.collective is Collective.REDUCE_SCATTER
     blocks = w if rs else 1  # a reduce-scatter input is W row blocks; rank r receives block r
     if key.virtual_shards is not None:
@@ -286,11 +286,11 @@ def _checks(key: CheckKey, execute: Callable[[torch.Tensor], torch.Tensor], *, w
 class SelfChecks:
     """The group's self-check runner and its results, one per (route, collective, op, dtype, shape).
 
-    Routing (route.AutoBackend.route) calls it with the bound route of a candidate that claims exact bits; a
+    Routing (route.Router.route) calls it with the bound route of a candidate that claims exact bits; a
     result is reused for every site with the same key. Calling it is collective over the group.
     """
 
-    def __init__(self, *, native: NativeBackend, device: torch.device) -> None:
+    def __init__(self, *, native: NativeRoute, device: torch.device) -> None:
         self.native = native
         self.device = device
         self.results: dict[CheckKey, CheckResult] = {}

@@ -3,10 +3,10 @@
 Collective, ReduceOp and Route name what a site issues and what can carry it (``ROUTE_INFO``: what each route
 moves and whether its floating-point SUM is the canonical fold); ``Site`` is a call site's static declaration,
 validated here, without a group; ``Capabilities`` the static facts of a group found at startup; ``CallArgs``,
-``BoundRoute`` and ``RouteBackend`` the protocol between the communicator, the router and the routes. The
+``BoundRoute`` and ``RouteImpl`` the protocol between the communicator, the router and the routes. The
 defaults the static route view reads (``DEFAULT_*``) live here too, torch-free.
 
-The router (detcomm/route.py) decides, the routes (detcomm/backends/) bind, the workspace's admission and the
+The router (detcomm/route.py) decides, the routes (detcomm/route_impls/) bind, the workspace's admission and the
 numerics' fusion rule read sites: all of them import these names from here, so none of them imports the policy
 for its words. Torch-free: torch appears only in annotations.
 """
@@ -35,7 +35,7 @@ __all__ = [
     "CallArgs",
     "NO_ARGS",
     "BoundRoute",
-    "RouteBackend",
+    "RouteImpl",
     "DEFAULT_MAX_ROWS",
     "DEFAULT_WORKSPACE_MAX_ROWS",
     "DEFAULT_WORKSPACE_BYTES",
@@ -140,7 +140,7 @@ class Site:
         max_rows: the most rows a call will carry (per rank, for gathers).
         op: the reduce op (all_reduce, reduce_scatter); "max" for argmax by definition.
         group: the group's name as torch.distributed knows it.
-        route: a forced route, or None for AutoBackend's choice.
+        route: a forced route, or None for Router's choice.
         implicit: declared from a first call rather than by ``detcomm.site``.
         virtual_shards: V for a virtual-shard site (docs/spec.md §9.1): every call passes this rank's V/W fp32
             partial sums and the result is the canonical fold over the V shards, the same bits for every W that
@@ -300,7 +300,7 @@ NO_ARGS = CallArgs()
 class BoundRoute(Protocol):
     """A site bound to one route: what the communicator calls for every call of that site.
 
-    Calling it is collective over the site's group. Every route backend returns one from ``bind``.
+    Calling it is collective over the site's group. Every route implementation returns one from ``bind``.
     """
 
     @property
@@ -318,8 +318,8 @@ class BoundRoute(Protocol):
     def __call__(self, x: torch.Tensor, args: CallArgs) -> torch.Tensor: ...
 
 
-class RouteBackend(Protocol):
-    """One route's implementation on one group (detcomm/backends/, one file each)."""
+class RouteImpl(Protocol):
+    """One route's implementation on one group (detcomm/route_impls/, one file each)."""
 
     route: Route
 

@@ -116,7 +116,7 @@ class CallChecker:
         }
         calls: list[object] = [None] * self.world_size
         dist.all_gather_object(calls, readable, group=self.native.group)
-        if not all(isinstance(c, dict) for c in calls):  # a rank in another header's exchange (backends/guard.py)
+        if not all(isinstance(c, dict) for c in calls):  # a rank in another header's exchange (route_impls/guard.py)
             seen = "; ".join(f"rank {r}: {c}" for r, c in enumerate(calls))
             raise CollectiveMismatch(f"detcomm check: the ranks made different collective calls at site {name!r}, "
                                      f"call #{seq} ({seen})")

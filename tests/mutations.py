@@ -126,7 +126,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     M("4-loop", "4", "the self-checks run every variant the bound route exposes", "detcomm/selfcheck.py",
       *_LOOP,
       (VARIANTS_TEST,), gpu=False, limit_s=180),
-    M("4-bind", "4", "ipc_fold exposes every variant the workspace lists", "detcomm/backends/ipc_fold.py",
+    M("4-bind", "4", "ipc_fold exposes every variant the workspace lists", "detcomm/route_impls/ipc_fold.py",
       "        return Bound(bound.route, bound.site, bound.call, forced, in_place=in_place)",
       "        return Bound(bound.route, bound.site, bound.call, in_place=in_place)  # mutant: no forced variants",
       (VARIANTS_TEST,), gpu=False, limit_s=180),
@@ -187,10 +187,10 @@ MUTATIONS: tuple[Mutation, ...] = (
       "  if (ab == 0u) return false;",
       "  return false;  // mutant: no look at the abort word before waiting",
       (DEADLINE_TEST, DEADLINE_ONE_STORE), gpu=True, limit_s=150),
-    # The call guard (detcomm/backends/guard.py): the separate header of host-memory groups, and the header inside
+    # The call guard (detcomm/route_impls/guard.py): the separate header of host-memory groups, and the header inside
     # every route's message on device groups (forced on gloo by the test, the same torch ops).
     M("g-header", "call", "the separate call header is compared before the call's data moves",
-      "detcomm/backends/guard.py",
+      "detcomm/route_impls/guard.py",
       '        """Collective: raise ``CollectiveMismatch`` on every rank unless every rank makes this same call."""\n'
       "        exchange(",
       '        """Collective: raise ``CollectiveMismatch`` on every rank unless every rank makes this same call."""\n'
@@ -198,7 +198,7 @@ MUTATIONS: tuple[Mutation, ...] = (
       (f"{GUARD_MODES}::test_every_route_raises_on_a_mismatched_call[W3-header]",
        "tests/test_robust_calls.py::test_mismatched_calls_raise_on_every_rank_on_every_route"), gpu=False, limit_s=300),
     M("g-message", "call", "the headers inside a call's messages are compared before the call returns",
-      "detcomm/backends/guard.py",
+      "detcomm/route_impls/guard.py",
       "        _mismatch(self.native, got, ints, readable)",
       "        pass  # mutant: the in-message headers are never compared",
       (f"{GUARD_MODES}::test_every_route_raises_on_a_mismatched_call[W3-in_message]",), gpu=False, limit_s=300),

@@ -110,7 +110,7 @@ def job_wrong_site_same_shape(rank: int, w: int, guard: bool) -> str:
             comm.site(name, collective=coll, dtype=torch.float32, shape=(4,), max_rows=2 * w)
         if not guard:  # the negative control: the same routes called without the call guard's header
             for sc in comm._site_calls.values():
-                backend = comm._backends[sc.bound.route]
+                backend = comm._impls[sc.bound.route]
                 sc.header = None
                 sc.bound = lambda x, a, b=backend, op=sc.site.op, c=sc.site.collective: (
                     b.all_reduce(x, op) if c.value == "all_reduce" else b.reduce_scatter(x, op))

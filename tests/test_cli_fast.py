@@ -29,7 +29,7 @@ def _live_decisions(rows: list[dict[str, str]], backend: str, world: int) -> lis
     import torch
 
     from detcomm.envelope import resolve_numerics
-    from detcomm.route import AutoBackend
+    from detcomm.route import Router
     from detcomm.sites import (
         DEFAULT_WORKSPACE_BYTES,
         DEFAULT_WORKSPACE_MAX_ROWS,
@@ -45,7 +45,7 @@ def _live_decisions(rows: list[dict[str, str]], backend: str, world: int) -> lis
     else:
         caps = Capabilities(backend="gloo", device_type="cpu", world_size=world, workspace=False,
                             workspace_reason="CPU group: no CUDA-IPC workspace")
-    router = AutoBackend(resolve_numerics("rl-bitwise"), caps)
+    router = Router(resolve_numerics("rl-bitwise"), caps)
     out = []
     for r in rows:
         site = Site(r["site"], Collective(r["collective"]), getattr(torch, r["dtype"]),
@@ -88,7 +88,7 @@ def test_routes_show_layer_boundary_norm_sites() -> None:
     import torch
 
     from detcomm.envelope import resolve_numerics
-    from detcomm.route import AutoBackend
+    from detcomm.route import Router
     from detcomm.sites import DEFAULT_WORKSPACE_BYTES, Capabilities, Collective, Site
 
     specs = ["b.add_norm:all_reduce_rmsnorm:bf16:4096:2048", "o.add_norm:all_reduce_rmsnorm:bf16:4096:2048:sum:vs=8",
@@ -99,7 +99,7 @@ def test_routes_show_layer_boundary_norm_sites() -> None:
     assert status["rc"] == 0
     caps = Capabilities(backend="nccl", device_type="cuda", world_size=4, workspace=True, workspace_max_rows=2048,
                         workspace_bytes=DEFAULT_WORKSPACE_BYTES)
-    router = AutoBackend(resolve_numerics("rl-bitwise"), caps)
+    router = Router(resolve_numerics("rl-bitwise"), caps)
     for r, (vs, fold) in zip(rows, [(None, "order"), (8, "order"), (8, "tree")], strict=True):
         site = Site(r["site"], Collective.ALL_REDUCE_RMSNORM, torch.bfloat16, (4096,), 2048, virtual_shards=vs,
                     shard_fold=fold)

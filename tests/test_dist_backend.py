@@ -500,12 +500,12 @@ def job_mutant_fold(rank: int, w: int) -> dict[str, object]:
     import torch.distributed as dist
 
     import detcomm.dist_backend  # noqa: F401 - registers the backend
-    from detcomm.backends.gather_fold import GatherFoldBackend
     from detcomm.errors import RouteRefused
+    from detcomm.route_impls.gather_fold import GatherFoldRoute
 
     inputs = [ill_bits(1, 300, "float32", seed=61, rank=q).reshape(-1) for q in range(w)]
     want, reversed_fold = oracle.fold_oracle(inputs, "float32"), oracle.fold_oracle(inputs[::-1], "float32")
-    original = GatherFoldBackend._fold
+    original = GatherFoldRoute._fold
 
     def mutant(self, stacked, dtype, op):  # type: ignore[no-untyped-def]
         return original(self, stacked.flip(0), dtype, op)
@@ -515,7 +515,7 @@ def job_mutant_fold(rank: int, w: int) -> dict[str, object]:
     dist.all_reduce(x, group=pg)  # declares and self-checks the site of 300 fp32 elements
     out: dict[str, object] = {"before": bool(np.array_equal(to_bits(x), want)),
                               "discriminates": not np.array_equal(reversed_fold, want)}
-    GatherFoldBackend._fold = mutant  # type: ignore[method-assign]
+    GatherFoldRoute._fold = mutant  # type: ignore[method-assign]
     try:
         x = to_torch(inputs[rank], "float32")
         dist.all_reduce(x, group=pg)
@@ -528,7 +528,7 @@ def job_mutant_fold(rank: int, w: int) -> dict[str, object]:
             out["refused"] = str(e)
         dist.destroy_process_group(fresh)
     finally:
-        GatherFoldBackend._fold = original  # type: ignore[method-assign]
+        GatherFoldRoute._fold = original  # type: ignore[method-assign]
     dist.destroy_process_group(pg)
     return out
 

@@ -1,4 +1,4 @@
-"""Envelope precedence and refusals, the launcher environment, and AutoBackend's static decisions."""
+"""Envelope precedence and refusals, the launcher environment, and Router's static decisions."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from detcomm.envelope import (
     unregister_numerics_envelope,
     warn_missing_environment,
 )
-from detcomm.route import AutoBackend
+from detcomm.route import Router
 from detcomm.sites import Capabilities, Collective, ReduceOp, Route, Site
 
 
@@ -188,7 +188,7 @@ def _site(coll: str, dtype: torch.dtype = torch.bfloat16, op: str = "sum", max_r
 
 
 def test_route_is_static_no_tensor_argument() -> None:
-    params = list(inspect.signature(AutoBackend.route).parameters)
+    params = list(inspect.signature(Router.route).parameters)
     assert params == ["self", "site"]
 
 
@@ -206,14 +206,14 @@ def test_route_is_static_no_tensor_argument() -> None:
     ("auto", GPU8_WS, "all_reduce", torch.bfloat16, "sum", 2048, Route.NATIVE),
 ])
 def test_route_decisions(numerics, caps, coll, dtype, op, max_rows, expected) -> None:  # noqa: ANN001
-    auto = AutoBackend(resolve_numerics(numerics), caps)
+    auto = Router(resolve_numerics(numerics), caps)
     d = auto.decide(_site(coll, dtype, op, max_rows))
     assert d.route is expected, d.why
     assert auto.decide(_site(coll, dtype, op, max_rows)) == d  # a pure function of static facts
 
 
 def test_force_deterministic_rsag_keeps_native_plus_fold() -> None:
-    auto = AutoBackend(resolve_numerics("rl-bitwise", force_deterministic_rsag=True), GPU8_WS)
+    auto = Router(resolve_numerics("rl-bitwise", force_deterministic_rsag=True), GPU8_WS)
     assert auto.decide(_site("all_reduce")).route is Route.RS_AG_FOLD  # 16 MiB at W = 8: above its break-even
     assert auto.decide(_site("all_reduce", max_rows=8)).route is Route.GATHER_FOLD
     assert auto.decide(_site("reduce_scatter")).route is Route.A2A_FOLD
@@ -221,14 +221,14 @@ def test_force_deterministic_rsag_keeps_native_plus_fold() -> None:
 
 
 def test_forced_routes_validated() -> None:
-    rl = AutoBackend(resolve_numerics("rl-bitwise"), CPU4)
+    rl = Router(resolve_numerics("rl-bitwise"), CPU4)
     with pytest.raises(ValueError, match="not batch-invariant"):
         rl.decide(_site("all_reduce", route=Route.NATIVE))
     with pytest.raises(ValueError, match="route='ipc_fold' is unavailable"):
         rl.decide(_site("all_reduce", route=Route.IPC_FOLD))
     with pytest.raises(ValueError, match="cannot carry all_reduce"):
         _site("all_reduce", route=Route.A2A_FOLD)
-    auto = AutoBackend(resolve_numerics("auto"), CPU4)
+    auto = Router(resolve_numerics("auto"), CPU4)
     assert auto.decide(_site("all_reduce", route=Route.GATHER_FOLD)).route is Route.GATHER_FOLD
     with pytest.raises(ValueError, match="MAX reductions run on the native route"):
         auto.decide(_site("all_reduce", op="max", route=Route.GATHER_FOLD))

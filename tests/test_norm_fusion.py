@@ -10,7 +10,7 @@ import torch
 from detcomm.envelope import resolve_numerics
 from detcomm.numerics import norm
 from detcomm.numerics.fold import BATCH_INVARIANT
-from detcomm.route import AutoBackend
+from detcomm.route import Router
 from detcomm.route import fusion_refusal as route_fusion_refusal
 from detcomm.sites import Capabilities, Collective, Route, Site
 from detcomm.workspace import kernels, plan
@@ -48,17 +48,17 @@ def test_fusion_refusal_reasons() -> None:
 
 
 def test_route_table_names_the_fused_kernel_or_why_not() -> None:
-    fused = AutoBackend(resolve_numerics("rl-bitwise"), GPU2_WS).decide(_site())
+    fused = Router(resolve_numerics("rl-bitwise"), GPU2_WS).decide(_site())
     assert fused.route is Route.IPC_FOLD and "fused with the residual add + RMSNorm in one kernel" in fused.why
-    unfused = AutoBackend(resolve_numerics("rl-bitwise", layer_boundary_norm="unfused"), GPU2_WS).decide(_site())
+    unfused = Router(resolve_numerics("rl-bitwise", layer_boundary_norm="unfused"), GPU2_WS).decide(_site())
     assert unfused.route is Route.IPC_FOLD and "composition: fusion off (layer_boundary_norm='unfused')" in unfused.why
     # Without the workspace the fold route composes (no fused kernel there), whatever the switch says.
-    cpu = AutoBackend(resolve_numerics("rl-bitwise"), Capabilities(backend="gloo", device_type="cpu", world_size=2))
+    cpu = Router(resolve_numerics("rl-bitwise"), Capabilities(backend="gloo", device_type="cpu", world_size=2))
     d = cpu.decide(_site())
     assert d.route is Route.GATHER_FOLD and d.why.endswith("(composition)")
     # Plain all-reduce sites are untouched.
     ar = Site("o_proj", Collective.ALL_REDUCE, torch.bfloat16, (4096,), 256)
-    assert "RMSNorm" not in AutoBackend(resolve_numerics("rl-bitwise"), GPU2_WS).decide(ar).why
+    assert "RMSNorm" not in Router(resolve_numerics("rl-bitwise"), GPU2_WS).decide(ar).why
 
 
 def test_fused_launch_geometry() -> None:
@@ -227,7 +227,7 @@ def test_fused_launches_take_the_wide_kernels_exactly_for_wide_rows() -> None:
 
 
 class _LayoutOnlyWorkspace:
-    """What IpcFoldBackend reads of a workspace to bind a fused site, on the CPU: its W, no all-reduce variants
+    """What IpcFoldRoute reads of a workspace to bind a fused site, on the CPU: its W, no all-reduce variants
     (the site's plain all-reduce is not bound to kernels) and the fused kernel's paths."""
 
     world_size = 2
@@ -242,15 +242,15 @@ class _LayoutOnlyWorkspace:
 def test_sites_the_fused_kernels_would_stream_take_the_composition() -> None:
     """A fused site is served by the fused kernel when its rows are in registers or wide (up to 8192 bf16 at W =
     2, 4096 at W = 8), and by the composition when the kernel would stream them: the route table says why
-    (AutoBackend.decide) and the workspace route binds no fused kernel (IpcFoldBackend), from the same rule."""
-    from detcomm.backends.ipc_fold import IpcFoldBackend
+    (Router.decide) and the workspace route binds no fused kernel (IpcFoldRoute), from the same rule."""
+    from detcomm.route_impls.ipc_fold import IpcFoldRoute
 
     bitwise = resolve_numerics("rl-bitwise")
-    backend = IpcFoldBackend(_LayoutOnlyWorkspace(), resolved=bitwise)  # type: ignore[arg-type]
+    backend = IpcFoldRoute(_LayoutOnlyWorkspace(), resolved=bitwise)  # type: ignore[arg-type]
     gpu8 = Capabilities(backend="nccl", device_type="cuda", world_size=8, workspace=True, workspace_max_rows=2048)
     for caps, hidden, fused in ((GPU2_WS, 4096, True), (GPU2_WS, 8192, True), (GPU2_WS, 8193, False),
                                 (GPU2_WS, 16384, False), (gpu8, 4096, True), (gpu8, 8192, False)):
-        d = AutoBackend(bitwise, caps).decide(_site((hidden,)))
+        d = Router(bitwise, caps).decide(_site((hidden,)))
         assert d.route is Route.IPC_FOLD, d
         assert ("fused with the residual add + RMSNorm in one kernel" in d.why) == fused, (hidden, d.why)
         assert ("composition: rows of" in d.why and "wider rows take the composition" in d.why) == (not fused), d.why
@@ -278,7 +278,7 @@ def test_virtual_norm_sites_route_fused_or_composed() -> None:
     for w in (2, 4):
         caps = Capabilities(backend="nccl", device_type="cuda", world_size=w, workspace=True, workspace_max_rows=2048,
                             workspace_bytes=32 << 20)
-        auto = AutoBackend(bitwise, caps)
+        auto = Router(bitwise, caps)
         d = auto.decide(_tree_site())
         assert d.route is Route.IPC_FOLD and "tree kernels" in d.why, d
         assert "fused with the residual add + RMSNorm in one kernel" in d.why, d
@@ -288,17 +288,17 @@ def test_virtual_norm_sites_route_fused_or_composed() -> None:
         assert "composition: " + wide in auto.decide(_tree_site(shape=(65536,))).why
         d = auto.decide(_tree_site("order"))
         assert d.route is Route.IPC_FOLD and "composition: no fused kernel folds the shard order" in d.why, d
-        off = AutoBackend(resolve_numerics("rl-bitwise", layer_boundary_norm="unfused"), caps).decide(_tree_site())
+        off = Router(resolve_numerics("rl-bitwise", layer_boundary_norm="unfused"), caps).decide(_tree_site())
         assert off.route is Route.IPC_FOLD and "composition: fusion off" in off.why, off
         d = auto.decide(_tree_site(route=Route.A2A_FOLD))
         assert d.route is Route.A2A_FOLD and d.why.endswith("(composition)"), d
         assert [c.route for c in auto.candidates(_tree_site())] == [Route.IPC_FOLD, Route.GATHER_FOLD, Route.A2A_FOLD]
-    cpu = AutoBackend(bitwise, Capabilities(backend="gloo", device_type="cpu", world_size=4))
+    cpu = Router(bitwise, Capabilities(backend="gloo", device_type="cpu", world_size=4))
     for fold in ("tree", "order"):
         d = cpu.decide(_tree_site(fold))
         assert d.route is Route.GATHER_FOLD and d.why.endswith("(composition)"), d
     with pytest.raises(ValueError, match="shard_fold='order' serves every W"):
-        AutoBackend(bitwise, Capabilities(backend="gloo", device_type="cpu", world_size=3)).decide(_tree_site())
+        Router(bitwise, Capabilities(backend="gloo", device_type="cpu", world_size=3)).decide(_tree_site())
     with pytest.raises(ValueError, match="all_reduce, reduce_scatter and all_reduce_rmsnorm sites, not all_gather"):
         Site("g", Collective.ALL_GATHER, torch.bfloat16, (8,), 4, virtual_shards=8)
     with pytest.raises(ValueError, match="all_reduce sites only, and of all_reduce_rmsnorm sites"):

@@ -341,26 +341,26 @@ def test_churn_sites_and_shapes_every_call(cluster) -> None:  # noqa: ANN001
 
 def _install_lie(where: str):  # type: ignore[no-untyped-def]
     """Patch the class; returns the function that undoes it."""
-    from detcomm.backends.gather_fold import GatherFoldBackend
-    from detcomm.backends.native import NativeBackend
+    from detcomm.route_impls.gather_fold import GatherFoldRoute
+    from detcomm.route_impls.native import NativeRoute
 
     if where == "gather":
-        real = GatherFoldBackend._gathered
+        real = GatherFoldRoute._gathered
 
         def rotated(self, x, guard):  # type: ignore[no-untyped-def]
             return torch.roll(real(self, x, guard), shifts=1, dims=0)
 
-        GatherFoldBackend._gathered = rotated  # type: ignore[method-assign]
-        return lambda: setattr(GatherFoldBackend, "_gathered", real)
-    real_a2a = NativeBackend.all_to_all
+        GatherFoldRoute._gathered = rotated  # type: ignore[method-assign]
+        return lambda: setattr(GatherFoldRoute, "_gathered", real)
+    real_a2a = NativeRoute.all_to_all
 
     def rotated_a2a(self, x, ins, outs):  # type: ignore[no-untyped-def]
         out = real_a2a(self, x, ins, outs)
         # One block per source rank (the fold routes' messages carry their call-guard header; it rolls along).
         return torch.roll(out.reshape(self.world_size, -1), 1, 0).reshape(out.shape)
 
-    NativeBackend.all_to_all = rotated_a2a  # type: ignore[method-assign]
-    return lambda: setattr(NativeBackend, "all_to_all", real_a2a)
+    NativeRoute.all_to_all = rotated_a2a  # type: ignore[method-assign]
+    return lambda: setattr(NativeRoute, "all_to_all", real_a2a)
 
 
 def job_lying(rank: int, w: int, where: str, liars: str, selfcheck: bool) -> tuple[str, str]:

@@ -1,4 +1,4 @@
-"""The call guard in both of its modes (detcomm/backends/guard.py), on gloo at W = 3 and 4.
+"""The call guard in both of its modes (detcomm/route_impls/guard.py), on gloo at W = 3 and 4.
 
 A host-memory group exchanges a separate header before each call ("header"); a device group carries the header
 inside each route's own message ("in_message": appended to each rank's contribution for data movement, in a
@@ -55,7 +55,7 @@ def _comm(numerics: str, mode: str, *, selfcheck: bool):  # type: ignore[no-unty
 @contextlib.contextmanager
 def _disabled(comm, mode: str) -> Iterator[None]:  # type: ignore[no-untyped-def]
     """The guard of ``mode`` removed from this rank's calls (the negative control)."""
-    from detcomm.backends.guard import MessageGuard
+    from detcomm.route_impls.guard import MessageGuard
 
     if mode == "header":
         for sc in comm._site_calls.values():
@@ -291,9 +291,9 @@ def test_matched_calls_keep_the_oracles_bits(cluster34, mode: str) -> None:  # n
 def test_in_message_guard_on_cuda_with_nccl(tmp_path) -> None:  # noqa: ANN001
     import torch.distributed as dist
 
-    from detcomm.backends.guard import HEADER_BYTES, MessageGuard
-    from detcomm.backends.native import NativeBackend
     from detcomm.errors import CollectiveMismatch
+    from detcomm.route_impls.guard import HEADER_BYTES, MessageGuard
+    from detcomm.route_impls.native import NativeRoute
     from detcomm.sites import Collective, ReduceOp, Site
 
     if dist.is_initialized():
@@ -302,7 +302,7 @@ def test_in_message_guard_on_cuda_with_nccl(tmp_path) -> None:  # noqa: ANN001
     dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         dev = torch.device("cuda", 0)
-        plain, guarded = NativeBackend(dist.group.WORLD), NativeBackend(dist.group.WORLD, in_message=True)
+        plain, guarded = NativeRoute(dist.group.WORLD), NativeRoute(dist.group.WORLD, in_message=True)
 
         def run(coll: Collective, op: ReduceOp, dtype: torch.dtype, x: torch.Tensor, **kw: object):  # type: ignore[no-untyped-def]
             site = Site(f"g.{coll.value}.{op.value}.{dtype}", coll, dtype, tuple(x.shape[1:]), 64, op)

@@ -78,18 +78,18 @@ class _StandInWorkspace:
 
 
 def job_variant_checks(rank: int, w: int) -> list[tuple[str | None, bool, str, list[str]]]:
-    from detcomm.backends.ipc_fold import IpcFoldBackend
-    from detcomm.backends.native import NativeBackend
     from detcomm.envelope import resolve_numerics
+    from detcomm.route_impls.ipc_fold import IpcFoldRoute
+    from detcomm.route_impls.native import NativeRoute
     from detcomm.selfcheck import SelfChecks
     from detcomm.sites import Collective, ReduceOp, Site
 
-    native = NativeBackend(dist.group.WORLD)
+    native = NativeRoute(dist.group.WORLD)
     site = Site("guards.ar", Collective.ALL_REDUCE, torch.float32, (24,), 64, ReduceOp.SUM)
     out = []
     for wrong in (None, "two_shot", "chunked"):
         ws = _StandInWorkspace(native, wrong)
-        result = SelfChecks(native=native, device=torch.device("cpu"))(IpcFoldBackend(ws, resolved=resolve_numerics("rl-bitwise")).bind(site))  # type: ignore[arg-type]
+        result = SelfChecks(native=native, device=torch.device("cpu"))(IpcFoldRoute(ws, resolved=resolve_numerics("rl-bitwise")).bind(site))  # type: ignore[arg-type]
         out.append((wrong, result.passed, result.key.variant, sorted(set(ws.ran))))
     return out
 

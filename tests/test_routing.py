@@ -1,4 +1,4 @@
-"""Routing in one place: AutoBackend.route is the runtime's only way to resolve a site, and every route backend
+"""Routing in one place: Router.route is the runtime's only way to resolve a site, and every route implementation
 binds sites to objects that satisfy the BoundRoute protocol."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from detcomm.backends import A2AFoldBackend, GatherFoldBackend, NativeBackend
 from detcomm.envelope import resolve_numerics
 from detcomm.errors import RouteRefused
 from detcomm.numerics.fold import select_leaf
-from detcomm.route import AutoBackend
+from detcomm.route import Router
+from detcomm.route_impls import A2AFoldRoute, GatherFoldRoute, NativeRoute
 from detcomm.sites import _CARRIES, NO_ARGS, BoundRoute, CallArgs, Capabilities, Collective, ReduceOp, Route, Site
 
 CPU1 = Capabilities(backend="gloo", device_type="cpu", world_size=1)
@@ -42,16 +42,16 @@ def _site(coll: Collective, *, dtype=torch.float32, op=ReduceOp.SUM, shape=(5,))
     return Site(f"t.{coll.value}", coll, dtype, shape, 8, op)
 
 
-def test_every_backend_binds_what_it_carries_to_a_bound_route(group) -> None:
-    native = NativeBackend(group)
+def test_every_route_impl_binds_what_it_carries_to_a_bound_route(group) -> None:
+    native = NativeRoute(group)
     leaf = select_leaf(device_type="cpu", required=frozenset())
-    backends = {Route.NATIVE: native, Route.GATHER_FOLD: GatherFoldBackend(native, leaf),
-                Route.A2A_FOLD: A2AFoldBackend(native, leaf)}
+    impls = {Route.NATIVE: native, Route.GATHER_FOLD: GatherFoldRoute(native, leaf),
+             Route.A2A_FOLD: A2AFoldRoute(native, leaf)}
     x = torch.randn(4, 5)
-    for route, backend in backends.items():
-        assert backend.route is route
+    for route, impl in impls.items():
+        assert impl.route is route
         for coll in _CARRIES[route]:
-            bound = backend.bind(_site(coll))
+            bound = impl.bind(_site(coll))
             assert isinstance(bound, BoundRoute), (route, coll)
             assert bound.route is route and bound.site.collective is coll
             args = {Collective.TOKEN_ALL_GATHER: CallArgs(rows_per_rank=(4,)),
@@ -64,45 +64,45 @@ def test_every_backend_binds_what_it_carries_to_a_bound_route(group) -> None:
 
 
 def test_binding_a_collective_the_route_cannot_carry_is_a_routing_bug(group) -> None:
-    native = NativeBackend(group)
-    fold = A2AFoldBackend(native, select_leaf(device_type="cpu", required=frozenset()))
+    native = NativeRoute(group)
+    fold = A2AFoldRoute(native, select_leaf(device_type="cpu", required=frozenset()))
     with pytest.raises(AssertionError, match="cannot carry all_reduce"):
         fold.bind(_site(Collective.ALL_REDUCE))
 
 
 class _Recorder:
-    """A route backend whose bound calls return a marker, and a checker that refuses chosen routes."""
+    """A route implementation whose bound calls return a marker, and a checker that refuses chosen routes."""
 
     def __init__(self, route: Route) -> None:
         self.route = route
         self.bound: list[Site] = []
 
     def bind(self, site: Site) -> BoundRoute:
-        from detcomm.backends import Bound
+        from detcomm.route_impls import Bound
 
         self.bound.append(site)
         return Bound(self.route, site, lambda x, a: x)
 
 
-def _auto(refuse: set[Route], *, checks: list[str]) -> AutoBackend:
+def _auto(refuse: set[Route], *, checks: list[str]) -> Router:
     def checker(bound: BoundRoute) -> _Verdict:
         checks.append(f"{bound.route.value}:{bound.site.name}")
         return _Verdict(bound.route not in refuse, "planted failure", f"{bound.route.value} check")
 
-    backends = {r: _Recorder(r) for r in (Route.NATIVE, Route.GATHER_FOLD, Route.A2A_FOLD)}
-    return AutoBackend(resolve_numerics("rl-bitwise"), CPU1, backends=backends, checker=checker)
+    impls = {r: _Recorder(r) for r in (Route.NATIVE, Route.GATHER_FOLD, Route.A2A_FOLD)}
+    return Router(resolve_numerics("rl-bitwise"), CPU1, impls=impls, checker=checker)
 
 
 def test_route_checks_remembers_refusals_and_falls_back_only_to_a_canonical_route() -> None:
     checks: list[str] = []
     gpu = Capabilities(backend="nccl", device_type="cuda", world_size=1, workspace=True, workspace_max_rows=64)
-    backends = {r: _Recorder(r) for r in Route}
+    impls = {r: _Recorder(r) for r in Route}
 
     def checker(bound: BoundRoute) -> _Verdict:
         checks.append(bound.route.value)
         return _Verdict(bound.route is not Route.IPC_FOLD, "planted failure", "ipc check")
 
-    auto = AutoBackend(resolve_numerics("rl-bitwise"), gpu, backends=backends, checker=checker)
+    auto = Router(resolve_numerics("rl-bitwise"), gpu, impls=impls, checker=checker)
     s1 = Site("a", Collective.ALL_REDUCE, torch.bfloat16, (8,), 16)
     assert auto.decide(s1).route is Route.IPC_FOLD  # the static view
     b1 = auto.route(s1)
@@ -138,7 +138,7 @@ def test_route_without_claim_is_not_checked() -> None:
 def test_route_table_says_when_a_site_is_chunked() -> None:
     caps = Capabilities(backend="nccl", device_type="cuda", world_size=2, workspace=True, workspace_max_rows=2048,
                         workspace_bytes=16 << 20)
-    auto = AutoBackend(resolve_numerics("rl-bitwise"), caps)
+    auto = Router(resolve_numerics("rl-bitwise"), caps)
     wide = Site("o", Collective.ALL_REDUCE, torch.bfloat16, (8192,), 2048)
     assert "2 launches per call at max_rows" in auto.decide(wide).why
     narrow = Site("n", Collective.ALL_REDUCE, torch.bfloat16, (4096,), 2048)

@@ -104,17 +104,17 @@ def job_negative_controls(rank: int, w: int) -> tuple[bool, bool, bool]:
     """(the route equals the oracle, the reversed-order oracle differs from the route, a route variant whose leaf
     folds in reversed rank order differs from the oracle) on an ill-conditioned payload."""
     import detcomm
-    from detcomm.backends.rs_ag_fold import RsAgFoldBackend
     from detcomm.numerics.fold import Leaf, portable_fold
+    from detcomm.route_impls.rs_ag_fold import RsAgFoldRoute
     from detcomm.sites import ReduceOp
 
     comm = detcomm.init(numerics="rl-bitwise")
     try:
         inputs = [ill_bits(64, 129, "bfloat16", seed=3, rank=r) for r in range(w)]
         x = to_torch(inputs[rank], "bfloat16")
-        good = RsAgFoldBackend(comm._native, comm.leaf).all_reduce(x, ReduceOp.SUM)
+        good = RsAgFoldRoute(comm._native, comm.leaf).all_reduce(x, ReduceOp.SUM)
         rev_leaf = Leaf("reversed", lambda s, d: portable_fold(s.flip(0), d))
-        bad = RsAgFoldBackend(comm._native, rev_leaf).all_reduce(x, ReduceOp.SUM)
+        bad = RsAgFoldRoute(comm._native, rev_leaf).all_reduce(x, ReduceOp.SUM)
         expected = oracle.fold_oracle(inputs, "bfloat16")
         return (bool(np.array_equal(to_bits(good), expected)),
                 not np.array_equal(to_bits(good), _reversed_oracle(inputs, "bfloat16")),
@@ -124,7 +124,7 @@ def job_negative_controls(rank: int, w: int) -> tuple[bool, bool, bool]:
 
 
 class _Counting:
-    """A NativeBackend stand-in that counts the bytes this rank receives from the other ranks."""
+    """A NativeRoute stand-in that counts the bytes this rank receives from the other ranks."""
 
     def __init__(self, native) -> None:  # type: ignore[no-untyped-def]  # noqa: ANN001
         self.native, self.world_size, self.rank, self.stage = native, native.world_size, native.rank, native.stage
@@ -148,16 +148,16 @@ def job_bytes(rank: int, w: int) -> tuple[int, int, int, int]:
     """Bytes received per rank (from the other ranks) by rs_ag_fold and gather_fold for one 4 MiB bf16 message,
     payload only (the call guard's 16 bytes per message left out: guard=None), and their collective counts."""
     import detcomm
-    from detcomm.backends.gather_fold import GatherFoldBackend
-    from detcomm.backends.rs_ag_fold import RsAgFoldBackend
+    from detcomm.route_impls.gather_fold import GatherFoldRoute
+    from detcomm.route_impls.rs_ag_fold import RsAgFoldRoute
     from detcomm.sites import ReduceOp
 
     comm = detcomm.init(numerics="rl-bitwise", selfcheck=False)
     try:
         x = torch.ones(512, 4096, dtype=torch.bfloat16)
         rs, ga = _Counting(comm._native), _Counting(comm._native)
-        a = RsAgFoldBackend(rs, comm.leaf).all_reduce(x, ReduceOp.SUM)  # type: ignore[arg-type]
-        b = GatherFoldBackend(ga, comm.leaf).all_reduce(x, ReduceOp.SUM)  # type: ignore[arg-type]
+        a = RsAgFoldRoute(rs, comm.leaf).all_reduce(x, ReduceOp.SUM)  # type: ignore[arg-type]
+        b = GatherFoldRoute(ga, comm.leaf).all_reduce(x, ReduceOp.SUM)  # type: ignore[arg-type]
         assert torch.equal(a, b)
         return rs.received, ga.received, rs.collectives, ga.collectives
     finally:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from detcomm.envelope import resolve_numerics
-from detcomm.route import AutoBackend
+from detcomm.route import Router
 from detcomm.sites import Capabilities, Collective, ReduceOp, Route, Site
 
 LINK = {1: 5_500_000, 2: 1_000_000}
@@ -22,9 +22,9 @@ def _break_even(w: int, hosts: int) -> int:
     return -(-LINK[min(hosts, 2)] * w // ((w - 1) * (w - 2)))
 
 
-def _auto(w: int, hosts: int = 1, **caps: object) -> AutoBackend:
+def _auto(w: int, hosts: int = 1, **caps: object) -> Router:
     c = Capabilities(backend="gloo", device_type="cpu", world_size=w, hosts=hosts, **caps)  # type: ignore[arg-type]
-    return AutoBackend(resolve_numerics("rl-bitwise"), c)
+    return Router(resolve_numerics("rl-bitwise"), c)
 
 
 def _site(nbytes_rows: int, coll: Collective = Collective.ALL_REDUCE, op: ReduceOp = ReduceOp.SUM) -> Site:
@@ -67,14 +67,14 @@ def test_which_sites_take_it() -> None:
     assert auto.decide(_site(big, op=ReduceOp.MAX)).route is Route.NATIVE
     v = Site("v", Collective.ALL_REDUCE, torch.float32, (1,), big, virtual_shards=8)
     assert auto.decide(v).route is Route.GATHER_FOLD  # virtual-shard sites keep their own rule (§9.1)
-    auto_env = AutoBackend(resolve_numerics("auto"), Capabilities(backend="gloo", device_type="cpu", world_size=4))
+    auto_env = Router(resolve_numerics("auto"), Capabilities(backend="gloo", device_type="cpu", world_size=4))
     assert auto_env.decide(_site(big)).route is Route.NATIVE
     with pytest.raises(ValueError, match="cannot carry reduce_scatter"):
         Site("r", Collective.REDUCE_SCATTER, torch.float32, (1,), 8, route=Route.RS_AG_FOLD)
 
 
 def test_workspace_first_where_it_serves() -> None:
-    auto = AutoBackend(
+    auto = Router(
         resolve_numerics("rl-bitwise"),
         Capabilities(backend="nccl", device_type="cuda", world_size=8, workspace=True, workspace_max_rows=2048,
                      workspace_bytes=32 << 20))
@@ -90,7 +90,7 @@ def test_cli_nodes_matches_the_router(capsys: pytest.CaptureFixture[str]) -> Non
     argv = ["routes", "--numerics", "rl-bitwise", "--backend", "nccl", "--world-size", "16", "--nodes", "2", "--json"]
     assert main([*argv, *[x for s in sites for x in ("--site", s)]]) == 0
     rows = {r["site"]: r for r in json.loads(capsys.readouterr().out)}
-    auto = AutoBackend(resolve_numerics("rl-bitwise"), Capabilities(
+    auto = Router(resolve_numerics("rl-bitwise"), Capabilities(
         backend="nccl", device_type="cuda", world_size=16, hosts=2,
         workspace_reason="ranks on several hosts: CUDA IPC does not cross hosts"))
     dt = {"bf16": torch.bfloat16, "fp32": torch.float32}

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from detcomm.envelope import resolve_numerics
-from detcomm.route import AutoBackend
+from detcomm.route import Router
 from detcomm.sites import Capabilities, Collective, Route, Site
 
 ARMED = 2048
@@ -16,7 +16,7 @@ CAPS = Capabilities(backend="nccl", device_type="cuda", world_size=2, workspace=
 
 
 def _decide(coll: Collective, shape: tuple[int, ...], max_rows: int, caps: Capabilities = CAPS):  # noqa: ANN202
-    auto = AutoBackend(resolve_numerics("rl-bitwise"), caps)
+    auto = Router(resolve_numerics("rl-bitwise"), caps)
     return auto.decide(Site("s", coll, torch.bfloat16, shape, max_rows))
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from detcomm.envelope import resolve_numerics
-from detcomm.route import AutoBackend
+from detcomm.route import Router
 from detcomm.sites import NO_ARGS, Capabilities, Collective, Route, Site
 
 ARMED = 2048
@@ -24,7 +24,7 @@ def _site(coll: Collective = Collective.ALL_REDUCE, shape: tuple[int, ...] = (40
 
 
 def _candidates(site: Site, caps: Capabilities = CAPS, numerics: str = "rl-bitwise", **switches: object):  # noqa: ANN202
-    return AutoBackend(resolve_numerics(numerics, **switches), caps).candidates(site)
+    return Router(resolve_numerics(numerics, **switches), caps).candidates(site)
 
 
 def test_armed_workspace_takes_virtual_all_reduce_first() -> None:
@@ -89,10 +89,10 @@ class _FakeWorkspace:
 
 
 def test_ipc_fold_binds_virtual_sites_with_every_variant_forced() -> None:
-    from detcomm.backends.ipc_fold import IpcFoldBackend
+    from detcomm.route_impls.ipc_fold import IpcFoldRoute
 
     ws = _FakeWorkspace(["one_shot", "two_shot", "chunked"])
-    bound = IpcFoldBackend(ws, resolved=resolve_numerics("rl-bitwise")).bind(_site(max_rows=64))  # type: ignore[arg-type]
+    bound = IpcFoldRoute(ws, resolved=resolve_numerics("rl-bitwise")).bind(_site(max_rows=64))  # type: ignore[arg-type]
     assert ws.asked == (torch.bfloat16, 4096, 64, V // 2)
     assert bound.route is Route.IPC_FOLD and not bound.in_place
     assert list(bound.variants) == ["one_shot", "two_shot", "chunked"]
@@ -133,16 +133,16 @@ class _StandInVirtualWorkspace:
 def job_virtual_variant_checks(rank: int, w: int) -> list[tuple[str | None, bool, str, list[str]]]:
     import torch.distributed as dist
 
-    from detcomm.backends.ipc_fold import IpcFoldBackend
-    from detcomm.backends.native import NativeBackend
+    from detcomm.route_impls.ipc_fold import IpcFoldRoute
+    from detcomm.route_impls.native import NativeRoute
     from detcomm.selfcheck import SelfChecks
 
-    native = NativeBackend(dist.group.WORLD)
+    native = NativeRoute(dist.group.WORLD)
     site = Site("vs.ar", Collective.ALL_REDUCE, torch.bfloat16, (24,), 64, virtual_shards=12)
     out = []
     for wrong in (None, "one_shot", "two_shot", "chunked"):
         ws = _StandInVirtualWorkspace(native, wrong)
-        bound = IpcFoldBackend(ws, resolved=resolve_numerics("rl-bitwise")).bind(site)  # type: ignore[arg-type]
+        bound = IpcFoldRoute(ws, resolved=resolve_numerics("rl-bitwise")).bind(site)  # type: ignore[arg-type]
         result = SelfChecks(native=native, device=torch.device("cpu"))(bound)
         out.append((wrong, result.passed, result.key.variant, sorted(set(ws.ran))))
     return out

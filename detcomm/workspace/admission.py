@@ -1,8 +1,8 @@
 """Which sites the CUDA-IPC workspace (the ``ipc_fold`` route) serves, and why or why not: the workspace's answer
 to the router, from a site's static facts and the group's capabilities only, never from a call's rows.
 
-``detcomm.route.AutoBackend`` asks ``admit`` for every canonical-fold site and writes the answer into the route
-table; ``detcomm.backends.ipc_fold`` binds what it admitted. The rules, each owned here because the workspace's
+``detcomm.route.Router`` asks ``admit`` for every canonical-fold site and writes the answer into the route
+table; ``detcomm.route_impls.ipc_fold`` binds what it admitted. The rules, each owned here because the workspace's
 kernels and plan are what they describe:
 
 - armed: the workspace exists on the group, and ``force_deterministic_rsag`` does not exclude symmetric memory;

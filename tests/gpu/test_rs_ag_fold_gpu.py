@@ -36,8 +36,8 @@ def _payload(rows: int, width: int, dtype: str, seed: int, rank: int) -> np.ndar
 
 def job_two_hosts_one_gpu(rank: int, w: int) -> list[str]:
     import detcomm
-    from detcomm.backends.rs_ag_fold import RsAgFoldBackend
     from detcomm.numerics.fold import Leaf, portable_fold
+    from detcomm.route_impls.rs_ag_fold import RsAgFoldRoute
     from detcomm.sites import ReduceOp
 
     os.environ["DETCOMM_HOSTS"] = "a,a,b,b"
@@ -64,7 +64,7 @@ def job_two_hosts_one_gpu(rank: int, w: int) -> list[str]:
             inputs = [_payload(64, 129, "bfloat16", 9, r) for r in range(w)]
             x = to_torch(inputs[rank], "bfloat16").to("cuda:0")
             rev = Leaf("reversed", lambda s, d: portable_fold(s.flip(0), d))
-            bad = RsAgFoldBackend(comm._native, rev).all_reduce(x, ReduceOp.SUM)
+            bad = RsAgFoldRoute(comm._native, rev).all_reduce(x, ReduceOp.SUM)
             if np.array_equal(to_bits(bad), oracle.fold_oracle(inputs, "bfloat16")):
                 problems.append("negative control: the reversed-order variant equals the oracle")
         finally:

@@ -398,8 +398,8 @@ def test_the_route_binds_a_tree_norm_site_to_the_fused_tree_kernels(world):
     returns the tree's s; the fused call gives the oracle's (y, r)."""
     from types import SimpleNamespace
 
-    from detcomm.backends.ipc_fold import IpcFoldBackend
     from detcomm.envelope import resolve_numerics
+    from detcomm.route_impls.ipc_fold import IpcFoldRoute
     from detcomm.sites import Collective, ReduceOp
 
     v, rows, hidden, dtype = 8, 7, 4096, "bfloat16"
@@ -407,7 +407,7 @@ def test_the_route_binds_a_tree_norm_site_to_the_fused_tree_kernels(world):
                            shape=(hidden,), max_rows=128, op=ReduceOp.SUM, virtual_shards=v, shard_fold="tree",
                            row_numel=hidden)
     R = ranks(world, capacity=8 << 20)
-    bound = [IpcFoldBackend(view, resolved=resolve_numerics("rl-bitwise")).bind(site) for view in R.views]  # type: ignore[arg-type]
+    bound = [IpcFoldRoute(view, resolved=resolve_numerics("rl-bitwise")).bind(site) for view in R.views]  # type: ignore[arg-type]
     assert all(b.fused is not None for b in bound), [b.note for b in bound]
     names = sorted(bound[0].variants)
     # Up to 128 rows of 4096: the fused tree kernel takes one-shot while the rows' bf16 bytes fit the one-shot limit

@@ -1,4 +1,4 @@
-"""What every route backend shares: binding a site to the backend's method for that site's collective.
+"""What every route implementation shares: binding a site to the backend's method for that site's collective.
 
 The communicator validates inputs and routing picks the route before a backend sees a tensor; a backend only
 moves and reduces. Every method is collective over the backend's group: all ranks call it in the same order

@@ -30,13 +30,13 @@ from ..numerics.fold import Leaf, average, fold_shards
 from ..sites import BoundRoute, Collective, ReduceOp, Route, Site
 from .base import bind_from
 from .guard import MessageGuard, exchange_blocks
-from .native import NativeBackend
+from .native import NativeRoute
 
 
-class A2AFoldBackend:
+class A2AFoldRoute:
     route = Route.A2A_FOLD
 
-    def __init__(self, native: NativeBackend, leaf: Leaf) -> None:
+    def __init__(self, native: NativeRoute, leaf: Leaf) -> None:
         self.native = native
         self.leaf = leaf
 

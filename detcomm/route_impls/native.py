@@ -36,7 +36,7 @@ reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduc
 _TORCH_OP = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.MAX: dist.ReduceOp.MAX, ReduceOp.MIN: dist.ReduceOp.MIN}
 
 
-class NativeBackend:
+class NativeRoute:
     route = Route.NATIVE
 
     def __init__(self, group: dist.ProcessGroup, *, stage_through_host: bool = False, in_message: bool = False) -> None:

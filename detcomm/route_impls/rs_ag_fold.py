@@ -28,15 +28,15 @@ from ..numerics.fold import Leaf, average
 from ..sites import BoundRoute, Collective, ReduceOp, Route, Site
 from .base import bind_from
 from .guard import MessageGuard, exchange_blocks
-from .native import NativeBackend
+from .native import NativeRoute
 
-__all__ = ["RsAgFoldBackend"]
+__all__ = ["RsAgFoldRoute"]
 
 
-class RsAgFoldBackend:
+class RsAgFoldRoute:
     route = Route.RS_AG_FOLD
 
-    def __init__(self, native: NativeBackend, leaf: Leaf) -> None:
+    def __init__(self, native: NativeRoute, leaf: Leaf) -> None:
         self.native = native
         self.leaf = leaf
 

@@ -89,7 +89,7 @@ def _proving_tree(ws: Workspace, run: Fused, label: str, dtype: torch.dtype) -> 
     return call
 
 
-class IpcFoldBackend:
+class IpcFoldRoute:
     route = Route.IPC_FOLD
 
     def __init__(self, workspace: Workspace, *, resolved: Resolved) -> None:
