@@ -310,6 +310,25 @@ def test_every_launch_passes_the_arguments_it_passed(generated: tuple[list[str],
     assert generated[1] == _stored()[1]
 
 
+@pytest.mark.parametrize("family", list(plan.FAMILY_ALGOS))
+def test_the_variants_are_the_rule_at_every_row_count(family: str) -> None:
+    """plan.reached (bisection over the rule's breakpoints) equals the rule asked at every row count 1..top; the
+    control: a rule that is not monotone in the rows is caught by the same comparison."""
+    for h, dtype, shards, one_store, one_shot in ((1001, "bfloat16", 2, 64 << 10, 96 << 10),
+                                                  (8, "float32", 4, 200, 0), (33, "bfloat16", 1, 0, 1 << 62)):
+        per, max_rows = 700, 1400
+        tiers = (one_store,) if one_store else ()
+        brute = {plan.launch_kernel(family, k, row_elems=h, dtype=dtype, shards=shards, one_store_tiers=tiers,
+                                    one_shot_max_bytes=one_shot)[0] for k in range(1, per + 1)}
+        got = plan.reached(family, per, max_rows, row_elems=h, dtype=dtype, shards=shards, one_store_max=one_store,
+                           one_shot_max_bytes=one_shot)
+        assert got == [a for a in plan.FAMILY_ALGOS[family] if a in brute] + ["chunked"], (h, dtype)
+    odd = {plan.launch_kernel("plain", k, row_elems=1, dtype="float32", one_store_tiers=(),
+                              one_shot_max_bytes=400)[0] if k != 37 else "one_store" for k in range(1, 701)}
+    assert "one_store" in odd and "one_store" not in plan.reached(
+        "plain", 700, 700, row_elems=1, dtype="float32", one_store_max=0, one_shot_max_bytes=400)
+
+
 def test_the_table_sees_a_moved_breakpoint(monkeypatch: pytest.MonkeyPatch) -> None:
     """Negative control: one-shot's limit one byte lower changes calls the table holds (and the digest)."""
     real = plan.one_shot_max_bytes
