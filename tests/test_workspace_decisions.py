@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 import torch
 
-from detcomm.workspace import plan
+from detcomm.workspace import debug, plan
 from detcomm.workspace import workspace as wsmod
 from detcomm.workspace.workspace import Workspace
 
@@ -93,10 +93,9 @@ def fake_workspace(world: int, *, shared: bool, one_store_max: int | None, table
     ws._ctrl = _Ctrl()
     ws._tail = [ctypes.c_uint64(v) if i != 2 else ctypes.c_int32(v) for i, v in enumerate(_TAIL)]
     ws._lock = threading.Lock()
-    ws._all_reduce_cache, ws._tree_cache = {}, {}
+    ws._launchers, ws._bound = {}, {}
     ws._dead, ws._failure, ws._calls, ws._labels, ws.refused = None, None, 0, {}, {}
-    ws.variants_run = set()
-    ws._collective = _no_stream  # type: ignore[method-assign]
+    debug.record(ws)
     return ws
 
 
@@ -154,13 +153,7 @@ def _variants(ws: Workspace, family: str, dtype: str, h: int, max_rows: int, sha
     dt = _DT[dtype]
     if family == "plain":
         return ws.variants("all_reduce", dt, h, max_rows)
-    if family == "fused":
-        return ws.fused_norm_variants(dt, h, max_rows)
-    if family == "fused_tree":
-        return ws.fused_norm_tree_variants(dt, h, max_rows)
-    if family == "tree":
-        return ws.tree_variants(dt, h, max_rows, shards)
-    return ws.virtual_variants(dt, h, max_rows, shards)
+    return ws.family_variants(family, dt, h, max_rows, shards=shards)
 
 
 def _per(ws: Workspace, family: str, dtype: str, h: int, shards: int) -> int:
@@ -205,12 +198,12 @@ def generate() -> tuple[list[str], str]:
 @contextlib.contextmanager
 def _streamless() -> Any:
     """The in-flight guard replaced by one that hands out stream 0 (no CUDA here)."""
-    real = wsmod._InFlight
-    wsmod._InFlight = _no_stream  # type: ignore[assignment,misc]
+    real = wsmod.InFlight
+    wsmod.InFlight = _no_stream  # type: ignore[assignment,misc]
     try:
         yield
     finally:
-        wsmod._InFlight = real  # type: ignore[misc]
+        wsmod.InFlight = real  # type: ignore[misc]
 
 
 def _generate(lines: list[str], digest: Any) -> None:

@@ -430,6 +430,35 @@ def reached(family: str, per: int, max_rows: int, *, row_elems: int, dtype: str,
     return [a for a in FAMILY_ALGOS[family] if a in found] + (["chunked"] if max_rows > per else [])
 
 
+def rows_per_launch(family: str, *, row_elems: int, dtype: str, shards: int = 1, capacity_bytes: int,
+                    world_size: int, grid: int) -> int:
+    """Rows one launch of `family` carries (0: not one row fits): the capacity's rows (plain), the fp32 rows
+    (tree: one published row per rank), one row's S fp32 slabs (virtual), the fused kernels' slot rows (fused: the
+    site's dtype; fused_tree: fp32)."""
+    if family == "plain":
+        return capacity_bytes // (row_elems * elem_size(dtype))
+    if family == "tree":
+        return tree_rows_per_launch(capacity_bytes, row_elems, world_size=world_size, dtype=dtype, grid=grid)
+    if family == "virtual":
+        return virtual_rows_per_launch(capacity_bytes, row_elems, shards, world_size=world_size, dtype=dtype,
+                                       grid=grid)
+    slot = slot_bytes(capacity_bytes, world_size, grid)
+    if family == "fused":
+        return fused_norm_rows_per_launch(row_elems, dtype, grid=grid, slot_bytes=slot)
+    return fused_norm_tree_rows_per_launch(row_elems, grid=grid, slot_bytes=slot)
+
+
+def one_store_rows(family: str, *, row_elems: int, dtype: str, one_store_max: int) -> int:
+    """The most rows one one-store launch of `family` carries (0: none): what a forced one-store launch is held to."""
+    if family == "plain":
+        return one_store_max // (row_elems * elem_size(dtype))
+    if family == "tree":
+        return tree_one_store_rows(row_elems, dtype, one_store_max)
+    if family == "fused":
+        return fused_norm_one_store_rows(row_elems, dtype, one_store_max)
+    return 0
+
+
 def variants(collective: str, *, row_bytes: int, max_rows: int, world_size: int, capacity_bytes: int,
              one_shot_max_bytes: int, one_store_max: int = 0) -> list[str]:
     """The code paths calls of 1..max_rows rows of row_bytes each can take, in a fixed order: the kernels
