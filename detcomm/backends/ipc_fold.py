@@ -133,7 +133,7 @@ class IpcFoldBackend:
 
     def _bind_virtual(self, site: Site) -> Bound:
         """A virtual-shard all-reduce site: calls pass this rank's [V/W, rows, *shape] fp32 partials. Every kernel
-        variant the site's rows can reach (Workspace.family_variants) is exposed forced, so the self-checks prove
+        variant the site's rows can reach (Workspace.virtual_variants) is exposed forced, so the self-checks prove
         each against the reference fold of the V shards."""
         assert site.virtual_shards is not None
         ws, label, dtype = self.workspace, site.name, site.dtype
@@ -148,7 +148,7 @@ class IpcFoldBackend:
         # A shard-order all_reduce_rmsnorm site binds its all-reduce alone: no fused kernel folds the shard order
         # (admission.fused_layout_refusal, the route table's reason), so the communicator runs the composition.
         assert site.collective in (Collective.ALL_REDUCE, Collective.ALL_REDUCE_RMSNORM), site.collective
-        for v in ws.family_variants("virtual", dtype, site.row_numel, site.max_rows, shards=shards):
+        for v in ws.virtual_variants(dtype, site.row_numel, site.max_rows, shards):
             kw: dict[str, object] = {"chunk_rows": 1} if v == "chunked" else {"algo": v}
             forced[v] = lambda x, a, kw=kw: ws.all_reduce_virtual(  # type: ignore[misc]
                 x, dtype=dtype, label=label, **kw)
@@ -157,11 +157,11 @@ class IpcFoldBackend:
     def _bind_tree(self, site: Site, shards: int) -> Bound:
         """A tree-order virtual-shard all-reduce site (shard_fold="tree", csrc/tree_fold.cu): calls pass this rank's
         [V/W, rows, *shape] fp32 partials; the site's launches are prepared once (Workspace.bind_all_reduce_tree).
-        Every kernel variant its rows can reach (Workspace.family_variants) is exposed forced, so the self-checks prove
+        Every kernel variant its rows can reach (Workspace.tree_variants) is exposed forced, so the self-checks prove
         each against the tree's reference."""
         ws, label, dtype = self.workspace, site.name, site.dtype
         forced: dict[str, Call] = {}
-        for v in ws.family_variants("tree", dtype, site.row_numel, site.max_rows, shards=shards):
+        for v in ws.tree_variants(dtype, site.row_numel, site.max_rows, shards):
             kw: dict[str, object] = {"chunk_rows": 1} if v == "chunked" else {"algo": v}
             forced[v] = lambda x, a, kw=kw: ws.all_reduce_tree(  # type: ignore[misc]
                 x, dtype=dtype, label=label, **kw)
@@ -178,7 +178,7 @@ class IpcFoldBackend:
         forced = dict(bound.variants)
         if fusion_refusal(self.resolved, site, world_size=ws.world_size) is not None:
             return FusedBound(bound.route, bound.site, bound.call, forced)
-        variants = ws.family_variants("fused_tree", site.dtype, site.shape[0], site.max_rows)
+        variants = ws.fused_norm_tree_variants(site.dtype, site.shape[0], site.max_rows)
         if not variants:
             return FusedBound(bound.route, bound.site, bound.call, forced,
                               note=" [not fused: an fp32 row does not fit one fused launch of the workspace; "
@@ -209,7 +209,7 @@ class IpcFoldBackend:
         ws, label = self.workspace, site.name
         if fusion_refusal(self.resolved, site, world_size=ws.world_size) is not None:
             return FusedBound(bound.route, bound.site, bound.call, forced)
-        variants = ws.family_variants("fused", site.dtype, site.shape[0], site.max_rows)
+        variants = ws.fused_norm_variants(site.dtype, site.shape[0], site.max_rows)
         if not variants:
             return FusedBound(bound.route, bound.site, bound.call, forced,
                               note=" [not fused: a row does not fit one fused launch of the workspace; composition]")
