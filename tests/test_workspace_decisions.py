@@ -14,7 +14,6 @@ Regenerate (only for a deliberate change of a decision, said in the commit):
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import hashlib
 import sys
@@ -69,9 +68,12 @@ class _Ctrl:
         return False
 
 
-@contextlib.contextmanager
-def _no_stream(*_a: Any) -> Any:
-    yield 0
+class _no_stream:  # noqa: N801 - the in-flight guard's stand-in: stream 0, no CUDA
+    def __enter__(self) -> int:
+        return 0
+
+    def __exit__(self, *exc: Any) -> None:
+        pass
 
 
 def fake_workspace(world: int, *, shared: bool, one_store_max: int | None, table: tuple, capacity: int,
@@ -94,7 +96,9 @@ def fake_workspace(world: int, *, shared: bool, one_store_max: int | None, table
     ws._tail = [ctypes.c_uint64(v) if i != 2 else ctypes.c_int32(v) for i, v in enumerate(_TAIL)]
     ws._lock = threading.Lock()
     ws._launchers, ws._bound = {}, {}
-    ws._dead, ws._failure, ws._calls, ws._labels, ws.refused = None, None, 0, {}, {}
+    ws._dead, ws._failure, ws._calls, ws.refused = None, None, 0, {}
+    ws._label_ring = [None] * wsmod._LABELS_KEPT
+    ws._in_flight = _no_stream()
     debug.record(ws)
     return ws
 
@@ -190,20 +194,8 @@ def generate() -> tuple[list[str], str]:
     """The table's lines and the digest of every launch's argument block."""
     lines: list[str] = []
     digest = hashlib.sha256()
-    with _streamless():
-        _generate(lines, digest)
+    _generate(lines, digest)
     return lines, digest.hexdigest()
-
-
-@contextlib.contextmanager
-def _streamless() -> Any:
-    """The in-flight guard replaced by one that hands out stream 0 (no CUDA here)."""
-    real = wsmod.InFlight
-    wsmod.InFlight = _no_stream  # type: ignore[assignment,misc]
-    try:
-        yield
-    finally:
-        wsmod.InFlight = real  # type: ignore[misc]
 
 
 def _generate(lines: list[str], digest: Any) -> None:

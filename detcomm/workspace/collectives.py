@@ -47,6 +47,7 @@ class Collectives:
     _ctrl: Any
     _tail: list[Any]
     _record_path: Callable[[tuple[str, str, str]], None] | None
+    _in_flight: InFlight
     bind: Callable[..., BoundCall]
     run: Callable[..., None]
     check: Callable[[], None]
@@ -277,7 +278,7 @@ class Collectives:
             return out
         sfx = plan.DTYPE_SUFFIX[dtype]
         per = self._per_chunk(row_bytes, chunk_rows, self.world_size)
-        with InFlight(self) as stream_ptr:
+        with self._in_flight as stream_ptr:
             for a, b in plan.chunks(shard, per):
                 geo = plan.reduce_scatter_slices(b - a, row_elems, dtype, self.grid)
                 assert geo.slot_bytes_used(self.world_size) <= self._slot_bytes, (geo, self._slot_bytes)
@@ -303,7 +304,7 @@ class Collectives:
             return out
         per = self._per_chunk(row_bytes, chunk_rows, 1)
         dt = str(x.dtype).removeprefix("torch.")
-        with InFlight(self) as stream_ptr:
+        with self._in_flight as stream_ptr:
             for a, b in plan.chunks(rows, per):
                 self._launch("detcomm_all_gather",
                              [_u64(x.data_ptr() + a * row_bytes), _u64(out.data_ptr() + a * row_bytes),

@@ -84,7 +84,9 @@ class Launcher:
         extra = [(coll, dtype, f"layout_{layout}")] if family in _FUSED else []
         self.paths = {a: [(coll, dtype, tag(a)), *extra] for a in algos}
         self.chunked = (coll, dtype, tag("chunked"))
-        self._choices: dict[tuple[int, str | None], tuple[Any, str, int, int]] = {}
+        # Per forced kernel (None: the rule's), per launch rows: (launch, algo, two-shot length, stride).
+        self._choices: dict[str | None, dict[int, tuple[Any, str, int, int]]] = {a: {} for a in (None, *algos)}
+        self.slabs, self.fused, self.pair = family in _SLABS, family in _FUSED, len(self.strides) == 2
 
     def _choose(self, k: int, algo: str | None) -> tuple[Any, str, int, int]:
         """(launch, algo, two-shot length, stride) of a launch of k rows: plan.launch_kernel's pick, or the forced
@@ -102,8 +104,8 @@ class Launcher:
             length, stride, used = self._geometry(kind, n)
             assert used <= self.slot_bytes, (kind, n, used, self.slot_bytes)
         choice = (launch, kind, length, stride)
-        if len(self._choices) < _CHOICES_KEPT:
-            self._choices[k, algo] = choice
+        if len(self._choices[algo]) < _CHOICES_KEPT:
+            self._choices[algo][k] = choice
         return choice
 
     def _geometry(self, kind: str, n: int) -> tuple[int, int, int]:
@@ -123,18 +125,25 @@ class Launcher:
 
     def launch(self, ws: Workspace, stream: int, ptrs: Sequence[int], rows: int, per: int, algo: str | None,
                label: str | None, eps: float) -> None:
-        """The launches of one call of `rows` rows, `per` at most each, on the raw stream `stream`."""
-        self.x_stride.value = rows * self.row_elems  # elements between slabs (the slab families)
-        self.eps.value = eps
+        """The launches of one call of `rows` rows, `per` at most each, on the raw stream `stream`: per launch, the
+        operands' pointers, the count and the call number set in place, and the kernel kept for its size."""
+        if self.slabs:
+            self.x_stride.value = rows * self.row_elems  # elements between slabs
+        if self.fused:
+            self.eps.value = eps
         record = ws._record_path
-        slots, strides, choices = self.ptrs, self.strides, self._choices
+        choices = self._choices[algo]
+        slots, strides, count, unit, call = self.ptrs, self.strides, self.count, self.count_unit, self.call
         for a in range(0, rows, per):
-            k = min(rows - a, per)
-            for slot, base, step in zip(slots, ptrs, strides, strict=True):
-                slot.value = base + a * step
-            self.count.value = k * self.count_unit
-            self.call.value = ws._next_call(label)
-            launch, kind, length, stride = choices.get((k, algo)) or self._choose(k, algo)
+            k = rows - a if rows - a < per else per
+            if self.pair:  # (x, out): set without a loop, the decode step's one launch
+                slots[0].value, slots[1].value = ptrs[0] + a * strides[0], ptrs[1] + a * strides[1]
+            else:
+                for slot, base, step in zip(slots, ptrs, strides, strict=True):
+                    slot.value = base + a * step
+            count.value = k * unit
+            call.value = ws._next_call(label)
+            launch, kind, length, stride = choices.get(k) or self._choose(k, algo)
             if length:
                 self.length.value, self.stride.value = length, stride
             launch(stream)
@@ -158,7 +167,8 @@ class BoundCall:
 
 class InFlight:
     """Enforces one in-flight collective per workspace and runs the launches on the caller's current stream (its
-    raw handle: no torch Stream object is built per call)."""
+    raw handle: no torch Stream object is built per call). One per workspace (Workspace._in_flight), entered by
+    every call: its fields are set only once the workspace's lock is held, so no two calls share them."""
 
     __slots__ = ("ws", "capturing", "guard", "stream")
 

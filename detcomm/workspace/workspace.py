@@ -30,7 +30,7 @@ _LOG = logging.getLogger("detcomm.workspace")
 # group's deadline (detcomm.deadline.DEFAULT_TIMEOUT_S): this one bounds the kernels' spins alone.
 DEFAULT_SPIN_DEADLINE_S = 60.0
 # Call numbers whose label is kept for failure messages (the kernels report the call they were in).
-_LABELS_KEPT = 4096
+_LABELS_KEPT = 4096  # a power of two: the label ring is indexed by call & (_LABELS_KEPT - 1)
 
 
 def _refuse_under_capture(what: str) -> None:
@@ -147,7 +147,8 @@ class Workspace(Collectives):
         self._failure: str | None = None
         # Launch numbers: every launch carries one, peers compare them at the start barrier; labels name them.
         self._calls = 0
-        self._labels: dict[int, str] = {}
+        self._label_ring: list[tuple[int, str] | None] = [None] * _LABELS_KEPT
+        self._in_flight = InFlight(self)
         self.refused: dict[str, str] = dict(kernels.refused)
         #: (collective, dtype, variant) of every code path this workspace has run, when recording; None otherwise.
         self.variants_run: set[tuple[str, str, str]] | None = None
@@ -335,7 +336,7 @@ class Workspace(Collectives):
         if self._failure is not None:
             raise WorkspaceFailed(self._failure)
         if self._ctrl.ptr and self._ctrl.tagged():
-            line = plan.decode_record(self._ctrl.record(), self._labels)
+            line = plan.decode_record(self._ctrl.record(), self._labels())
             self._failure = (f"detcomm workspace (rank {self.rank}) failed: {line}. It refuses every call until it is "
                              "re-created (close it and create a new one on every rank).")
             if self._dead is None:
@@ -364,7 +365,7 @@ class Workspace(Collectives):
         waiting on the device (the record lives in mapped pinned host memory)."""
         if not self._ctrl.ptr:
             return None
-        return plan.decode_record(self._ctrl.record(), self._labels)
+        return plan.decode_record(self._ctrl.record(), self._labels())
 
     # ---- one call shape, checked once; one run method for every all-reduce family ---------------------------
     def bind(self, family: str, dtype: str, row_elems: int, *, shards: int = 1, weight: str = "float32",
@@ -428,14 +429,17 @@ class Workspace(Collectives):
         if self._dead is not None or self._ctrl.words[0]:
             self.check()
         if rows:
-            with InFlight(self) as stream:
+            with self._in_flight as stream:
                 call.launcher.launch(self, stream, ptrs, rows, call.per, call.algo, call.label, eps)
 
     def _next_call(self, label: str | None) -> int:
-        """The next launch number (peers compare it at the start barrier); remembers the label for failure messages."""
+        """The next launch number (peers compare it at the start barrier); remembers the label of the last
+        _LABELS_KEPT calls for failure messages (a ring of (call, label): one store per call)."""
         call = self._calls = (self._calls + 1) & 0xFFFFFFFF
         if label is not None:
-            self._labels[call] = label
-            self._labels.pop((call - _LABELS_KEPT) & 0xFFFFFFFF, None)
+            self._label_ring[call & (_LABELS_KEPT - 1)] = (call, label)
         return call
+
+    def _labels(self) -> dict[int, str]:
+        return dict(entry for entry in self._label_ring if entry is not None)
 
