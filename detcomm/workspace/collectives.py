@@ -144,9 +144,11 @@ class Collectives:
         if dtype not in FLOAT_DTYPES:
             raise ValueError(f"the workspace folds {list(FLOAT_NAMES)}, got {dtype}")
         bound = self.bind("plain", name_of(dtype), row_numel, label=label)
-        run, empty_like = self.run, torch.empty_like
+        run, empty_like, ctrl = self.run, torch.empty_like, self._ctrl.words
 
         def call(x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+            if self._dead is not None or ctrl[0]:
+                self.check()
             assert x.dtype is dtype, (x.dtype, dtype)  # the communicator checked the site's dtype
             out = empty_like(x) if out is None else out
             run(bound, (x.data_ptr(), out.data_ptr()), x.shape[0])
@@ -253,9 +255,11 @@ class Collectives:
         if dtype not in FLOAT_DTYPES:
             raise ValueError(f"the workspace folds {list(FLOAT_NAMES)}, got {dtype}")
         bound = self.bind("tree", name_of(dtype), row_numel, shards=shards_per_rank, label=label)
-        run = self.run
+        run, ctrl = self.run, self._ctrl.words
 
         def call(partials: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+            if self._dead is not None or ctrl[0]:
+                self.check()
             assert partials.dtype is torch.float32 and partials.shape[0] == shards_per_rank, partials.shape
             if out is None:
                 out = torch.empty(partials.shape[1:], dtype=dtype, device=partials.device)

@@ -1,7 +1,9 @@
-"""The armed CUDA-IPC workspace: symmetric buffers + loaded kernels + the host logic of each collective.
+"""The armed CUDA-IPC workspace: symmetric buffers + loaded kernels, their lifecycle (create, close, abort, check,
+synchronize), and the one path every all-reduce call takes: bind (a call shape checked once) and run.
 
 Every reduction is the canonical fold of docs/spec.md §1 (csrc/detcomm_common.cuh), so one-shot, two-shot and any chunking
-give the same bits; the row count only picks the kernel and the chunking.
+give the same bits; the row count only picks the kernel (plan.launch_kernel) and the chunking. The collective calls
+a caller makes are in collectives.py (this class's base), the launches in launch.py.
 """
 
 from __future__ import annotations
@@ -73,9 +75,10 @@ class Workspace(Collectives):
 
     Collective calls (every rank of the group must make them, in the same order, with the same shapes):
     `create`, `all_reduce`, `all_reduce_virtual`, `all_reduce_tree`, `all_reduce_rmsnorm`, `all_reduce_rmsnorm_tree`,
-    `reduce_scatter`, `all_gather`, `close`. Local calls: `abort`, `check`, `synchronize`, `error_record`,
-    `variants`, `virtual_variants`, `tree_variants`, `fused_norm_variants`, `fused_norm_tree_variants`,
-    `bind_all_reduce` and `bind_all_reduce_tree` (once per site; the call they return is collective). `in_process` is not collective (one process plays every rank); its rank views'
+    `reduce_scatter`, `all_gather`, `run`, `close`. Local calls: `abort`, `check`, `synchronize`, `error_record`,
+    `variants`, `family_variants` (and its named forms `virtual_variants`, `tree_variants`, `fused_norm_variants`,
+    `fused_norm_tree_variants`), `bind`, `bind_all_reduce` and `bind_all_reduce_tree` (once per site; the call
+    they return is collective). `in_process` is not collective (one process plays every rank); its rank views'
     collectives must still be called once per rank, each from its own stream.
 
     Inputs are contiguous tensors on the workspace's device, [rows, *trailing], rows along dim 0. One collective
@@ -425,9 +428,9 @@ class Workspace(Collectives):
 
     def run(self, call: BoundCall, ptrs: Sequence[int], rows: int, *, eps: float = 0.0) -> None:
         """COLLECTIVE: the launches of one call of `rows` rows bound as `call` (bind), on the operands at `ptrs`
-        (launch.Launcher's order; every check of them already made), on the caller's current stream."""
-        if self._dead is not None or self._ctrl.words[0]:
-            self.check()
+        (launch.Launcher's order), on the caller's current stream. Every check of the call is already made: the
+        operands' (the collective methods, or the communicator for a site-bound call) and the workspace's liveness
+        (the collective methods' _check_tensor, the site-bound calls' own)."""
         if rows:
             with self._in_flight as stream:
                 call.launcher.launch(self, stream, ptrs, rows, call.per, call.algo, call.label, eps)
