@@ -314,6 +314,46 @@ def test_the_variants_are_the_rule_at_every_row_count(family: str) -> None:
         "plain", 700, 700, row_elems=1, dtype="float32", one_store_max=0, one_shot_max_bytes=400)
 
 
+def test_bind_refuses_bad_arguments_before_any_launch() -> None:
+    """The checks a call shape gets once (Workspace.bind) and a call's tensor checks refuse every bad argument
+    with its named error, and launch nothing (the ranks' call numbers still agree); the control: the same calls
+    with good arguments launch."""
+    trace: list = []
+    ws = fake_workspace(2, shared=True, one_store_max=1 << 20, table=plan.DEFAULT_ONE_STORE_TIERS,
+                        capacity=1 << 16, trace=trace)
+    off = fake_workspace(2, shared=True, one_store_max=None, table=(), capacity=1 << 16, trace=trace)
+    p, x = torch.zeros(4, 4, 8), torch.zeros(4, 64)
+    refused: list[tuple[Any, type[Exception], str]] = [
+        (lambda: ws.all_reduce(x, algo="three_shot"), ValueError, "algo"),
+        (lambda: ws.all_reduce(x, chunk_rows=10**6), ValueError, "chunk_rows"),
+        (lambda: ws.all_reduce(x, chunk_rows=True), TypeError, "chunk_rows"),
+        (lambda: ws.all_reduce(x, out=x), ValueError, "overlaps"),
+        (lambda: off.all_reduce(x, algo="one_store"), ValueError, "one_store_max_bytes"),
+        (lambda: ws.all_reduce(torch.zeros(1, 1 << 15)), ValueError, "does not fit"),
+        (lambda: ws.all_reduce_rmsnorm(x, x, x[0], 1e-6, algo="one_store", chunk_rows=10**4), ValueError,
+         "chunk_rows"),
+        (lambda: off.all_reduce_rmsnorm(x, x, x[0], 1e-6, algo="one_store"), ValueError, "one_store_max_bytes"),
+        (lambda: ws.all_reduce_rmsnorm_tree(torch.zeros(3, 4, 64), x, x[0], 1e-6), ValueError, "power of two"),
+        (lambda: off.all_reduce_tree(p, dtype=torch.bfloat16, algo="one_store"), ValueError, "one_store_max_bytes"),
+    ]
+    for fam in ("tree", "virtual"):
+        f = getattr(ws, f"all_reduce_{fam}")
+        refused += [(lambda f=f: f(p.to(torch.bfloat16), dtype=torch.bfloat16), ValueError, "float32"),
+                    (lambda f=f: f(p, dtype="bfloat16"), TypeError, "dtype"),
+                    (lambda f=f: f(p, dtype=torch.bfloat16, algo="three_shot"), ValueError, "algo"),
+                    (lambda f=f: f(p, dtype=torch.bfloat16, chunk_rows=10**6), ValueError, "chunk_rows"),
+                    (lambda f=f: f(p, dtype=torch.bfloat16, out=torch.empty(4, 8)), ValueError, "out must be")]
+    refused.append((lambda: ws.all_reduce_tree(torch.zeros(3, 4, 8), dtype=torch.bfloat16), ValueError,
+                    "power of two"))
+    for call, exc, match in refused:
+        with pytest.raises(exc, match=match):
+            call()
+    assert trace == [] and ws._calls == off._calls == 0
+    ws.all_reduce(x, chunk_rows=2)
+    ws.all_reduce_tree(p, dtype=torch.bfloat16, algo="one_store")
+    assert len(trace) == 3 and ws._calls == 3
+
+
 def test_the_table_sees_a_moved_breakpoint(monkeypatch: pytest.MonkeyPatch) -> None:
     """Negative control: one-shot's limit one byte lower changes calls the table holds (and the digest)."""
     real = plan.one_shot_max_bytes
