@@ -67,3 +67,24 @@ def test_the_runtime_never_imports_the_debug_module():
     texts = {p: p.read_text() for p in PACKAGE.rglob("*.py") if p.name != "debug.py"}
     users = [p.relative_to(PACKAGE).as_posix() for p, text in texts.items() if "debug" in text and _imports_debug(text)]
     assert users == [], users
+
+
+def _sets_the_hook(source: str) -> list[str]:
+    """What source assigns to a `_record_path` attribute (the unparsed values)."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+            node, ast.AnnAssign) and node.value is not None else []
+        for t in targets:
+            if isinstance(t, ast.Attribute) and t.attr == "_record_path":
+                out.append(ast.unparse(node.value))  # type: ignore[union-attr, arg-type]
+    return out
+
+
+def test_only_the_debug_module_sets_the_path_recorder():
+    """The path recorder is a hook: the workspace starts it unset (None) and only debug.record sets it. The
+    control: the check sees debug.py's own assignment."""
+    assert _sets_the_hook((PACKAGE / "workspace" / "debug.py").read_text()) == ["ws.variants_run.add"]
+    found = {p.relative_to(PACKAGE).as_posix(): _sets_the_hook(p.read_text()) for p in PACKAGE.rglob("*.py")
+             if p.name != "debug.py"}
+    assert {p: v for p, v in found.items() if v} == {"workspace/workspace.py": ["None"]}
