@@ -115,7 +115,8 @@ def main(argv: list[str] | None = None) -> None:
 def _main_cuda(repeats: int, profile: bool) -> None:
     """The workspace route for real on one GPU: a one-rank group (the W = 1 kernel folds x straight into out),
     16 KiB bf16 per call. The host path is the one every W takes (site lookup, checks, the bound launcher, the
-    in-flight guard, cuLaunchKernel, the event record); torch's own one-kernel op is timed beside it."""
+    in-flight guard, cuLaunchKernel, the event record); torch's own one-kernel op is timed beside it, and the
+    workspace's site-bound call alone (what the route adds under the communicator's part)."""
     with _one_rank_group():
         comm = detcomm.init(numerics="rl-bitwise", device="cuda:0")
         detcomm.site("bench.host", collective="all_reduce", dtype=torch.bfloat16, shape=(8192,), max_rows=8)
@@ -128,6 +129,10 @@ def _main_cuda(repeats: int, profile: bool) -> None:
             "detcomm.all_reduce(x, name, out=x)": lambda: detcomm.all_reduce(x, "bench.host", out=x),
             "torch.add(x, x, out=buf) (one torch kernel)": lambda: torch.add(x, x, out=buf),
         }
+        ws = comm._workspace
+        if ws is not None:  # the workspace's part alone: its site-bound call (Workspace.bind, then run)
+            bound = ws.bind_all_reduce(torch.bfloat16, 8192, label="bench.host")
+            cases["workspace bound call(x, buf) (the route's part)"] = lambda: bound(x, buf)
         print(f"route {route}; one rank on {torch.cuda.get_device_name(0)}; 200 back-to-back calls, median of "
               f"{repeats} repeats")
         for label, fn in cases.items():

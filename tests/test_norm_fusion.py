@@ -111,28 +111,33 @@ def _stand_in_workspace(one_store_max: int, variant: str = "canonical") -> tuple
     import contextlib
     from types import SimpleNamespace
 
-    from detcomm.workspace import Workspace
+    from detcomm.workspace import Workspace, debug
 
     ws = object.__new__(Workspace)
-    ws.device, ws._dead, ws.refused, ws.variants_run = torch.device("cpu"), None, {}, set()
+    ws.device, ws._dead, ws.refused = torch.device("cpu"), None, {}
+    debug.record(ws)
     ks = object.__new__(kernels.KernelSet)  # no modules: only its layout rule runs
     ks.key = kernels.ModuleKey(0, 2, "sm_90", variant, False)
     ws._kernels = ks
-    ws._ctrl = SimpleNamespace(tagged=lambda: False)
-    ws.grid, ws.world_size = 132, 2
+    ws._ctrl = SimpleNamespace(tagged=lambda: False, words=[0])
+    ws.grid, ws.world_size, ws.capacity_bytes = 132, 2, 4 << 20
     ws._slot_bytes = plan.slot_bytes(4 << 20, 2, ws.grid)
     ws.one_shot_max_bytes, ws.one_store_max_bytes = 512 << 10, one_store_max
     ws.one_store_tiers = plan.one_store_tiers(one_store_max, 2, ws.grid, base=777)
+    ws._tail, ws._calls, ws._label_ring = [], 0, [None] * 4096
+    ws._launchers, ws._bound, ws._in_flight = {}, {}, contextlib.nullcontext(0)
     launches: list[tuple[str, list[float]]] = []
     grids: list[int | None] = []
 
-    def launch(name: str, args: list, stream: int, label: str | None, *, grid: int | None = None) -> None:
-        launches.append((name, [a.value for a in args]))
-        grids.append(grid)
+    def prepare(name: str, grid: int, args: list) -> object:
+        def launch(stream: int) -> None:  # the arguments before the call number (the kernel's own)
+            launches.append((name, [a.value for a in args[:-1]]))
+            grids.append(grid)
 
-    ws._launch = launch
+        return launch
+
+    ks.prepare = prepare  # type: ignore[method-assign]
     ws.grids = grids
-    ws._collective = lambda: contextlib.nullcontext(0)
     return ws, launches
 
 
@@ -156,7 +161,7 @@ def test_fused_launches_take_the_one_store_kernel_per_launch() -> None:
         for (name, args), grid in zip(launches, ws.grids, strict=True):
             tier = small if args[5] <= 8 else big
             assert (args[-2:] == [tier.offset, tier.cap]) == (name == one_store), (name, args)
-            assert grid == (tier.blocks if name == one_store else None), (name, grid)
+            assert grid == (tier.blocks if name == one_store else ws.grid), (name, grid)
         return [(name, int(args[5]), int(args[0] - x.data_ptr()) // (4096 * 2)) for name, args in launches]
 
     assert run(8) == [(one_store, 8, 0)]

@@ -472,7 +472,7 @@ def test_variants_with_the_one_store_kernel():
 
 
 def test_fused_norm_variants_with_the_one_store_kernel():
-    """The fused all-reduce + RMSNorm picks its kernel per launch exactly as all_reduce does (_by_launch_bytes): the
+    """The fused all-reduce + RMSNorm picks its kernel per launch exactly as all_reduce does (plan.launch_kernel): the
     one-store kernel up to fused_norm_one_store_rows rows, one-shot up to one_shot_max_bytes, two-shot above."""
     grid = 132
     slot = plan.slot_bytes(32 << 20, 4, grid)
@@ -486,8 +486,9 @@ def test_fused_norm_variants_with_the_one_store_kernel():
         "fused_one_store", "fused_one_shot", "fused_two_shot"]
     # The same answers as the all-reduce's rule for the same launches (whole-pack rows: no padding).
     for max_rows in (1, 8, 9, 64, 65, 300):
-        ar = plan._by_launch_bytes(plan.fused_norm_rows_per_launch(4096, "bfloat16", grid=grid, slot_bytes=slot),
-                                   8192, max_rows, 512 << 10, 64 << 10)
+        ar = plan.reached("plain", plan.fused_norm_rows_per_launch(4096, "bfloat16", grid=grid, slot_bytes=slot),
+                          max_rows, row_elems=4096, dtype="bfloat16", one_store_max=64 << 10,
+                          one_shot_max_bytes=512 << 10)
         assert plan.fused_norm_variants(hidden=4096, dtype="bfloat16", max_rows=max_rows, **kw) == [
             f"fused_{v}" for v in ar]
     # Rows that end mid-pack take whole packs in the area: 9 bf16 elements are 18 bytes but 32 in the area, so a

@@ -14,6 +14,7 @@ and records nothing.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 from . import kernels
 from .workspace import Workspace
@@ -26,12 +27,23 @@ def workspace_class(build: str = "canonical", *, record: bool = False) -> type[W
     """A Workspace subclass serving with the kernel build `build` and, with `record`, recording its code paths
     (``variants_run``). Raises ValueError for an unknown build."""
     kernels.check_build(build)
-    return type(f"Workspace_{build}{'_recorded' if record else ''}", (Workspace,),
-                {"_kernel_build": build, "_record_variants": record, "__module__": __name__})
+    namespace: dict[str, Any] = {"_kernel_build": build, "__module__": __name__}
+    if record:
+        def __init__(self: Workspace, **kw: Any) -> None:
+            Workspace.__init__(self, **kw)
+            _record(self)
+
+        namespace["__init__"] = __init__
+    return type(f"Workspace_{build}{'_recorded' if record else ''}", (Workspace,), namespace)
 
 
 def record(*workspaces: Workspace) -> None:
     """Start (or restart) recording the code paths of each workspace: ``ws.variants_run`` becomes an empty set that
-    every later launch adds its (collective, dtype, path) to. Not collective."""
+    every later launch adds its (collective, dtype, path) to (the workspace's path hook, which only this module
+    sets). Not collective."""
     for ws in workspaces:
         ws.variants_run = set()
+        ws._record_path = ws.variants_run.add
+
+
+_record = record

@@ -349,40 +349,130 @@ def reduce_scatter_slices(chunk_rows: int, row_elems: int, dtype: str, grid: int
     return SliceGeometry(length, _round_up(_ceil_div(length, per), stride_packs(grid)))
 
 
-# --- kernel variants a site can reach -----------------------------------------------------------------------
-def _by_launch_bytes(per: int, row_bytes: int, max_rows: int, one_shot_max_bytes: int,
-                     one_store_max: int = 0) -> list[str]:
-    """An all-reduce's paths when a launch carries `per` rows of row_bytes and picks the one-store kernel up to
-    one_store_max, one-shot up to one_shot_max_bytes, two-shot above: [] when per < 1. A launch carries k rows,
-    1 <= k <= min(max_rows, per)."""
+# --- the kernel rule: which kernel a launch takes, and the variants a site's calls reach ------------------------
+# The all-reduce families of the workspace: the plain fold (csrc/one_store.cu, one_shot.cu, two_shot.cu), the fused
+# add + RMSNorm (csrc/fused_rmsnorm*.cu), the tree and shard orders of virtual shards (csrc/tree_fold.cu,
+# virtual_fold.cu) and the fused tree norm. Their kernels, in the order the rule tries them (and variants lists them).
+FAMILY_ALGOS: dict[str, tuple[str, ...]] = {
+    "plain": ("one_store", "one_shot", "two_shot"), "fused": ("one_store", "one_shot", "two_shot"),
+    "tree": ("one_store", "one_shot", "two_shot"), "fused_tree": ("one_shot", "two_shot"),
+    "virtual": ("one_shot", "two_shot")}
+
+
+def _bytes(rows: int, row_elems: int, dtype: str) -> int:
+    """A launch's bytes in `dtype` ("bytes": row_elems counts bytes, as plan.variants is asked)."""
+    return rows * row_elems * (1 if dtype == "bytes" else elem_size(dtype))
+
+
+def _one_store_holds(family: str, rows: int, row_elems: int, dtype: str, max_bytes: int) -> bool:
+    """Whether a one-store area (a tier) of max_bytes holds a launch of `rows` rows: the plain fold's bytes, the
+    fp32 bytes a tree launch publishes (tree_launch_bytes), the fused rows in whole packs (fused_norm_one_store_rows)."""
+    if family == "plain":
+        return _bytes(rows, row_elems, dtype) <= max_bytes
+    if family == "tree":
+        return tree_launch_bytes(rows * row_elems, dtype) <= max_bytes
+    if family == "fused":
+        return rows <= fused_norm_one_store_rows(row_elems, dtype, max_bytes)
+    return False  # the shard order and the fused tree have no one-store kernel
+
+
+def launch_kernel(family: str, rows: int, *, row_elems: int, dtype: str, shards: int = 1,
+                  one_store_tiers: Sequence[int], one_shot_max_bytes: int) -> tuple[str, int]:
+    """THE rule: the kernel a launch of `rows` rows of `row_elems` elements takes, from static facts only (every
+    rank picks the same), as (algo, tier): the one-store kernel on the first tier that holds the launch
+    (one_store_tiers: the tiers' max_bytes, smallest first; _one_store_holds); else one-shot while the launch's
+    bytes (rows * row_elems * elem_size(dtype): the output's, also for the tree orders, see below; the shard
+    order's fp32 input, shards * rows * row_elems * 4) stay within one_shot_max_bytes; else two-shot. tier is -1
+    for the barrier kernels. Every choice gives the same bits (the fold is element-wise); it only moves latency.
+
+    Why a tree launch's output bytes and not the fp32 bytes it publishes: with the fp32 bytes, a bf16 site switched
+    to two-shot at half the rows the plain fold does, where one-shot was still the faster. Measured on one H200 (W
+    ranks as streams, CUDA graphs, rows of 4096, V = 8; docs/performance.md): 64 rows (1 MiB of fp32) one-shot /
+    two-shot 9.30 / 12.86 us at W = 2 and 15.13 / 16.81 at W = 4; 128 rows (1 MiB of bf16 output, two-shot under
+    this rule) 24.13 / 22.16 us at W = 4. The fused tree follows (a bf16 launch of 64 rows of 4096 by the fp32 bytes
+    took two-shot and cost 1.13-1.16x the composition, 2026-12-02)."""
+    for tier, max_bytes in enumerate(one_store_tiers):
+        if _one_store_holds(family, rows, row_elems, dtype, max_bytes):
+            return "one_store", tier
+    nbytes = shards * rows * row_elems * F32_BYTES if family == "virtual" else _bytes(rows, row_elems, dtype)
+    return ("one_shot" if nbytes <= one_shot_max_bytes else "two_shot"), -1
+
+
+def reached(family: str, per: int, max_rows: int, *, row_elems: int, dtype: str, shards: int = 1,
+            one_store_max: int, one_shot_max_bytes: int) -> list[str]:
+    """The variants calls of 1..max_rows rows reach when a launch carries at most `per` rows: the kernels
+    launch_kernel picks for some launch of 1..min(max_rows, per) rows (in FAMILY_ALGOS order), and "chunked" when
+    some call takes several launches; [] when per < 1. The kernel a launch takes only moves later in FAMILY_ALGOS as
+    its rows grow, so bisecting 1..top between two row counts that pick different kernels finds every kernel
+    reached: the rule over its breakpoints."""
+    if max_rows < 1:
+        raise ValueError(f"max_rows must be >= 1, got {max_rows}")
     if per < 1:
         return []
+    tiers = (one_store_max,) if one_store_max > 0 else ()
+
+    def pick(k: int) -> str:
+        return launch_kernel(family, k, row_elems=row_elems, dtype=dtype, shards=shards, one_store_tiers=tiers,
+                             one_shot_max_bytes=one_shot_max_bytes)[0]
+
+    found: set[str] = set()
+
+    def bisect(lo: int, hi: int, a: str, b: str) -> None:
+        found.update((a, b))
+        if a != b and hi - lo > 1:
+            mid = (lo + hi) // 2
+            m = pick(mid)
+            bisect(lo, mid, a, m)
+            bisect(mid, hi, m, b)
+
     top = min(max_rows, per)
-    out = []
-    if row_bytes <= one_store_max:
-        out.append("one_store")
-    k0 = one_store_max // row_bytes + 1  # the fewest rows a launch above the one-store size carries
-    if k0 <= top and k0 * row_bytes <= one_shot_max_bytes:
-        out.append("one_shot")
-    if top * row_bytes > max(one_shot_max_bytes, one_store_max):  # launches up to one_store_max take the one-store kernel
-        out.append("two_shot")
-    return out + (["chunked"] if max_rows > per else [])
+    bisect(1, top, pick(1), pick(top))
+    return [a for a in FAMILY_ALGOS[family] if a in found] + (["chunked"] if max_rows > per else [])
+
+
+def rows_per_launch(family: str, *, row_elems: int, dtype: str, shards: int = 1, capacity_bytes: int,
+                    world_size: int, grid: int) -> int:
+    """Rows one launch of `family` carries (0: not one row fits): the capacity's rows (plain), the fp32 rows
+    (tree: one published row per rank), one row's S fp32 slabs (virtual), the fused kernels' slot rows (fused: the
+    site's dtype; fused_tree: fp32)."""
+    if family == "plain":
+        return capacity_bytes // (row_elems * elem_size(dtype))
+    if family == "tree":
+        return tree_rows_per_launch(capacity_bytes, row_elems, world_size=world_size, dtype=dtype, grid=grid)
+    if family == "virtual":
+        return virtual_rows_per_launch(capacity_bytes, row_elems, shards, world_size=world_size, dtype=dtype,
+                                       grid=grid)
+    slot = slot_bytes(capacity_bytes, world_size, grid)
+    if family == "fused":
+        return fused_norm_rows_per_launch(row_elems, dtype, grid=grid, slot_bytes=slot)
+    return fused_norm_tree_rows_per_launch(row_elems, grid=grid, slot_bytes=slot)
+
+
+def one_store_rows(family: str, *, row_elems: int, dtype: str, one_store_max: int) -> int:
+    """The most rows one one-store launch of `family` carries (0: none): what a forced one-store launch is held to."""
+    if family == "plain":
+        return one_store_max // (row_elems * elem_size(dtype))
+    if family == "tree":
+        return tree_one_store_rows(row_elems, dtype, one_store_max)
+    if family == "fused":
+        return fused_norm_one_store_rows(row_elems, dtype, one_store_max)
+    return 0
 
 
 def variants(collective: str, *, row_bytes: int, max_rows: int, world_size: int, capacity_bytes: int,
              one_shot_max_bytes: int, one_store_max: int = 0) -> list[str]:
     """The code paths calls of 1..max_rows rows of row_bytes each can take, in a fixed order: the kernels
     ("one_store", "one_shot", "two_shot", "reduce_scatter", "all_gather") and "chunked" when some call needs several
-    launches. An all-reduce launch takes the one-store kernel up to one_store_max bytes (capped by the capacity).
-    For reduce_scatter, max_rows counts the input rows (W shards). [] when not even one row fits a launch.
+    launches; an all-reduce's are the rule's (reached, family "plain"). For reduce_scatter, max_rows counts the
+    input rows (W shards). [] when not even one row fits a launch.
 
     The self-checks run each before a site uses the workspace: all_reduce(algo=...) forces a kernel and
     chunk_rows=... forces chunking on any payload of two rows or more."""
     if row_bytes < 1 or max_rows < 1:
         raise ValueError(f"row_bytes and max_rows must be >= 1, got {row_bytes} and {max_rows}")
-    if collective == "all_reduce":
-        return _by_launch_bytes(capacity_bytes // row_bytes, row_bytes, max_rows, one_shot_max_bytes,
-                                min(one_store_max, capacity_bytes))
+    if collective == "all_reduce":  # row_bytes of a one-byte "dtype": the rule reads bytes
+        return reached("plain", capacity_bytes // row_bytes, max_rows, row_elems=row_bytes, dtype="bytes",
+                       one_store_max=one_store_max, one_shot_max_bytes=one_shot_max_bytes)
     if collective == "reduce_scatter":
         per = capacity_bytes // (row_bytes * world_size)
         if per < 1:
@@ -436,14 +526,12 @@ def virtual_rows_per_launch(capacity_bytes: int, row_numel: int, shards_per_rank
 
 def virtual_variants(*, row_numel: int, shards_per_rank: int, max_rows: int, world_size: int, dtype: str,
                      capacity_bytes: int, grid: int, one_shot_max_bytes: int) -> list[str]:
-    """The code paths virtual calls of 1..max_rows rows can take ("one_shot", "two_shot", "chunked"), chosen per
-    launch by its fp32 input bytes (S * rows * row_numel * 4) against one_shot_max_bytes like all_reduce's;
-    [] when one row's S slabs do not fit a launch."""
-    if max_rows < 1:
-        raise ValueError(f"max_rows must be >= 1, got {max_rows}")
+    """The code paths virtual calls of 1..max_rows rows can take ("one_shot", "two_shot", "chunked"): the rule over
+    its breakpoints (reached, by the launch's fp32 input bytes); [] when one row's S slabs do not fit a launch."""
     per = virtual_rows_per_launch(capacity_bytes, row_numel, shards_per_rank, world_size=world_size, dtype=dtype,
                                   grid=grid)
-    return _by_launch_bytes(per, shards_per_rank * row_numel * F32_BYTES, max_rows, one_shot_max_bytes)
+    return reached("virtual", per, max_rows, row_elems=row_numel, dtype=dtype, shards=shards_per_rank,
+                   one_store_max=0, one_shot_max_bytes=one_shot_max_bytes)
 
 
 # --- tree-order virtual-shard all-reduce (csrc/tree_fold.cu) -----------------------------------------------
@@ -515,47 +603,20 @@ def tree_one_store_rows(row_numel: int, dtype: str, one_store_max: int) -> int:
 
 
 def tree_algo(n_elems: int, dtype: str, *, one_store_max: int, one_shot_max_bytes: int) -> str:
-    """The kernel a tree launch of n output elements takes: the one-store kernel up to one_store_max published fp32
-    bytes (tree_launch_bytes: what the one-store area holds); otherwise the kernel the plain fold takes for the same
-    output, one-shot while n * elem_size(dtype) <= one_shot_max_bytes, two-shot above. Every choice gives the same
-    bits.
-
-    Why the output's bytes and not the fp32 bytes published: with the fp32 bytes, a bf16 site switched to two-shot at
-    half the rows the plain fold does, where one-shot was still the faster. Measured on one H200 (W ranks as
-    streams, CUDA graphs, rows of 4096, V = 8; scratch sweep of 2026-12-02, docs/performance.md): 64 rows (1 MiB of
-    fp32) one-shot / two-shot 9.30 / 12.86 us at W = 2 and 15.13 / 16.81 at W = 4; 128 rows (1 MiB of bf16
-    output, two-shot under this rule) 24.13 / 22.16 us at W = 4."""
-    if tree_launch_bytes(n_elems, dtype) <= one_store_max:
-        return "one_store"
-    return "one_shot" if n_elems * elem_size(dtype) <= one_shot_max_bytes else "two_shot"
+    """The kernel a tree launch of n output elements takes: launch_kernel's rule for the tree family (one-store up to
+    one_store_max published fp32 bytes, then one-shot by the output's bytes)."""
+    tiers = (one_store_max,) if one_store_max > 0 else ()
+    return launch_kernel("tree", 1, row_elems=n_elems, dtype=dtype, one_store_tiers=tiers,
+                         one_shot_max_bytes=one_shot_max_bytes)[0]
 
 
 def tree_variants(*, row_numel: int, max_rows: int, world_size: int, dtype: str, capacity_bytes: int, grid: int,
                   one_shot_max_bytes: int, one_store_max: int = 0) -> list[str]:
-    """The code paths tree calls of 1..max_rows rows can take ("one_store", "one_shot", "two_shot", "chunked"), each
-    launch choosing by tree_algo; [] when one row does not fit a launch."""
-    if max_rows < 1:
-        raise ValueError(f"max_rows must be >= 1, got {max_rows}")
+    """The code paths tree calls of 1..max_rows rows can take ("one_store", "one_shot", "two_shot", "chunked"): the
+    rule over its breakpoints (reached); [] when one row does not fit a launch."""
     per = tree_rows_per_launch(capacity_bytes, row_numel, world_size=world_size, dtype=dtype, grid=grid)
-    if per < 1:
-        return []
-    top = min(max_rows, per)
-    one_store = min(one_store_max, capacity_bytes)
-    # The launch bytes grow with the rows, so the kernels reached are those of 1 row, of `top` rows and between.
-    reached = {tree_algo(k * row_numel, dtype, one_store_max=one_store, one_shot_max_bytes=one_shot_max_bytes)
-               for k in _tree_breakpoints(row_numel, dtype, top, one_store, one_shot_max_bytes)}
-    return [a for a in TREE_ALGOS if a in reached] + (["chunked"] if max_rows > per else [])
-
-
-def _tree_breakpoints(row_numel: int, dtype: str, top: int, one_store_max: int, one_shot_max_bytes: int) -> set[int]:
-    """Row counts 1..top that cover every kernel tree_algo picks: 1, top, and the first count above each limit."""
-    ks = {1, top}
-    if one_store_max >= 0:  # the published fp32 bytes, in whole units
-        units = (min(one_store_max, 1 << 62) // F32_BYTES) // pack_elems(dtype)
-        ks.add(units * pack_elems(dtype) // row_numel + 1)
-    if one_shot_max_bytes >= 0:  # the output's bytes
-        ks.add(min(one_shot_max_bytes, 1 << 62) // (row_numel * elem_size(dtype)) + 1)
-    return {k for k in ks if k <= top}
+    return reached("tree", per, max_rows, row_elems=row_numel, dtype=dtype, one_store_max=one_store_max,
+                   one_shot_max_bytes=one_shot_max_bytes)
 
 
 def tree_kernel(algo: str, dtype: str) -> str:
@@ -644,11 +705,11 @@ def fused_norm_tree_rows_per_launch(hidden: int, *, grid: int, slot_bytes: int) 
 def fused_norm_tree_variants(*, hidden: int, dtype: str, max_rows: int, grid: int, slot_bytes: int,
                              one_shot_max_bytes: int) -> list[str]:
     """The fused tree kernels' code paths calls of 1..max_rows rows can take ("fused_one_shot", "fused_two_shot",
-    "fused_chunked"), each launch choosing as Workspace.all_reduce_rmsnorm_tree does: one-shot while its rows of the
-    site's dtype (rows * hidden * elem_size(dtype), the plain fold's rule and tree_algo's) fit one_shot_max_bytes;
-    [] when one fp32 row does not fit a launch."""
+    "fused_chunked"): the rule over its breakpoints (reached, by the rows' bytes in the site's dtype); [] when one
+    fp32 row does not fit a launch."""
     per = fused_norm_tree_rows_per_launch(hidden, grid=grid, slot_bytes=slot_bytes)
-    return [f"fused_{v}" for v in _by_launch_bytes(per, hidden * elem_size(dtype), max_rows, one_shot_max_bytes)]
+    return [f"fused_{v}" for v in reached("fused_tree", per, max_rows, row_elems=hidden, dtype=dtype,
+                                          one_store_max=0, one_shot_max_bytes=one_shot_max_bytes)]
 
 
 def fused_norm_rows_per_launch(hidden: int, dtype: str, *, grid: int, slot_bytes: int) -> int:
@@ -676,13 +737,12 @@ def fused_norm_one_store_rows(hidden: int, dtype: str, one_store_max: int) -> in
 def fused_norm_variants(*, hidden: int, dtype: str, max_rows: int, grid: int, slot_bytes: int,
                         one_shot_max_bytes: int, one_store_max: int = 0) -> list[str]:
     """The fused kernel's code paths calls of 1..max_rows rows can take ("fused_one_store", "fused_one_shot",
-    "fused_two_shot", "fused_chunked"), chosen per launch like all_reduce's (_by_launch_bytes): the one-store kernel
-    for launches of up to fused_norm_one_store_rows rows, one-shot up to one_shot_max_bytes, two-shot above; [] when
-    one row does not fit a launch."""
+    "fused_two_shot", "fused_chunked"): the rule over its breakpoints (reached: the one-store kernel for launches of
+    up to fused_norm_one_store_rows rows, one-shot up to one_shot_max_bytes, two-shot above); [] when one row does
+    not fit a launch."""
     per = fused_norm_rows_per_launch(hidden, dtype, grid=grid, slot_bytes=slot_bytes)
-    row_bytes = hidden * elem_size(dtype)
-    one_store = fused_norm_one_store_rows(hidden, dtype, one_store_max)
-    return [f"fused_{v}" for v in _by_launch_bytes(per, row_bytes, max_rows, one_shot_max_bytes, one_store * row_bytes)]
+    return [f"fused_{v}" for v in reached("fused", per, max_rows, row_elems=hidden, dtype=dtype,
+                                          one_store_max=one_store_max, one_shot_max_bytes=one_shot_max_bytes)]
 
 
 # --- failure records (written by fail_workspace in csrc/detcomm_common.cuh) ----------------------------------

@@ -1,7 +1,9 @@
-"""The armed CUDA-IPC workspace: symmetric buffers + loaded kernels + the host logic of each collective.
+"""The armed CUDA-IPC workspace: symmetric buffers + loaded kernels, their lifecycle (create, close, abort, check,
+synchronize), and the one path every all-reduce call takes: bind (a call shape checked once) and run.
 
 Every reduction is the canonical fold of docs/spec.md §1 (csrc/detcomm_common.cuh), so one-shot, two-shot and any chunking
-give the same bits; the row count only picks the kernel and the chunking.
+give the same bits; the row count only picks the kernel (plan.launch_kernel) and the chunking. The collective calls
+a caller makes are in collectives.py (this class's base), the launches in launch.py.
 """
 
 from __future__ import annotations
@@ -14,10 +16,11 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..dtypes import FLOAT_DTYPES, FLOAT_NAMES, info, name_of
-from ..errors import CaptureUnprepared, ConcurrentCall, WorkspaceFailed, WorkspaceUnavailable
+from ..errors import CaptureUnprepared, WorkspaceFailed, WorkspaceUnavailable
 from . import plan
+from .collectives import Collectives
 from .kernels import MODULE_DTYPE_CODES, KernelSet, kernel_set
+from .launch import BoundCall, InFlight, Launcher
 
 _LOG = logging.getLogger("detcomm.workspace")
 # The device-side deadline of every barrier spin. A spin only waits while some rank has not launched its kernel
@@ -29,7 +32,7 @@ _LOG = logging.getLogger("detcomm.workspace")
 # group's deadline (detcomm.deadline.DEFAULT_TIMEOUT_S): this one bounds the kernels' spins alone.
 DEFAULT_SPIN_DEADLINE_S = 60.0
 # Call numbers whose label is kept for failure messages (the kernels report the call they were in).
-_LABELS_KEPT = 4096
+_LABELS_KEPT = 4096  # a power of two: the label ring is indexed by call & (_LABELS_KEPT - 1)
 
 
 def _refuse_under_capture(what: str) -> None:
@@ -39,10 +42,6 @@ def _refuse_under_capture(what: str) -> None:
 
 def _u64(x: int) -> ctypes.c_uint64:
     return ctypes.c_uint64(x)
-
-
-def _i64(x: int) -> ctypes.c_int64:
-    return ctypes.c_int64(x)
 
 
 class _HostCtrl:
@@ -71,14 +70,15 @@ class _HostCtrl:
             self.ptr = 0
 
 
-class Workspace:
+class Workspace(Collectives):
     """One rank's armed CUDA-IPC workspace (or one rank view of an in-process group).
 
     Collective calls (every rank of the group must make them, in the same order, with the same shapes):
     `create`, `all_reduce`, `all_reduce_virtual`, `all_reduce_tree`, `all_reduce_rmsnorm`, `all_reduce_rmsnorm_tree`,
-    `reduce_scatter`, `all_gather`, `close`. Local calls: `abort`, `check`, `synchronize`, `error_record`,
-    `variants`, `virtual_variants`, `tree_variants`, `fused_norm_variants`, `fused_norm_tree_variants`,
-    `bind_all_reduce` and `bind_all_reduce_tree` (once per site; the call they return is collective). `in_process` is not collective (one process plays every rank); its rank views'
+    `reduce_scatter`, `all_gather`, `run`, `close`. Local calls: `abort`, `check`, `synchronize`, `error_record`,
+    `variants`, `family_variants` (and its named forms `virtual_variants`, `tree_variants`, `fused_norm_variants`,
+    `fused_norm_tree_variants`), `bind`, `bind_all_reduce` and `bind_all_reduce_tree` (once per site; the call
+    they return is collective). `in_process` is not collective (one process plays every rank); its rank views'
     collectives must still be called once per rank, each from its own stream.
 
     Inputs are contiguous tensors on the workspace's device, [rows, *trailing], rows along dim 0. One collective
@@ -94,10 +94,9 @@ class Workspace:
     runs (that kernel stops at once), so it raises at the call after, or at `synchronize()`.
     """
 
-    # The kernel build (kernels.BUILD_DEFINES) and whether code paths are recorded (variants_run): "canonical" and
-    # off here; only detcomm.workspace.debug's subclasses change them (the tests' negative controls, the bench).
+    # The kernel build (kernels.BUILD_DEFINES): "canonical" here; only detcomm.workspace.debug's subclasses change it
+    # (the tests' negative controls, the bench), and only it sets the path recorder (variants_run).
     _kernel_build: ClassVar[str] = "canonical"
-    _record_variants: ClassVar[bool] = False
 
     def __init__(self, *, transport: Any, kernels: KernelSet, grid: int,
                  one_store_tiers: tuple[plan.OneStoreTier, ...], capacity_bytes: int,
@@ -145,17 +144,19 @@ class Workspace:
         # Bound once: a function-level import costs a lookup in sys.modules on every call of the hot path.
         self._event_record = runtime.eventRecord
         self._event_query = runtime.eventQuery
-        self._all_reduce_cache: dict[tuple[str, int], _AllReduceLauncher] = {}
-        self._tree_cache: dict[tuple[str, str, int, int], _TreeLauncher] = {}
+        self._launchers: dict[tuple[str, str, int, int, str], Launcher] = {}
+        self._bound: dict[tuple[Any, ...], BoundCall] = {}
         self._dead: str | None = None
         self._failure: str | None = None
         # Launch numbers: every launch carries one, peers compare them at the start barrier; labels name them.
         self._calls = 0
-        self._labels: dict[int, str] = {}
+        self._label_ring: list[tuple[int, str] | None] = [None] * _LABELS_KEPT
+        self._in_flight = InFlight(self)
         self.refused: dict[str, str] = dict(kernels.refused)
-        #: (collective, dtype, variant) of every code path this workspace has run, when recording (the tests and the
-        #: bench turn it on through detcomm.workspace.debug); None otherwise, and the launches skip the record.
-        self.variants_run: set[tuple[str, str, str]] | None = set() if self._record_variants else None
+        #: (collective, dtype, variant) of every code path this workspace has run, when recording; None otherwise.
+        self.variants_run: set[tuple[str, str, str]] | None = None
+        # The path recorder: a hook only detcomm.workspace.debug sets (record()); the launches skip it when None.
+        self._record_path: Callable[[tuple[str, str, str]], None] | None = None
 
     # ---- construction ----------------------------------------------------------------------------------
     @classmethod
@@ -338,7 +339,7 @@ class Workspace:
         if self._failure is not None:
             raise WorkspaceFailed(self._failure)
         if self._ctrl.ptr and self._ctrl.tagged():
-            line = plan.decode_record(self._ctrl.record(), self._labels)
+            line = plan.decode_record(self._ctrl.record(), self._labels())
             self._failure = (f"detcomm workspace (rank {self.rank}) failed: {line}. It refuses every call until it is "
                              "re-created (close it and create a new one on every rank).")
             if self._dead is None:
@@ -367,761 +368,81 @@ class Workspace:
         waiting on the device (the record lives in mapped pinned host memory)."""
         if not self._ctrl.ptr:
             return None
-        return plan.decode_record(self._ctrl.record(), self._labels)
+        return plan.decode_record(self._ctrl.record(), self._labels())
 
-    def variants(self, collective: str, dtype: torch.dtype, row_numel: int, max_rows: int) -> list[str]:
-        """LOCAL: the code paths calls of a site can take (plan.variants: "one_shot", "two_shot",
-        "reduce_scatter", "all_gather", "chunked"); [] when the workspace cannot serve it (a row larger than a
-        launch, or a dtype whose kernels were refused). The self-checks run each before the site's first use:
-        all_reduce(algo="one_shot" | "two_shot") forces a kernel, chunk_rows=1 (with 2+ rows) forces chunking."""
-        if collective == "all_gather":
-            module, elem = "bytes", torch.empty((), dtype=dtype).element_size()
-        else:
-            if dtype not in FLOAT_DTYPES:
-                raise ValueError(f"the workspace folds float32, bfloat16 and float16, got {dtype}")
-            module, elem = name_of(dtype), info(dtype).size
-        if module in self.refused:
-            return []
-        return plan.variants(collective, row_bytes=row_numel * elem, max_rows=max_rows, world_size=self.world_size,
-                             capacity_bytes=self.capacity_bytes, one_shot_max_bytes=self.one_shot_max_bytes,
-                             one_store_max=self.one_store_max_bytes)
+    # ---- one call shape, checked once; one run method for every all-reduce family ---------------------------
+    def bind(self, family: str, dtype: str, row_elems: int, *, shards: int = 1, weight: str = "float32",
+             algo: str | None = None, chunk_rows: int | None = None, label: str | None = None) -> BoundCall:
+        """LOCAL: the calls of `family` (plan.FAMILY_ALGOS) on rows of `row_elems` elements of `dtype` (the output's;
+        shards: fp32 slabs per rank of the slab families; weight: the fused norm weight's dtype), with a forced
+        kernel (algo) or rows per launch (chunk_rows) or neither, checked here once: the dtype served, the tree's
+        V, a row fitting a launch, a forced kernel fitting its areas. Bound calls are kept per shape."""
+        key = (family, dtype, row_elems, shards, weight, algo, chunk_rows, label)
+        bound = self._bound.get(key)
+        if bound is None:
+            bound = self._bind(family, dtype, row_elems, shards, weight, algo, chunk_rows, label)
+            if len(self._bound) < _LABELS_KEPT:
+                self._bound[key] = bound
+        return bound
 
-    # ---- collectives -----------------------------------------------------------------------------------
-    def all_reduce(self, x: torch.Tensor, *, out: torch.Tensor | None = None, algo: str | None = None,
-                   chunk_rows: int | None = None, label: str | None = None) -> torch.Tensor:
-        """COLLECTIVE. SUM of x over the group by the canonical fold; every rank gets identical bits.
-
-        algo: None chooses by the launch's size (the one-store kernel up to one_store_max_bytes, one-shot up to
-        one_shot_max_bytes, two-shot above); "one_store" / "one_shot" / "two_shot" force one (self-checks, tests,
-        bench; a forced "one_store" launch carries at most one_store_max_bytes, and one row larger than that raises).
-        chunk_rows: rows per launch (default: as many as the capacity holds; smaller forces chunking). label: named in failure messages (the site). All
-        choices and any chunking give the same bits.
-        """
-        if algo not in (None, "one_store", "one_shot", "two_shot"):
-            raise ValueError(f"algo must be None, 'one_store', 'one_shot' or 'two_shot', got {algo!r}")
-        dtype = self._fold_dtype(x)
-        out = self._output(x, out, tuple(x.shape))
-        rows, row_elems, row_bytes = self._rows(x)
-        if rows == 0 or row_elems == 0:
-            return out
-        per = self._per_chunk(row_bytes, chunk_rows, 1)
-        if algo == "one_store":
-            fit = self.one_store_max_bytes // row_bytes
-            if fit < 1 or (chunk_rows is not None and chunk_rows > fit):
-                raise ValueError(f"algo='one_store' serves launches of at most one_store_max_bytes="
-                                 f"{self.one_store_max_bytes} bytes; a launch of {chunk_rows or 1} row(s) carries "
-                                 f"{(chunk_rows or 1) * row_bytes}")
-            per = min(per, fit)  # forced: as many rows per launch as the one-store areas hold
-        return self._all_reduce_launcher(dtype, row_elems).run(x, out, algo=algo, per=per, label=label)
-
-    def bind_all_reduce(self, dtype: torch.dtype, row_numel: int, *, label: str | None = None
-                        ) -> Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]:
-        """LOCAL, once per site: the site's all-reduce as ``call(x, out) -> out`` (COLLECTIVE when called), with
-        everything that depends only on the site (dtype, row width, kernels, chunking, the launch parameter
-        blocks) prepared here, so a call does O(1) work: a liveness check, the output, the launches. ``x`` and
-        ``out`` (None: allocated) must already be validated as the communicator does before any route sees
-        them: contiguous, on this device, the site's dtype and row width, and ``out`` either separate from x
-        or x itself. In place (``out`` is x) is exact: in every launch (one-store, one-shot, two-shot, each
-        chunk) the thread that writes an element of ``out`` is the one that copied (or pushed) that element of x,
-        and it did so before the START barrier (one-store: before its first wait), while every write to ``out``
-        comes after it (the kernels' pack ownership, csrc/detcomm_common.cuh "Work assignment"); at W = 1 the
-        kernels fold x straight into out, each pack loaded and then stored by the same thread; chunks cover
-        disjoint rows. A call that fails midway leaves x partly overwritten."""
-        if dtype not in FLOAT_DTYPES:
-            raise ValueError(f"the workspace folds {list(FLOAT_NAMES)}, got {dtype}")
-        name = name_of(dtype)
-        if name in self.refused:
-            raise WorkspaceUnavailable(f"the workspace's {name} kernels were refused: {self.refused[name]}")
-        if row_numel < 1:
-            raise ValueError(f"row_numel must be >= 1, got {row_numel}")
-        launcher = self._all_reduce_launcher(name, row_numel)
-        per = plan.rows_per_chunk(self.capacity_bytes, row_numel * plan.elem_size(name))
-        ctrl = self._ctrl.words
-
-        def call(x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-            if self._dead is not None or ctrl[0]:
-                self.check()
-            assert x.dtype is dtype, (x.dtype, dtype)  # the communicator checked the site's dtype
-            return launcher.run(x, torch.empty_like(x) if out is None else out, algo=None, per=per, label=label)
-
-        return call
-
-    def _all_reduce_launcher(self, dtype: str, row_elems: int) -> _AllReduceLauncher:
-        key = (dtype, row_elems)
-        launcher = self._all_reduce_cache.get(key)
-        if launcher is None:
-            launcher = self._all_reduce_cache[key] = _AllReduceLauncher(self, dtype, row_elems)
-        return launcher
-
-    def reduce_scatter(self, x: torch.Tensor, *, out: torch.Tensor | None = None, chunk_rows: int | None = None,
-                       label: str | None = None) -> torch.Tensor:
-        """COLLECTIVE. x is [W * R, *trailing]; rank r gets the canonical fold over ranks of rows [r*R, (r+1)*R).
-        chunk_rows: shard rows per launch (smaller than the capacity allows forces chunking)."""
-        dtype = self._fold_dtype(x)
-        rows, row_elems, row_bytes = self._rows(x)
-        if rows % self.world_size:
-            raise ValueError(f"reduce_scatter needs rows divisible by the world size {self.world_size}, got {rows}")
-        shard = rows // self.world_size
-        out = self._output(x, out, (shard, *x.shape[1:]))
-        if shard == 0 or row_elems == 0:
-            return out
-        sfx = plan.DTYPE_SUFFIX[dtype]
-        per = self._per_chunk(row_bytes, chunk_rows, self.world_size)
-        with self._collective() as stream_ptr:
-            for a, b in plan.chunks(shard, per):
-                geo = plan.reduce_scatter_slices(b - a, row_elems, dtype, self.grid)
-                assert geo.slot_bytes_used(self.world_size) <= self._slot_bytes, (geo, self._slot_bytes)
-                self._launch(f"detcomm_reduce_scatter_{sfx}",
-                             [_u64(x.data_ptr() + a * row_bytes), _i64(shard * row_elems),
-                              _u64(out.data_ptr() + a * row_bytes), _i64(geo.length), _i64(geo.stride_packs)],
-                             stream_ptr, label)
-            if self.variants_run is not None:
-                self.variants_run.add(("reduce_scatter", dtype, "reduce_scatter"))
-                if shard > per:
-                    self.variants_run.add(("reduce_scatter", dtype, "chunked"))
-        return out
-
-    def all_gather(self, x: torch.Tensor, *, out: torch.Tensor | None = None, chunk_rows: int | None = None,
-                   label: str | None = None) -> torch.Tensor:
-        """COLLECTIVE. x is [R, *trailing] on every rank; returns [W * R, *trailing], rank r's rows at r*R.
-        Data movement only (any dtype). chunk_rows: rows per launch (smaller forces chunking)."""
-        self._check_tensor(x)
-        if "bytes" in self.refused:
-            raise WorkspaceUnavailable(f"the workspace's all-gather kernel was refused: {self.refused['bytes']}")
-        rows, row_elems, row_bytes = self._rows(x)
-        out = self._output(x, out, (self.world_size * rows, *x.shape[1:]))
-        if rows == 0 or row_bytes == 0:
-            return out
-        per = self._per_chunk(row_bytes, chunk_rows, 1)
-        with self._collective() as stream_ptr:
-            for a, b in plan.chunks(rows, per):
-                self._launch("detcomm_all_gather",
-                             [_u64(x.data_ptr() + a * row_bytes), _u64(out.data_ptr() + a * row_bytes),
-                              _i64((b - a) * row_bytes), _i64(rows * row_bytes)], stream_ptr, label)
-            if self.variants_run is not None:
-                dt = str(x.dtype).removeprefix("torch.")
-                self.variants_run.add(("all_gather", dt, "all_gather"))
-                if rows > per:
-                    self.variants_run.add(("all_gather", dt, "chunked"))
-        return out
-
-    # ---- fused all-reduce + residual add + RMSNorm (csrc/fused_rmsnorm.cu) ----------------------------------
-    def fused_norm_variants(self, dtype: torch.dtype, hidden: int, max_rows: int) -> list[str]:
-        """LOCAL: the fused kernel's code paths for rows of `hidden` elements (plan.fused_norm_variants); [] when
-        it cannot serve them (dtype refused, a row larger than a launch)."""
-        if dtype not in FLOAT_DTYPES or name_of(dtype) in self.refused:
-            return []
-        return plan.fused_norm_variants(hidden=hidden, dtype=name_of(dtype), max_rows=max_rows, grid=self.grid,
-                                        slot_bytes=self._slot_bytes, one_shot_max_bytes=self.one_shot_max_bytes,
-                                        one_store_max=self.one_store_max_bytes)
-
-    def fused_norm_layout(self, dtype: torch.dtype, hidden: int) -> str:
-        """LOCAL: how the fused kernels cover rows of `hidden` elements (plan.fused_norm_layout: "registers",
-        "wide" or "streaming"), from the site's static facts and this workspace's W."""
-        return self._kernels.fused_norm_layout(hidden, name_of(dtype))
-
-    def all_reduce_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps32: float, *,
-                           algo: str | None = None, chunk_rows: int | None = None,
-                           label: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """COLLECTIVE. (y, r) of docs/spec.md §9.2 in one kernel per launch: s = the canonical fold of x, r =
-        round(residual + s), y = the canonical RMSNorm of r; the same bits as all_reduce then
-        detcomm.numerics.norm.add_rms_norm. x, residual: contiguous [rows, H] of one float dtype; weight: [H] of any float
-        dtype; eps32: eps already rounded to fp32 (detcomm.numerics.norm validates all of it).
-
-        algo: None chooses per launch: the one-store kernel (csrc/fused_rmsnorm_one_store.cu, no barrier) for launches
-        of up to plan.fused_norm_one_store_rows rows (at most one_store_max_bytes), one-shot up to one_shot_max_bytes,
-        two-shot above; "one_store" / "one_shot" / "two_shot" force one (self-checks, tests, bench; a forced
-        "one_store" launch carries at most fused_norm_one_store_rows rows, and a row larger than that raises).
-        chunk_rows forces chunking as in all_reduce. Every choice gives the same bits."""
-        if algo not in (None, "one_store", "one_shot", "two_shot"):
-            raise ValueError(f"algo must be None, 'one_store', 'one_shot' or 'two_shot', got {algo!r}")
-        dtype = self._fold_dtype(x)
-        assert x.dim() == 2 and residual.shape == x.shape and weight.shape == x.shape[1:], (x.shape, weight.shape)
-        rows, hidden = x.shape
-        y, r = torch.empty_like(x), torch.empty_like(x)
-        if rows == 0 or hidden == 0:
-            return y, r
-        per = plan.fused_norm_rows_per_launch(hidden, dtype, grid=self.grid, slot_bytes=self._slot_bytes)
-        if per < 1:
-            raise WorkspaceUnavailable(f"a row of {hidden} elements does not fit one fused launch of this workspace")
-        # Rows each one-store tier holds, smallest tier first; the largest tier's is the one-store limit.
-        tier_rows = [plan.fused_norm_one_store_rows(hidden, dtype, t.max_bytes) for t in self.one_store_tiers]
-        one_store = tier_rows[-1] if tier_rows else 0
-        if chunk_rows is not None and not 1 <= chunk_rows <= per:
-            raise ValueError(f"chunk_rows must be in 1..{per} (rows one launch carries), got {chunk_rows}")
-        if algo == "one_store":
-            if one_store < 1 or (chunk_rows is not None and chunk_rows > one_store):
-                raise ValueError(f"algo='one_store' serves fused launches of at most {one_store} row(s) of {hidden} elements "
-                                 f"(one_store_max_bytes={self.one_store_max_bytes}); asked for {chunk_rows or 1}")
-            per = min(per, one_store)  # forced: as many rows per launch as the one-store areas hold
-        if chunk_rows is not None:
-            per = chunk_rows
-        row_bytes = hidden * x.element_size()
-        wname = name_of(weight.dtype)
-        # The row layout is a function of (H, dtype, W) alone: every launch of a site takes the same kind of kernel.
-        layout = self._kernels.fused_norm_layout(hidden, dtype)
-        wide = layout == "wide"
-        with self._collective() as stream_ptr:
-            for a, b in plan.chunks(rows, per):
-                if algo == "one_store" or (algo is None and b - a <= one_store):
-                    kind = "one_store"
-                elif algo == "one_shot" or (algo is None and (b - a) * row_bytes <= self.one_shot_max_bytes):
-                    kind = "one_shot"
-                else:
-                    kind = "two_shot"
-                off = a * row_bytes
-                args = [_u64(x.data_ptr() + off), _u64(residual.data_ptr() + off), _u64(weight.data_ptr()),
-                        _u64(y.data_ptr() + off), _u64(r.data_ptr() + off), _i64(b - a), _i64(hidden),
-                        ctypes.c_float(eps32)]
-                grid = None
-                if kind == "one_store":  # the first tier that holds the launch: its sub-region, area bytes and blocks
-                    tier = next(t for t, most in zip(self.one_store_tiers, tier_rows, strict=True) if b - a <= most)
-                    args += [_i64(tier.offset), _i64(tier.cap)]
-                    grid = tier.blocks
-                self._launch(plan.fused_norm_kernel(kind, dtype, wname, wide=wide), args, stream_ptr, label, grid=grid)
-                if self.variants_run is not None:
-                    self.variants_run.add(("all_reduce_rmsnorm", dtype, f"fused_{kind}"))
-                    self.variants_run.add(("all_reduce_rmsnorm", dtype, f"layout_{layout}"))
-            if rows > per and self.variants_run is not None:
-                self.variants_run.add(("all_reduce_rmsnorm", dtype, "fused_chunked"))
-        return y, r
-
-    def fused_norm_tree_variants(self, dtype: torch.dtype, hidden: int, max_rows: int) -> list[str]:
-        """LOCAL: the fused tree kernels' code paths for rows of `hidden` elements (plan.fused_norm_tree_variants:
-        "fused_one_shot", "fused_two_shot", "fused_chunked"); [] when they cannot serve them (dtype refused, an fp32
-        row larger than a fused launch)."""
-        if dtype not in FLOAT_DTYPES or name_of(dtype) in self.refused:
-            return []
-        return plan.fused_norm_tree_variants(hidden=hidden, dtype=name_of(dtype), max_rows=max_rows, grid=self.grid,
-                                             slot_bytes=self._slot_bytes, one_shot_max_bytes=self.one_shot_max_bytes)
-
-    def all_reduce_rmsnorm_tree(self, partials: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                                eps32: float, *, algo: str | None = None, chunk_rows: int | None = None,
-                                label: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """COLLECTIVE. (y, r) of docs/spec.md §9.2 whose step 1 is the tree-order virtual-shard all-reduce (§9.1,
-        shard_fold="tree") of ``partials``, this rank's contiguous fp32 [S, rows, H] (S = V/W; slab j is global
-        shard rank*S + j), in one kernel per launch (csrc/fused_rmsnorm.cu, the tree variants): the same bits as
-        all_reduce_tree then detcomm.numerics.norm.add_rms_norm. residual: contiguous [rows, H] of the site's dtype
-        D; weight: [H] of any float dtype; eps32 as all_reduce_rmsnorm.
-
-        algo: None chooses per launch by its rows' bytes in the site's dtype D (rows * H * size of D: one-shot up to
-        one_shot_max_bytes, two-shot above: the rule of the plain fold and of plan.tree_algo; by the fp32 bytes, a
-        bf16 launch of 64 rows of 4096 took two-shot and cost 1.13-1.16x the composition on one H200, 2026-12-02);
-        "one_shot" / "two_shot" force one. chunk_rows forces chunking. Every choice gives the same bits."""
-        if algo not in (None, *plan.FUSED_NORM_TREE_ALGOS):
-            raise ValueError(f"algo must be None or one of {plan.FUSED_NORM_TREE_ALGOS}, got {algo!r}")
-        dtype = self._fold_dtype(residual)
-        self._check_tensor(partials)
-        if partials.dtype != torch.float32 or partials.dim() != 3 or partials.shape[1:] != residual.shape:
-            raise ValueError(f"partials must be float32 [S, rows, H] with [rows, H] = the residual's "
-                             f"{list(residual.shape)}, got {partials.dtype} {list(partials.shape)}")
-        shards = partials.shape[0]
-        why = plan.tree_refusal(shards * self.world_size, self.world_size)
-        if why is not None:
-            raise ValueError(f"{why} (this call passes S={shards} slabs per rank)")
-        assert residual.dim() == 2 and weight.shape == residual.shape[1:], (residual.shape, weight.shape)
-        rows, hidden = residual.shape
-        y, r = torch.empty_like(residual), torch.empty_like(residual)
-        if rows == 0 or hidden == 0:
-            return y, r
-        per = plan.fused_norm_tree_rows_per_launch(hidden, grid=self.grid, slot_bytes=self._slot_bytes)
-        if per < 1:
-            raise WorkspaceUnavailable(f"an fp32 row of {hidden} elements does not fit one fused launch of this "
-                                       "workspace")
-        if chunk_rows is not None:
-            if not 1 <= chunk_rows <= per:
-                raise ValueError(f"chunk_rows must be in 1..{per} (rows one launch carries), got {chunk_rows}")
-            per = chunk_rows
-        row_bytes = hidden * residual.element_size()
-        wname = name_of(weight.dtype)
-        layout = self._kernels.fused_norm_layout(hidden, dtype)
-        wide = layout == "wide"
-        x_stride = rows * hidden
-        with self._collective() as stream_ptr:
-            for a, b in plan.chunks(rows, per):
-                kind = algo or ("one_shot" if (b - a) * row_bytes <= self.one_shot_max_bytes else "two_shot")
-                off = a * row_bytes
-                args = [_u64(partials.data_ptr() + a * hidden * plan.F32_BYTES), _i64(x_stride),
-                        ctypes.c_int32(shards), _u64(residual.data_ptr() + off), _u64(weight.data_ptr()),
-                        _u64(y.data_ptr() + off), _u64(r.data_ptr() + off), _i64(b - a), _i64(hidden),
-                        ctypes.c_float(eps32)]
-                self._launch(plan.fused_norm_kernel(kind, dtype, wname, wide=wide, tree=True), args, stream_ptr,
-                             label)
-                if self.variants_run is not None:
-                    self.variants_run.add(("all_reduce_rmsnorm_tree", dtype, f"fused_{kind}"))
-                    self.variants_run.add(("all_reduce_rmsnorm_tree", dtype, f"layout_{layout}"))
-            if rows > per and self.variants_run is not None:
-                self.variants_run.add(("all_reduce_rmsnorm_tree", dtype, "fused_chunked"))
-        return y, r
-
-    # ---- virtual-shard all-reduce (csrc/virtual_fold.cu, docs/spec.md §9.1) -------------------------------
-    def virtual_variants(self, dtype: torch.dtype, row_numel: int, max_rows: int, shards_per_rank: int) -> list[str]:
-        """LOCAL: the code paths of a virtual-shard all-reduce site (plan.virtual_variants: "one_shot", "two_shot",
-        "chunked") whose calls pass shards_per_rank fp32 slabs of 1..max_rows rows of row_numel elements; [] when
-        the workspace cannot serve it (output dtype refused, one row's slabs larger than a launch)."""
-        if dtype not in FLOAT_DTYPES:
-            raise ValueError(f"the workspace folds into {list(FLOAT_NAMES)}, got {dtype}")
-        if name_of(dtype) in self.refused:
-            return []
-        return plan.virtual_variants(row_numel=row_numel, shards_per_rank=shards_per_rank, max_rows=max_rows,
-                                     world_size=self.world_size, dtype=name_of(dtype),
-                                     capacity_bytes=self.capacity_bytes, grid=self.grid,
-                                     one_shot_max_bytes=self.one_shot_max_bytes)
-
-    def all_reduce_virtual(self, partials: torch.Tensor, *, dtype: torch.dtype, out: torch.Tensor | None = None,
-                           algo: str | None = None, chunk_rows: int | None = None,
-                           label: str | None = None) -> torch.Tensor:
-        """COLLECTIVE. The virtual-shard all-reduce of docs/spec.md §9.1: ``partials`` is this rank's contiguous
-        fp32 [S, rows, *shape] (S = V/W; slab j is global shard rank*S + j, the same S on every rank); returns
-        [rows, *shape] in ``dtype``: the fold over the V shards in global order from +0.0 in fp32, rounded once,
-        identical on every rank and for every W dividing V.
-
-        algo: None chooses by the launch's fp32 input bytes (S * rows * row_numel * 4: one-shot up to
-        one_shot_max_bytes, two-shot above); "one_shot" / "two_shot" force one. chunk_rows: rows per launch
-        (default: as many as the capacity holds, plan.virtual_rows_per_launch; smaller forces chunking). Every
-        choice gives the same bits."""
-        if algo not in (None, "one_shot", "two_shot"):
-            raise ValueError(f"algo must be None, 'one_shot' or 'two_shot', got {algo!r}")
-        self._check_tensor(partials)
-        if not isinstance(dtype, torch.dtype):
-            raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
-        if dtype not in FLOAT_DTYPES:
-            raise ValueError(f"the workspace folds into {list(FLOAT_NAMES)}, got {dtype}")
-        name = name_of(dtype)
-        if name in self.refused:
-            raise WorkspaceUnavailable(f"the workspace's {name} kernels were refused: {self.refused[name]}")
-        if partials.dtype != torch.float32 or partials.dim() < 2 or partials.shape[0] < 1:
-            raise ValueError(f"partials must be float32 [S >= 1, rows, *shape], got {partials.dtype} "
-                             f"{list(partials.shape)}")
-        shards = partials.shape[0]
-        shape = tuple(partials.shape[1:])
-        out = self._virtual_output(partials, out, shape, dtype)
-        rows, row_elems = shape[0], out[0].numel() if shape[0] else 0
-        if rows == 0 or row_elems == 0:
-            return out
-        per = plan.virtual_rows_per_launch(self.capacity_bytes, row_elems, shards, world_size=self.world_size,
-                                           dtype=name, grid=self.grid)
-        if per < 1:
-            raise WorkspaceUnavailable(f"one row's {shards} fp32 slabs of {row_elems} elements do not fit one launch "
-                                       f"of this workspace (capacity {self.capacity_bytes} bytes)")
-        if chunk_rows is not None:
-            if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int):
-                raise TypeError(f"chunk_rows must be an int, got {type(chunk_rows).__name__}")
-            if not 1 <= chunk_rows <= per:
-                raise ValueError(f"chunk_rows must be in 1..{per} (rows one launch carries), got {chunk_rows}")
-            per = chunk_rows
-        sfx, esize = plan.DTYPE_SUFFIX[name], out.element_size()
-        x_stride = rows * row_elems  # elements between slabs
-        with self._collective() as stream_ptr:
-            for a, b in plan.chunks(rows, per):
-                n = (b - a) * row_elems
-                head = [_u64(partials.data_ptr() + a * row_elems * 4), _i64(x_stride), ctypes.c_int32(shards),
-                        _u64(out.data_ptr() + a * row_elems * esize), _i64(n)]
-                one = algo == "one_shot" or (algo is None and shards * n * 4 <= self.one_shot_max_bytes)
-                kind = "one_shot" if one else "two_shot"
-                used = plan.virtual_slot_bytes_used(n, shards, self.world_size, name, kind)
-                assert used <= self._slot_bytes, (used, self._slot_bytes)
-                if one:
-                    self._launch(f"detcomm_virtual_one_shot_{sfx}", head, stream_ptr, label)
-                else:
-                    self._launch(f"detcomm_virtual_two_shot_{sfx}",
-                                 head + [_i64(plan.virtual_slices(n, self.world_size, name))], stream_ptr, label)
-                if self.variants_run is not None:
-                    self.variants_run.add(("all_reduce_virtual", name, kind))
-            if rows > per and self.variants_run is not None:
-                self.variants_run.add(("all_reduce_virtual", name, "chunked"))
-        return out
-
-    def _virtual_output(self, partials: torch.Tensor, out: torch.Tensor | None, shape: tuple[int, ...],
-                        dtype: torch.dtype) -> torch.Tensor:
-        if out is None:
-            return torch.empty(shape, dtype=dtype, device=partials.device)
-        if not isinstance(out, torch.Tensor):
-            raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
-        if tuple(out.shape) != shape or out.dtype != dtype or out.device != partials.device or not out.is_contiguous():
-            raise ValueError(f"out must be a contiguous {dtype} tensor of shape {shape} on {partials.device}")
-        x0, o0 = partials.data_ptr(), out.data_ptr()
-        x1, o1 = x0 + partials.numel() * 4, o0 + out.numel() * out.element_size()
-        if x0 < o1 and o0 < x1:
-            raise ValueError(f"out [{o0:#x}, {o1:#x}) overlaps the partials [{x0:#x}, {x1:#x}); pass a separate "
-                             "output tensor")
-        return out
-
-    # ---- tree-order virtual-shard all-reduce (csrc/tree_fold.cu, docs/spec.md §9.1) -------------------------
-    def tree_variants(self, dtype: torch.dtype, row_numel: int, max_rows: int, shards_per_rank: int) -> list[str]:
-        """LOCAL: the code paths of a tree-order virtual-shard all-reduce site (plan.tree_variants: "one_store",
-        "one_shot", "two_shot", "chunked") whose calls pass shards_per_rank fp32 slabs of 1..max_rows rows of
-        row_numel elements; [] when the workspace cannot serve it (output dtype refused, W or the slabs outside the
-        tree kernels, plan.tree_refusal, or one fp32 row larger than a launch)."""
-        if dtype not in FLOAT_DTYPES:
-            raise ValueError(f"the workspace folds into {list(FLOAT_NAMES)}, got {dtype}")
-        if name_of(dtype) in self.refused:
-            return []
-        if plan.tree_refusal(shards_per_rank * self.world_size, self.world_size) is not None:
-            return []
-        return plan.tree_variants(row_numel=row_numel, max_rows=max_rows, world_size=self.world_size,
-                                  dtype=name_of(dtype), capacity_bytes=self.capacity_bytes, grid=self.grid,
-                                  one_shot_max_bytes=self.one_shot_max_bytes, one_store_max=self.one_store_max_bytes)
-
-    def all_reduce_tree(self, partials: torch.Tensor, *, dtype: torch.dtype, out: torch.Tensor | None = None,
-                        algo: str | None = None, chunk_rows: int | None = None,
-                        label: str | None = None) -> torch.Tensor:
-        """COLLECTIVE. The tree-order virtual-shard all-reduce of docs/spec.md §9.1 (shard_fold="tree"):
-        ``partials`` is this rank's contiguous fp32 [S, rows, *shape] (S = V/W, a power of two, the same on every
-        rank; W a power of two; slab j is global shard rank*S + j); returns [rows, *shape] in ``dtype``: the
-        balanced binary tree over the V shards in global order (every node one fp32 add), +0.0 at the root, one
-        rounding, identical on every rank and for every W dividing V. Each rank folds its own subtree in the kernel
-        that publishes it, so one fp32 row per rank crosses the workspace.
-
-        algo: None chooses per launch (plan.tree_algo: the one-store kernel up to one_store_max_bytes of published
-        fp32, one-shot up to one_shot_max_bytes, two-shot above); "one_store" / "one_shot" / "two_shot" force one (a
-        forced "one_store" launch carries at most one_store_max_bytes). chunk_rows: rows per launch (default: as many
-        as the capacity holds, plan.tree_rows_per_launch; smaller forces chunking). Every choice gives the same
-        bits."""
-        if algo not in (None, *plan.TREE_ALGOS):
-            raise ValueError(f"algo must be None or one of {plan.TREE_ALGOS}, got {algo!r}")
-        self._check_tensor(partials)
-        if not isinstance(dtype, torch.dtype):
-            raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
-        if dtype not in FLOAT_DTYPES:
-            raise ValueError(f"the workspace folds into {list(FLOAT_NAMES)}, got {dtype}")
-        name = name_of(dtype)
-        if name in self.refused:
-            raise WorkspaceUnavailable(f"the workspace's {name} kernels were refused: {self.refused[name]}")
-        if partials.dtype != torch.float32 or partials.dim() < 2 or partials.shape[0] < 1:
-            raise ValueError(f"partials must be float32 [S >= 1, rows, *shape], got {partials.dtype} "
-                             f"{list(partials.shape)}")
-        shards = partials.shape[0]
-        why = plan.tree_refusal(shards * self.world_size, self.world_size)
-        if why is not None:
-            raise ValueError(f"{why} (this call passes S={shards} slabs per rank)")
-        shape = tuple(partials.shape[1:])
-        out = self._virtual_output(partials, out, shape, dtype)
-        rows, row_elems = shape[0], out[0].numel() if shape[0] else 0
-        if rows == 0 or row_elems == 0:
-            return out
-        launcher = self._tree_launcher(name, row_elems, shards)
-        per = launcher.per
-        if per < 1:
-            raise WorkspaceUnavailable(f"one fp32 row of {row_elems} elements does not fit one launch of this "
-                                       f"workspace (capacity {self.capacity_bytes} bytes)")
-        if algo == "one_store":
-            fit = plan.tree_one_store_rows(row_elems, name, self.one_store_max_bytes)
-            if fit < 1 or (chunk_rows is not None and chunk_rows > fit):
-                raise ValueError(f"algo='one_store' serves tree launches of at most one_store_max_bytes="
-                                 f"{self.one_store_max_bytes} fp32 bytes; a launch of {chunk_rows or 1} row(s) of "
-                                 f"{row_elems} elements publishes "
-                                 f"{plan.tree_launch_bytes((chunk_rows or 1) * row_elems, name)}")
-            per = min(per, fit)
-        if chunk_rows is not None:
-            if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int):
-                raise TypeError(f"chunk_rows must be an int, got {type(chunk_rows).__name__}")
-            if not 1 <= chunk_rows <= launcher.per:
-                raise ValueError(f"chunk_rows must be in 1..{launcher.per} (rows one launch carries), got {chunk_rows}")
-            per = chunk_rows
-        return launcher.run(partials, out, algo=algo, per=per, label=label)
-
-    def bind_all_reduce_tree(self, dtype: torch.dtype, row_numel: int, shards_per_rank: int, *,
-                             label: str | None = None) -> Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]:
-        """LOCAL, once per site: the tree-order all-reduce of a site as ``call(partials, out) -> out`` (COLLECTIVE
-        when called), its launches prepared here (as bind_all_reduce). ``partials`` must already be validated as the
-        communicator does: contiguous fp32 [shards_per_rank, rows, *shape] on this device with rows * prod(shape)
-        = rows * row_numel; ``out`` (None: allocated) a separate contiguous tensor of ``dtype``."""
-        if dtype not in FLOAT_DTYPES:
-            raise ValueError(f"the workspace folds {list(FLOAT_NAMES)}, got {dtype}")
-        name = name_of(dtype)
-        if name in self.refused:
-            raise WorkspaceUnavailable(f"the workspace's {name} kernels were refused: {self.refused[name]}")
-        if row_numel < 1:
-            raise ValueError(f"row_numel must be >= 1, got {row_numel}")
-        why = plan.tree_refusal(shards_per_rank * self.world_size, self.world_size)
-        if why is not None:
-            raise ValueError(why)
-        launcher = self._tree_launcher(name, row_numel, shards_per_rank)
-        if launcher.per < 1:
-            raise WorkspaceUnavailable(f"one fp32 row of {row_numel} elements does not fit one launch of this "
-                                       f"workspace (capacity {self.capacity_bytes} bytes)")
-        ctrl = self._ctrl.words
-
-        def call(partials: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-            if self._dead is not None or ctrl[0]:
-                self.check()
-            assert partials.dtype is torch.float32 and partials.shape[0] == shards_per_rank, partials.shape
-            if out is None:
-                out = torch.empty(partials.shape[1:], dtype=dtype, device=partials.device)
-            return launcher.run(partials, out, algo=None, per=launcher.per, label=label)
-
-        return call
-
-    def _tree_launcher(self, dtype: str, row_elems: int, shards: int) -> _TreeLauncher:
-        key = ("tree", dtype, row_elems, shards)
-        launcher = self._tree_cache.get(key)
-        if launcher is None:
-            launcher = self._tree_cache[key] = _TreeLauncher(self, dtype, row_elems, shards)
-        return launcher
-
-    # ---- helpers ---------------------------------------------------------------------------------------
-    def _check_tensor(self, x: torch.Tensor) -> None:
-        if self._dead is not None or self._ctrl.tagged():
-            self.check()
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"expected a torch.Tensor, got {type(x).__name__}")
-        if x.device != self.device:
-            raise ValueError(f"tensor on {x.device}, workspace on {self.device}")
-        if x.dim() < 1:
-            raise ValueError("tensor must have a row dimension (dim 0)")
-        if not x.is_contiguous():
-            raise ValueError("tensor must be contiguous")
-
-    def _fold_dtype(self, x: torch.Tensor) -> str:
-        self._check_tensor(x)
-        if x.dtype not in FLOAT_DTYPES:
-            raise ValueError(f"the workspace folds {list(FLOAT_NAMES)}, got {x.dtype}")
-        dtype = name_of(x.dtype)
+    def _bind(self, family: str, dtype: str, row_elems: int, shards: int, weight: str, algo: str | None,
+              chunk_rows: int | None, label: str | None) -> BoundCall:
+        algos = plan.FAMILY_ALGOS[family]
+        if algo is not None and algo not in algos:
+            raise ValueError(f"algo must be None or one of {algos}, got {algo!r}")
         if dtype in self.refused:
             raise WorkspaceUnavailable(f"the workspace's {dtype} kernels were refused: {self.refused[dtype]}")
-        return dtype
+        if row_elems < 1:
+            raise ValueError(f"row_numel must be >= 1, got {row_elems}")
+        if family in ("tree", "fused_tree"):
+            why = plan.tree_refusal(shards * self.world_size, self.world_size)
+            if why is not None:
+                raise ValueError(f"{why} (this call passes S={shards} slabs per rank)")
+        per = plan.rows_per_launch(family, row_elems=row_elems, dtype=dtype, shards=shards,
+                                   capacity_bytes=self.capacity_bytes, world_size=self.world_size, grid=self.grid)
+        if per < 1:
+            if family == "plain":  # a caller's error: the row is larger than the capacity it armed
+                plan.rows_per_chunk(self.capacity_bytes, row_elems * plan.elem_size(dtype))
+            what = f"one fp32 row of {row_elems} elements" if family != "virtual" else \
+                f"one row's {shards} fp32 slabs of {row_elems} elements"
+            raise WorkspaceUnavailable(f"{what} does not fit one launch of this workspace (capacity "
+                                       f"{self.capacity_bytes} bytes{', fused' if family.startswith('fused') else ''})")
+        if chunk_rows is not None:
+            if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int):
+                raise TypeError(f"chunk_rows must be an int, got {type(chunk_rows).__name__}")
+            if not 1 <= chunk_rows <= per:
+                raise ValueError(f"chunk_rows must be in 1..{per} (rows one launch carries), got {chunk_rows}")
+        if algo == "one_store":
+            fit = plan.one_store_rows(family, row_elems=row_elems, dtype=dtype, one_store_max=self.one_store_max_bytes)
+            if fit < 1 or (chunk_rows is not None and chunk_rows > fit):
+                raise ValueError(f"algo='one_store' serves launches of at most {fit} row(s) of {row_elems} elements "
+                                 f"(one_store_max_bytes={self.one_store_max_bytes}); asked for {chunk_rows or 1}")
+            per = min(per, fit)  # forced: as many rows per launch as the one-store areas hold
+        layout = self._kernels.fused_norm_layout(row_elems, dtype) if family.startswith("fused") else "registers"
+        lkey = (family, dtype, row_elems, shards, weight)
+        launcher = self._launchers.get(lkey)
+        if launcher is None:
+            launcher = self._launchers[lkey] = Launcher(self, family, dtype, row_elems, shards=shards, weight=weight,
+                                                        layout=layout)
+        return BoundCall(launcher, per if chunk_rows is None else chunk_rows, algo, label)
 
-    def _output(self, x: torch.Tensor, out: torch.Tensor | None, shape: tuple[int, ...]) -> torch.Tensor:
-        if out is None:
-            return torch.empty(shape, dtype=x.dtype, device=x.device)
-        if not isinstance(out, torch.Tensor):
-            raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
-        if tuple(out.shape) != shape or out.dtype != x.dtype or out.device != x.device or not out.is_contiguous():
-            raise ValueError(f"out must be a contiguous {x.dtype} tensor of shape {shape} on {x.device}")
-        # Chunk k's output would overwrite chunk k+1's input (and the kernels read x while writing out): any
-        # overlap of the two byte ranges is refused, before any communication.
-        x0, o0 = x.data_ptr(), out.data_ptr()
-        x1, o1 = x0 + x.numel() * x.element_size(), o0 + out.numel() * out.element_size()
-        if x0 < o1 and o0 < x1:
-            raise ValueError(f"out [{o0:#x}, {o1:#x}) overlaps x [{x0:#x}, {x1:#x}); pass a separate output tensor")
-        return out
-
-    def _per_chunk(self, row_bytes: int, chunk_rows: int | None, parts: int) -> int:
-        per = plan.rows_per_chunk(self.capacity_bytes, row_bytes, parts=parts)
-        if chunk_rows is None:
-            return per
-        if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int):
-            raise TypeError(f"chunk_rows must be an int, got {type(chunk_rows).__name__}")
-        if not 1 <= chunk_rows <= per:
-            raise ValueError(f"chunk_rows must be in 1..{per} (rows one launch carries), got {chunk_rows}")
-        return chunk_rows
-
-    @staticmethod
-    def _rows(x: torch.Tensor) -> tuple[int, int, int]:
-        rows = x.shape[0]
-        row_elems = x[0].numel() if rows else 0
-        return rows, row_elems, row_elems * x.element_size()
+    def run(self, call: BoundCall, ptrs: Sequence[int], rows: int, *, eps: float = 0.0) -> None:
+        """COLLECTIVE: the launches of one call of `rows` rows bound as `call` (bind), on the operands at `ptrs`
+        (launch.Launcher's order), on the caller's current stream. Every check of the call is already made: the
+        operands' (the collective methods, or the communicator for a site-bound call) and the workspace's liveness
+        (the collective methods' _check_tensor, the site-bound calls' own)."""
+        if rows:
+            with self._in_flight as stream:
+                call.launcher.launch(self, stream, ptrs, rows, call.per, call.algo, call.label, eps)
 
     def _next_call(self, label: str | None) -> int:
-        """The next launch number (peers compare it at the start barrier); remembers the label for failure messages."""
+        """The next launch number (peers compare it at the start barrier); remembers the label of the last
+        _LABELS_KEPT calls for failure messages (a ring of (call, label): one store per call)."""
         call = self._calls = (self._calls + 1) & 0xFFFFFFFF
         if label is not None:
-            self._labels[call] = label
-            self._labels.pop((call - _LABELS_KEPT) & 0xFFFFFFFF, None)
+            self._label_ring[call & (_LABELS_KEPT - 1)] = (call, label)
         return call
 
-    def _launch(self, name: str, args: list[Any], stream_ptr: int, label: str | None, *, grid: int | None = None
-                ) -> None:
-        call = self._next_call(label)
-        self._kernels.launch(name, self.grid if grid is None else grid, args + [ctypes.c_uint32(call)] + self._tail,
-                             stream_ptr=stream_ptr)
+    def _labels(self) -> dict[int, str]:
+        return dict(entry for entry in self._label_ring if entry is not None)
 
-    def _collective(self) -> _InFlight:
-        return _InFlight(self)
-
-
-class _InFlight:
-    """Enforces one in-flight collective per workspace and runs the launches on the caller's current stream (its
-    raw handle: no torch Stream object is built per call)."""
-
-    __slots__ = ("ws", "capturing", "guard", "stream")
-
-    def __init__(self, ws: Workspace) -> None:
-        self.ws = ws
-
-    def __enter__(self) -> int:
-        ws = self.ws
-        if not ws._lock.acquire(blocking=False):
-            raise ConcurrentCall(f"detcomm workspace (rank {ws.rank}): another thread is issuing a collective on it")
-        self.guard = None
-        try:
-            self.capturing = _is_capturing()
-            # Launches go to the current context: switch devices only when the caller is on another one.
-            if _current_device() != ws._device_index:
-                self.guard = torch.cuda.device(ws.device)
-                self.guard.__enter__()
-            # The raw handle of the current stream: what torch.cuda.current_stream().cuda_stream returns, without
-            # building a Stream object on every call. It is the accessor torch's own compiled kernels launch with
-            # (inductor's generated code imports it as get_raw_stream), so it is as stable as torch.compile.
-            stream = torch._C._cuda_getCurrentRawStream(ws._device_index)
-            last = ws._last_stream
-            # Event queries are not allowed during capture; a captured launch does not run now anyway.
-            if last is not None and last != stream and not self.capturing and _event_pending(ws):
-                raise ConcurrentCall(
-                    f"detcomm workspace (rank {ws.rank}): a collective issued on stream {last:#x} is still "
-                    f"in flight; one collective per workspace at a time (this call came from stream "
-                    f"{stream:#x}). Synchronize the streams or use one workspace per stream.")
-            self.stream = stream
-            return stream
-        except BaseException:
-            if self.guard is not None:
-                self.guard.__exit__(None, None, None)
-            ws._lock.release()
-            raise
-
-    def __exit__(self, *exc: Any) -> None:
-        ws = self.ws
-        try:
-            if not self.capturing:
-                ws._event_record(ws._done, self.stream)
-                ws._last_stream = self.stream
-        finally:
-            if self.guard is not None:
-                self.guard.__exit__(None, None, None)
-            ws._lock.release()
-
-
-# The hot path's queries, without the torch.cuda wrappers' own calls (current_device() runs _lazy_init() each time;
-# a workspace exists only after CUDA was initialised). A CPU-only torch has neither binding and never reaches them.
-_is_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", torch.cuda.is_current_stream_capturing)
-_current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
-
-
-def _event_pending(ws: Workspace) -> bool:
-    """Whether the work before the in-flight event's last record is still running (cudaEventQuery: 0 done, 600 not
-    ready)."""
-    status = ws._event_query(ws._done)
-    if status not in (0, 600):
-        raise WorkspaceFailed(f"detcomm workspace: cudaEventQuery failed with CUDA error {status}")
-    return status == 600
-
-
-class _AllReduceLauncher:
-    """The all-reduce launches of one (dtype, row width) on one workspace: kernel choice per chunk, with every
-    kernel's parameter block prepared once (kernels.PreparedLaunch). Every choice and chunking gives the same
-    bits (the canonical fold is element-wise); the row count only moves latency."""
-
-    def __init__(self, ws: Workspace, dtype: str, row_elems: int) -> None:
-        sfx = plan.DTYPE_SUFFIX[dtype]
-        self.ws = ws
-        self.dtype = dtype
-        self.row_elems = row_elems
-        self.row_bytes = row_elems * plan.elem_size(dtype)
-        self.one_shot_max_elems = ws.one_shot_max_bytes // plan.elem_size(dtype)
-        self.one_store_max_elems = ws.one_store_max_bytes // plan.elem_size(dtype)
-        self.x, self.out, self.n = ctypes.c_uint64(), ctypes.c_uint64(), ctypes.c_int64()
-        self.length, self.stride, self.call = ctypes.c_int64(), ctypes.c_int64(), ctypes.c_uint32()
-        ks = ws._kernels
-        # One prepared one-store launch per tier, with the most elements it takes: a launch runs the first that holds it.
-        self.one_stores = [(t.max_bytes // plan.elem_size(dtype),
-                          ks.prepare(f"detcomm_one_store_{sfx}", t.blocks,
-                                     [self.x, self.out, self.n, _i64(t.offset), _i64(t.cap), self.call, *ws._tail]))
-                         for t in ws.one_store_tiers]
-        self.one_shot = ks.prepare(f"detcomm_one_shot_{sfx}", ws.grid, [self.x, self.out, self.n, self.call, *ws._tail])
-        self.two_shot = ks.prepare(f"detcomm_two_shot_{sfx}", ws.grid,
-                                   [self.x, self.out, self.n, self.length, self.stride, self.call, *ws._tail])
-        self.ran = {v: ("all_reduce", dtype, v) for v in ("one_store", "one_shot", "two_shot", "chunked")}
-        self._geometry: dict[int, plan.SliceGeometry] = {}
-
-    def run(self, x: torch.Tensor, out: torch.Tensor, *, algo: str | None, per: int, label: str | None
-            ) -> torch.Tensor:
-        rows = x.shape[0]
-        if rows == 0:
-            return out
-        ws = self.ws
-        row_elems, row_bytes = self.row_elems, self.row_bytes
-        ran = ws.variants_run
-        with _InFlight(ws) as stream:
-            xp, op = x.data_ptr(), out.data_ptr()
-            for a in range(0, rows, per):
-                n = (min(rows, a + per) - a) * row_elems
-                self.x.value, self.out.value, self.n.value = xp + a * row_bytes, op + a * row_bytes, n
-                self.call.value = ws._next_call(label)
-                if algo == "one_store" or (algo is None and n <= self.one_store_max_elems):
-                    next(launch for most, launch in self.one_stores if n <= most)(stream)
-                    path = "one_store"
-                elif algo == "one_shot" or (algo is None and n <= self.one_shot_max_elems):
-                    self.one_shot(stream)
-                    path = "one_shot"
-                else:
-                    geo = self._slices(n)
-                    self.length.value, self.stride.value = geo.length, geo.stride_packs
-                    self.two_shot(stream)
-                    path = "two_shot"
-                if ran is not None:
-                    ran.add(self.ran[path])
-            if rows > per and ran is not None:
-                ran.add(self.ran["chunked"])
-        return out
-
-    def _slices(self, n: int) -> plan.SliceGeometry:
-        geo = self._geometry.get(n)
-        if geo is None:
-            geo = plan.two_shot_slices(n, self.ws.world_size, self.dtype, self.ws.grid)
-            assert geo.slot_bytes_used(self.ws.world_size) <= self.ws._slot_bytes, (geo, self.ws._slot_bytes)
-            if len(self._geometry) < 4096:  # the distinct sizes of a site: bounded by its max_rows
-                self._geometry[n] = geo
-        return geo
-
-
-class _TreeLauncher:
-    """The tree-order launches of one (output dtype, row width, slabs per rank) on one workspace (csrc/tree_fold.cu),
-    every kernel's parameter block prepared once as in _AllReduceLauncher. Every kernel choice and chunking gives
-    the same bits (the tree is element-wise); the row count only moves latency."""
-
-    def __init__(self, ws: Workspace, dtype: str, row_elems: int, shards: int) -> None:
-        self.ws = ws
-        self.dtype = dtype
-        self.row_elems = row_elems
-        self.shards = shards
-        self.out_row_bytes = row_elems * plan.elem_size(dtype)
-        self.per = plan.tree_rows_per_launch(ws.capacity_bytes, row_elems, world_size=ws.world_size, dtype=dtype,
-                                             grid=ws.grid)
-        self.x, self.x_stride, self.out, self.n = ctypes.c_uint64(), ctypes.c_int64(), ctypes.c_uint64(), ctypes.c_int64()
-        self.length, self.call = ctypes.c_int64(), ctypes.c_uint32()
-        head = [self.x, self.x_stride, ctypes.c_int32(shards), self.out, self.n]
-        ks = ws._kernels
-        # One prepared one-store launch per tier, with the most published bytes it takes: a launch runs the first
-        # tier that holds it.
-        self.one_stores = [(t.max_bytes, ks.prepare(plan.tree_kernel("one_store", dtype), t.blocks,
-                                                  [*head, _i64(t.offset), _i64(t.cap), self.call, *ws._tail]))
-                         for t in ws.one_store_tiers]
-        self.one_shot = ks.prepare(plan.tree_kernel("one_shot", dtype), ws.grid, [*head, self.call, *ws._tail])
-        self.two_shot = ks.prepare(plan.tree_kernel("two_shot", dtype), ws.grid,
-                                   [*head, self.length, self.call, *ws._tail])
-        self.one_store_max = ws.one_store_max_bytes
-        self.ran = {v: ("all_reduce_tree", dtype, v) for v in (*plan.TREE_ALGOS, "chunked")}
-
-    def run(self, partials: torch.Tensor, out: torch.Tensor, *, algo: str | None, per: int, label: str | None
-            ) -> torch.Tensor:
-        rows = partials.shape[1]
-        if rows == 0:
-            return out
-        ws = self.ws
-        row_elems = self.row_elems
-        ran = ws.variants_run
-        self.x_stride.value = rows * row_elems  # elements between slabs
-        with _InFlight(ws) as stream:
-            xp, op = partials.data_ptr(), out.data_ptr()
-            for a in range(0, rows, per):
-                n = (min(rows, a + per) - a) * row_elems
-                self.x.value, self.out.value, self.n.value = xp + a * row_elems * 4, op + a * self.out_row_bytes, n
-                self.call.value = ws._next_call(label)
-                path = algo or plan.tree_algo(n, self.dtype, one_store_max=self.one_store_max,
-                                              one_shot_max_bytes=ws.one_shot_max_bytes)
-                if path == "one_store":
-                    nbytes = plan.tree_launch_bytes(n, self.dtype)
-                    next(launch for most, launch in self.one_stores if nbytes <= most)(stream)
-                elif path == "one_shot":
-                    assert plan.tree_slot_bytes_used(n, ws.world_size, self.dtype, "one_shot") <= ws._slot_bytes
-                    self.one_shot(stream)
-                else:
-                    assert plan.tree_slot_bytes_used(n, ws.world_size, self.dtype, "two_shot") <= ws._slot_bytes
-                    self.length.value = plan.virtual_slices(n, ws.world_size, self.dtype)
-                    self.two_shot(stream)
-                if ran is not None:
-                    ran.add(self.ran[path])
-            if rows > per and ran is not None:
-                ran.add(self.ran["chunked"])
-        return out
