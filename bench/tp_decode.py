@@ -16,7 +16,7 @@ width T_pad; prompts prefilled untimed):
   native   the plain layers with o_proj / down_proj forced onto the library's all-reduce (numerics auto).
 
 Rank 0 prints tokens/s per concurrency and layout and each layout's cost against fold, and writes ``--json``.
-The invariant layouts also run their local compute in fixed blocks (column blocks, head groups, vocabulary
+The invariant layouts also run their local compute in fixed blocks (column blocks, vocabulary
 blocks: docs/spec.md §9.1), which costs kernel launches at small widths: the numbers include that.
 """
 

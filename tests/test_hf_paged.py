@@ -38,7 +38,7 @@ def split_kv_attend(kv, layer, q, k, v, step, *, scale, window):  # noqa: ANN001
     for i in range(rows):
         r, p = int(step.row_request[i]), int(step.positions[i])
         lo = 0 if window is None else max(0, p - window + 1)
-        pos = torch.arange(lo, p + 1)
+        pos = torch.arange(lo, p + 1, device=q.device)
         blocks = step.block_tables[r][pos // bs]
         keys = kv.cache.k[layer, blocks, pos % bs].float().repeat_interleave(group, dim=1)  # [n, heads, hd]
         vals = kv.cache.v[layer, blocks, pos % bs].float().repeat_interleave(group, dim=1)
@@ -57,15 +57,16 @@ def split_kv_attend(kv, layer, q, k, v, step, *, scale, window):  # noqa: ANN001
     return out
 
 
-def job_paged_bits(rank: int, w: int, directory: str, control: bool) -> dict:
+def job_paged_bits(rank: int, w: int, directory: str, control: bool, device: str = "cpu") -> dict:
     """Request A's greedy tokens and the bits of its sampled rows' logprobs: alone, chunked and packed, teacher
-    forced; and whether every block went back to the allocator."""
+    forced; whether every block went back to the allocator; the logits against transformers' own model.
+    ``device`` "cuda": the engine on the GPU (the W ranks share it; tests/gpu/test_hf_engine_gpu.py)."""
     import detcomm
     from detcomm.hf import ServingConfig, StepLogits, TPCausalLM, load_causal_lm
     from detcomm.tp import Segment
 
     torch.set_num_threads(1)
-    detcomm.init(numerics="rl-bitwise")
+    detcomm.init(numerics="rl-bitwise", device=device)
     try:
         lm = TPCausalLM(load_causal_lm(directory, dtype=torch.float32),
                         ServingConfig(t_pad=64, max_context=64, block_size=BLOCK, num_blocks=64))
@@ -86,7 +87,7 @@ def job_paged_bits(rank: int, w: int, directory: str, control: bool) -> dict:
                     name = work[k][0]
                     toks[name].append(int(greedy[j]))
                     if name == "A":
-                        rows.append(lps[j].numpy().view(np.uint32).copy())
+                        rows.append(lps[j].cpu().numpy().view(np.uint32).copy())
             for t in tables.values():
                 lm.free_cache(t)
             return toks["A"], np.stack(rows)
@@ -115,8 +116,8 @@ def job_paged_bits(rank: int, w: int, directory: str, control: bool) -> dict:
         table = lm.new_cache()
         seq = A + tok_alone[:-1]
         logits, _ = lm.forward([Segment(table, seq, 0, sample=False)])
-        rows = torch.arange(len(A) - 1, len(seq))
-        lp_forced = lm.logprobs(StepLogits(logits.buf, rows)).numpy().view(np.uint32)
+        rows = torch.arange(len(A) - 1, len(seq), device=lm.device)
+        lp_forced = lm.logprobs(StepLogits(logits.buf, rows)).cpu().numpy().view(np.uint32)
         lm.free_cache(table)
         freed = lm.kv.allocator.available == free0
         # The window is applied: this rank's logit shard of the sequence against transformers' unsharded model,
@@ -127,7 +128,7 @@ def job_paged_bits(rank: int, w: int, directory: str, control: bool) -> dict:
             ref = ref_model(torch.tensor([seq])).logits[0, :, v0 : v0 + width]
             ref_model.config.sliding_window = None
             unwindowed = ref_model(torch.tensor([seq])).logits[0, :, v0 : v0 + width]
-        mine = logits.buf[: len(seq), : ref.shape[1]]
+        mine = logits.buf[: len(seq), : ref.shape[1]].cpu()
         err, window_effect = float((mine - ref).abs().max()), float((unwindowed - ref).abs().max())
     finally:
         detcomm.shutdown()
