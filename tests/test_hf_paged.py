@@ -188,3 +188,18 @@ def job_generate_blocks(rank: int, w: int, directory: str) -> dict:
     finally:
         detcomm.shutdown()
     return {"same": same, "freed": freed, "refused": refused}
+
+
+def test_serving_geometry_refused_with_the_fix() -> None:
+    """ServingConfig.check refuses what the paged cache cannot serve, before anything is sharded; the defaults
+    and a power-of-two block size pass (so the refusals are not of every geometry)."""
+    from detcomm.hf import ServingConfig
+
+    ServingConfig().check()
+    ServingConfig(max_context=128, block_size=32, num_blocks=4, attention_impl="torch").check()
+    with pytest.raises(ValueError, match="block_size must be a power of two.*got 12"):
+        ServingConfig(block_size=12).check()
+    with pytest.raises(ValueError, match=r"num_blocks=3 cannot hold one request of max_context=128 \(4 blocks"):
+        ServingConfig(max_context=128, block_size=32, num_blocks=3).check()
+    with pytest.raises(ValueError, match=r"impl must be one of \('torch', 'triton'\).*got 'flash'"):
+        ServingConfig(attention_impl="flash").check()

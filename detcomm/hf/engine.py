@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 import detcomm
 
-from ..numerics.attention import PagedKV
+from ..numerics.attention import PagedKV, check_paged_geometry
 from ..numerics.norm import add_rms_norm
 from ..tp import Segment, pack_segments
 from .agree import agreed
@@ -62,18 +62,23 @@ class ServingConfig:
     """The fixed step geometry: ``t_pad`` rows per step (the ``max_rows`` of every site), ``max_context`` the
     most tokens a request may cache, and the engine's paged KV cache: ``num_blocks`` blocks of ``block_size``
     positions per layer, shared by every live request (``block_size`` is part of the attention's arithmetic,
-    detcomm.numerics.attention; ``num_blocks`` only bounds how many tokens all live requests hold at once)."""
+    detcomm.numerics.attention; ``num_blocks`` only bounds how many tokens all live requests hold at once).
+    ``attention_impl``: "torch" or "triton" (None: triton on CUDA, torch elsewhere); part of the arithmetic too
+    (e.g. "torch" on CUDA for a trainer that needs autograd through the attention and the server's bits)."""
 
     t_pad: int = 64
     max_context: int = 128
     block_size: int = 16
     num_blocks: int = 256
+    attention_impl: str | None = None
 
     def check(self) -> None:
         if self.t_pad < 1 or self.t_pad % ROW_ALIGN:
             raise ValueError(f"t_pad must be a positive multiple of {ROW_ALIGN}, got {self.t_pad}")
         if self.max_context < 1 or self.max_context % ROW_ALIGN:
             raise ValueError(f"max_context must be a positive multiple of {ROW_ALIGN}, got {self.max_context}")
+        check_paged_geometry(block_size=self.block_size, num_blocks=self.num_blocks, max_context=self.max_context,
+                             impl=self.attention_impl)
 
 
 def _partial_linear(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -169,8 +174,9 @@ class TPCausalLM:
         s = self.shards
         self.kv = PagedKV(layers=len(self.layers), kv_heads=s.kv_heads, head_dim=s.head_dim,
                           block_size=serving.block_size, num_blocks=serving.num_blocks,
-                          max_context=serving.max_context, dtype=self.dtype, device=self.device)
-        # Named once (torch on CPU, triton on CUDA): a trainer reproducing this engine's bits uses the same impl.
+                          max_context=serving.max_context, dtype=self.dtype, device=self.device,
+                          impl=serving.attention_impl)
+        # Named once (default: torch on CPU, triton on CUDA): a trainer reproducing this engine's bits uses it too.
         self.attention_impl: str = self.kv.impl
 
     # -- geometry --------------------------------------------------------------------------------------

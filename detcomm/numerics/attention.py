@@ -33,8 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ROW_TILE", "IMPLS", "PagedKVCache", "BlockAllocator", "StepKV", "PagedKV", "default_impl",
-           "paged_attention"]
+__all__ = ["ROW_TILE", "IMPLS", "PagedKVCache", "BlockAllocator", "StepKV", "PagedKV", "check_paged_geometry",
+           "default_impl", "paged_attention"]
 
 ROW_TILE = 16  # rows per tile: part of the arithmetic's definition (every GEMM's batch is ROW_TILE)
 
@@ -93,6 +93,18 @@ class BlockAllocator:
 IMPLS = ("torch", "triton")
 
 
+def check_paged_geometry(*, block_size: int, num_blocks: int, max_context: int, impl: str | None) -> None:
+    """ValueError unless a paged cache of ``num_blocks`` blocks of ``block_size`` (a power of two: the triton
+    kernel's tile) holds one request of ``max_context`` tokens, and ``impl`` is one of IMPLS or None."""
+    if block_size < 1 or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two (the triton kernel's tile), got {block_size}")
+    if num_blocks < -(-max_context // block_size):
+        raise ValueError(f"num_blocks={num_blocks} cannot hold one request of max_context={max_context} "
+                         f"({-(-max_context // block_size)} blocks of {block_size}): raise num_blocks")
+    if impl is not None and impl not in IMPLS:
+        raise ValueError(f"the attention impl must be one of {IMPLS} or None (the device's default), got {impl!r}")
+
+
 def default_impl(device: torch.device) -> str:
     """The impl a step on ``device`` uses unless told: "triton" on CUDA, "torch" elsewhere."""
     return "triton" if device.type == "cuda" else "torch"
@@ -120,15 +132,9 @@ class PagedKV:
 
     def __init__(self, *, layers: int, kv_heads: int, head_dim: int, block_size: int, num_blocks: int,
                  max_context: int, dtype: torch.dtype, device: torch.device, impl: str | None = None) -> None:
-        if block_size < 1 or block_size & (block_size - 1):
-            raise ValueError(f"block_size must be a power of two (the triton kernel's tile), got {block_size}")
+        check_paged_geometry(block_size=block_size, num_blocks=num_blocks, max_context=max_context, impl=impl)
         self.max_blocks = -(-max_context // block_size)
-        if num_blocks < self.max_blocks:
-            raise ValueError(f"num_blocks={num_blocks} cannot hold one request of max_context={max_context} "
-                             f"({self.max_blocks} blocks of {block_size}): raise num_blocks")
         self.impl = impl or default_impl(device)
-        if self.impl not in IMPLS:
-            raise ValueError(f"impl must be one of {IMPLS} or None, got {self.impl!r}")
         self.block_size, self.device = block_size, device
         self.cache = PagedKVCache.empty(layers=layers, num_blocks=num_blocks, block_size=block_size,
                                         kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, device=device)

@@ -64,7 +64,8 @@ class ModelConfig:
     (the defaults divide by 1..8 except 5 and 7 for heads). ``blocks``: the number of fixed blocks the
     TP-size-invariant layouts cut each dimension into (column blocks, vocabulary blocks, full-K output blocks);
     they hold for every W dividing it. ``block_size`` and ``num_blocks``: the paged KV cache (block_size is part
-    of the attention's arithmetic; num_blocks bounds the tokens all live requests hold at once)."""
+    of the attention's arithmetic; num_blocks bounds the tokens all live requests hold at once).
+    ``attention_impl``: "torch" or "triton" (None: triton on CUDA, torch elsewhere; part of the arithmetic)."""
 
     vocab: int = 1680
     hidden: int = 128
@@ -80,6 +81,7 @@ class ModelConfig:
     blocks: int = 8
     block_size: int = 16
     num_blocks: int = 256
+    attention_impl: str | None = None
 
     def check(self, world: int, *, layout: Layout = "fold", virtual_shards: int | None = None) -> None:
         for name in ("heads", "ffn", "vocab"):
@@ -184,7 +186,7 @@ class TPTransformer:
         # Every request's keys and values; the impl is named once (a trainer reproducing these bits uses it too).
         self.kv = PagedKV(layers=cfg.layers, kv_heads=self.heads_local, head_dim=cfg.head_dim,
                           block_size=cfg.block_size, num_blocks=cfg.num_blocks, max_context=cfg.max_context,
-                          dtype=dt, device=dev)
+                          dtype=dt, device=dev, impl=cfg.attention_impl)
         self.attention_impl: str = self.kv.impl
 
     # -- sites -----------------------------------------------------------------------------------------
