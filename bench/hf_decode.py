@@ -97,7 +97,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _decode_step(lm: Any, caches: list[torch.Tensor], toks: list[int], pos: int, *, logprobs: bool) -> int:
+def _decode_step(lm: Any, caches: list[list[int]], toks: list[int], pos: int, *, logprobs: bool) -> int:
     """One greedy decode step of every request (one row each, at position ``pos``); updates ``toks`` in place
     and returns the next position. Collective."""
     from detcomm.tp import Segment
@@ -120,7 +120,7 @@ def add_decode_arguments(p: argparse.ArgumentParser, *, prompt: int, steps: int,
     p.add_argument("--logprobs", action="store_true", help="also compute the fp32 logprobs every step")
 
 
-def _prefill(lm: Any, c: int, ns: argparse.Namespace, *, vocab: int, seed: int) -> tuple[list[torch.Tensor], list[int], int]:
+def _prefill(lm: Any, c: int, ns: argparse.Namespace, *, vocab: int, seed: int) -> tuple[list[list[int]], list[int], int]:
     """``c`` requests' prompts (``ns.prompt`` random tokens each, drawn from ``seed + c``) prefilled in T_pad-row
     steps, then ``ns.warmup`` decode steps: the caches, each request's next token and the next position.
     Collective, untimed."""
@@ -165,6 +165,8 @@ def time_decode(lm: Any, concurrency: Sequence[int], ns: argparse.Namespace, *, 
             dist.all_reduce(worst, op=dist.ReduceOp.MAX)
             best = min(best, float(worst))
         out[c] = c * ns.steps / best
+        for cache in caches:
+            lm.free_cache(cache)
     return out
 
 
@@ -191,6 +193,8 @@ def profile_decode(lm: Any, concurrency: Sequence[int], ns: argparse.Namespace, 
                 pos = _decode_step(lm, caches, toks, pos, logprobs=ns.logprobs)
             _sync(lm.device)
             wall = time.perf_counter() - t0
+        for cache in caches:
+            lm.free_cache(cache)
         device_ops = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
         out[c] = {"kernels": len(device_ops) / ns.steps,
                   "busy_ms": sum(e.time_range.elapsed_us() for e in device_ops) / 1e3 / ns.steps,
@@ -219,7 +223,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if max(ns.concurrency) > ns.t_pad:
         raise ValueError(f"--concurrency {max(ns.concurrency)} exceeds --t-pad {ns.t_pad} rows per step")
     max_context = -(-(ns.prompt + ns.warmup + ns.steps + 1) // 64) * 64
-    serving = ServingConfig(t_pad=ns.t_pad, q_block=16, max_context=max_context)
+    # one concurrency's requests at a time (time_decode frees them before the next)
+    serving = ServingConfig(t_pad=ns.t_pad, max_context=max_context,
+                            num_blocks=max(ns.concurrency) * -(-max_context // ServingConfig.block_size))
     serving.check()
     dtype = from_name(ns.dtype)
     backend = ns.backend or ("nccl" if torch.cuda.is_available() else "gloo")

@@ -1,6 +1,6 @@
 """One layer's attention of a decode step on one GPU: detcomm's batch-invariant paged attention (one Triton launch,
-detcomm.numerics.attention) against the serving engines' per-request path of today (detcomm.hf's: q_block-row
-blocks against a fixed max_context cache, one eager attention per request) and against torch's SDPA on a dense
+detcomm.numerics.attention) against the serving engines' per-request path before issue 42 (detcomm.hf's: q_block-row
+blocks against a fixed max_context cache, one eager attention per request; reproduced here, the engines now use the paged one) and against torch's SDPA on a dense
 padded batch (the non-invariant peer: flash / memory-efficient kernels chosen from the shapes).
 
     python bench/paged_attention.py [--requests 1,64] [--context 512] [--heads 16] [--kv-heads 16] [--head-dim 128]
@@ -30,7 +30,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--requests", default="1,8,64")
     p.add_argument("--context", type=int, default=512, help="every request's context (positions 0..context-1)")
-    p.add_argument("--max-context", type=int, default=2048, help="today's fixed cache length per request")
+    p.add_argument("--max-context", type=int, default=2048, help="the old path's fixed cache length per request")
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--kv-heads", type=int, default=16)
     p.add_argument("--head-dim", type=int, default=128)
@@ -44,8 +44,8 @@ def main() -> None:
     copy_ms = _time_ms(lambda: big.clone())
     copy_gbs = 2 * big.numel() / copy_ms / 1e6
     print(f"device copy: {copy_gbs:.0f} GB/s; bf16, heads {h}, kv heads {kvh}, head_dim {hd}, context {ctx}, "
-          f"KV block {bs}; today's path: q_block {a.q_block}, max_context {a.max_context}")
-    print("| requests | paged (Triton, 1 launch) | paged GB/s (% of copy) | per-request eager (today) | SDPA dense |")
+          f"KV block {bs}; the old per-request path: q_block {a.q_block}, max_context {a.max_context}")
+    print("| requests | paged (Triton, 1 launch) | paged GB/s (% of copy) | per-request eager (before issue 42) | SDPA dense |")
     print("| --- | --- | --- | --- | --- |")
     for n in (int(x) for x in a.requests.split(",")):
         nb = math.ceil(ctx / bs)

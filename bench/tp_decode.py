@@ -16,7 +16,7 @@ width T_pad; prompts prefilled untimed):
   native   the plain layers with o_proj / down_proj forced onto the library's all-reduce (numerics auto).
 
 Rank 0 prints tokens/s per concurrency and layout and each layout's cost against fold, and writes ``--json``.
-The invariant layouts also run their local compute in fixed blocks (column blocks, head groups, vocabulary
+The invariant layouts also run their local compute in fixed blocks (column blocks, vocabulary
 blocks: docs/spec.md §9.1), which costs kernel launches at small widths: the numbers include that.
 """
 
@@ -79,9 +79,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise ValueError(f"--prompt must be 1..--t-pad ({ns.t_pad}), --steps and --repeats >= 1, --warmup >= 0")
     if max(ns.concurrency) > ns.t_pad:
         raise ValueError(f"--concurrency {max(ns.concurrency)} exceeds --t-pad {ns.t_pad} rows per step")
+    max_context = -(-(ns.prompt + ns.warmup + ns.repeats * ns.steps + 1) // 64) * 64
     cfg = ModelConfig(vocab=ns.vocab, hidden=ns.hidden, heads=ns.heads, head_dim=ns.head_dim, ffn=ns.ffn,
-                      layers=ns.layers, t_pad=ns.t_pad, blocks=ns.blocks,
-                      max_context=-(-(ns.prompt + ns.warmup + ns.repeats * ns.steps + 1) // 64) * 64,
+                      layers=ns.layers, t_pad=ns.t_pad, blocks=ns.blocks, max_context=max_context,
+                      # one concurrency's requests at a time (time_decode frees them before the next)
+                      num_blocks=max(ns.concurrency) * -(-max_context // ModelConfig.block_size),
                       dtype=torch.float32 if ns.dtype == "float32" else torch.bfloat16)
     backend = ns.backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":

@@ -383,12 +383,14 @@ class VocabParallelHead:
 
 @dataclass
 class Segment:
-    """One request's rows in one forward step: ``tokens`` at positions start.. of the request's ``cache``.
+    """One request's rows in one forward step: ``tokens`` at positions start.. of the request's KV cache.
 
+    ``blocks``: the request's block table in its engine's paged KV cache (``new_cache()`` of the engine: a list of
+    block ids in position order, which the engine's step grows to cover the rows; ``free_cache`` hands it back).
     ``sample``: the last row's logits produce the request's next token (a decode row, or the last chunk of
     its prompt)."""
 
-    cache: torch.Tensor
+    blocks: list[int]
     tokens: Sequence[int]
     start: int
     sample: bool = field(default=True)

@@ -36,8 +36,8 @@ def load(directory: str, *, dtype: torch.dtype = torch.bfloat16, serving: Servin
     """Load a local checkpoint directory and shard it over the detcomm group. Collective: call on every rank
     after ``detcomm.init``. ``sliced`` (default): the model is built on the meta device and each rank reads
     only its slices from the safetensors files (``detcomm.hf.sliced``; docs/hf.md); False: the whole model
-    through ``from_pretrained``, then cut (the same bits, W times the host memory). ``serving``: the step geometry (default ``ServingConfig()``: 64 rows a step, 128 tokens
-    of KV cache a request). ``route`` forces the route of the sum sites ("native": no bitwise claim). ``ep``: where
+    through ``from_pretrained``, then cut (the same bits, W times the host memory). ``serving``: the step geometry (default ``ServingConfig()``: 64 rows a step, at most 128
+    tokens a request, a paged KV cache of 256 blocks of 16 positions shared by the live requests). ``route`` forces the route of the sum sites ("native": no bitwise claim). ``ep``: where
     an MoE model's experts live (``EPConfig(placement=detcomm.moe.Placement...)``; default every expert on
     every rank)."""
     def local() -> tuple[Any, Checkpoint | None]:

@@ -1,7 +1,7 @@
 """A transformers causal LM served tensor-parallel over detcomm at one fixed step shape (docs/hf.md).
 
 ``TPCausalLM`` shards the loaded ``nn.Module`` tree (``detcomm.hf.shard``: only the Linear and Embedding modules,
-so transformers' norms, rotary embedding, activations and attention kernel stay; not transformers' ``tp_plan``,
+so transformers' norms, rotary embedding and activations stay; not transformers' ``tp_plan``,
 whose DTensor reductions cannot be given detcomm sites) and runs its own step loop (``forward``, ``generate``),
 because transformers' attention takes one cache position for the whole batch. Local compute is batch-invariant
 by construction:
@@ -9,21 +9,24 @@ by construction:
 * every step runs at one padded width ``T_pad`` (``ServingConfig.t_pad``): the real rows (prefill chunks and
   decode rows of any number of requests, packed) first, filler rows after, so every GEMM, norm and elementwise op
   sees one shape; T_pad and max_context are multiples of 64 (no CPU scalar tail);
-* attention runs per request, in blocks of ``q_block`` query rows, against a static KV cache of ``max_context``
-  positions with an additive causal (and sliding-window) mask, through transformers' ``eager_attention_forward``;
+* attention is ONE ``detcomm.numerics.attention.paged_attention`` call per layer over every real row of the step,
+  against the engine's paged KV cache (``ServingConfig.block_size`` / ``num_blocks``; a request's cache is its
+  block table): each row over its own request's actual context, in KV-block order, the same bits whether it is
+  computed alone, packed, in a prefill chunk of any size or a decode step, at every W (one kv head at a time);
+  ``attention_impl`` names the impl (torch on CPU, triton on CUDA). The bits differ from transformers' eager
+  attention (fp32 online softmax, docs/design/hf-engine.md), and from this engine's before issue 42;
 * the real row count reaches the arithmetic only at the row-parallel all-reduces (o_proj, down_proj, the
   vocabulary-parallel embedding): detcomm sites declared with ``max_rows = T_pad``;
 * the LM head is vocabulary-parallel: fp32 logits, greedy through ``detcomm.argmax``, an exact
   vocabulary-parallel log-softmax combined in rank order.
 
 ``layout="virtual"`` (``virtual_shards=V``, ``shard_fold``) or ``"full_k"`` make the bits TP-size invariant
-(docs/spec.md §9.1): fixed column blocks, fixed head groups, fixed vocabulary blocks. Under a bitwise envelope
+(docs/spec.md §9.1): fixed column blocks and vocabulary blocks. Under a bitwise envelope
 the fold and tree layouts fuse each layer boundary into one ``detcomm.all_reduce_residual_rmsnorm`` call
 (docs/spec.md §9.2), and every decoder RMSNorm is detcomm's canonical norm with the module's weight and eps.
 
-Each step pays T_pad rows of GEMM and each request ceil(n / q_block) attention blocks against max_context keys,
-whatever its real size: the costs, the boundaries' rules and what differs from transformers' own arithmetic
-are in docs/design/hf-engine.md.
+Each step pays T_pad rows of GEMM and each row's attention over its actual context: the costs, the boundaries'
+rules and what differs from transformers' own arithmetic are in docs/design/hf-engine.md.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import torch.nn.functional as F
 
 import detcomm
 
+from ..numerics.attention import PagedKV, check_paged_geometry
 from ..numerics.norm import add_rms_norm
 from ..tp import Segment, pack_segments
 from .agree import agreed
@@ -49,26 +53,32 @@ from .sliced import Checkpoint, fill
 
 __all__ = ["ServingConfig", "StepLogits", "TPCausalLM", "ROW_ALIGN"]
 
-# T_pad, q_block and max_context are multiples of these (see the module docstring).
+# T_pad and max_context are multiples of these (see the module docstring).
 ROW_ALIGN = 64
 
 
 @dataclass(frozen=True)
 class ServingConfig:
-    """The fixed step geometry: ``t_pad`` rows per step (the ``max_rows`` of every site), ``q_block`` query
-    rows per attention block, ``max_context`` tokens of KV cache per request."""
+    """The fixed step geometry: ``t_pad`` rows per step (the ``max_rows`` of every site), ``max_context`` the
+    most tokens a request may cache, and the engine's paged KV cache: ``num_blocks`` blocks of ``block_size``
+    positions per layer, shared by every live request (``block_size`` is part of the attention's arithmetic,
+    detcomm.numerics.attention; ``num_blocks`` only bounds how many tokens all live requests hold at once).
+    ``attention_impl``: "torch" or "triton" (None: triton on CUDA, torch elsewhere); part of the arithmetic too
+    (e.g. "torch" on CUDA for a trainer that needs autograd through the attention and the server's bits)."""
 
     t_pad: int = 64
-    q_block: int = 16
     max_context: int = 128
+    block_size: int = 16
+    num_blocks: int = 256
+    attention_impl: str | None = None
 
     def check(self) -> None:
         if self.t_pad < 1 or self.t_pad % ROW_ALIGN:
             raise ValueError(f"t_pad must be a positive multiple of {ROW_ALIGN}, got {self.t_pad}")
         if self.max_context < 1 or self.max_context % ROW_ALIGN:
             raise ValueError(f"max_context must be a positive multiple of {ROW_ALIGN}, got {self.max_context}")
-        if self.q_block < 1 or self.t_pad % self.q_block:
-            raise ValueError(f"q_block must divide t_pad={self.t_pad}, got {self.q_block}")
+        check_paged_geometry(block_size=self.block_size, num_blocks=self.num_blocks, max_context=self.max_context,
+                             impl=self.attention_impl)
 
 
 def _partial_linear(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -140,13 +150,9 @@ class TPCausalLM:
         self.fuse = fuse_boundaries(route, layout=layout, shard_fold=shard_fold)
         declare_sites(self.shards, hidden=self.config.hidden_size, dtype=self.dtype, max_rows=serving.t_pad,
                       route=route, fuse=self.fuse)
-        # The invariant layouts: heads run in fixed groups (one Q column block and its KV heads); the
-        # detcomm.tp layers declare their own sites.
+        # The invariant layouts' detcomm.tp layers declare their own sites. Their attention needs no head groups:
+        # paged_attention runs one kv head at a time at fixed GEMM shapes, the same at every W.
         self.invariant = layout != "fold"
-        b = self.shards.blocks if self.invariant else 1
-        self.group = (self.shards.heads, self.shards.kv_heads) if not self.invariant else \
-            (self.config.num_attention_heads // b, (getattr(self.config, "num_key_value_heads", None)
-                                                   or self.config.num_attention_heads) // b)
         if self.invariant:
             for layer in self.layers:
                 layer.self_attn.o_proj.layer.declare()
@@ -157,7 +163,6 @@ class TPCausalLM:
                          shape=(self.shards.vocab_width,), max_rows=serving.t_pad)
         modeling = sys.modules[type(self.layers[0].self_attn).__module__]
         self._apply_rope = modeling.apply_rotary_pos_emb
-        self._attend = modeling.eager_attention_forward
         # Rotary cos/sin for every position, computed once by the model's own rotary module and then indexed:
         # a per-step call would put a position's cos/sin in a different vector lane with every batch.
         L = serving.max_context
@@ -165,10 +170,14 @@ class TPCausalLM:
             probe = torch.zeros(1, dtype=self.dtype, device=self.device)
             cos, sin = model.model.rotary_emb(probe, torch.arange(L, device=self.device)[None])
         self.cos, self.sin = cos[0], sin[0]  # [L, head_dim]
-        self._masks: dict[int | None, torch.Tensor] = {}
         self._layer_window = [self._window(layer.self_attn) for layer in self.layers]
-        for w in set(self._layer_window):
-            self._masks[w] = self._mask_table(w)
+        s = self.shards
+        self.kv = PagedKV(layers=len(self.layers), kv_heads=s.kv_heads, head_dim=s.head_dim,
+                          block_size=serving.block_size, num_blocks=serving.num_blocks,
+                          max_context=serving.max_context, dtype=self.dtype, device=self.device,
+                          impl=serving.attention_impl)
+        # Named once (default: torch on CPU, triton on CUDA): a trainer reproducing this engine's bits uses it too.
+        self.attention_impl: str = self.kv.impl
 
     # -- geometry --------------------------------------------------------------------------------------
     def _window(self, attn: Any) -> int | None:
@@ -182,23 +191,14 @@ class TPCausalLM:
             return None
         return getattr(cfg, "sliding_window", None)  # Mistral, Mixtral: model-wide; Llama: none
 
-    def _mask_table(self, window: int | None) -> torch.Tensor:
-        """Additive [L, L] mask (query position, key position) in the model dtype, as transformers builds it:
-        0 where the key is visible, the dtype's minimum elsewhere."""
-        L = self.cfg.max_context
-        q = torch.arange(L)[:, None]
-        k = torch.arange(L)[None, :]
-        visible = k <= q
-        if window is not None:
-            visible &= k > q - window
-        zero = torch.zeros((), dtype=self.dtype)
-        return torch.where(visible, zero, torch.finfo(self.dtype).min).to(self.device)
+    def new_cache(self) -> list[int]:
+        """A new request's KV cache: an empty block table of the engine's paged cache (``Segment.blocks``); each
+        step grows it to cover the request's rows. Hand it back with ``free_cache`` when the request is done."""
+        return self.kv.new_table()
 
-    def new_cache(self) -> torch.Tensor:
-        """One request's static KV cache on this rank: [layers, 2, this rank's KV heads, max_context, head_dim]."""
-        s = self.shards
-        return torch.zeros(len(self.layers), 2, s.kv_heads, self.cfg.max_context, s.head_dim, dtype=self.dtype,
-                           device=self.device)
+    def free_cache(self, blocks: list[int]) -> None:
+        """Return a finished request's blocks to the engine's cache (``blocks`` is emptied)."""
+        self.kv.free(blocks)
 
     def local_ops(self) -> list[tuple[Callable[[torch.Tensor], torch.Tensor], int]]:
         """Every local GEMM of a step as (op on a [rows, K] input, K), without communication: what the probe
@@ -216,33 +216,6 @@ class TPCausalLM:
         head = self.model.lm_head
         ops.append((head.shard_logits, head.weight.shape[1]))
         return ops
-
-    # -- one step --------------------------------------------------------------------------------------
-    def _attention(self, layer: int, attn: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   seg: Segment) -> torch.Tensor:
-        """One request's n rows: q [heads, n, hd], k/v [kv_heads, n, hd] (rotated) -> [n, heads * hd]."""
-        c, s = self.cfg, self.shards
-        n, start = len(seg.tokens), seg.start
-        kc, vc = seg.cache[layer, 0], seg.cache[layer, 1]
-        kc[:, start : start + n] = k
-        vc[:, start : start + n] = v
-        table = self._masks[self._layer_window[layer]]
-        out = torch.empty(n, s.heads * s.head_dim, dtype=self.dtype, device=self.device)
-        qb = c.q_block
-        for b0 in range(0, n, qb):
-            m = min(qb, n - b0)
-            qp = torch.zeros(1, s.heads, qb, s.head_dim, dtype=self.dtype, device=self.device)
-            qp[0, :, :m] = q[:, b0 : b0 + m]
-            qpos = torch.zeros(qb, dtype=torch.long, device=self.device)  # filler query rows see key 0
-            qpos[:m] = torch.arange(start + b0, start + b0 + m, device=self.device)
-            mask = table[qpos][None, None]  # [1, 1, q_block, L]
-            gq, gk = self.group
-            for g in range(s.heads // gq):  # fixed head groups: one call's shape does not follow W
-                o, _ = self._attend(attn, qp[:, g * gq : (g + 1) * gq], kc[None, g * gk : (g + 1) * gk],
-                                    vc[None, g * gk : (g + 1) * gk], mask, scaling=attn.scaling, dropout=0.0)
-                cols = slice(g * gq * s.head_dim, (g + 1) * gq * s.head_dim)
-                out[b0 : b0 + m, cols] = o[0, :m].reshape(m, gq * s.head_dim)  # o: [1, q_block, group, hd]
-        return out
 
     # -- fused layer boundaries (module docstring) --------------------------------------------------------
     def _canonical_norm(self, norm: Any, h: torch.Tensor, rows: int) -> torch.Tensor:
@@ -288,6 +261,7 @@ class TPCausalLM:
         of the segments with ``sample``) and the index of each sampling segment."""
         c, s = self.cfg, self.shards
         ids, pos, offsets, rows = pack_segments(segments, t_pad=c.t_pad, max_context=c.max_context, device=self.device)
+        step = self.kv.step([seg.blocks for seg in segments], [(seg.start, len(seg.tokens)) for seg in segments])
         cos, sin = self.cos[pos][None], self.sin[pos][None]  # [1, T_pad, hd]
         hd = s.head_dim
         self.step_rows.rows = rows
@@ -303,11 +277,11 @@ class TPCausalLM:
                 if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each head before the rotation
                     q, k = attn.q_norm(q), attn.k_norm(k)
                 q, k = self._apply_rope(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
-                q, k, v = q[0], k[0], v.transpose(0, 1)  # [heads, T_pad, hd]
+                q, k = q[0].transpose(0, 1), k[0].transpose(0, 1)  # [T_pad, heads, hd]
+                # One paged_attention call over the step's real rows (every segment's, packed in order).
                 mixed = torch.zeros(c.t_pad, s.heads * hd, dtype=self.dtype, device=self.device)
-                for seg, o in zip(segments, offsets):
-                    n = len(seg.tokens)
-                    mixed[o : o + n] = self._attention(li, attn, q[:, o : o + n], k[:, o : o + n], v[:, o : o + n], seg)
+                mixed[:rows] = self.kv.attend(li, q[:rows], k[:rows], v[:rows], step, scale=attn.scaling,
+                                              window=self._layer_window[li]).reshape(rows, s.heads * hd)
                 nxt = self.layers[li + 1].input_layernorm if li + 1 < len(self.layers) else self.model.model.norm
                 if not self.fuse:  # transformers' residual adds and norm modules
                     h = h + attn.o_proj(mixed)
@@ -376,7 +350,22 @@ class TPCausalLM:
             if not 1 <= len(p) or len(p) + max_new_tokens > c.max_context:
                 raise ValueError(f"a prompt of {len(p)} tokens plus {max_new_tokens} new ones must fit "
                                  f"max_context={c.max_context} (ServingConfig)")
+        # Every request is live at once: their whole caches must fit (the last new token is never cached).
+        need = sum(self.kv.blocks_for(len(p) + max_new_tokens - 1) for p in prompts)
+        if need > self.kv.allocator.available:
+            raise ValueError(f"{len(prompts)} requests need {need} KV blocks of {c.block_size}, "
+                             f"{self.kv.allocator.available} are free: raise ServingConfig.num_blocks or pass fewer "
+                             "prompts a call")
         caches = [self.new_cache() for _ in prompts]
+        try:
+            return self._generate(prompts, caches, max_new_tokens=max_new_tokens)
+        finally:
+            for cache in caches:
+                self.free_cache(cache)
+
+    def _generate(self, prompts: Sequence[Sequence[int]], caches: list[list[int]], *,
+                  max_new_tokens: int) -> list[tuple[list[int], torch.Tensor]]:
+        c = self.cfg
         fed = [0] * len(prompts)
         out: list[tuple[list[int], list[torch.Tensor]]] = [([], []) for _ in prompts]
         while any(len(o[0]) < max_new_tokens for o in out):
@@ -400,4 +389,6 @@ class TPCausalLM:
                 i, tok = work[k][0], int(toks[j])
                 out[i][0].append(tok)
                 out[i][1].append(lps[j, tok].cpu())
+                if len(out[i][0]) == max_new_tokens:  # done: its blocks serve the requests still running
+                    self.free_cache(caches[i])
         return [(t, torch.stack(l)) for t, l in out]

@@ -19,6 +19,7 @@ fixed-size blocks of ``block_size`` positions. Its arithmetic is fixed by its po
 So a row's bits do not depend on the other rows of the step, on chunking, on the cache's capacity or the block
 ids it was given, or on whether it is computed in a prefill (teacher forcing) or a decode step. This torch code
 runs on any device; on CUDA the default is attention_triton.py's one-launch kernel of the same contract.
+``PagedKV`` is what a serving engine owns: the cache, its allocator, the requests' block tables and the impl.
 
 Rejected: split-KV (flash-decoding) chosen from the batch size (a row's sum order would follow the batch: the
 tests' negative control); a dense [rows, max_context] score matrix (its cost and, on some libraries, its kernel
@@ -27,11 +28,13 @@ follow max_context); one GEMM per step over a variable row count (the kernel may
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ROW_TILE", "IMPLS", "PagedKVCache", "BlockAllocator", "paged_attention"]
+__all__ = ["ROW_TILE", "IMPLS", "PagedKVCache", "BlockAllocator", "StepKV", "PagedKV", "check_paged_geometry",
+           "default_impl", "paged_attention"]
 
 ROW_TILE = 16  # rows per tile: part of the arithmetic's definition (every GEMM's batch is ROW_TILE)
 
@@ -81,8 +84,97 @@ class BlockAllocator:
     def free(self, blocks: list[int]) -> None:
         self._free.extend(reversed(blocks))
 
+    @property
+    def available(self) -> int:
+        """Blocks not handed out."""
+        return len(self._free)
+
 
 IMPLS = ("torch", "triton")
+
+
+def check_paged_geometry(*, block_size: int, num_blocks: int, max_context: int, impl: str | None) -> None:
+    """ValueError unless a paged cache of ``num_blocks`` blocks of ``block_size`` (a power of two: the triton
+    kernel's tile) holds one request of ``max_context`` tokens, and ``impl`` is one of IMPLS or None."""
+    if block_size < 1 or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two (the triton kernel's tile), got {block_size}")
+    if num_blocks < -(-max_context // block_size):
+        raise ValueError(f"num_blocks={num_blocks} cannot hold one request of max_context={max_context} "
+                         f"({-(-max_context // block_size)} blocks of {block_size}): raise num_blocks")
+    if impl is not None and impl not in IMPLS:
+        raise ValueError(f"the attention impl must be one of {IMPLS} or None (the device's default), got {impl!r}")
+
+
+def default_impl(device: torch.device) -> str:
+    """The impl a step on ``device`` uses unless told: "triton" on CUDA, "torch" elsewhere."""
+    return "triton" if device.type == "cuda" else "torch"
+
+
+@dataclass(frozen=True)
+class StepKV:
+    """One step's attention rows: ``block_tables`` [segments, max_blocks] (the segments' tables, zero-padded),
+    ``row_request`` and ``positions`` [rows] (each real row's segment and query position, rows packed in
+    segment order)."""
+
+    block_tables: torch.Tensor
+    row_request: torch.Tensor
+    positions: torch.Tensor
+
+
+class PagedKV:
+    """A serving engine's KV cache: a ``PagedKVCache`` of ``num_blocks`` blocks per layer, its allocator, and the
+    attention ``impl`` of every step (None: ``default_impl(device)``). The impl is named once because the two
+    impls' bits differ: a trainer that must reproduce the engine's bits uses the engine's ``impl``.
+
+    A request's cache is its block table (``new_table``: a list of block ids in position order), grown by ``step``
+    to cover the rows it is given and handed back by ``free``. ``block_size`` is part of the arithmetic (the
+    online softmax runs block by block); ``num_blocks`` and which ids a request holds are not."""
+
+    def __init__(self, *, layers: int, kv_heads: int, head_dim: int, block_size: int, num_blocks: int,
+                 max_context: int, dtype: torch.dtype, device: torch.device, impl: str | None = None) -> None:
+        check_paged_geometry(block_size=block_size, num_blocks=num_blocks, max_context=max_context, impl=impl)
+        self.max_blocks = -(-max_context // block_size)
+        self.impl = impl or default_impl(device)
+        self.block_size, self.device = block_size, device
+        self.cache = PagedKVCache.empty(layers=layers, num_blocks=num_blocks, block_size=block_size,
+                                        kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, device=device)
+        self.allocator = BlockAllocator(num_blocks)
+
+    def blocks_for(self, length: int) -> int:
+        """Blocks a request of ``length`` cached positions holds."""
+        return -(-length // self.block_size)
+
+    def new_table(self) -> list[int]:
+        """An empty request's block table."""
+        return []
+
+    def free(self, table: list[int]) -> None:
+        """Hand a request's blocks back (the table is emptied: it may start a new request)."""
+        self.allocator.free(table)
+        table.clear()
+
+    def step(self, tables: Sequence[list[int]], spans: Sequence[tuple[int, int]]) -> StepKV:
+        """Grow each segment's table to cover its rows (``spans``: (start, n) per segment; positions must fit
+        max_context, which pack_segments checks) and lay out the step's ``StepKV``."""
+        for table, (start, n) in zip(tables, spans):
+            need = self.blocks_for(start + n) - len(table)
+            if need > 0:
+                table.extend(self.allocator.allocate(need))
+        bt = torch.zeros(len(tables), self.max_blocks, dtype=torch.long)
+        for i, table in enumerate(tables):
+            bt[i, : len(table)] = torch.tensor(table, dtype=torch.long)
+        req = torch.cat([torch.full((n,), i, dtype=torch.long) for i, (_, n) in enumerate(spans)])
+        pos = torch.cat([torch.arange(start, start + n) for start, n in spans])
+        return StepKV(bt.to(self.device), req.to(self.device), pos.to(self.device))
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: StepKV, *, scale: float,
+               window: int | None) -> torch.Tensor:
+        """Write the step's keys and values ([rows, kv_heads, head_dim]) into ``layer``'s cache, then one
+        ``paged_attention`` call over every row of q ([rows, heads, head_dim]): [rows, heads, head_dim]."""
+        self.cache.write(layer, k, v, block_tables=step.block_tables, row_request=step.row_request,
+                         positions=step.positions)
+        return paged_attention(q, self.cache, layer, block_tables=step.block_tables, row_request=step.row_request,
+                               positions=step.positions, scale=scale, window=window, impl=self.impl)
 
 
 def paged_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, *, block_tables: torch.Tensor,
@@ -107,7 +199,7 @@ def paged_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, *, block_t
                          f"{tuple(row_request.shape)} and {tuple(positions.shape)}")
     if window is not None and window < 1:
         raise ValueError(f"paged_attention: window must be >= 1 or None, got {window}")
-    impl = impl or ("triton" if q.is_cuda else "torch")
+    impl = impl or default_impl(q.device)
     if impl not in IMPLS:
         raise ValueError(f"paged_attention: impl must be one of {IMPLS} or None, got {impl!r}")
     if impl == "triton":

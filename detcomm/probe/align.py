@@ -50,7 +50,7 @@ TABLE_HEADERS = ["sampling", "requests", "tokens", "logprob bits equal", "max ul
 def _config(spec: dict[str, Any]) -> ModelConfig:
     return ModelConfig(layers=spec["layers"], t_pad=spec["t_pad"], seed=spec["seed"],
                        dtype=torch.float32 if spec["dtype"] == "float32" else torch.bfloat16,
-                       max_context=spec["max_context"])
+                       max_context=spec["max_context"], num_blocks=spec["num_blocks"])
 
 
 def serve(ns: argparse.Namespace) -> int:
@@ -61,6 +61,8 @@ def serve(ns: argparse.Namespace) -> int:
                          f"{ns.max_prompt + ns.new_tokens - 1} tokens) must fit one forward of --t-pad {ns.t_pad} rows")
     spec = {"layers": ns.layers, "t_pad": ns.t_pad, "seed": 1234 + ns.seed, "dtype": ns.dtype,
             "max_context": max(64, ns.max_prompt + ns.new_tokens), "layout": layout,
+            # every request may be live at once (the packed schedule)
+            "num_blocks": ns.requests * -(-max(64, ns.max_prompt + ns.new_tokens) // ModelConfig.block_size),
             "virtual_shards": ns.virtual_shards, "shard_fold": ns.shard_fold}
     torch.set_num_threads(1)
     comm = detcomm.init(numerics=ns.numerics or os.environ.get("DETCOMM_NUMERICS") or DEFAULT_NUMERICS)
@@ -88,7 +90,9 @@ def teacher_forced_logprobs(model: TPTransformer, prompt: Sequence[int], tokens:
     """The fp32 logprob of each generated token from ONE forward over ``prompt + tokens[:-1]`` from an empty
     cache (row p predicts position p + 1). Collective."""
     seq = list(prompt) + list(tokens[:-1])
-    shard = model.forward_all([Segment(model.new_cache(), seq, 0)])
+    cache = model.new_cache()
+    shard = model.forward_all([Segment(cache, seq, 0)])
+    model.free_cache(cache)
     lps = model.logprobs(shard)  # [len(seq), vocab]
     rows = torch.arange(len(prompt) - 1, len(seq), device=lps.device)
     return lps[rows, torch.tensor(list(tokens), dtype=torch.long, device=lps.device)].cpu()

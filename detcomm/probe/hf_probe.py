@@ -93,8 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--new-tokens", type=int, default=8)
     p.add_argument("--max-prompt", type=int, default=20)
     p.add_argument("--t-pad", type=int, default=64, help="fixed padded rows per step (a multiple of 64)")
-    p.add_argument("--q-block", type=int, default=16, help="query rows per padded attention block")
-    p.add_argument("--max-context", type=int, default=128, help="static KV cache length per request (a multiple of 64)")
+    p.add_argument("--block-size", type=int, default=16,
+                   help="positions per block of the paged KV cache (a power of two; part of the attention's arithmetic)")
+    p.add_argument("--max-context", type=int, default=128, help="most tokens a request may cache (a multiple of 64)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--virtual-shards", type=int, default=None, metavar="V",
                    help="TP-size-invariant layout: o_proj/down_proj fold V fixed virtual shards (W must divide V)")
@@ -181,7 +182,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise ValueError(f"--max-prompt {ns.max_prompt} must fit one step at batch 1 (--t-pad {ns.t_pad})")
     if ns.max_prompt + ns.new_tokens > ns.max_context:
         raise ValueError(f"--max-prompt + --new-tokens must fit --max-context {ns.max_context}")
-    serving = ServingConfig(t_pad=ns.t_pad, q_block=ns.q_block, max_context=ns.max_context)
+    # every request may be live at once (packed schedules): the cache holds them all at max_context
+    serving = ServingConfig(t_pad=ns.t_pad, max_context=ns.max_context, block_size=ns.block_size,
+                            num_blocks=ns.requests * -(-ns.max_context // ns.block_size))
     serving.check()
     dtype = from_name(ns.dtype)
     numerics = probe_numerics(ns.numerics, route=ns.route, command="hf")
@@ -251,7 +254,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"HF probe: {cfg.model_type} ({name}) W={world} backend={table.backend} numerics={table.numerics} "
             f"layout={layout_label(layout, ns.virtual_shards, ns.shard_fold)} o_proj/down_proj route={'/'.join(row_routes)} "
             f"dtype={ns.dtype} load={'full' if full_load else 'sliced'} device={model.device} "
-            f"T_pad={serving.t_pad} q_block={serving.q_block} max_context={serving.max_context} "
+            f"T_pad={serving.t_pad} block_size={serving.block_size} max_context={serving.max_context} "
             f"layers={cfg.num_hidden_layers} hidden={cfg.hidden_size} heads={cfg.num_attention_heads}/"
             f"kv {getattr(cfg, 'num_key_value_heads', None) or cfg.num_attention_heads} vocab={model.shards.vocab} "
             f"({model.shards.vocab_width}/rank) requests={len(reqs)} new_tokens={ns.new_tokens}"
@@ -267,7 +270,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             with open(ns.json, "w") as f:
                 json.dump({"model": name, "model_type": model.config.model_type, "world_size": world,
                            "backend": table.backend, "numerics": table.numerics, "routes": routes,
-                           "dtype": ns.dtype, "load": "full" if full_load else "sliced", "t_pad": serving.t_pad, "q_block": serving.q_block,
+                           "dtype": ns.dtype, "load": "full" if full_load else "sliced", "t_pad": serving.t_pad,
+                           "block_size": serving.block_size,
                            "max_context": serving.max_context, "local_rows_invariant": local_ok,
                            "ranks_agree": agree, "passed": passed, "comparisons": records,
                            "experts": _moe_record(model, ns) if moe else None,

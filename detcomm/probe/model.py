@@ -11,8 +11,9 @@ Why the local compute cannot move a row's bits (docs/spec.md §7 (row-count mapp
 vector path from the row count it is handed, so the same row computed among 3 or among 9 rows can differ in
 the last bits. Here every activation matrix lives in a buffer of a fixed T_pad rows for the whole forward;
 every GEMM, norm and elementwise op runs on that fixed shape (the real rows first, filler after, rows never
-mix), so one kernel configuration serves every batch. Attention runs per request with the query block padded
-to T_pad rows and the keys to the cache's fixed length with a causal mask. The only place where the batch's
+mix), so one kernel configuration serves every batch. Attention is one call per layer over every real row
+(``detcomm.numerics.attention.paged_attention``, the HF engine's too), against a paged KV cache: each row over
+its own request's actual context in KV-block order, at fixed GEMM shapes. The only place where the batch's
 real row count reaches the arithmetic is the all-reduce of the row-parallel projections: that is detcomm's
 job, and what the probe measures. ``pad=False`` runs the GEMMs at the real row count instead (to show that
 the probe also catches local non-invariance).
@@ -21,7 +22,7 @@ The layers come from ``detcomm.tp``. ``layout="fold"`` is the plain sharding abo
 virtual shards) and ``layout="full_k"`` also make the bits independent of W (docs/spec.md §9.1 "TP-size
 invariance: layouts"): column blocks, head groups and vocabulary blocks of fixed size, a vocabulary-parallel
 embedding and a fixed-block logprob head. Because a decode row and a teacher-forced row run the same
-fixed-shape computation, ``forward_all`` (one forward over whole sequences, the training path) reproduces the
+computation, ``forward_all`` (one forward over whole sequences, the training path) reproduces the
 sampling-time logprobs (``python -m detcomm.probe align``).
 """
 
@@ -35,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 import detcomm
+from detcomm.numerics.attention import PagedKV, StepKV
 from detcomm.tp import (
     LAYOUTS,
     ColumnParallelLinear,
@@ -60,8 +62,10 @@ FUSED_SITE_NAMES = {"o_proj": "o_proj.add_norm", "down_proj": "down_proj.add_nor
 class ModelConfig:
     """Model and serving geometry. ``heads``, ``ffn`` and ``vocab`` must divide by the world size
     (the defaults divide by 1..8 except 5 and 7 for heads). ``blocks``: the number of fixed blocks the
-    TP-size-invariant layouts cut each dimension into (column blocks, head groups, vocabulary blocks, full-K
-    output blocks); they hold for every W dividing it."""
+    TP-size-invariant layouts cut each dimension into (column blocks, vocabulary blocks, full-K output blocks);
+    they hold for every W dividing it. ``block_size`` and ``num_blocks``: the paged KV cache (block_size is part
+    of the attention's arithmetic; num_blocks bounds the tokens all live requests hold at once).
+    ``attention_impl``: "torch" or "triton" (None: triton on CUDA, torch elsewhere; part of the arithmetic)."""
 
     vocab: int = 1680
     hidden: int = 128
@@ -75,6 +79,9 @@ class ModelConfig:
     seed: int = 1234
     eps: float = 1e-6
     blocks: int = 8
+    block_size: int = 16
+    num_blocks: int = 256
+    attention_impl: str | None = None
 
     def check(self, world: int, *, layout: Layout = "fold", virtual_shards: int | None = None) -> None:
         for name in ("heads", "ffn", "vocab"):
@@ -122,9 +129,6 @@ class TPTransformer:
         self.invariant = layout != "fold"
         self.fuse = False  # declare_sites decides (fused layer boundaries under a bitwise envelope)
         self.heads_local = cfg.heads // self.world
-        # Attention runs in groups of a fixed number of heads: all local heads at once in the plain layout,
-        # heads/blocks (one column block of Q) in the invariant ones, whatever W is.
-        self.head_group = cfg.heads // cfg.blocks if self.invariant else self.heads_local
         self.vocab_local = cfg.vocab // self.world
         self.vocab_start = self.rank * self.vocab_local
         g = torch.Generator().manual_seed(cfg.seed)
@@ -179,8 +183,11 @@ class TPTransformer:
         inv = 1.0 / (10000.0 ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim))
         ang = torch.arange(cfg.max_context, dtype=torch.float64)[:, None] * inv[None, :]
         self.cos, self.sin = torch.cos(ang).to(dt).to(dev), torch.sin(ang).to(dt).to(dev)
-        # Causal mask over the fixed key length, per query position.
-        self.mask = (torch.arange(cfg.max_context)[None, :] > torch.arange(cfg.max_context)[:, None]).to(dev)
+        # Every request's keys and values; the impl is named once (a trainer reproducing these bits uses it too).
+        self.kv = PagedKV(layers=cfg.layers, kv_heads=self.heads_local, head_dim=cfg.head_dim,
+                          block_size=cfg.block_size, num_blocks=cfg.num_blocks, max_context=cfg.max_context,
+                          dtype=dt, device=dev, impl=cfg.attention_impl)
+        self.attention_impl: str = self.kv.impl
 
     # -- sites -----------------------------------------------------------------------------------------
     def declare_sites(self, *, route: str | None = None) -> None:
@@ -216,10 +223,14 @@ class TPTransformer:
         detcomm.site(SITE_NAMES["gather"], collective="all_gather", dtype=torch.float32, shape=(self.vocab_local,),
                      max_rows=cfg.t_pad)
 
-    def new_cache(self) -> torch.Tensor:
-        """One request's KV cache on this rank: [layers, 2, local heads, max_context, head_dim]."""
-        c = self.cfg
-        return torch.zeros(c.layers, 2, self.heads_local, c.max_context, c.head_dim, dtype=c.dtype, device=self.device)
+    def new_cache(self) -> list[int]:
+        """A new request's KV cache: an empty block table of the model's paged cache (``Segment.blocks``), grown
+        by each step; hand it back with ``free_cache`` when the request is done."""
+        return self.kv.new_table()
+
+    def free_cache(self, blocks: list[int]) -> None:
+        """Return a finished request's blocks to the cache (``blocks`` is emptied)."""
+        self.kv.free(blocks)
 
     def local_gemm_weights(self) -> list[torch.Tensor]:
         """Every weight a local GEMM multiplies (for the row-position check of the probes)."""
@@ -278,45 +289,18 @@ class TPTransformer:
         x1, x2 = x[..., :half], x[..., half:]
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
-    def _attention(self, q: torch.Tensor, seg: Segment, layer: int, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """One request's attention: its n new rows of q/k/v ([n, heads, hd]); returns [n, heads * hd].
-
-        The query block is padded to T_pad rows and the keys are the cache's fixed max_context positions
-        with a causal mask, so a query row's arithmetic is the same whether it is a decode row, a prefill
-        chunk's row or a teacher-forced row, at any offset; heads run in groups of ``head_group``, one
-        batched call of shape [group, T_pad, max_context] each, the same at every W."""
-        c = self.cfg
-        n, s = len(seg.tokens), seg.start
-        kc, vc = seg.cache[layer, 0], seg.cache[layer, 1]  # [heads, L, hd]
-        kc[:, s : s + n] = k.transpose(0, 1)
-        vc[:, s : s + n] = v.transpose(0, 1)
-        qp = torch.zeros(self.heads_local, c.t_pad, c.head_dim, dtype=c.dtype, device=self.device)
-        qp[:, :n] = q.transpose(0, 1)
-        qpos = torch.zeros(c.t_pad, dtype=torch.long, device=self.device)
-        qpos[:n] = torch.arange(s, s + n, device=self.device)
-        mask = self.mask[qpos][None]
-        outs = []
-        for g0 in range(0, self.heads_local, self.head_group):
-            hs = slice(g0, g0 + self.head_group)
-            scores = torch.matmul(qp[hs], kc[hs].transpose(1, 2)).to(torch.float32) * (1.0 / math.sqrt(c.head_dim))
-            scores = scores.masked_fill(mask, float("-inf"))
-            probs = torch.softmax(scores, dim=-1).to(c.dtype)
-            outs.append(torch.matmul(probs, vc[hs]))  # [group, T_pad, hd]
-        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
-        return out[:, :n].transpose(0, 1).reshape(n, self.heads_local * c.head_dim)
-
-    def _attn_block(self, L: dict, li: int, x: torch.Tensor, pos: torch.Tensor, segments: Sequence[Segment],
-                    offsets: list[int], rows: int) -> torch.Tensor:
-        """Attention of one layer on the normed [T_pad, H] input: o_proj's [T_pad, heads/W * head_dim] input."""
+    def _attn_block(self, L: dict, li: int, x: torch.Tensor, pos: torch.Tensor, step: StepKV,
+                    rows: int) -> torch.Tensor:
+        """Attention of one layer on the normed [T_pad, H] input: o_proj's [T_pad, heads/W * head_dim] input. One
+        paged_attention call over the real rows (rotary: elementwise IEEE ops only, no shape dependence)."""
         c, hl, hd = self.cfg, self.heads_local, self.cfg.head_dim
         q, k, v = (torch.cat(self._cols(L[n], x, rows), dim=1) for n in ("q", "k", "v"))
         q = self._rope(q.reshape(c.t_pad, hl, hd), pos)
         k = self._rope(k.reshape(c.t_pad, hl, hd), pos)
         v = v.reshape(c.t_pad, hl, hd)
         attn = torch.zeros(c.t_pad, hl * hd, dtype=c.dtype, device=self.device)
-        for s, o in zip(segments, offsets):
-            n = len(s.tokens)
-            attn[o : o + n] = self._attention(q[o : o + n], s, li, k[o : o + n], v[o : o + n])
+        attn[:rows] = self.kv.attend(li, q[:rows], k[:rows], v[:rows], step, scale=1.0 / math.sqrt(hd),
+                                     window=None).reshape(rows, hl * hd)
         return attn
 
     def _mlp_block(self, L: dict, x: torch.Tensor, rows: int) -> torch.Tensor:
@@ -332,6 +316,7 @@ class TPTransformer:
         [T_pad, H] buffer, each segment's first row and the real row count."""
         c = self.cfg
         ids, pos, offsets, rows = pack_segments(segments, t_pad=c.t_pad, max_context=c.max_context, device=self.device)
+        step = self.kv.step([s.blocks for s in segments], [(s.start, len(s.tokens)) for s in segments])
         if self.embedding is not None:
             h = self.embedding(ids)  # rows >= `rows` are filler
         else:
@@ -339,7 +324,7 @@ class TPTransformer:
             h = self.embed[ids]
         normed = self._norm(h, self.layers[0]["attn_norm"] if self.layers else self.final_norm)
         for li, L in enumerate(self.layers):
-            attn = self._attn_block(L, li, normed, pos, segments, offsets, rows)
+            attn = self._attn_block(L, li, normed, pos, step, rows)
             h, normed = self._boundary(L["o"], attn, h, L["mlp_norm"], "o_proj", rows)
             act = self._mlp_block(L, normed, rows)
             nxt = self.layers[li + 1]["attn_norm"] if li + 1 < len(self.layers) else self.final_norm

@@ -61,7 +61,9 @@ class StepModel(Protocol):
 
     cfg: Any  # has .t_pad
 
-    def new_cache(self) -> torch.Tensor: ...
+    def new_cache(self) -> list[int]: ...
+
+    def free_cache(self, blocks: list[int]) -> None: ...
 
     def forward(self, segments: Sequence[Segment]) -> tuple[Any, list[int]]: ...
 
@@ -123,7 +125,7 @@ def make_requests(n: int, *, vocab: int, new_tokens: int, max_prompt: int, seed:
 @dataclass
 class _Live:
     req: Request
-    cache: torch.Tensor
+    cache: list[int]  # the request's block table in the model's paged KV cache
     fed: int = 0  # prompt tokens already in the cache
     result: Result = field(default_factory=Result)
 
@@ -151,6 +153,8 @@ def _step(model: StepModel, work: list[tuple[_Live, Segment]]) -> None:
             tok = sample(lps[j], temperature=live.req.temperature, seed=live.req.seed, position=position)
         live.result.tokens.append(tok)
         live.result.logprobs.append(lps[j, tok].cpu())
+        if live.done:  # its KV blocks serve the requests still running
+            model.free_cache(live.cache)
 
 
 def _segment(live: _Live, n: int) -> Segment:
@@ -360,9 +364,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     layout = layout_from_args(ns)
     numerics = probe_numerics(ns.numerics, route=ns.route, command="model")
     torch.set_num_threads(1)  # W ranks share the cores; one thread each also keeps kernels single-path
+    max_context = max(64, ns.max_prompt + ns.new_tokens)
     cfg = ModelConfig(layers=ns.layers, t_pad=ns.t_pad, seed=1234 + ns.seed,
-                      dtype=torch.float32 if ns.dtype == "float32" else torch.bfloat16,
-                      max_context=max(64, ns.max_prompt + ns.new_tokens))
+                      dtype=torch.float32 if ns.dtype == "float32" else torch.bfloat16, max_context=max_context,
+                      # every request may be live at once (packed schedules)
+                      num_blocks=ns.requests * -(-max_context // ModelConfig.block_size))
     t0 = time.monotonic()
     comm = detcomm.init(numerics=numerics)
     try:
