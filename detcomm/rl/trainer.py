@@ -1,0 +1,113 @@
+"""The trainer side: the serving engine's own forward with autograd, teacher-forced over whole sequences.
+
+``Trainer(lm)`` takes a ``TPCausalLM`` in the tree-order virtual layout (``layout="virtual", shard_fold="tree"``:
+the same bits at every W that is a power of two dividing V) and makes the tensors its forward computes with
+trainable (``detcomm.rl.reshard.pieces``). ``token_logprobs`` packs every sequence's rows into the engine's
+T_pad-row steps (pieces of a long sequence in successive steps, each sequence on its own KV cache) and runs
+``lm.forward(segments, grad=True)``: the engine's step, its collectives ``detcomm.rl.regions``' autograd functions.
+A token's logprob is the head's vocabulary-parallel log-softmax of the row before it: the engine's sampling-time
+value, bit for bit, at another W. ``step(loss)`` is the backward (gradient sums at detcomm sites) and an AdamW step
+on this rank's shards; ``full_weights`` gathers them for the weight sync (``detcomm.rl.reshard``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ..tp import Segment
+from . import regions
+from .reshard import gather_full, pieces
+
+__all__ = ["Trainer"]
+
+
+class _TrainCache:
+    """A request's KV cache for a pass with autograd: one tensor per (layer, K or V), replaced by a copy on every
+    access. The engine writes a step's keys into the cache in place and attends to it; a copy per access keeps the
+    tensors an earlier step's attention saved for backward unmodified (autograd refuses in-place changes to them).
+    Indexed as the engine indexes its cache tensor (``cache[layer, 0]``)."""
+
+    def __init__(self, lm: Any) -> None:
+        s = lm.shards
+        self.t = {(li, kind): torch.zeros(s.kv_heads, lm.cfg.max_context, s.head_dim, dtype=lm.dtype, device=lm.device)
+                  for li in range(len(lm.layers)) for kind in (0, 1)}
+
+    def __getitem__(self, key: tuple[int, int]) -> torch.Tensor:
+        self.t[key] = self.t[key].clone()
+        return self.t[key]
+
+
+class Trainer:
+    """Autograd and AdamW on this rank's shards of ``lm`` (a ``detcomm.hf.TPCausalLM``, tree layout). Construct on
+    every rank (collective: declares the gradient site); ``lr``, ``betas``, ``eps``, ``weight_decay``: AdamW's."""
+
+    def __init__(self, lm: Any, *, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0) -> None:
+        self.lm = lm
+        self.params = [t for t, _ in pieces(lm)]
+        for t in self.params:
+            t.requires_grad_(True)
+        regions.declare_grad_site(hidden=lm.config.hidden_size, dtype=lm.dtype, max_rows=lm.cfg.t_pad)
+        # foreach=False: one elementwise loop per tensor, the same arithmetic whatever the tensor list's shapes.
+        self.opt = torch.optim.AdamW(self.params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                     foreach=False)
+
+    def token_logprobs(self, sequences: Sequence[Sequence[int]], starts: Sequence[int]) -> list[torch.Tensor]:
+        """For each sequence, the fp32 logprobs of its tokens ``starts[i]``.. (each given the tokens before it),
+        with autograd: [len - starts[i]] per sequence. Collective (same arguments on every rank)."""
+        lm, t_pad = self.lm, self.lm.cfg.t_pad
+        if len(sequences) != len(starts):
+            raise ValueError(f"{len(sequences)} sequences need as many starts, got {len(starts)}")
+        for seq, st in zip(sequences, starts):
+            if not 1 <= st < len(seq) or len(seq) > lm.cfg.max_context:
+                raise ValueError(f"a sequence of {len(seq)} tokens scored from {st} needs 1 <= start < length <= "
+                                 f"max_context={lm.cfg.max_context}")
+        caches = [_TrainCache(lm) for _ in sequences]
+        fed = [0] * len(sequences)  # rows fed: positions 0 .. len - 2 (the last token predicts nothing)
+        got: list[list[torch.Tensor]] = [[] for _ in sequences]
+        head = lm.model.lm_head.head
+        i = 0
+        while i < len(sequences):
+            segs: list[tuple[int, Segment]] = []
+            budget = t_pad
+            while i < len(sequences) and budget:
+                seq = sequences[i]
+                n = min(budget, len(seq) - 1 - fed[i])
+                segs.append((i, Segment(caches[i], list(seq[fed[i] : fed[i] + n]), fed[i], sample=False)))  # type: ignore[arg-type]
+                fed[i] += n
+                budget -= n
+                if fed[i] == len(seq) - 1:
+                    i += 1
+            logits, _ = lm.forward([s for _, s in segs], grad=True)
+            rows, targets, owners = [], [], []
+            at = 0
+            for k, seg in segs:
+                for j in range(len(seg.tokens)):  # row at position p predicts token p + 1
+                    if seg.start + j + 1 >= starts[k]:
+                        rows.append(at + j)
+                        targets.append(sequences[k][seg.start + j + 1])
+                        owners.append(k)
+                at += len(seg.tokens)
+            if not rows:
+                continue
+            idx = torch.tensor(rows, dtype=torch.long, device=lm.device)
+            lp = regions.token_logprobs(logits.buf[idx], torch.tensor(targets, dtype=torch.long, device=lm.device),
+                                        head=head)
+            for j, k in enumerate(owners):
+                got[k].append(lp[j : j + 1])
+        return [torch.cat(g) for g in got]
+
+    def step(self, loss: torch.Tensor) -> None:
+        """Backward of ``loss`` (the same scalar graph on every rank) and one AdamW step on this rank's shards.
+        Collective."""
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        self.opt.step()
+
+    def full_weights(self) -> dict[str, torch.Tensor]:
+        """The whole tensors of the trained model (transformers' names, CPU), for ``detcomm.rl.reshard.load_full``
+        on an engine at any W. Collective."""
+        return gather_full(self.lm)
