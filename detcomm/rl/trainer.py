@@ -17,11 +17,12 @@ from typing import Any
 
 import torch
 
+from ..hf.engine import StepLogits
 from ..tp import Segment
 from . import regions
 from .reshard import gather_full, pieces
 
-__all__ = ["Trainer"]
+__all__ = ["Trainer", "teacher_forced"]
 
 
 class _TrainCache:
@@ -38,6 +39,56 @@ class _TrainCache:
     def __getitem__(self, key: tuple[int, int]) -> torch.Tensor:
         self.t[key] = self.t[key].clone()
         return self.t[key]
+
+
+def teacher_forced(lm: Any, sequences: Sequence[Sequence[int]], starts: Sequence[int], *,
+                   grad: bool) -> list[torch.Tensor]:
+    """For each sequence, the fp32 logprobs of its tokens ``starts[i]``.. (each given the tokens before it),
+    [len - starts[i]] per sequence, from ``lm``'s own steps (``grad``: with autograd, the tree layout; without,
+    any layout: what the gate's negative control recomputes). Collective (same arguments on every rank)."""
+    t_pad = lm.cfg.t_pad
+    if len(sequences) != len(starts):
+        raise ValueError(f"{len(sequences)} sequences need as many starts, got {len(starts)}")
+    for seq, st in zip(sequences, starts):
+        if not 1 <= st < len(seq) or len(seq) > lm.cfg.max_context:
+            raise ValueError(f"a sequence of {len(seq)} tokens scored from {st} needs 1 <= start < length <= "
+                             f"max_context={lm.cfg.max_context}")
+    caches = [_TrainCache(lm) for _ in sequences]
+    fed = [0] * len(sequences)  # rows fed: positions 0 .. len - 2 (the last token predicts nothing)
+    got: list[list[torch.Tensor]] = [[] for _ in sequences]
+    i = 0
+    while i < len(sequences):
+        segs: list[tuple[int, Segment]] = []
+        budget = t_pad
+        while i < len(sequences) and budget:
+            seq = sequences[i]
+            n = min(budget, len(seq) - 1 - fed[i])
+            segs.append((i, Segment(caches[i], list(seq[fed[i] : fed[i] + n]), fed[i], sample=False)))  # type: ignore[arg-type]
+            fed[i] += n
+            budget -= n
+            if fed[i] == len(seq) - 1:
+                i += 1
+        logits, _ = lm.forward([s for _, s in segs], grad=grad)
+        rows, targets, owners = [], [], []
+        at = 0
+        for k, seg in segs:
+            for j in range(len(seg.tokens)):  # row at position p predicts token p + 1
+                if seg.start + j + 1 >= starts[k]:
+                    rows.append(at + j)
+                    targets.append(sequences[k][seg.start + j + 1])
+                    owners.append(k)
+            at += len(seg.tokens)
+        if not rows:
+            continue
+        idx = torch.tensor(rows, dtype=torch.long, device=lm.device)
+        tgt = torch.tensor(targets, dtype=torch.long, device=lm.device)
+        if grad:
+            lp = regions.token_logprobs(logits.buf[idx], tgt, head=lm.model.lm_head.head)
+        else:  # the engine's own head (any layout), as at sampling time
+            lp = lm.logprobs(StepLogits(logits.buf, idx))[torch.arange(len(rows), device=lm.device), tgt]
+        for j, k in enumerate(owners):
+            got[k].append(lp[j : j + 1])
+    return [torch.cat(g) for g in got]
 
 
 class Trainer:
@@ -58,47 +109,7 @@ class Trainer:
     def token_logprobs(self, sequences: Sequence[Sequence[int]], starts: Sequence[int]) -> list[torch.Tensor]:
         """For each sequence, the fp32 logprobs of its tokens ``starts[i]``.. (each given the tokens before it),
         with autograd: [len - starts[i]] per sequence. Collective (same arguments on every rank)."""
-        lm, t_pad = self.lm, self.lm.cfg.t_pad
-        if len(sequences) != len(starts):
-            raise ValueError(f"{len(sequences)} sequences need as many starts, got {len(starts)}")
-        for seq, st in zip(sequences, starts):
-            if not 1 <= st < len(seq) or len(seq) > lm.cfg.max_context:
-                raise ValueError(f"a sequence of {len(seq)} tokens scored from {st} needs 1 <= start < length <= "
-                                 f"max_context={lm.cfg.max_context}")
-        caches = [_TrainCache(lm) for _ in sequences]
-        fed = [0] * len(sequences)  # rows fed: positions 0 .. len - 2 (the last token predicts nothing)
-        got: list[list[torch.Tensor]] = [[] for _ in sequences]
-        head = lm.model.lm_head.head
-        i = 0
-        while i < len(sequences):
-            segs: list[tuple[int, Segment]] = []
-            budget = t_pad
-            while i < len(sequences) and budget:
-                seq = sequences[i]
-                n = min(budget, len(seq) - 1 - fed[i])
-                segs.append((i, Segment(caches[i], list(seq[fed[i] : fed[i] + n]), fed[i], sample=False)))  # type: ignore[arg-type]
-                fed[i] += n
-                budget -= n
-                if fed[i] == len(seq) - 1:
-                    i += 1
-            logits, _ = lm.forward([s for _, s in segs], grad=True)
-            rows, targets, owners = [], [], []
-            at = 0
-            for k, seg in segs:
-                for j in range(len(seg.tokens)):  # row at position p predicts token p + 1
-                    if seg.start + j + 1 >= starts[k]:
-                        rows.append(at + j)
-                        targets.append(sequences[k][seg.start + j + 1])
-                        owners.append(k)
-                at += len(seg.tokens)
-            if not rows:
-                continue
-            idx = torch.tensor(rows, dtype=torch.long, device=lm.device)
-            lp = regions.token_logprobs(logits.buf[idx], torch.tensor(targets, dtype=torch.long, device=lm.device),
-                                        head=head)
-            for j, k in enumerate(owners):
-                got[k].append(lp[j : j + 1])
-        return [torch.cat(g) for g in got]
+        return teacher_forced(self.lm, sequences, starts, grad=True)
 
     def step(self, loss: torch.Tensor) -> None:
         """Backward of ``loss`` (the same scalar graph on every rank) and one AdamW step on this rank's shards.
