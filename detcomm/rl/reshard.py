@@ -105,10 +105,11 @@ def pieces(lm: Any) -> list[tuple[torch.Tensor, Piece]]:
     return out
 
 
-def gather_full(lm: Any, *, group: dist.ProcessGroup | None = None) -> dict[str, torch.Tensor]:
-    """The whole tensors (transformers' names, on the CPU) from every rank's shards of ``lm``: one all-gather of
-    the pieces (data movement: the bits are the shards'). Collective over ``group``."""
-    mine = [(p, t.detach().cpu().clone()) for t, p in pieces(lm)]
+def gather_full(lm: Any, *, grad: bool = False, group: dist.ProcessGroup | None = None) -> dict[str, torch.Tensor]:
+    """The whole tensors (transformers' names, on the CPU) from every rank's shards of ``lm`` (``grad``: of their
+    gradients, after a backward): one all-gather of the pieces (data movement: the bits are the shards'). Collective
+    over ``group``."""
+    mine = [(p, (t.grad if grad else t).detach().cpu().clone()) for t, p in pieces(lm)]
     world = dist.get_world_size(group)
     got: list[Any] = [None] * world
     dist.all_gather_object(got, mine, group=group)

@@ -1,0 +1,121 @@
+"""detcomm.rl's trainer on real spawned gloo ranks: the engine's own forward with autograd gives, at W_t = 1 and 2,
+the bits of the sampling-time logprobs a W_s = 4 rollout produced (greedy through the engine's ``generate``, T = 1
+sampling through ``detcomm.rl.rollout.sample``), with a sequence longer than T_pad teacher-forced in two pieces.
+Independent checks: the logprobs recomputed in fp64 by transformers' own forward of the unsharded model (within
+``LP_BOUND``), and the gradients of the summed logprobs against fp64 autograd (within ``GRAD_BOUND``). Negative
+controls: transformers' own fp32 forward does not give the rollout's bits, and at W_t = 2 a backward without the
+conjugate all-reduce of the activations' gradients misses the bound. W = 3 is not run: the tree layout's
+invariance holds at the W that are powers of two dividing V (docs/spec.md §9.1).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from detcomm.hf import write_tiny_checkpoint
+
+PROMPTS = [list(range(200, 260)), [5, 77, 300, 2, 999, 41], [12, 640, 8]]  # 60 + 10 rows: two T_pad pieces
+NEW = 10
+LP_BOUND = 1e-4  # |fp32 engine - fp64 reference| of a logprob (measured: below 2e-6)
+GRAD_BOUND = 1e-3  # max |grad - fp64 grad| / max |fp64 grad| per tensor (measured: below 1e-5)
+
+
+def _engine(directory: str):  # noqa: ANN202
+    from detcomm.hf import ServingConfig, TPCausalLM, load_causal_lm
+
+    return TPCausalLM(load_causal_lm(directory, dtype=torch.float32), ServingConfig(t_pad=64, max_context=128),
+                      layout="virtual", virtual_shards=8, shard_fold="tree")
+
+
+def job_rollout(rank: int, w: int, directory: str) -> dict:
+    import detcomm
+    from detcomm.rl.rollout import sample
+
+    torch.set_num_threads(1)
+    detcomm.init(numerics="rl-bitwise")
+    try:
+        lm = _engine(directory)
+        return {"greedy": lm.generate(PROMPTS, max_new_tokens=NEW),
+                "sampled": sample(lm, PROMPTS, max_new_tokens=NEW, temperature=1.0, seed=11)}
+    finally:
+        detcomm.shutdown()
+
+
+def job_trainer(rank: int, w: int, directory: str, seqs: list[list[int]], starts: list[int]) -> dict:
+    import detcomm
+    from detcomm.rl import regions
+    from detcomm.rl.reshard import gather_full
+    from detcomm.rl.trainer import Trainer
+
+    torch.set_num_threads(1)
+    detcomm.init(numerics="rl-bitwise")
+    try:
+        lm = _engine(directory)
+        tr = Trainer(lm)
+        lps = tr.token_logprobs(seqs, starts)
+        torch.stack([lp.sum() for lp in lps]).sum().backward()
+        grads = gather_full(lm, grad=True)
+        for t in tr.params:
+            t.grad = None
+        real = regions._grad_sum
+        regions._grad_sum = lambda g: g  # type: ignore[assignment]  # the negative control: no conjugate all-reduce
+        try:
+            torch.stack([lp.sum() for lp in tr.token_logprobs(seqs, starts)]).sum().backward()
+        finally:
+            regions._grad_sum = real
+        bad = gather_full(lm, grad=True)
+    finally:
+        detcomm.shutdown()
+    return {"logprobs": [lp.detach() for lp in lps], "grads": grads, "bad": bad}
+
+
+def _reference(directory: str, seqs: list[list[int]], starts: list[int], dtype: torch.dtype):  # noqa: ANN202
+    """transformers' own forward of the unsharded model: each sequence's logprobs and the gradients of their sum."""
+    from detcomm.hf import load_causal_lm
+
+    model = load_causal_lm(directory, dtype=torch.float32).to(dtype)
+    lps = []
+    for seq, st in zip(seqs, starts):
+        logits = model(torch.tensor([seq])).logits[0].to(dtype)
+        lp = torch.log_softmax(logits, dim=-1)
+        lps.append(lp[torch.arange(st - 1, len(seq) - 1), torch.tensor(seq[st:])])
+    torch.stack([lp.sum() for lp in lps]).sum().backward()
+    return [lp.detach() for lp in lps], {n: p.grad for n, p in model.named_parameters()}
+
+
+def _grad_error(got: dict, ref: dict) -> float:
+    return max(float((got[n].double() - g).abs().max() / g.abs().max()) for n, g in ref.items())
+
+
+@pytest.mark.slow
+def test_trainer_logprobs_equal_rollout_at_other_widths(tmp_path, cluster2, cluster4) -> None:  # noqa: ANN001
+    from clusters import get_cluster
+
+    directory = write_tiny_checkpoint("llama-tiny", str(tmp_path), seed=3)
+    rolled = cluster4.run(job_rollout, directory)
+    for r in rolled[1:]:  # every rollout rank returns the same tokens and bits
+        for kind in ("greedy", "sampled"):
+            for (t0, l0), (t1, l1) in zip(rolled[0][kind], r[kind]):
+                assert t0 == t1 and torch.equal(l0, l1)
+    starts = [len(p) for p in PROMPTS] * 2
+    seqs = [p + t for p, (t, _) in zip(PROMPTS, rolled[0]["greedy"])] + \
+           [p + t for p, (t, _) in zip(PROMPTS, rolled[0]["sampled"])]
+    assert [s[-NEW:] for s in seqs[:3]] != [s[-NEW:] for s in seqs[3:]], "sampling gave the greedy tokens"
+    rollout_lps = [lp for _, lp in rolled[0]["greedy"]] + [lp for _, lp in rolled[0]["sampled"]]
+    ref64, grad64 = _reference(directory, seqs, starts, torch.float64)
+    ref32, _ = _reference(directory, seqs, starts, torch.float32)
+    for w, cluster in ((1, get_cluster(1)), (2, cluster2)):
+        ranks = cluster.run(job_trainer, directory, seqs, starts)
+        for r in ranks:
+            for i, (got, want) in enumerate(zip(r["logprobs"], rollout_lps)):
+                assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (w, i, got - want)
+        for got, want in zip(ranks[0]["logprobs"], ref64):
+            assert float((got.double() - want).abs().max()) < LP_BOUND
+        assert _grad_error(ranks[0]["grads"], grad64) < GRAD_BOUND, w
+        if w == 2:
+            assert _grad_error(ranks[0]["bad"], grad64) > GRAD_BOUND, "the gradients' all-reduce did not matter"
+    assert any(not torch.equal(a, b) for a, b in zip(ref32, rollout_lps)), \
+        "transformers' own fp32 forward gave the rollout's bits: the equality would not bite"
