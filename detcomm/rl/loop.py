@@ -65,9 +65,9 @@ def rollout_job(rank: int, world: int, prompts: list[list[int]], max_new_tokens:
 
 
 def train_job(rank: int, world: int, sequences: list[list[int]], starts: list[int], old: list[torch.Tensor],
-              advantages: list[float], clip: float) -> dict[str, Any]:
+              advantages: list[float] | None, clip: float) -> dict[str, Any]:
     """Worker job: recompute, gate, GRPO loss, backward, AdamW; then gather the whole weights (rank 0 returns
-    them). A refused gate returns its message (nothing trained)."""
+    them). A refused gate returns its message (nothing trained); ``advantages`` None: the gate only."""
     from .trainer import teacher_forced
 
     t0 = time.perf_counter()
@@ -79,6 +79,8 @@ def train_job(rank: int, world: int, sequences: list[list[int]], starts: list[in
         check_logprobs(new, old, starts=starts)
     except LogprobMismatch as e:
         return {"refused": str(e), "delta": delta}
+    if advantages is None:
+        return {"delta": delta}
     assert trainer is not None, "the control side has no trainer: its gate must refuse"
     terms = []
     for n, o, a in zip(new, old, advantages):
@@ -141,9 +143,23 @@ class GRPOLoop:
 
         check_contract(Contract(self.contracts["trainer"]), Contract(self.contracts["rollout"]))
 
-    def step(self, prompts: Sequence[Sequence[int]], *, group: int, max_new_tokens: int) -> StepReport:
+    def check(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int) -> float:
+        """Roll the prompts out and recompute them on the trainer, without training: the gate alone (after a sync:
+        the engine's logprobs equal the trainer's again). Returns the largest |delta logprob|; raises
+        LogprobMismatch when the gate refuses."""
+        batch = [list(p) for p in prompts]
+        out, _ = self.rollout.run(rollout_job, batch, max_new_tokens, 10_000 + self.steps)[0]
+        res = self.trainer.run(train_job, [p + t for p, (t, _) in zip(batch, out)], [len(p) for p in batch],
+                               [lp for _, lp in out], None, self.clip)[0]
+        if "refused" in res:
+            raise LogprobMismatch(res["refused"])
+        return float(res["delta"])
+
+    def step(self, prompts: Sequence[Sequence[int]], *, group: int, max_new_tokens: int,
+             sync: bool = True) -> StepReport:
         """One RL step on ``group`` samples of each prompt. Raises LogprobMismatch when the gate refuses (the
-        negative control returns its report instead)."""
+        negative control returns its report instead). ``sync=False`` leaves the engine's weights as they were (the
+        weight sync's negative control: the next step's gate refuses)."""
         batch = [list(p) for p in prompts for _ in range(group)]
         out, secs = self.rollout.run(rollout_job, batch, max_new_tokens, self.steps)[0]
         rewards = [self.reward(t, self.vocab) for t, _ in out]
@@ -163,7 +179,8 @@ class GRPOLoop:
             if self.control:
                 return report
             raise LogprobMismatch(report.refused)
-        self.rollout.run(sync_job, res["full"])
+        if sync:
+            self.rollout.run(sync_job, res["full"])
         return report
 
     def close(self) -> None:
