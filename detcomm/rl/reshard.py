@@ -109,7 +109,11 @@ def gather_full(lm: Any, *, grad: bool = False, group: dist.ProcessGroup | None 
     """The whole tensors (transformers' names, on the CPU) from every rank's shards of ``lm`` (``grad``: of their
     gradients, after a backward): one all-gather of the pieces (data movement: the bits are the shards'). Collective
     over ``group``."""
-    mine = [(p, (t.grad if grad else t).detach().cpu().clone()) for t, p in pieces(lm)]
+    mine = []
+    for t, p in pieces(lm):
+        src = t.grad if grad else t
+        assert src is not None, f"{p.name}: no gradient (gather_full(grad=True) runs after a backward)"
+        mine.append((p, src.detach().cpu().clone()))
     world = dist.get_world_size(group)
     got: list[Any] = [None] * world
     dist.all_gather_object(got, mine, group=group)
