@@ -7,8 +7,8 @@ the LM head) is the identity forward and an all-reduce of its gradient backward 
 site: the gradients' sums take a canonical route too). The vocabulary-parallel log-softmax of the chosen tokens
 is the head's own ``logprobs`` forward and ``onehot - softmax`` on each rank's vocabulary shard backward.
 
-Each forward is the exact call the serving engine makes on the same (detached) operands, so its bits are the
-engine's; under ``torch.no_grad`` (serving) the functions are just those calls. The norms' backward
+Each forward is the exact call the serving engine makes, on the same operand objects (autograd is off inside
+it), so its bits are the engine's; under ``torch.no_grad`` (serving) the functions are just those calls. The norms' backward
 differentiates the plain fp32 RMSNorm formula (the canonical norm's value to rounding): the gradients are
 deterministic, not bit-equal to any other implementation's. Collective (backward too: every rank runs the same
 graph, so the gradient all-reduces come in one order).
@@ -54,7 +54,7 @@ def _norm_backward(r: torch.Tensor, weight: torch.Tensor, eps: float,
 class _ReduceFrom(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, part: torch.Tensor, site: str) -> torch.Tensor:  # type: ignore[override]
-        return detcomm.all_reduce(part.detach().contiguous(), site=site)
+        return detcomm.all_reduce(part.contiguous(), site=site)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
@@ -72,7 +72,7 @@ class _Norm(torch.autograd.Function):
     def forward(ctx: Any, h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:  # type: ignore[override]
         ctx.save_for_backward(h, weight)
         ctx.eps = eps
-        return detcomm.rms_norm(h.detach(), weight.detach(), eps=eps)
+        return detcomm.rms_norm(h, weight, eps=eps)
 
     @staticmethod
     def backward(ctx: Any, grad_y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:  # type: ignore[override]
@@ -92,7 +92,7 @@ class _AddNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,  # type: ignore[override]
                 site: str) -> tuple[torch.Tensor, torch.Tensor]:
-        y, r = detcomm.all_reduce_residual_rmsnorm(x.detach(), residual.detach(), weight.detach(), eps=eps, site=site)
+        y, r = detcomm.all_reduce_residual_rmsnorm(x, residual, weight, eps=eps, site=site)
         ctx.save_for_backward(r, weight)
         ctx.eps, ctx.x_shape, ctx.x_dtype = eps, x.shape, x.dtype
         return y, r
@@ -119,7 +119,7 @@ def add_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, *, e
 class _TokenLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, shard: torch.Tensor, tokens: torch.Tensor, head: Any) -> torch.Tensor:  # type: ignore[override]
-        full = head.logprobs(shard.detach().contiguous())  # the engine's call: [n, vocab], every rank
+        full = head.logprobs(shard.contiguous())  # the engine's call: [n, vocab], every rank
         lp_shard = full[:, head.vocab_start : head.vocab_start + head.vocab_local]  # this rank's own shard
         ctx.save_for_backward(lp_shard, tokens)
         ctx.start = head.vocab_start
