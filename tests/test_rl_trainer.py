@@ -5,8 +5,8 @@ Independent checks: the logprobs recomputed in fp64 by transformers' own forward
 ``LP_BOUND``), and the gradients of the summed logprobs against fp64 autograd (within ``GRAD_BOUND``). Negative
 controls: transformers' own fp32 forward does not give the rollout's bits, and at W_t = 2 a backward without the
 conjugate all-reduce of the activations' gradients misses the bound. The same equality in bf16 (W_t = 2). W = 3 is
-not run: the tree layout's
-invariance holds at the W that are powers of two dividing V (docs/spec.md §9.1).
+not run: the tree layout's invariance holds at the W that are powers of two dividing V and the model's fixed
+block count (8, 4 or 2: docs/spec.md §9.1), never at W = 3.
 """
 
 from __future__ import annotations
