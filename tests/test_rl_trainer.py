@@ -73,7 +73,7 @@ def job_trainer(rank: int, w: int, directory: str, seqs: list[list[int]], starts
         bad = gather_full(lm, grad=True)
     finally:
         detcomm.shutdown()
-    return {"logprobs": [lp.detach() for lp in lps], "grads": grads, "bad": bad}
+    return {"logprobs": [lp.detach().cpu() for lp in lps], "grads": grads, "bad": bad}
 
 
 def _reference(directory: str, seqs: list[list[int]], starts: list[int], dtype: torch.dtype):  # noqa: ANN202

@@ -29,9 +29,11 @@ _SIDE: dict[str, Any] = {}
 
 
 def start_side(rank: int, world: int, directory: str, role: str, t_pad: int, max_context: int,
-               layout: str, virtual_shards: int | None, lr: float) -> dict[str, Any]:
+               layout: str, virtual_shards: int | None, lr: float, dtype: str, device: str) -> dict[str, Any]:
     """Worker job: ``detcomm.init`` and the side's engine (``role`` "rollout") or trainer ("trainer", "control":
-    an engine without autograd, the negative control's recompute). Returns the contract's fields."""
+    an engine without autograd, the negative control's recompute). ``device`` "cpu", or "cuda" (rank r on GPU
+    r mod the GPU count; ranks sharing a GPU stage the gloo collectives through host memory). Returns the
+    contract's fields."""
     import detcomm
     from detcomm.hf import ServingConfig, TPCausalLM, load_causal_lm
 
@@ -39,9 +41,11 @@ def start_side(rank: int, world: int, directory: str, role: str, t_pad: int, max
     from .trainer import Trainer
 
     torch.set_num_threads(1)
-    detcomm.init(numerics="rl-bitwise")
+    if device == "cuda":
+        device = f"cuda:{rank % torch.cuda.device_count()}"
+    detcomm.init(numerics="rl-bitwise", device=device)
     fold = "tree" if layout == "virtual" else "order"
-    lm = TPCausalLM(load_causal_lm(directory, dtype=torch.float32), ServingConfig(t_pad=t_pad, max_context=max_context),
+    lm = TPCausalLM(load_causal_lm(directory, dtype=getattr(torch, dtype)), ServingConfig(t_pad=t_pad, max_context=max_context),
                     layout=layout, virtual_shards=virtual_shards, shard_fold=fold)
     _SIDE.update(lm=lm, trainer=Trainer(lm, lr=lr) if role == "trainer" else None)
     return contract(lm).fields
@@ -74,7 +78,7 @@ def train_job(rank: int, world: int, sequences: list[list[int]], starts: list[in
     trainer = _SIDE["trainer"]
     lm = _SIDE["lm"]
     new = teacher_forced(lm, sequences, starts, grad=trainer is not None)
-    delta = max(float((n.detach() - o).abs().max()) for n, o in zip(new, old))
+    delta = max(float((n.detach().cpu() - o).abs().max()) for n, o in zip(new, old))
     try:
         check_logprobs(new, old, starts=starts)
     except LogprobMismatch as e:
@@ -84,7 +88,7 @@ def train_job(rank: int, world: int, sequences: list[list[int]], starts: list[in
     assert trainer is not None, "the control side has no trainer: its gate must refuse"
     terms = []
     for n, o, a in zip(new, old, advantages):
-        ratio = torch.exp(n - o)  # exactly 1 here: the gate held
+        ratio = torch.exp(n - o.to(n.device))  # exactly 1 here: the gate held
         terms.append(-torch.minimum(ratio * a, ratio.clamp(1 - clip, 1 + clip) * a).mean())
     loss = torch.stack(terms).mean()
     trainer.step(loss)
@@ -121,18 +125,21 @@ class StepReport:
 
 class GRPOLoop:
     """The loop's driver. ``rollout`` and ``trainer``: ``detcomm._spawn.LocalCluster``s (W_s and W_t ranks), both
-    started here on the checkpoint ``directory`` (fp32). ``control=True``: the negative control, the trainer side
+    started here on the checkpoint ``directory`` in ``dtype`` on ``device`` ("cpu" or "cuda"). ``control=True``: the negative control, the trainer side
     an engine in the fold layout at W_t (its contract differs, which is reported, and its gate must refuse)."""
 
     def __init__(self, directory: str, *, rollout: Any, trainer: Any, t_pad: int = 64, max_context: int = 64,
                  virtual_shards: int = 8, lr: float = 1e-3, clip: float = 0.2, control: bool = False,
+                 dtype: str = "float32", device: str = "cpu",
                  reward: Callable[[Sequence[int], int], float] = reward_low_ids) -> None:
         self.rollout, self.trainer, self.clip, self.reward = rollout, trainer, clip, reward
         self.control = control
         self.contracts = {
-            "rollout": rollout.run(start_side, directory, "rollout", t_pad, max_context, "virtual", virtual_shards, lr)[0],
+            "rollout": rollout.run(start_side, directory, "rollout", t_pad, max_context, "virtual", virtual_shards, lr,
+                                   dtype, device)[0],
             "trainer": trainer.run(start_side, directory, "control" if control else "trainer", t_pad, max_context,
-                                   "fold" if control else "virtual", None if control else virtual_shards, lr)[0],
+                                   "fold" if control else "virtual", None if control else virtual_shards, lr, dtype,
+                                   device)[0],
         }
         self.vocab = int(self.contracts["rollout"]["config.vocab_size"])
         self.steps = 0

@@ -1,4 +1,5 @@
-# detcomm GRPO example: python launch/examples/rl_grpo.py [--steps 3] [--rollout-world 4] [--trainer-world 2] [--control]
+# detcomm GRPO example: python launch/examples/rl_grpo.py [--steps 3] [--rollout-world 4] [--trainer-world 2]
+#   [--dtype bfloat16] [--device cuda] [--control]
 # A rollout engine at W_s ranks and a trainer at W_t ranks (two local gloo clusters on this machine), a tiny Llama
 # built locally: per step, sampled rollouts, the trainer's recompute with autograd, the exactness gate, the GRPO
 # loss, AdamW and the weight sync. --control: the trainer side in the fold layout (the gate must refuse).
@@ -18,6 +19,8 @@ if __name__ == "__main__":
     ap.add_argument("--group", type=int, default=4, help="samples per prompt (GRPO's group)")
     ap.add_argument("--max-new-tokens", type=int, default=8)
     ap.add_argument("--lr", type=float, default=1e-2)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cuda: the ranks share the GPUs")
     ap.add_argument("--control", action="store_true", help="negative control: the trainer in the fold layout")
     args = ap.parse_args()
     prompts = [[5, 77, 300, 2, 999, 41], [12, 640, 8], [400, 401, 402, 403]]
@@ -25,7 +28,8 @@ if __name__ == "__main__":
         directory = write_tiny_checkpoint("llama-tiny", tmp, seed=3)
         rollout, trainer = LocalCluster(args.rollout_world), LocalCluster(args.trainer_world)
         try:
-            loop = GRPOLoop(directory, rollout=rollout, trainer=trainer, lr=args.lr, control=args.control)
+            loop = GRPOLoop(directory, rollout=rollout, trainer=trainer, lr=args.lr, control=args.control,
+                            dtype=args.dtype, device=args.device)
             print(f"rollout W={args.rollout_world}, trainer W={args.trainer_world}")
             try:
                 loop.check_contract()
