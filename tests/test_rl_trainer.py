@@ -153,3 +153,36 @@ def test_trainer_logprobs_equal_rollout_bf16(tmp_path, cluster2, cluster4) -> No
     assert err < BF16_LP_BOUND, err
     own, _ = _reference_bf16(directory, seqs, starts)
     assert any(not torch.equal(a, b) for a, (_, b) in zip(own, outs)), "transformers' bf16 forward gave the bits"
+
+
+def job_refusals(rank: int, w: int, directory: str, tied: str) -> list[str]:
+    """What the trainer refuses, with the fix: the fold layout, a tied head (``tied``: a Qwen3 checkpoint)."""
+    import detcomm
+    from detcomm.hf import ServingConfig, TPCausalLM, load_causal_lm
+    from detcomm.rl.trainer import Trainer
+
+    torch.set_num_threads(1)
+    out = []
+    for d, kw in ((directory, {}), (tied, dict(layout="virtual", virtual_shards=8, shard_fold="tree"))):
+        detcomm.init(numerics="rl-bitwise")
+        try:
+            lm = TPCausalLM(load_causal_lm(d, dtype=torch.float32), ServingConfig(t_pad=64, max_context=64), **kw)
+            try:
+                Trainer(lm)
+                out.append("accepted")
+            except ValueError as e:
+                out.append(str(e))
+        finally:
+            detcomm.shutdown()
+    return out
+
+
+@pytest.mark.slow
+def test_trainer_refuses_what_it_cannot_train(tmp_path) -> None:  # noqa: ANN001
+    from clusters import get_cluster
+
+    llama = write_tiny_checkpoint("llama-tiny", str(tmp_path / "llama"), seed=3)
+    qwen3 = write_tiny_checkpoint("qwen3-tiny", str(tmp_path / "qwen3"), seed=3)
+    fold, tied = get_cluster(1).run(job_refusals, llama, qwen3)[0]
+    assert "layout='virtual', virtual_shards=V, shard_fold='tree'" in fold, fold
+    assert "tie_word_embeddings" in tied and "untie" in tied, tied
