@@ -60,14 +60,12 @@ def job_trainer(rank: int, w: int, directory: str, seqs: list[list[int]], starts
         lm = _engine(directory, dtype)
         tr = Trainer(lm)
         lps = tr.token_logprobs(seqs, starts)
-        torch.stack([lp.sum() for lp in lps]).sum().backward()
+        tr.backward(torch.stack([lp.sum() for lp in lps]).sum())
         grads = gather_full(lm, grad=True)
-        for t in tr.params:
-            t.grad = None
         real = regions._grad_sum
         regions._grad_sum = lambda g: g  # type: ignore[assignment]  # the negative control: no conjugate all-reduce
         try:
-            torch.stack([lp.sum() for lp in tr.token_logprobs(seqs, starts)]).sum().backward()
+            tr.backward(torch.stack([lp.sum() for lp in tr.token_logprobs(seqs, starts)]).sum())
         finally:
             regions._grad_sum = real
         bad = gather_full(lm, grad=True)
@@ -101,8 +99,12 @@ def _reference_bf16(directory: str, seqs: list[list[int]], starts: list[int]):  
     return lps, None
 
 
+def _grad_errors(got: dict, ref: dict) -> dict[str, float]:
+    return {n: float((got[n].double() - g).abs().max() / g.abs().max()) for n, g in ref.items()}
+
+
 def _grad_error(got: dict, ref: dict) -> float:
-    return max(float((got[n].double() - g).abs().max() / g.abs().max()) for n, g in ref.items())
+    return max(_grad_errors(got, ref).values())
 
 
 @pytest.mark.slow
@@ -155,15 +157,15 @@ def test_trainer_logprobs_equal_rollout_bf16(tmp_path, cluster2, cluster4) -> No
     assert any(not torch.equal(a, b) for a, (_, b) in zip(own, outs)), "transformers' bf16 forward gave the bits"
 
 
-def job_refusals(rank: int, w: int, directory: str, tied: str) -> list[str]:
-    """What the trainer refuses, with the fix: the fold layout, a tied head (``tied``: a Qwen3 checkpoint)."""
+def job_refusals(rank: int, w: int, directory: str, moe: str) -> list[str]:
+    """What the trainer refuses, with the fix: the fold layout, expert-parallel MoE blocks (``moe``)."""
     import detcomm
     from detcomm.hf import ServingConfig, TPCausalLM, load_causal_lm
     from detcomm.rl.trainer import Trainer
 
     torch.set_num_threads(1)
     out = []
-    for d, kw in ((directory, {}), (tied, dict(layout="virtual", virtual_shards=8, shard_fold="tree"))):
+    for d, kw in ((directory, {}), (moe, dict(layout="virtual", virtual_shards=8, shard_fold="tree"))):
         detcomm.init(numerics="rl-bitwise")
         try:
             lm = TPCausalLM(load_causal_lm(d, dtype=torch.float32), ServingConfig(t_pad=64, max_context=64), **kw)
@@ -182,7 +184,29 @@ def test_trainer_refuses_what_it_cannot_train(tmp_path) -> None:  # noqa: ANN001
     from clusters import get_cluster
 
     llama = write_tiny_checkpoint("llama-tiny", str(tmp_path / "llama"), seed=3)
-    qwen3 = write_tiny_checkpoint("qwen3-tiny", str(tmp_path / "qwen3"), seed=3)
-    fold, tied = get_cluster(1).run(job_refusals, llama, qwen3)[0]
+    moe = write_tiny_checkpoint("qwen3-moe-tiny", str(tmp_path / "moe"), seed=3)
+    fold, ep = get_cluster(1).run(job_refusals, llama, moe)[0]
     assert "layout='virtual', virtual_shards=V, shard_fold='tree'" in fold, fold
-    assert "tie_word_embeddings" in tied and "untie" in tied, tied
+    assert "MoE blocks" in ep and "dense" in ep, ep
+
+
+@pytest.mark.slow
+def test_tied_head_qwen3(tmp_path, cluster2, cluster4) -> None:  # noqa: ANN001
+    """A tied checkpoint (Qwen3: tie_word_embeddings, per-head q/k norms): rollout W = 4, trainer W = 2, bit-equal;
+    the embedding's and the head's copies get one gradient, the sum of both uses, and with the q/k norms' gradients
+    summed over the ranks every gradient matches fp64 autograd of transformers' tied model (the negative control:
+    without the conjugate all-reduces the bound is missed)."""
+    directory = write_tiny_checkpoint("qwen3-tiny", str(tmp_path), seed=3)
+    rolled = cluster4.run(job_rollout, directory)[0]
+    outs = rolled["greedy"] + rolled["sampled"]
+    seqs = [p + t for p, (t, _) in zip(PROMPTS * 2, outs)]
+    starts = [len(p) for p in PROMPTS] * 2
+    got = cluster2.run(job_trainer, directory, seqs, starts)[0]
+    for a, (_, b) in zip(got["logprobs"], outs):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32)), a - b
+    _, grad64 = _reference(directory, seqs, starts, torch.float64)
+    assert "lm_head.weight" not in grad64  # transformers' tied model: one parameter
+    assert torch.equal(got["grads"]["lm_head.weight"], got["grads"]["model.embed_tokens.weight"])
+    errors = _grad_errors(got["grads"], grad64)
+    assert max(errors.values()) < GRAD_BOUND, {n: e for n, e in errors.items() if e >= GRAD_BOUND}
+    assert max(_grad_errors(got["bad"], grad64).values()) > GRAD_BOUND

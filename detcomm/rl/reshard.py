@@ -38,8 +38,8 @@ class Piece:
 
 
 def check_invariant(lm: Any) -> None:
-    """ValueError unless ``lm`` runs the tree-order virtual layout with fused boundaries, dense, bias-free row
-    projections, untied head: the engine this package trains (docs/rl.md "What is supported")."""
+    """ValueError unless ``lm`` runs the tree-order virtual layout with fused boundaries, dense, with bias-free row
+    projections: the engine this package trains (docs/rl.md "What is supported")."""
     s = lm.shards
     if not (s.layout == "virtual" and s.shard_fold == "tree" and lm.fuse):
         raise ValueError("detcomm.rl trains the TP-size-invariant tree layout with fused boundaries: build the engine "
@@ -47,9 +47,6 @@ def check_invariant(lm: Any) -> None:
                          "envelope (detcomm.init(numerics='rl-bitwise')) and no forced route")
     if s.moe_blocks:
         raise ValueError("detcomm.rl: expert-parallel MoE blocks have no autograd path yet; train a dense model")
-    if getattr(lm.config, "tie_word_embeddings", False):
-        raise ValueError("detcomm.rl: tied embeddings (tie_word_embeddings) are not trained yet (the embedding and the "
-                         "head hold separate shards here, so their gradients would need one sum); untie them")
     for layer in lm.layers:
         if layer.self_attn.o_proj.bias is not None or layer.mlp.down_proj.bias is not None:
             raise ValueError("detcomm.rl: a row-parallel projection with a bias is not supported yet")

@@ -17,12 +17,16 @@ from typing import Any
 
 import torch
 
+import detcomm
+
 from ..hf.engine import StepLogits
 from ..tp import Segment
 from . import regions
 from .reshard import gather_full, pieces
 
 __all__ = ["Trainer", "teacher_forced"]
+
+_HEAD_NORM_SITE = "rl.grad.head_norms"
 
 
 class _TrainCache:
@@ -102,6 +106,13 @@ class Trainer:
         for t in self.params:
             t.requires_grad_(True)
         regions.declare_grad_site(hidden=lm.config.hidden_size, dtype=lm.dtype, max_rows=lm.cfg.t_pad)
+        # Qwen3's per-head q/k norms: replicated weights applied to this rank's heads only, so each rank's gradient
+        # is its heads' part of the sum (one all-reduce of all of them after the backward).
+        self.head_norms = [getattr(layer.self_attn, n).weight for layer in lm.layers for n in ("q_norm", "k_norm")
+                           if hasattr(layer.self_attn, n)]
+        if self.head_norms:
+            detcomm.site(_HEAD_NORM_SITE, collective="all_reduce", dtype=lm.dtype, shape=(lm.shards.head_dim,),
+                         max_rows=len(self.head_norms))
         # foreach=False: one elementwise loop per tensor, the same arithmetic whatever the tensor list's shapes.
         self.opt = torch.optim.AdamW(self.params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                                      foreach=False)
@@ -111,12 +122,35 @@ class Trainer:
         with autograd: [len - starts[i]] per sequence. Collective (same arguments on every rank)."""
         return teacher_forced(self.lm, sequences, starts, grad=True)
 
-    def step(self, loss: torch.Tensor) -> None:
-        """Backward of ``loss`` (the same scalar graph on every rank) and one AdamW step on this rank's shards.
-        Collective."""
+    def backward(self, loss: torch.Tensor) -> None:
+        """This rank's shards' gradients of ``loss`` (the same scalar graph on every rank; earlier gradients
+        dropped). Collective (the conjugate all-reduces)."""
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
+        if self.head_norms:
+            summed = detcomm.all_reduce(torch.stack([w.grad for w in self.head_norms]), site=_HEAD_NORM_SITE)
+            for w, g in zip(self.head_norms, summed):
+                w.grad = g.clone()
+        if getattr(self.lm.config, "tie_word_embeddings", False):
+            self._tie_gradients()
+
+    def step(self, loss: torch.Tensor) -> None:
+        """``backward(loss)`` and one AdamW step on this rank's shards. Collective."""
+        self.backward(loss)
         self.opt.step()
+
+    def _tie_gradients(self) -> None:
+        """A tied checkpoint's embedding and LM head are one tensor; the engine holds this rank's vocabulary rows of
+        it twice (the embedding's rows, the head's blocks of the same rows, transposed). Both copies get the sum of
+        the two uses' gradients (embedding + head, in that order), so AdamW keeps them bit-identical."""
+        emb = self.lm.model.model.embed_tokens.weight
+        blocks = self.lm.model.lm_head.head.weights
+        g = emb.grad + torch.cat([b.grad for b in blocks], dim=1).t()
+        emb.grad = g
+        at = 0
+        for b in blocks:
+            b.grad = g[at : at + b.shape[1]].t().contiguous()
+            at += b.shape[1]
 
     def full_weights(self) -> dict[str, torch.Tensor]:
         """The whole tensors of the trained model (transformers' names, CPU), for ``detcomm.rl.reshard.load_full``
