@@ -23,6 +23,8 @@ __all__ = [
     "CaptureThroughHost",
     "KernelBuildFailed",
     "NoFoldLeaf",
+    "LogprobMismatch",
+    "ContractMismatch",
 ]
 
 
@@ -100,3 +102,14 @@ class KernelBuildFailed(DetcommError):
 
 class NoFoldLeaf(DetcommError):
     """No registered fold leaf serves the device type with the features the envelope requires."""
+
+
+class LogprobMismatch(DetcommError):
+    """The trainer's recomputed logprob of a rollout token is not bit-equal to the rollout's (detcomm.rl's gate
+    refused the training step; the message names the request, the token position, both values and their ulp
+    distance)."""
+
+
+class ContractMismatch(DetcommError):
+    """The trainer's and the rollout engine's arithmetic contracts differ (detcomm.rl's gate refused before the
+    first step; the message names every differing field and both values)."""

@@ -44,6 +44,7 @@ import detcomm
 
 from ..numerics.attention import PagedKV, check_paged_geometry
 from ..numerics.norm import add_rms_norm
+from ..rl import regions
 from ..tp import Segment, pack_segments
 from .agree import agreed
 from .layers import StepRows
@@ -221,7 +222,7 @@ class TPCausalLM:
     def _canonical_norm(self, norm: Any, h: torch.Tensor, rows: int) -> torch.Tensor:
         """detcomm's canonical RMSNorm of the real rows with the HF module's weight and eps (filler rows: zero)."""
         x = torch.zeros_like(h)
-        x[:rows] = detcomm.rms_norm(h[:rows], norm.weight, eps=norm.variance_epsilon)
+        x[:rows] = regions.norm(h[:rows], norm.weight, eps=norm.variance_epsilon)
         return x
 
     def _add_norm(self, x: torch.Tensor, h: torch.Tensor, norm: Any, rows: int, *,
@@ -235,7 +236,7 @@ class TPCausalLM:
         if site is None:
             y, r = add_rms_norm(x, h[:rows], w, eps=eps)
         else:
-            y, r = detcomm.all_reduce_residual_rmsnorm(x, h[:rows], w, eps=eps, site=site)
+            y, r = regions.add_norm(x, h[:rows], w, eps=eps, site=site)
         h = h.clone()
         h[:rows] = r
         normed = torch.zeros_like(h)  # rows never mix, so the filler's values do not matter: zero is the cheapest
@@ -253,12 +254,17 @@ class TPCausalLM:
             return self._add_norm(part, h, norm, rows, site=add_norm_site(proj.site))
         return self._add_norm(proj(inp)[:rows], h, norm, rows, site=None)
 
-    @torch.no_grad()
-    def forward(self, segments: Sequence[Segment]) -> tuple[StepLogits, list[int]]:
+    def forward(self, segments: Sequence[Segment], *, grad: bool = False) -> tuple[StepLogits, list[int]]:
         """Run one step over the segments' rows, packed in order. Collective.
 
         Returns the step's logits (``StepLogits``: this rank's vocabulary shard of every row, and the rows
-        of the segments with ``sample``) and the index of each sampling segment."""
+        of the segments with ``sample``) and the index of each sampling segment. ``grad=True`` (the trainer,
+        detcomm.rl): the same step with autograd, its collectives ``detcomm.rl.regions``' functions, whose
+        forward is the same call: the same bits."""
+        with torch.set_grad_enabled(grad):
+            return self._step(segments)
+
+    def _step(self, segments: Sequence[Segment]) -> tuple[StepLogits, list[int]]:
         c, s = self.cfg, self.shards
         ids, pos, offsets, rows = pack_segments(segments, t_pad=c.t_pad, max_context=c.max_context, device=self.device)
         step = self.kv.step([seg.blocks for seg in segments], [(seg.start, len(seg.tokens)) for seg in segments])

@@ -22,6 +22,8 @@ from torch import nn
 
 import detcomm
 
+from ..rl import regions
+
 __all__ = ["StepRows", "column_shard", "RowParallelLinear", "VocabParallelEmbedding", "VocabParallelHead",
            "vocab_shard_width", "VOCAB_ALIGN", "BlockColumnLinear", "InvariantRowLinear", "BlockVocabHead"]
 
@@ -139,7 +141,7 @@ class VocabParallelEmbedding(nn.Module):
         flat = part.reshape(-1, self.embedding_dim)
         rows = flat.shape[0] if self._step.rows is None else self._step.rows
         out = flat.clone()
-        out[:rows] = detcomm.all_reduce(flat[:rows].contiguous(), site=self.site)
+        out[:rows] = regions.reduce_from(flat[:rows], site=self.site)  # differentiable (detcomm.rl)
         return out.view(part.shape)
 
     def extra_repr(self) -> str:

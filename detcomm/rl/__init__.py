@@ -1,0 +1,18 @@
+"""Rollout == trainer, exactly (docs/rl.md): a trainer on the serving engine's own forward, with autograd.
+
+``regions``: the engine's TP collectives as autograd functions (forward the canonical call). The rest of the
+package is imported on first use (``detcomm.hf`` imports ``regions``, and the trainer imports ``detcomm.hf``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__all__ = ["regions"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,65 @@
+"""What fixes the arithmetic of a TPCausalLM's logprobs, as a digest both sides of an RL loop compare.
+
+``contract(lm)`` lists the fields (``Contract.fields``): the layout, V and its fold order, the fixed block
+count, the dtype, the step geometry (T_pad rows per GEMM, q_block query rows and max_context keys per attention
+call: every shape the arithmetic sees), the numerics envelope and every switch, the attention function, the
+model's configuration, and the detcomm, torch and transformers versions; W only where the layout is not
+TP-size invariant (the fold and shard-order layouts' sums follow W). ``digest`` is a SHA-256 of them; the gate
+(``detcomm.rl.gate.check_contract``) compares the fields and names every one that differs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+import detcomm
+
+__all__ = ["Contract", "contract"]
+
+
+@dataclass(frozen=True)
+class Contract:
+    """The fields (name -> value, JSON-able) and their digest."""
+
+    fields: dict[str, Any]
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(self.fields, sort_keys=True).encode()).hexdigest()
+
+    def differences(self, other: Contract) -> list[str]:
+        """``name: ours != theirs`` for every field that differs (sorted by name)."""
+        names = sorted(set(self.fields) | set(other.fields))
+        return [f"{n}: {self.fields.get(n)!r} != {other.fields.get(n)!r}" for n in names
+                if self.fields.get(n) != other.fields.get(n)]
+
+
+def contract(lm: Any) -> Contract:
+    """The arithmetic contract of ``lm`` (a ``detcomm.hf.TPCausalLM``) on this rank. Local."""
+    import transformers
+
+    s, cfg = lm.shards, lm.cfg
+    resolved = detcomm.get_communicator().resolved
+    invariant = s.layout == "full_k" or (s.layout == "virtual" and s.shard_fold == "tree")
+    fields: dict[str, Any] = {
+        "layout": s.layout, "virtual_shards": s.virtual_shards, "shard_fold": s.shard_fold, "blocks": s.blocks,
+        "fused_boundaries": bool(lm.fuse), "dtype": str(lm.dtype).removeprefix("torch."),
+        "t_pad": cfg.t_pad, "q_block": cfg.q_block, "max_context": cfg.max_context,
+        "numerics": resolved.numerics,
+        "attention": f"{lm._attend.__module__}.{lm._attend.__qualname__}",
+        "detcomm": detcomm.__version__, "torch": torch.__version__, "transformers": transformers.__version__,
+        "device": lm.device.type,
+    }
+    fields.update({f"switch.{k}": getattr(resolved.switches, k) for k in type(resolved.switches).names()})
+    config = json.loads(lm.config.to_json_string(use_diff=False))
+    for k, v in config.items():
+        if k not in ("_name_or_path", "transformers_version", "torch_dtype", "dtype"):  # not arithmetic (dtype: above)
+            fields[f"config.{k}"] = v
+    if not invariant:  # the sums follow W (docs/spec.md §9.1)
+        fields["world"] = s.world
+    return Contract(fields)

@@ -1,0 +1,145 @@
+"""The engine's TP collectives as autograd functions: forward the canonical call, backward its conjugate.
+
+Megatron's column/row-parallel regions: a row-parallel sum (the embedding's all-reduce, each layer boundary's
+``detcomm.all_reduce_residual_rmsnorm``) is an all-reduce forward and the identity backward; a replicated
+activation entering column-parallel compute (every decoder RMSNorm's output: the q/k/v and gate/up projections,
+the LM head) is the identity forward and an all-reduce of its gradient backward (at ``GRAD_SITE``, a detcomm
+site: the gradients' sums take a canonical route too). The vocabulary-parallel log-softmax of the chosen tokens
+is the head's own ``logprobs`` forward and ``onehot - softmax`` on each rank's vocabulary shard backward.
+
+Each forward is the exact call the serving engine makes, on the same operand objects (autograd is off inside
+it), so its bits are the engine's; under ``torch.no_grad`` (serving) the functions are just those calls. The norms' backward
+differentiates the plain fp32 RMSNorm formula (the canonical norm's value to rounding): the gradients are
+deterministic, not bit-equal to any other implementation's. Collective (backward too: every rank runs the same
+graph, so the gradient all-reduces come in one order).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+import detcomm
+
+__all__ = ["GRAD_SITE", "declare_grad_site", "reduce_from", "norm", "add_norm", "token_logprobs"]
+
+# The all-reduce of a replicated activation's gradient (each rank holds the part its shards contributed).
+GRAD_SITE = "rl.grad.hidden"
+
+
+def declare_grad_site(*, hidden: int, dtype: torch.dtype, max_rows: int) -> None:
+    """Declare ``GRAD_SITE`` (collective; once, before the first backward)."""
+    detcomm.site(GRAD_SITE, collective="all_reduce", dtype=dtype, shape=(hidden,), max_rows=max_rows)
+
+
+def _grad_sum(g: torch.Tensor) -> torch.Tensor:
+    return detcomm.all_reduce(g.contiguous(), site=GRAD_SITE)
+
+
+def _plain_norm(r: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The RMSNorm formula in fp32, differentiated for the backward (transformers' LlamaRMSNorm's)."""
+    r32 = r.to(torch.float32)
+    return (r32 * torch.rsqrt(r32.pow(2).mean(-1, keepdim=True) + eps) * weight.to(torch.float32)).to(r.dtype)
+
+
+def _norm_backward(r: torch.Tensor, weight: torch.Tensor, eps: float,
+                   grad_y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    with torch.enable_grad():
+        rr, ww = r.detach().requires_grad_(True), weight.detach().requires_grad_(True)
+        gr, gw = torch.autograd.grad(_plain_norm(rr, ww, eps), (rr, ww), grad_y)
+    return gr, gw
+
+
+class _ReduceFrom(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, part: torch.Tensor, site: str) -> torch.Tensor:  # type: ignore[override]
+        return detcomm.all_reduce(part.contiguous(), site=site)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return grad, None
+
+
+def reduce_from(part: torch.Tensor, *, site: str) -> torch.Tensor:
+    """``detcomm.all_reduce(part, site=site)``; backward the identity (the sum's gradient is whole)."""
+    out: torch.Tensor = _ReduceFrom.apply(part, site)
+    return out
+
+
+class _Norm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(h, weight)
+        ctx.eps = eps
+        return detcomm.rms_norm(h, weight, eps=eps)
+
+    @staticmethod
+    def backward(ctx: Any, grad_y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:  # type: ignore[override]
+        h, weight = ctx.saved_tensors
+        gh, gw = _norm_backward(h, weight, ctx.eps, _grad_sum(grad_y))
+        return gh, gw, None
+
+
+def norm(h: torch.Tensor, weight: torch.Tensor, *, eps: float) -> torch.Tensor:
+    """``detcomm.rms_norm(h, weight, eps=eps)`` (the replicated output feeds column-parallel compute: backward
+    all-reduces its gradient first). Collective in backward only."""
+    out: torch.Tensor = _Norm.apply(h, weight, eps)
+    return out
+
+
+class _AddNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,  # type: ignore[override]
+                site: str) -> tuple[torch.Tensor, torch.Tensor]:
+        y, r = detcomm.all_reduce_residual_rmsnorm(x, residual, weight, eps=eps, site=site)
+        ctx.save_for_backward(r, weight)
+        ctx.eps, ctx.x_shape, ctx.x_dtype = eps, x.shape, x.dtype
+        return y, r
+
+    @staticmethod
+    def backward(ctx: Any, grad_y: torch.Tensor, grad_r: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        r, weight = ctx.saved_tensors
+        gr, gw = _norm_backward(r, weight, ctx.eps, _grad_sum(grad_y))
+        g = grad_r + gr  # whole on every rank: r's gradient reaches every partial of its sum unchanged
+        gx = g.to(ctx.x_dtype).expand(ctx.x_shape) if len(ctx.x_shape) == 3 else g.to(ctx.x_dtype)
+        return gx, g, gw, None, None
+
+
+def add_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, *, eps: float,
+             site: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``detcomm.all_reduce_residual_rmsnorm(x, residual, weight, eps=eps, site=site)`` -> (y, r). ``x``: this
+    rank's part of the sum ([rows, H], or the tree layout's fp32 shard partials [V/W, rows, H]). Backward: y's
+    gradient all-reduced (it feeds column-parallel compute), then the norm's; x and the residual get r's whole
+    gradient. Collective."""
+    y, r = _AddNorm.apply(x, residual, weight, eps, site)
+    return y, r
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, shard: torch.Tensor, tokens: torch.Tensor, head: Any) -> torch.Tensor:  # type: ignore[override]
+        full = head.logprobs(shard.contiguous())  # the engine's call: [n, vocab], every rank
+        lp_shard = full[:, head.vocab_start : head.vocab_start + head.vocab_local]  # this rank's own shard
+        ctx.save_for_backward(lp_shard, tokens)
+        ctx.start = head.vocab_start
+        n = shard.shape[0]
+        return full[torch.arange(n, device=shard.device), tokens]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+        lp_shard, tokens = ctx.saved_tensors
+        g = -torch.exp(lp_shard) * grad[:, None]
+        local = tokens - ctx.start
+        mine = (local >= 0) & (local < lp_shard.shape[1])
+        rows = torch.nonzero(mine).flatten()
+        g[rows, local[rows]] += grad[rows]
+        return g, None, None
+
+
+def token_logprobs(shard: torch.Tensor, tokens: torch.Tensor, *, head: Any) -> torch.Tensor:
+    """The fp32 logprob of ``tokens[i]`` under row i of this rank's logits ``shard`` [n, vocab/W], the bits of
+    ``head.logprobs(shard)[i, tokens[i]]`` (``head``: the invariant layouts' ``detcomm.tp.VocabParallelHead``),
+    identical on every rank. Backward: ``grad * (onehot - softmax)`` on this rank's shard. Collective."""
+    out: torch.Tensor = _TokenLogprobs.apply(shard, tokens, head)
+    return out

@@ -1,0 +1,158 @@
+"""The trainer side: the serving engine's own forward with autograd, teacher-forced over whole sequences.
+
+``Trainer(lm)`` takes a ``TPCausalLM`` in the tree-order virtual layout (``layout="virtual", shard_fold="tree"``:
+the same bits at every W that is a power of two dividing V) and makes the tensors its forward computes with
+trainable (``detcomm.rl.reshard.pieces``). ``token_logprobs`` packs every sequence's rows into the engine's
+T_pad-row steps (pieces of a long sequence in successive steps, each sequence on its own KV cache) and runs
+``lm.forward(segments, grad=True)``: the engine's step, its collectives ``detcomm.rl.regions``' autograd functions.
+A token's logprob is the head's vocabulary-parallel log-softmax of the row before it: the engine's sampling-time
+value, bit for bit, at another W. ``step(loss)`` is the backward (gradient sums at detcomm sites) and an AdamW step
+on this rank's shards; ``full_weights`` gathers them for the weight sync (``detcomm.rl.reshard``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+import detcomm
+
+from ..hf.engine import StepLogits
+from ..tp import Segment
+from . import regions
+from .reshard import gather_full, pieces
+
+__all__ = ["Trainer", "teacher_forced"]
+
+_HEAD_NORM_SITE = "rl.grad.head_norms"
+
+
+class _TrainCache:
+    """A request's KV cache for a pass with autograd: one tensor per (layer, K or V), replaced by a copy on every
+    access. The engine writes a step's keys into the cache in place and attends to it; a copy per access keeps the
+    tensors an earlier step's attention saved for backward unmodified (autograd refuses in-place changes to them).
+    Indexed as the engine indexes its cache tensor (``cache[layer, 0]``)."""
+
+    def __init__(self, lm: Any) -> None:
+        s = lm.shards
+        self.t = {(li, kind): torch.zeros(s.kv_heads, lm.cfg.max_context, s.head_dim, dtype=lm.dtype, device=lm.device)
+                  for li in range(len(lm.layers)) for kind in (0, 1)}
+
+    def __getitem__(self, key: tuple[int, int]) -> torch.Tensor:
+        self.t[key] = self.t[key].clone()
+        return self.t[key]
+
+
+def teacher_forced(lm: Any, sequences: Sequence[Sequence[int]], starts: Sequence[int], *,
+                   grad: bool) -> list[torch.Tensor]:
+    """For each sequence, the fp32 logprobs of its tokens ``starts[i]``.. (each given the tokens before it),
+    [len - starts[i]] per sequence, from ``lm``'s own steps (``grad``: with autograd, the tree layout; without,
+    any layout: what the gate's negative control recomputes). Collective (same arguments on every rank)."""
+    t_pad = lm.cfg.t_pad
+    if len(sequences) != len(starts):
+        raise ValueError(f"{len(sequences)} sequences need as many starts, got {len(starts)}")
+    for seq, st in zip(sequences, starts):
+        if not 1 <= st < len(seq) or len(seq) > lm.cfg.max_context:
+            raise ValueError(f"a sequence of {len(seq)} tokens scored from {st} needs 1 <= start < length <= "
+                             f"max_context={lm.cfg.max_context}")
+    caches = [_TrainCache(lm) for _ in sequences]
+    fed = [0] * len(sequences)  # rows fed: positions 0 .. len - 2 (the last token predicts nothing)
+    got: list[list[torch.Tensor]] = [[] for _ in sequences]
+    i = 0
+    while i < len(sequences):
+        segs: list[tuple[int, Segment]] = []
+        budget = t_pad
+        while i < len(sequences) and budget:
+            seq = sequences[i]
+            n = min(budget, len(seq) - 1 - fed[i])
+            segs.append((i, Segment(caches[i], list(seq[fed[i] : fed[i] + n]), fed[i], sample=False)))  # type: ignore[arg-type]
+            fed[i] += n
+            budget -= n
+            if fed[i] == len(seq) - 1:
+                i += 1
+        logits, _ = lm.forward([s for _, s in segs], grad=grad)
+        rows, targets, owners = [], [], []
+        at = 0
+        for k, seg in segs:
+            for j in range(len(seg.tokens)):  # row at position p predicts token p + 1
+                if seg.start + j + 1 >= starts[k]:
+                    rows.append(at + j)
+                    targets.append(sequences[k][seg.start + j + 1])
+                    owners.append(k)
+            at += len(seg.tokens)
+        if not rows:
+            continue
+        idx = torch.tensor(rows, dtype=torch.long, device=lm.device)
+        tgt = torch.tensor(targets, dtype=torch.long, device=lm.device)
+        if grad:
+            lp = regions.token_logprobs(logits.buf[idx], tgt, head=lm.model.lm_head.head)
+        else:  # the engine's own head (any layout), as at sampling time
+            lp = lm.logprobs(StepLogits(logits.buf, idx))[torch.arange(len(rows), device=lm.device), tgt]
+        for j, k in enumerate(owners):
+            got[k].append(lp[j : j + 1])
+    return [torch.cat(g) for g in got]
+
+
+class Trainer:
+    """Autograd and AdamW on this rank's shards of ``lm`` (a ``detcomm.hf.TPCausalLM``, tree layout). Construct on
+    every rank (collective: declares the gradient site); ``lr``, ``betas``, ``eps``, ``weight_decay``: AdamW's."""
+
+    def __init__(self, lm: Any, *, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0) -> None:
+        self.lm = lm
+        self.params = [t for t, _ in pieces(lm)]
+        for t in self.params:
+            t.requires_grad_(True)
+        regions.declare_grad_site(hidden=lm.config.hidden_size, dtype=lm.dtype, max_rows=lm.cfg.t_pad)
+        # Qwen3's per-head q/k norms: replicated weights applied to this rank's heads only, so each rank's gradient
+        # is its heads' part of the sum (one all-reduce of all of them after the backward).
+        self.head_norms = [getattr(layer.self_attn, n).weight for layer in lm.layers for n in ("q_norm", "k_norm")
+                           if hasattr(layer.self_attn, n)]
+        if self.head_norms:
+            detcomm.site(_HEAD_NORM_SITE, collective="all_reduce", dtype=lm.dtype, shape=(lm.shards.head_dim,),
+                         max_rows=len(self.head_norms))
+        # foreach=False: one elementwise loop per tensor, the same arithmetic whatever the tensor list's shapes.
+        self.opt = torch.optim.AdamW(self.params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                     foreach=False)
+
+    def token_logprobs(self, sequences: Sequence[Sequence[int]], starts: Sequence[int]) -> list[torch.Tensor]:
+        """For each sequence, the fp32 logprobs of its tokens ``starts[i]``.. (each given the tokens before it),
+        with autograd: [len - starts[i]] per sequence. Collective (same arguments on every rank)."""
+        return teacher_forced(self.lm, sequences, starts, grad=True)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """This rank's shards' gradients of ``loss`` (the same scalar graph on every rank; earlier gradients
+        dropped). Collective (the conjugate all-reduces)."""
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if self.head_norms:
+            summed = detcomm.all_reduce(torch.stack([w.grad for w in self.head_norms]), site=_HEAD_NORM_SITE)
+            for w, g in zip(self.head_norms, summed):
+                w.grad = g.clone()
+        if getattr(self.lm.config, "tie_word_embeddings", False):
+            self._tie_gradients()
+
+    def step(self, loss: torch.Tensor) -> None:
+        """``backward(loss)`` and one AdamW step on this rank's shards. Collective."""
+        self.backward(loss)
+        self.opt.step()
+
+    def _tie_gradients(self) -> None:
+        """A tied checkpoint's embedding and LM head are one tensor; the engine holds this rank's vocabulary rows of
+        it twice (the embedding's rows, the head's blocks of the same rows, transposed). Both copies get the sum of
+        the two uses' gradients (embedding + head, in that order), so AdamW keeps them bit-identical."""
+        emb = self.lm.model.model.embed_tokens.weight
+        blocks = self.lm.model.lm_head.head.weights
+        g = emb.grad + torch.cat([b.grad for b in blocks], dim=1).t()
+        emb.grad = g
+        at = 0
+        for b in blocks:
+            b.grad = g[at : at + b.shape[1]].t().contiguous()
+            at += b.shape[1]
+
+    def full_weights(self) -> dict[str, torch.Tensor]:
+        """The whole tensors of the trained model (transformers' names, CPU), for ``detcomm.rl.reshard.load_full``
+        on an engine at any W. Collective."""
+        return gather_full(self.lm)
