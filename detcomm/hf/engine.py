@@ -37,7 +37,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 import detcomm
@@ -123,7 +122,7 @@ class TPCausalLM:
         comm = detcomm.get_communicator()
         self.cfg = serving
         self.device = comm.device
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.rank, self.world = comm.rank, comm.world_size  # the communicator's group (detcomm.rl.colocate)
         self.step_rows = StepRows()
 
         def local() -> Shards:  # everything before the first collective (the sites' declarations)

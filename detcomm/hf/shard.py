@@ -199,8 +199,8 @@ def shard_model(model: Any, *, rank: int, world: int, step: StepRows, ep: EPConf
     if layout != "fold":
         if kv % world:
             ok = [w for w in world_sizes(config) if kv % w == 0]
-            raise ValueError(f"layout={layout!r} at W={world}: the TP-size-invariant layouts run attention in fixed "
-                             f"head groups that each hold whole KV heads, so W must divide num_key_value_heads={kv}; "
+            raise ValueError(f"layout={layout!r} at W={world}: the TP-size-invariant layouts cut q/k/v into fixed "
+                             f"column blocks that each hold whole KV heads, so W must divide num_key_value_heads={kv}; "
                              f"replicated KV heads (W > {kv}) serve layout='fold' only. Run this layout at W in {ok}")
         blocks = invariant_blocks(config)
         from detcomm.tp import check_divides

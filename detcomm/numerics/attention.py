@@ -224,35 +224,42 @@ def paged_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, *, block_t
         tables = block_tables[req]
         # One kv head at a time: every GEMM's batch is ROW_TILE whatever the number of kv heads this rank holds,
         # so a head's bits do not follow the tensor-parallel W either.
-        for g in range(kvh):
-            o = _one_kv_head(qt[:, g * group : (g + 1) * group].contiguous(), cache.k[layer, :, :, g],
-                             cache.v[layer, :, :, g], tables=tables, pos=pos, lo=lo, n=n, scale=scale)
+        heads_q = [qt[:, g * group : (g + 1) * group].contiguous() for g in range(kvh)]
+        for g, o in enumerate(_tile(heads_q, cache.k[layer], cache.v[layer], tables=tables, pos=pos, lo=lo, n=n,
+                                    scale=scale)):
             out[t0 : t0 + n, g * group : (g + 1) * group] = o[:n].to(q.dtype)
     return out
 
 
-def _one_kv_head(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, tables: torch.Tensor, pos: torch.Tensor,
-                 lo: torch.Tensor, n: int, scale: float) -> torch.Tensor:
-    """One tile's rows for one kv head: q [ROW_TILE, group, hd] fp32; k, v [num_blocks, block_size, hd] of that
-    head; tables [ROW_TILE, max_blocks] the rows' block tables; rows n.. are filler. [ROW_TILE, group, hd] fp32."""
-    dev, bs = q.device, k.shape[1]
+def _tile(heads_q: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor, *, tables: torch.Tensor, pos: torch.Tensor,
+          lo: torch.Tensor, n: int, scale: float) -> list[torch.Tensor]:
+    """One tile's rows, each kv head on its own: heads_q[g] [ROW_TILE, group, hd] fp32 (head g's queries);
+    k, v [num_blocks, block_size, kv_heads, hd] (one layer); tables [ROW_TILE, max_blocks] the rows' block tables;
+    rows n.. are filler. Per kv head [ROW_TILE, group, hd] fp32. What does not depend on the head (the rows'
+    block range, the visibility, the block gather) is computed once per block; every head's arithmetic runs on
+    its own tensors of the fixed shapes."""
+    dev, bs = k.device, k.shape[1]
     first, last = lo // bs, torch.where(pos >= 0, pos // bs, -1)
-    m = torch.full((*q.shape[:2], 1), float("-inf"), device=dev)
-    l = torch.zeros((*q.shape[:2], 1), device=dev)
-    acc = torch.zeros(q.shape, device=dev)
+    shape = heads_q[0].shape
+    state = [(torch.full((*shape[:2], 1), float("-inf"), device=dev), torch.zeros((*shape[:2], 1), device=dev),
+              torch.zeros(shape, device=dev)) for _ in heads_q]
     offs = torch.arange(bs, device=dev)
     for j in range(int(first[:n].min()), int(last[:n].max()) + 1):
         active = ((first <= j) & (j <= last)).view(-1, 1, 1)
         ids = tables[:, min(j, tables.shape[1] - 1)].clamp(min=0)
         kpos = j * bs + offs  # [B]
         vis = ((kpos[None] <= pos[:, None]) & (kpos[None] >= lo[:, None]))[:, None, :]  # [R, 1, B]
-        kb = k[ids].to(torch.float32).transpose(1, 2)  # [R, hd, B]
-        vb = torch.where(vis.transpose(1, 2), v[ids].to(torch.float32), 0.0)  # stale or future slots: exact zeros
-        s = torch.where(vis, torch.bmm(q, kb) * scale, float("-inf"))  # [R, group, B]
-        m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
-        p = torch.exp(s - m_new)
-        corr = torch.exp(m - m_new)
-        l_new = l * corr + p.sum(dim=-1, keepdim=True)
-        acc_new = acc * corr + torch.bmm(p, vb)
-        m, l, acc = (torch.where(active, a, b) for a, b in ((m_new, m), (l_new, l), (acc_new, acc)))
-    return acc / l
+        vis_t = vis.transpose(1, 2)
+        kb_all, vb_all = k[ids], v[ids]  # [R, B, kv_heads, hd]
+        for g, q in enumerate(heads_q):
+            m, l, acc = state[g]
+            kb = kb_all[:, :, g].contiguous().to(torch.float32).transpose(1, 2)  # [R, hd, B]
+            vb = torch.where(vis_t, vb_all[:, :, g].contiguous().to(torch.float32), 0.0)  # stale/future: exact 0
+            s = torch.where(vis, torch.bmm(q, kb) * scale, float("-inf"))  # [R, group, B]
+            m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
+            p = torch.exp(s - m_new)
+            corr = torch.exp(m - m_new)
+            l_new = l * corr + p.sum(dim=-1, keepdim=True)
+            acc_new = acc * corr + torch.bmm(p, vb)
+            state[g] = (torch.where(active, m_new, m), torch.where(active, l_new, l), torch.where(active, acc_new, acc))
+    return [acc / l for _, l, acc in state]

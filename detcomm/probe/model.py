@@ -20,7 +20,7 @@ the probe also catches local non-invariance).
 
 The layers come from ``detcomm.tp``. ``layout="fold"`` is the plain sharding above. ``layout="virtual"`` (V
 virtual shards) and ``layout="full_k"`` also make the bits independent of W (docs/spec.md §9.1 "TP-size
-invariance: layouts"): column blocks, head groups and vocabulary blocks of fixed size, a vocabulary-parallel
+invariance: layouts"): column blocks and vocabulary blocks of fixed size, a vocabulary-parallel
 embedding and a fixed-block logprob head. Because a decode row and a teacher-forced row run the same
 computation, ``forward_all`` (one forward over whole sequences, the training path) reproduces the
 sampling-time logprobs (``python -m detcomm.probe align``).
@@ -112,7 +112,7 @@ class TPTransformer:
     ``layout`` (docs/spec.md "TP-size invariance: layouts"): "fold" is the plain Megatron layer (one GEMM over
     the rank's columns, the canonical all-reduce of the W partials: invariant to the batch at one W, not
     across W); "virtual" (``virtual_shards`` V) and "full_k" give the same bits at every W dividing V and
-    ``cfg.blocks``: fixed column blocks, fixed head groups, a vocabulary-parallel embedding and a
+    ``cfg.blocks``: fixed column blocks, a vocabulary-parallel embedding and a
     fixed-block vocabulary head."""
 
     def __init__(self, cfg: ModelConfig, *, pad: bool = True, device: torch.device | str = "cpu",

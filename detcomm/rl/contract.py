@@ -3,9 +3,10 @@
 ``contract(lm)`` lists the fields (``Contract.fields``): the layout, V and its fold order, the fixed block
 count, the dtype, the step geometry (T_pad rows per GEMM, q_block query rows and max_context keys per attention
 call: every shape the arithmetic sees), the numerics envelope and every switch, the attention function, the
-model's configuration, and the detcomm, torch and transformers versions; W only where the layout is not
-TP-size invariant (the fold and shard-order layouts' sums follow W). ``digest`` is a SHA-256 of them; the gate
-(``detcomm.rl.gate.check_contract``) compares the fields and names every one that differs.
+model's configuration, the detcomm, torch and transformers versions, the GPU kernels' sources and the device's
+compute capability; W only where the layout is not TP-size invariant (the fold and shard-order layouts' sums
+follow W). ``digest`` is a SHA-256 of them; the gate (``detcomm.rl.gate.check_contract``) compares the fields
+and names every one that differs.
 """
 
 from __future__ import annotations
@@ -39,6 +40,16 @@ class Contract:
                 if self.fields.get(n) != other.fields.get(n)]
 
 
+def _kernel_sources() -> str:
+    """SHA-256 of the workspace kernels' CUDA sources (csrc/*.cu, *.cuh), which every build compiles."""
+    from ..workspace.kernels import _kernel_source_dir
+
+    h = hashlib.sha256()
+    for path in sorted(_kernel_source_dir().glob("*.cu*")):
+        h.update(path.name.encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()
+
+
 def contract(lm: Any) -> Contract:
     """The arithmetic contract of ``lm`` (a ``detcomm.hf.TPCausalLM``) on this rank. Local."""
     import transformers
@@ -54,6 +65,11 @@ def contract(lm: Any) -> Contract:
         "attention": f"{lm._attend.__module__}.{lm._attend.__qualname__}",
         "detcomm": detcomm.__version__, "torch": torch.__version__, "transformers": transformers.__version__,
         "device": lm.device.type,
+        # the GPU kernels' builds: their sources (the NVRTC cache key's other parts, options and version, follow
+        # from these and the detcomm version) and the architecture they are compiled for
+        "kernel_sources": _kernel_sources(),
+        "device_capability": (list(torch.cuda.get_device_capability(lm.device)) if lm.device.type == "cuda"
+                              else None),
     }
     fields.update({f"switch.{k}": getattr(resolved.switches, k) for k in type(resolved.switches).names()})
     config = json.loads(lm.config.to_json_string(use_diff=False))
