@@ -5,10 +5,11 @@ Two detcomm communicators live in each process: the default one (the rollout eng
 (``detcomm.init(group=...)``); a third, the rank's DP group, sums the replicas' gradients. The engine's sites are
 names, which resolve to the module-default communicator, so the trainer's engine is built and run (forward and
 backward) inside ``on(tp_comm)``, which makes that communicator the default for the block. Per step
-(``Colocated.step``): the rollout on all W ranks, each DP replica's share of the sequences recomputed and gated
-(one verdict for the whole group), the loss's backward, the gradients summed over the replicas at a detcomm site
-(one canonical fold), AdamW, and the weight sync in memory: each TP group gathers its whole tensors and every
-rank cuts its rollout shards from them (``detcomm.rl.reshard``).
+(``Colocated.step``: ``sample``, then ``train``): the rollout on all W ranks, each DP replica's share of the
+sequences recomputed and gated (one verdict for the whole group), the loss's backward, the gradients summed over
+the replicas at a detcomm site (one canonical fold), AdamW, and the weight sync in memory: each TP group gathers
+its whole tensors and every rank cuts its rollout shards from them (``detcomm.rl.reshard``). ``run_job``: the
+loop as a ``LocalCluster`` job (launch/examples/rl_grpo.py --colocated).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import detcomm
 from ..errors import LogprobMismatch
 from .gate import check_logprobs
 
-__all__ = ["on", "Colocated"]
+__all__ = ["on", "Colocated", "run_job"]
 
 
 @contextmanager
@@ -71,17 +72,28 @@ class Colocated:
         self.grad_site = detcomm.site("rl.dp.grads", collective="all_reduce", dtype=torch.float32, shape=(numel,),
                                       max_rows=1, group=self.dp_group)
 
+    def sample(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
+               seed: int) -> list[tuple[list[int], torch.Tensor]]:
+        """The rollout on all ranks (``detcomm.rl.rollout.sample``, T = 1). Collective."""
+        from .rollout import sample
+
+        return sample(self.rollout, prompts, max_new_tokens=max_new_tokens, temperature=1.0, seed=seed)
+
     def step(self, prompts: Sequence[Sequence[int]], advantages: Sequence[float] | None, *, max_new_tokens: int,
              seed: int, sync: bool = True) -> float:
-        """Roll ``prompts`` out (all ranks), recompute and gate each replica's share, then (``advantages`` given:
-        one per prompt) a policy-gradient step over all of them and, ``sync``, the weight sync. Returns the largest
-        |delta logprob| over the group; raises LogprobMismatch on every rank when any replica's gate refuses.
-        Collective."""
+        """``sample`` then ``train``. Collective."""
+        return self.train(prompts, self.sample(prompts, max_new_tokens=max_new_tokens, seed=seed), advantages,
+                          sync=sync)
+
+    def train(self, prompts: Sequence[Sequence[int]], outs: Sequence[tuple[list[int], torch.Tensor]],
+              advantages: Sequence[float] | None, *, sync: bool = True) -> float:
+        """Recompute and gate each replica's share of the rollout ``outs`` of ``prompts``, then (``advantages``
+        given: one per prompt) a policy-gradient step over all of them and, ``sync``, the weight sync. Returns the
+        largest |delta logprob| over the group; raises LogprobMismatch on every rank when any replica's gate
+        refuses. Collective."""
         from .reshard import gather_full, load_full
-        from .rollout import sample
         from .trainer import teacher_forced
 
-        outs = sample(self.rollout, prompts, max_new_tokens=max_new_tokens, temperature=1.0, seed=seed)
         mine = list(range(self.replica, len(prompts), self.dp))  # this replica's share
         seqs = [list(prompts[i]) + outs[i][0] for i in mine]
         starts = [len(prompts[i]) for i in mine]
@@ -123,3 +135,31 @@ class Colocated:
                 full = gather_full(self.lm, group=self.tp_group)
             load_full(self.rollout, full)
         return delta
+
+
+def run_job(rank: int, world: int, directory: str, trainer_world: int, prompts: list[list[int]], steps: int,
+            max_new_tokens: int, lr: float, dtype: str) -> list[dict[str, float]]:
+    """A ``LocalCluster`` job (every rank): ``steps`` policy-gradient steps of a ``Colocated`` pair on
+    ``prompts`` (toy reward: the share of response tokens in the lower half of the vocabulary, advantages
+    centred over the batch). Returns per step the largest |delta logprob| and the step's tokens/s."""
+    import time
+
+    from .loop import reward_low_ids
+
+    torch.set_num_threads(1)
+    detcomm.init(numerics="rl-bitwise")
+    try:
+        c = Colocated(directory, trainer_world=trainer_world, lr=lr, dtype=getattr(torch, dtype))
+        vocab = c.rollout.config.vocab_size
+        out = []
+        for s in range(steps):
+            t0 = time.perf_counter()
+            outs = c.sample(prompts, max_new_tokens=max_new_tokens, seed=s)
+            rewards = [reward_low_ids(t, vocab) for t, _ in outs]
+            mean = sum(rewards) / len(rewards)
+            delta = c.train(prompts, outs, [r - mean for r in rewards])
+            out.append({"delta": delta, "reward": mean,
+                        "tps": len(prompts) * max_new_tokens / (time.perf_counter() - t0)})
+        return out
+    finally:
+        detcomm.shutdown()
