@@ -158,17 +158,20 @@ def test_trainer_logprobs_equal_rollout_bf16(tmp_path, cluster2, cluster4) -> No
 
 
 def job_refusals(rank: int, w: int, directory: str, moe: str) -> list[str]:
-    """What the trainer refuses, with the fix: the fold layout, expert-parallel MoE blocks (``moe``)."""
+    """What the trainer refuses, with the fix: the fold layout, expert-parallel MoE blocks (``moe``), an engine on
+    the Triton attention (no backward; constructible on CPU, refused before any step)."""
     import detcomm
     from detcomm.hf import ServingConfig, TPCausalLM, load_causal_lm
     from detcomm.rl.trainer import Trainer
 
     torch.set_num_threads(1)
     out = []
-    for d, kw in ((directory, {}), (moe, dict(layout="virtual", virtual_shards=8, shard_fold="tree"))):
+    tree = dict(layout="virtual", virtual_shards=8, shard_fold="tree")
+    for d, kw, impl in ((directory, {}, None), (moe, tree, None), (directory, tree, "triton")):
         detcomm.init(numerics="rl-bitwise")
         try:
-            lm = TPCausalLM(load_causal_lm(d, dtype=torch.float32), ServingConfig(t_pad=64, max_context=64), **kw)
+            serving = ServingConfig(t_pad=64, max_context=64, attention_impl=impl)
+            lm = TPCausalLM(load_causal_lm(d, dtype=torch.float32), serving, **kw)
             try:
                 Trainer(lm)
                 out.append("accepted")
@@ -185,9 +188,10 @@ def test_trainer_refuses_what_it_cannot_train(tmp_path) -> None:  # noqa: ANN001
 
     llama = write_tiny_checkpoint("llama-tiny", str(tmp_path / "llama"), seed=3)
     moe = write_tiny_checkpoint("qwen3-moe-tiny", str(tmp_path / "moe"), seed=3)
-    fold, ep = get_cluster(1).run(job_refusals, llama, moe)[0]
+    fold, ep, triton = get_cluster(1).run(job_refusals, llama, moe)[0]
     assert "layout='virtual', virtual_shards=V, shard_fold='tree'" in fold, fold
     assert "MoE blocks" in ep and "dense" in ep, ep
+    assert "attention_impl='torch'" in triton and "no backward" in triton, triton
 
 
 @pytest.mark.slow

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 import detcomm
 
-from ..numerics.attention import PagedKV, check_paged_geometry
+from ..numerics.attention import KVStore, PagedKV, check_paged_geometry
 from ..numerics.norm import add_rms_norm
 from ..rl import regions
 from ..tp import Segment, pack_segments
@@ -51,7 +51,10 @@ from .moe_block import EPConfig, EPMoEBlock
 from .shard import Shards, add_norm_site, declare_sites, fuse_boundaries, shard_model
 from .sliced import Checkpoint, fill
 
-__all__ = ["ServingConfig", "StepLogits", "TPCausalLM", "ROW_ALIGN"]
+__all__ = ["ServingConfig", "StepLogits", "TPCausalLM", "ROW_ALIGN", "Sampler"]
+
+# generate's token choice: (request index, the token's position, its fp32 logprobs [vocab]) -> the token id
+Sampler = Callable[[int, int, torch.Tensor], int]
 
 # T_pad and max_context are multiples of these (see the module docstring).
 ROW_ALIGN = 64
@@ -253,20 +256,22 @@ class TPCausalLM:
             return self._add_norm(part, h, norm, rows, site=add_norm_site(proj.site))
         return self._add_norm(proj(inp)[:rows], h, norm, rows, site=None)
 
-    def forward(self, segments: Sequence[Segment], *, grad: bool = False) -> tuple[StepLogits, list[int]]:
+    def forward(self, segments: Sequence[Segment], *, grad: bool = False,
+                kv: KVStore | None = None) -> tuple[StepLogits, list[int]]:
         """Run one step over the segments' rows, packed in order. Collective.
 
         Returns the step's logits (``StepLogits``: this rank's vocabulary shard of every row, and the rows
         of the segments with ``sample``) and the index of each sampling segment. ``grad=True`` (the trainer,
         detcomm.rl): the same step with autograd, its collectives ``detcomm.rl.regions``' functions, whose
-        forward is the same call: the same bits."""
+        forward is the same call: the same bits. ``kv``: the KV store the segments' tables belong to (default the
+        engine's paged cache; the trainer passes its own, whose writes autograd can follow)."""
         with torch.set_grad_enabled(grad):
-            return self._step(segments)
+            return self._step(segments, self.kv if kv is None else kv)
 
-    def _step(self, segments: Sequence[Segment]) -> tuple[StepLogits, list[int]]:
+    def _step(self, segments: Sequence[Segment], kv: KVStore) -> tuple[StepLogits, list[int]]:
         c, s = self.cfg, self.shards
         ids, pos, offsets, rows = pack_segments(segments, t_pad=c.t_pad, max_context=c.max_context, device=self.device)
-        step = self.kv.step([seg.blocks for seg in segments], [(seg.start, len(seg.tokens)) for seg in segments])
+        step = kv.step([seg.blocks for seg in segments], [(seg.start, len(seg.tokens)) for seg in segments])
         cos, sin = self.cos[pos][None], self.sin[pos][None]  # [1, T_pad, hd]
         hd = s.head_dim
         self.step_rows.rows = rows
@@ -285,7 +290,7 @@ class TPCausalLM:
                 q, k = q[0].transpose(0, 1), k[0].transpose(0, 1)  # [T_pad, heads, hd]
                 # One paged_attention call over the step's real rows (every segment's, packed in order).
                 mixed = torch.zeros(c.t_pad, s.heads * hd, dtype=self.dtype, device=self.device)
-                mixed[:rows] = self.kv.attend(li, q[:rows], k[:rows], v[:rows], step, scale=attn.scaling,
+                mixed[:rows] = kv.attend(li, q[:rows], k[:rows], v[:rows], step, scale=attn.scaling,
                                               window=self._layer_window[li]).reshape(rows, s.heads * hd)
                 nxt = self.layers[li + 1].input_layernorm if li + 1 < len(self.layers) else self.model.model.norm
                 if not self.fuse:  # transformers' residual adds and norm modules
@@ -343,11 +348,15 @@ class TPCausalLM:
         return full[:, : s.vocab]
 
     # -- a plain greedy scheduler ------------------------------------------------------------------------
-    def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int) -> list[tuple[list[int], torch.Tensor]]:
-        """Greedy continuation of every prompt by ``max_new_tokens`` tokens, all requests packed into shared
-        steps (decode rows first, then prefill chunks, up to T_pad rows a step). Returns per prompt the new
-        token ids and their fp32 logprobs; the bits do not depend on which prompts share the call. Collective
-        (same arguments on every rank)."""
+    def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
+                 sampler: Sampler | None = None) -> list[tuple[list[int], torch.Tensor]]:
+        """Continuation of every prompt by ``max_new_tokens`` tokens, all requests packed into shared steps (decode
+        rows first, then prefill chunks, up to T_pad rows a step). Returns per prompt the new token ids and their
+        fp32 logprobs; the bits do not depend on which prompts share the call. ``sampler(request, position,
+        logprobs)``: the token at ``position`` of request ``request`` from its fp32 logprobs over the whole
+        vocabulary (identical on every rank, so it must be a function of its arguments alone:
+        ``detcomm.rl.rollout.sample`` passes a seeded Gumbel-max); None: greedy (``greedy``, lowest index on exact
+        ties). Collective (same arguments on every rank)."""
         c = self.cfg
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -363,13 +372,13 @@ class TPCausalLM:
                              "prompts a call")
         caches = [self.new_cache() for _ in prompts]
         try:
-            return self._generate(prompts, caches, max_new_tokens=max_new_tokens)
+            return self._generate(prompts, caches, max_new_tokens=max_new_tokens, sampler=sampler)
         finally:
             for cache in caches:
                 self.free_cache(cache)
 
-    def _generate(self, prompts: Sequence[Sequence[int]], caches: list[list[int]], *,
-                  max_new_tokens: int) -> list[tuple[list[int], torch.Tensor]]:
+    def _generate(self, prompts: Sequence[Sequence[int]], caches: list[list[int]], *, max_new_tokens: int,
+                  sampler: Sampler | None) -> list[tuple[list[int], torch.Tensor]]:
         c = self.cfg
         fed = [0] * len(prompts)
         out: list[tuple[list[int], list[torch.Tensor]]] = [([], []) for _ in prompts]
@@ -389,9 +398,15 @@ class TPCausalLM:
             logits, picks = self.forward([seg for _, seg in work])
             if not picks:
                 continue
-            toks, lps = self.greedy(logits), self.logprobs(logits)
+            lps = self.logprobs(logits)
+            greedy = self.greedy(logits) if sampler is None else None
             for j, k in enumerate(picks):
-                i, tok = work[k][0], int(toks[j])
+                i = work[k][0]
+                if sampler is None:
+                    assert greedy is not None
+                    tok = int(greedy[j])
+                else:
+                    tok = sampler(i, len(prompts[i]) + len(out[i][0]), lps[j])
                 out[i][0].append(tok)
                 out[i][1].append(lps[j, tok].cpu())
                 if len(out[i][0]) == max_new_tokens:  # done: its blocks serve the requests still running

@@ -30,10 +30,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-__all__ = ["ROW_TILE", "IMPLS", "PagedKVCache", "BlockAllocator", "StepKV", "PagedKV", "check_paged_geometry",
+__all__ = ["ROW_TILE", "IMPLS", "PagedKVCache", "BlockAllocator", "StepKV", "KVStore", "PagedKV", "check_paged_geometry",
            "default_impl", "paged_attention"]
 
 ROW_TILE = 16  # rows per tile: part of the arithmetic's definition (every GEMM's batch is ROW_TILE)
@@ -119,6 +120,17 @@ class StepKV:
     block_tables: torch.Tensor
     row_request: torch.Tensor
     positions: torch.Tensor
+
+
+class KVStore(Protocol):
+    """What a step asks of the KV cache its segments' tables belong to: ``step`` lays out the step's rows (growing
+    the tables), ``attend`` writes a layer's new keys and values and runs the one attention call. ``PagedKV`` is the
+    serving engine's; detcomm.rl's trainer has one whose writes autograd can follow."""
+
+    def step(self, tables: Sequence[list[int]], spans: Sequence[tuple[int, int]]) -> StepKV: ...
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: StepKV, *, scale: float,
+               window: int | None) -> torch.Tensor: ...
 
 
 class PagedKV:

@@ -1,8 +1,9 @@
 """What fixes the arithmetic of a TPCausalLM's logprobs, as a digest both sides of an RL loop compare.
 
 ``contract(lm)`` lists the fields (``Contract.fields``): the layout, V and its fold order, the fixed block
-count, the dtype, the step geometry (T_pad rows per GEMM, q_block query rows and max_context keys per attention
-call: every shape the arithmetic sees), the numerics envelope and every switch, the attention function, the
+count, the dtype, the step geometry (T_pad rows per GEMM, the paged attention's KV block size: every shape the
+arithmetic sees; not max_context or num_blocks, which the paged attention's bits do not follow), the numerics
+envelope and every switch, the attention impl (torch or triton: their bits differ), the
 model's configuration, the detcomm, torch and transformers versions, the GPU kernels' sources and the device's
 compute capability; W only where the layout is not TP-size invariant (the fold and shard-order layouts' sums
 follow W). ``digest`` is a SHA-256 of them; the gate (``detcomm.rl.gate.check_contract``) compares the fields
@@ -60,9 +61,9 @@ def contract(lm: Any) -> Contract:
     fields: dict[str, Any] = {
         "layout": s.layout, "virtual_shards": s.virtual_shards, "shard_fold": s.shard_fold, "blocks": s.blocks,
         "fused_boundaries": bool(lm.fuse), "dtype": str(lm.dtype).removeprefix("torch."),
-        "t_pad": cfg.t_pad, "q_block": cfg.q_block, "max_context": cfg.max_context,
+        "t_pad": cfg.t_pad, "block_size": cfg.block_size,
         "numerics": resolved.numerics,
-        "attention": f"{lm._attend.__module__}.{lm._attend.__qualname__}",
+        "attention": lm.attention_impl,
         "detcomm": detcomm.__version__, "torch": torch.__version__, "transformers": transformers.__version__,
         "device": lm.device.type,
         # the GPU kernels' builds: their sources (the NVRTC cache key's other parts, options and version, follow

@@ -45,7 +45,8 @@ def start_side(rank: int, world: int, directory: str, role: str, t_pad: int, max
         device = f"cuda:{rank % torch.cuda.device_count()}"
     detcomm.init(numerics="rl-bitwise", device=device)
     fold = "tree" if layout == "virtual" else "order"
-    lm = TPCausalLM(load_causal_lm(directory, dtype=getattr(torch, dtype)), ServingConfig(t_pad=t_pad, max_context=max_context),
+    serving = ServingConfig(t_pad=t_pad, max_context=max_context, attention_impl="torch")  # the trainer's backward
+    lm = TPCausalLM(load_causal_lm(directory, dtype=getattr(torch, dtype)), serving,
                     layout=layout, virtual_shards=virtual_shards, shard_fold=fold)
     _SIDE.update(lm=lm, trainer=Trainer(lm, lr=lr) if role == "trainer" else None)
     return contract(lm).fields

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ..tp import Segment, gumbel_noise
+from ..tp import gumbel_noise
 
 __all__ = ["sample"]
 
@@ -27,44 +27,17 @@ def _key(seed: int, request: int, position: int) -> int:
 
 def sample(lm: Any, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, temperature: float = 1.0,
            seed: int = 0) -> list[tuple[list[int], torch.Tensor]]:
-    """Continue every prompt by ``max_new_tokens`` sampled tokens (``temperature`` 0: greedy). Returns per prompt
-    the new token ids and their fp32 logprobs. Collective."""
-    c = lm.cfg
-    if max_new_tokens < 1 or temperature < 0:
-        raise ValueError(f"max_new_tokens must be >= 1 and temperature >= 0, got {max_new_tokens}, {temperature}")
-    for p in prompts:
-        if not 1 <= len(p) or len(p) + max_new_tokens > c.max_context:
-            raise ValueError(f"a prompt of {len(p)} tokens plus {max_new_tokens} new ones must fit "
-                             f"max_context={c.max_context} (ServingConfig)")
-    caches = [lm.new_cache() for _ in prompts]
-    fed = [0] * len(prompts)
-    out: list[tuple[list[int], list[torch.Tensor]]] = [([], []) for _ in prompts]
+    """Continue every prompt by ``max_new_tokens`` sampled tokens (``temperature`` 0: the argmax of the
+    logprobs) through the engine's own scheduler (``TPCausalLM.generate`` with a sampler). Returns per prompt the
+    new token ids and their fp32 logprobs. Collective."""
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
     vocab = lm.config.vocab_size
-    while any(len(o[0]) < max_new_tokens for o in out):
-        work: list[tuple[int, Segment]] = []
-        budget = c.t_pad
-        for i, p in enumerate(prompts):  # decode rows first, then prefill chunks (the engine's generate order)
-            if fed[i] == len(p) and 0 < len(out[i][0]) < max_new_tokens and budget:
-                work.append((i, Segment(caches[i], [out[i][0][-1]], len(p) + len(out[i][0]) - 1)))
-                budget -= 1
-        for i, p in enumerate(prompts):
-            if fed[i] < len(p) and budget:
-                n = min(budget, len(p) - fed[i])
-                work.append((i, Segment(caches[i], list(p[fed[i] : fed[i] + n]), fed[i], sample=fed[i] + n == len(p))))
-                fed[i] += n
-                budget -= n
-        logits, picks = lm.forward([seg for _, seg in work])
-        if not picks:
-            continue
-        lps = lm.logprobs(logits)  # [S, vocab], the same bits on every rank
-        for j, k in enumerate(picks):
-            i = work[k][0]
-            pos = len(prompts[i]) + len(out[i][0])
-            if temperature == 0:
-                tok = int(torch.argmax(lps[j]))
-            else:
-                noise = gumbel_noise(_key(seed, i, pos), vocab).to(lps.device)
-                tok = int(torch.argmax(lps[j] / temperature + noise))
-            out[i][0].append(tok)
-            out[i][1].append(lps[j, tok].cpu())
-    return [(t, torch.stack(l)) for t, l in out]
+
+    def pick(request: int, position: int, logprobs: torch.Tensor) -> int:
+        if temperature == 0:
+            return int(torch.argmax(logprobs))
+        noise = gumbel_noise(_key(seed, request, position), vocab).to(logprobs.device)
+        return int(torch.argmax(logprobs / temperature + noise))
+
+    return lm.generate(prompts, max_new_tokens=max_new_tokens, sampler=pick)

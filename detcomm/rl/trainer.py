@@ -3,8 +3,8 @@
 ``Trainer(lm)`` takes a ``TPCausalLM`` in the tree-order virtual layout (``layout="virtual", shard_fold="tree"``:
 the same bits at every W that is a power of two dividing V) and makes the tensors its forward computes with
 trainable (``detcomm.rl.reshard.pieces``). ``token_logprobs`` packs every sequence's rows into the engine's
-T_pad-row steps (pieces of a long sequence in successive steps, each sequence on its own KV cache) and runs
-``lm.forward(segments, grad=True)``: the engine's step, its collectives ``detcomm.rl.regions``' autograd functions.
+T_pad-row steps (pieces of a long sequence in successive steps, their keys and values in the trainer's own KV
+store, which autograd follows) and runs ``lm.forward(segments, grad=True, kv=...)``: the engine's step, its collectives ``detcomm.rl.regions``' autograd functions.
 A token's logprob is the head's vocabulary-parallel log-softmax of the row before it: the engine's sampling-time
 value, bit for bit, at another W. ``step(loss)`` is the backward (gradient sums at detcomm sites) and an AdamW step
 on this rank's shards; ``full_weights`` gathers them for the weight sync (``detcomm.rl.reshard``).
@@ -13,6 +13,7 @@ on this rank's shards; ``full_weights`` gathers them for the weight sync (``detc
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -20,6 +21,7 @@ import torch
 import detcomm
 
 from ..hf.engine import StepLogits
+from ..numerics.attention import PagedKVCache, StepKV, paged_attention
 from ..tp import Segment
 from . import regions
 from .reshard import gather_full, pieces
@@ -29,20 +31,83 @@ __all__ = ["Trainer", "teacher_forced"]
 _HEAD_NORM_SITE = "rl.grad.head_norms"
 
 
-class _TrainCache:
-    """A request's KV cache for a pass with autograd: one tensor per (layer, K or V), replaced by a copy on every
-    access. The engine writes a step's keys into the cache in place and attends to it; a copy per access keeps the
-    tensors an earlier step's attention saved for backward unmodified (autograd refuses in-place changes to them).
-    Indexed as the engine indexes its cache tensor (``cache[layer, 0]``)."""
+def _check_backward(lm: Any) -> None:
+    if lm.attention_impl != "torch":
+        raise ValueError(f"the engine attends with the {lm.attention_impl!r} paged attention, which has no backward: "
+                         "serve and train with ServingConfig(attention_impl='torch') (the trainer must use the "
+                         "engine's impl: their bits differ)")
 
-    def __init__(self, lm: Any) -> None:
-        s = lm.shards
-        self.t = {(li, kind): torch.zeros(s.kv_heads, lm.cfg.max_context, s.head_dim, dtype=lm.dtype, device=lm.device)
-                  for li in range(len(lm.layers)) for kind in (0, 1)}
 
-    def __getitem__(self, key: tuple[int, int]) -> torch.Tensor:
-        self.t[key] = self.t[key].clone()
-        return self.t[key]
+@dataclass(frozen=True)
+class _TrainStep(StepKV):
+    """A step of the trainer's store: the engine's StepKV fields, and per segment its history, span and blocks."""
+
+    history: list[list[list[tuple[torch.Tensor, torch.Tensor]]]] = field(default_factory=list)
+    spans: list[tuple[int, int]] = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list)
+
+
+class _TrainKV:
+    """The trainer's KV store (``detcomm.numerics.attention.KVStore``): each sequence's keys and values kept as
+    the tensors its steps computed (autograd follows them into later pieces of a long sequence), laid out per step
+    and layer into fresh blocks holding only the step's sequences. The engine's paged cache is written in place,
+    which autograd refuses once an earlier step's attention saved it; and a row's attention bits follow neither the
+    block ids nor the cache's size nor what unused slots hold (docs/spec.md §9.1), so the engine's bits stay.
+
+    A table (``new_table``) names a sequence here; the trainer feeds each one's pieces in position order."""
+
+    def __init__(self, lm: Any, *, grad: bool) -> None:
+        kv = lm.kv
+        if grad:
+            _check_backward(lm)
+        self.impl, self.block_size, self.max_blocks = kv.impl, kv.block_size, kv.max_blocks
+        self.device = lm.device
+        self._tables: list[list[int]] = []  # kept alive: a table's id() keys its history
+        self._history: dict[int, list[list[tuple[torch.Tensor, torch.Tensor]]]] = {}
+        self._layers = len(lm.layers)
+
+    def new_table(self) -> list[int]:
+        table: list[int] = []
+        self._tables.append(table)
+        self._history[id(table)] = [[] for _ in range(self._layers)]
+        return table
+
+    def step(self, tables: Sequence[list[int]], spans: Sequence[tuple[int, int]]) -> _TrainStep:
+        bs = self.block_size
+        bt = torch.zeros(len(tables), self.max_blocks, dtype=torch.long)
+        first = 0
+        blocks = []
+        for i, (start, n) in enumerate(spans):
+            nb = -(-(start + n) // bs)
+            bt[i, :nb] = torch.arange(first, first + nb)
+            blocks.append(nb)
+            first += nb
+        req = torch.cat([torch.full((n,), i, dtype=torch.long) for i, (_, n) in enumerate(spans)])
+        pos = torch.cat([torch.arange(start, start + n) for start, n in spans])
+        return _TrainStep(bt.to(self.device), req.to(self.device), pos.to(self.device),
+                          [self._history[id(t)] for t in tables], list(spans), blocks)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: StepKV, *,
+               scale: float, window: int | None) -> torch.Tensor:
+        assert isinstance(step, _TrainStep), "a step of this store (step())"
+        bs = self.block_size
+        ks: list[torch.Tensor] = []
+        vs: list[torch.Tensor] = []
+        at = 0
+        for hist, (start, n), nb in zip(step.history, step.spans, step.blocks):
+            mine = hist[layer]
+            assert sum(c[0].shape[0] for c in mine) == start, "a sequence's pieces arrive in position order"
+            mine.append((k[at : at + n], v[at : at + n]))
+            at += n
+            pad = nb * bs - (start + n)
+            for out, j in ((ks, 0), (vs, 1)):
+                rows = [c[j] for c in mine]
+                if pad:
+                    rows.append(rows[0].new_zeros(pad, *rows[0].shape[1:]))
+                out.append(torch.cat(rows).view(nb, bs, *rows[0].shape[1:]))
+        cache = PagedKVCache(torch.cat(ks)[None], torch.cat(vs)[None])
+        return paged_attention(q, cache, 0, block_tables=step.block_tables, row_request=step.row_request,
+                               positions=step.positions, scale=scale, window=window, impl=self.impl)
 
 
 def teacher_forced(lm: Any, sequences: Sequence[Sequence[int]], starts: Sequence[int], *,
@@ -57,7 +122,8 @@ def teacher_forced(lm: Any, sequences: Sequence[Sequence[int]], starts: Sequence
         if not 1 <= st < len(seq) or len(seq) > lm.cfg.max_context:
             raise ValueError(f"a sequence of {len(seq)} tokens scored from {st} needs 1 <= start < length <= "
                              f"max_context={lm.cfg.max_context}")
-    caches = [_TrainCache(lm) for _ in sequences]
+    kv = _TrainKV(lm, grad=grad)
+    caches = [kv.new_table() for _ in sequences]
     fed = [0] * len(sequences)  # rows fed: positions 0 .. len - 2 (the last token predicts nothing)
     got: list[list[torch.Tensor]] = [[] for _ in sequences]
     i = 0
@@ -67,12 +133,12 @@ def teacher_forced(lm: Any, sequences: Sequence[Sequence[int]], starts: Sequence
         while i < len(sequences) and budget:
             seq = sequences[i]
             n = min(budget, len(seq) - 1 - fed[i])
-            segs.append((i, Segment(caches[i], list(seq[fed[i] : fed[i] + n]), fed[i], sample=False)))  # type: ignore[arg-type]
+            segs.append((i, Segment(caches[i], list(seq[fed[i] : fed[i] + n]), fed[i], sample=False)))
             fed[i] += n
             budget -= n
             if fed[i] == len(seq) - 1:
                 i += 1
-        logits, _ = lm.forward([s for _, s in segs], grad=grad)
+        logits, _ = lm.forward([s for _, s in segs], grad=grad, kv=kv)
         rows, targets, owners = [], [], []
         at = 0
         for k, seg in segs:
@@ -101,6 +167,7 @@ class Trainer:
 
     def __init__(self, lm: Any, *, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0) -> None:
+        _check_backward(lm)
         self.lm = lm
         self.params = [t for t, _ in pieces(lm)]
         for t in self.params:
