@@ -133,6 +133,9 @@ def _main_cuda(repeats: int, profile: bool) -> None:
         if ws is not None:  # the workspace's part alone: its site-bound call (Workspace.bind, then run)
             bound = ws.bind_all_reduce(torch.bfloat16, 8192, label="bench.host")
             cases["workspace bound call(x, buf) (the route's part)"] = lambda: bound(x, buf)
+            # The same with the output allocated (torch.empty_like on the device): what all_reduce(x, name) pays
+            # for its new tensor inside the route, so that its communicator's share is the difference to this row.
+            cases["workspace bound call(x, None) (allocates out)"] = lambda: bound(x, None)
         print(f"route {route}; one rank on {torch.cuda.get_device_name(0)}; 200 back-to-back calls, median of "
               f"{repeats} repeats")
         for label, fn in cases.items():

@@ -90,7 +90,12 @@ def job_fast_path(rank: int, w: int) -> list[str]:
         x = torch.full((3, 12), float(rank + 1))
         want = torch.full((3, 12), float(w * (w + 1) // 2))
         buf = torch.empty_like(x)
+        # out right after x in one storage: touching, not overlapping (the overlap test's boundary, from the rows).
+        pair = torch.empty(6, 12)
+        xa, after = pair[:3], pair[3:]
+        xa.copy_(x)
         for label, call in (("name", lambda: detcomm.all_reduce(x, "hp.e")),
+                            ("out adjacent", lambda: detcomm.all_reduce(xa, "hp.e", out=after)),
                             ("out=buf", lambda: detcomm.all_reduce(x, "hp.e", out=buf)),
                             ("Site", lambda: detcomm.all_reduce(x, site)),
                             ("op=ReduceOp", lambda: detcomm.all_reduce(x, "hp.e", op=ReduceOp.SUM)),
@@ -128,6 +133,15 @@ def job_fast_path(rank: int, w: int) -> list[str]:
             "out dtype": (lambda: detcomm.all_reduce(x, "hp.e", out=buf.double()), ValueError, "out must be"),
             "out type": (lambda: detcomm.all_reduce(x, "hp.e", out=3), TypeError, "out must be a torch.Tensor"),
             "out overlap": (lambda: detcomm.all_reduce(x[:2], "hp.e", out=x[1:]), ValueError, "partially overlaps"),
+            "x device": (lambda: detcomm.all_reduce(x.to("meta"), "hp.e"), ValueError,
+                         "site 'hp.e': tensor is on meta, but this communicator (gloo) works on cpu; move it with "
+                         "x.to('cpu')"),
+            "out device": (lambda: detcomm.all_reduce(x, "hp.e", out=torch.empty(3, 12, device="meta")), ValueError,
+                           "site 'hp.e': out must be a float32 tensor of shape [3, 12] on cpu, got float32 [3, 12] on "
+                           "meta"),
+            "rs out device": (lambda: detcomm.reduce_scatter(xs, "hp.rs", out=torch.empty(2, 12, device="meta")),
+                              ValueError, "out must be a float32 tensor of shape [2, 12] on cpu, got float32 [2, 12] "
+                              "on meta"),
             "out strided": (lambda: detcomm.all_reduce(x, "hp.e", out=torch.empty(12, 3).t()), ValueError,
                             "out is not contiguous"),
             "foreign Site": (lambda: detcomm.all_reduce(x, Site("hp.e", Collective.ALL_REDUCE, torch.float32,
