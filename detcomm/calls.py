@@ -1,8 +1,8 @@
 """One declared site's call path (``SiteCall``) and the checks of a call's arguments.
 
 A ``SiteCall`` is built once, when its site is declared and bound: everything a call must match that depends
-only on the site (dtype, trailing shape, rows, device, the output's rows, the call guard's header, the route)
-is cached then, so a call compares values and makes no decision. Every collective goes through one entry,
+only on the site (dtype, trailing shape, rows, device, the output's rows and bytes per row, the call's proof and
+the route) is cached then, so a call compares values and makes no decision. Every collective goes through one entry,
 ``SiteCall.run``: the communicator's lock, the proof that every rank makes this call (the call checker's
 fingerprint with ``init(check=True)``, else the call guard, route_impls/guard.py), the bound route, and the
 mapping of a library error to ``PeerTimeout`` / ``CollectiveFailed``, once per call.
