@@ -166,6 +166,24 @@ def job_fast_path(rank: int, w: int) -> list[str]:
             # A contradicting collective or op, a foreign Site and a wrong site type take the resolution's error.
             if label in ("op", "bad op", "rs as all_reduce", "foreign Site", "site type") and len(full) == n:
                 problems.append(f"{label}: the site resolution never ran")
+        # A virtual-shard site's out (the folded rows, bf16) against its fp32 partials [V/W, rows, H]: the overlap
+        # test counts every row's V/W partials (an out inside their last bytes is refused, one right after them
+        # is accepted and receives the fold).
+        detcomm.site("hp.v", collective="all_reduce", dtype=torch.bfloat16, shape=(8,), max_rows=4,
+                     virtual_shards=2 * w)
+        st = torch.zeros(2 * 3 * 8 + 12)
+        part = st[:48].view(2, 3, 8)
+        part.fill_(float(rank + 1))
+        inside, beside = part.view(-1).view(torch.bfloat16)[72:].view(3, 8), st[48:].view(torch.bfloat16).view(3, 8)
+        try:
+            detcomm.all_reduce(part, "hp.v", out=inside)
+            problems.append("virtual: an out inside the partials' bytes was accepted")
+        except ValueError as e:
+            if "partially overlaps" not in str(e):
+                problems.append(f"virtual inside: {e}")
+        folded = torch.full((3, 8), float(w * (w + 1)), dtype=torch.bfloat16)  # 2 shards of rank + 1 per rank
+        if detcomm.all_reduce(part, "hp.v", out=beside) is not beside or not torch.equal(beside, folded):
+            problems.append(f"virtual: the out beside the partials did not receive the fold: {beside[0].tolist()}")
         # The spy sees a resolution (negative control of the 'declared calls skip it' assertion above).
         detcomm.all_reduce(x, "hp.undeclared")
         if not full or full[-1] != "hp.undeclared":
