@@ -3,7 +3,7 @@
 One process, a one-rank gloo group on the CPU: a site is declared, then its bound route is replaced by one that
 returns its input (or the caller's ``out``), so what is timed is exactly what detcomm's public call costs on top
 of the route: the module-level dispatch, the site lookup, the tensor and output checks, the route call and the
-result handling. ``python bench/host_path.py`` prints microseconds per call (median of repeats) for
+result handling. ``python bench/host_path.py`` prints microseconds per call (median and minimum of repeats) for
 ``detcomm.all_reduce`` with a new output, ``out=buf``, ``out=x``, a Site object and a reduce_scatter; ``--profile`` adds a cProfile
 of the first case. ``--cuda`` times the real workspace route on one GPU instead (host time of eager calls).
 """
@@ -38,7 +38,9 @@ class _NopRoute:
         return Bound(self.route, site, lambda x, a: x if a.out is None else a.out, in_place=True)
 
 
-def _per_call_us(fn: Callable[[], object], calls: int, repeats: int) -> float:
+def _per_call_us(fn: Callable[[], object], calls: int, repeats: int) -> tuple[float, float]:
+    """(median, minimum) microseconds per call over `repeats` rounds of `calls` calls: on a shared machine the
+    minimum is the steadier figure (a round that was not descheduled)."""
     for _ in range(calls // 10):
         fn()
     samples = []
@@ -47,7 +49,7 @@ def _per_call_us(fn: Callable[[], object], calls: int, repeats: int) -> float:
         for _ in range(calls):
             fn()
         samples.append((time.perf_counter() - t0) / calls * 1e6)
-    return statistics.median(samples)
+    return statistics.median(samples), min(samples)
 
 
 @contextlib.contextmanager
@@ -106,8 +108,10 @@ def main(argv: list[str] | None = None) -> None:
             "comm.all_reduce(x, name)": lambda: comm.all_reduce(x, "bench.host"),
             "reduce_scatter(x, name, out=buf)": lambda: detcomm.reduce_scatter(x, "bench.rs", out=buf),
         }
+        print(f"{'':34s} {'median':>7s} {'min':>7s} us/call ({a.repeats} rounds of {a.calls} calls)")
         for label, fn in cases.items():
-            print(f"{label:34s} {_per_call_us(fn, a.calls, a.repeats):7.2f} us/call")
+            med, low = _per_call_us(fn, a.calls, a.repeats)
+            print(f"{label:34s} {med:7.2f} {low:7.2f}")
         if a.profile:
             _profile(cases["all_reduce(x, name, out=buf)"], rounds=1, calls=a.calls, lines=15)
 
@@ -133,6 +137,9 @@ def _main_cuda(repeats: int, profile: bool) -> None:
         if ws is not None:  # the workspace's part alone: its site-bound call (Workspace.bind, then run)
             bound = ws.bind_all_reduce(torch.bfloat16, 8192, label="bench.host")
             cases["workspace bound call(x, buf) (the route's part)"] = lambda: bound(x, buf)
+            # The same with the output allocated (torch.empty_like on the device): what all_reduce(x, name) pays
+            # for its new tensor inside the route, so that its communicator's share is the difference to this row.
+            cases["workspace bound call(x, None) (allocates out)"] = lambda: bound(x, None)
         print(f"route {route}; one rank on {torch.cuda.get_device_name(0)}; 200 back-to-back calls, median of "
               f"{repeats} repeats")
         for label, fn in cases.items():

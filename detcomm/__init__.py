@@ -429,8 +429,8 @@ def get_communicator(group: dist.ProcessGroup | None = None) -> Communicator:
 
 
 def _comm_for(site: str | Site) -> Communicator:
-    if type(site) is str and _DEFAULT is not None:  # the hot path: a site name on the default group
-        return _DEFAULT
+    if _DEFAULT is not None and (type(site) is str or type(site) is Site and site.group == "default"):
+        return _DEFAULT  # the hot path: a site name, or a Site, on the default group (get_communicator()'s answer)
     if isinstance(site, Site) and site.group != "default":
         for comm in _COMMS.values():
             if comm.group_label == site.group:

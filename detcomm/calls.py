@@ -1,8 +1,8 @@
 """One declared site's call path (``SiteCall``) and the checks of a call's arguments.
 
 A ``SiteCall`` is built once, when its site is declared and bound: everything a call must match that depends
-only on the site (dtype, trailing shape, rows, device, the output's rows, the call guard's header, the route)
-is cached then, so a call compares values and makes no decision. Every collective goes through one entry,
+only on the site (dtype, trailing shape, rows, device, the output's rows and bytes per row, the call's proof and
+the route) is cached then, so a call compares values and makes no decision. Every collective goes through one entry,
 ``SiteCall.run``: the communicator's lock, the proof that every rank makes this call (the call checker's
 fingerprint with ``init(check=True)``, else the call guard, route_impls/guard.py), the bound route, and the
 mapping of a library error to ``PeerTimeout`` / ``CollectiveFailed``, once per call.
@@ -15,6 +15,7 @@ bad call must raise before any communication.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -65,6 +66,14 @@ class CallOwner(Protocol):
 __all__ = ["SiteCall", "check_tensor", "busy", "check_grad", "rs_rows", "token_counts", "a2a_splits", "argmax_start", "norm_args"]
 
 Call = Callable[[torch.Tensor, CallArgs], Any]  # a bound route, or the fused norm in its place
+Proof = Callable[[torch.Tensor, Sequence[int] | None, bool], None]  # SiteCall's proof that every rank calls
+
+# ``CallArgs(out=t)`` built as a plain tuple: the named tuple's keyword constructor is a Python frame and costs a
+# call's out= path about twice as much (bench/host_path.py).
+_new_tuple = tuple.__new__
+_Tensor = torch.Tensor  # a module global: ``torch.Tensor`` is a second lookup on every check
+assert CallArgs._fields[-1] == "out", "SiteCall.call builds CallArgs with out as its last field"
+_BEFORE_OUT = tuple(NO_ARGS[:-1])
 
 
 class SiteCall:
@@ -81,8 +90,9 @@ class SiteCall:
     ``PeerTimeout`` or ``CollectiveFailed`` that names the site, the call, this rank and the cause."""
 
     __slots__ = ("comm", "site", "name", "_bound", "_call", "collective", "op", "dtype", "in_dtype", "ndim", "row_dim",
-                 "width", "tail", "lead", "max_rows", "device", "in_place", "mul", "div", "header", "message", "calls",
-                 "virtual", "fused", "agreed", "_lock")
+                 "width", "tail", "lead", "max_rows", "device", "cpu", "index", "in_place", "mul", "div", "same_shape",
+                 "x_row_bytes", "out_row_bytes", "_header", "message", "_prove", "calls", "virtual", "fused", "agreed",
+                 "_lock")
 
     def __init__(self, comm: CallOwner, site: Site, bound: BoundRoute) -> None:
         self.comm = comm
@@ -105,18 +115,28 @@ class SiteCall:
         self.width = site.shape[0] if len(site.shape) == 1 and not self.virtual else None
         self.max_rows = site.max_rows
         self.device = comm.device
+        # A tensor is on the communicator's device when it is a CPU tensor (cpu) or a CUDA tensor of this index:
+        # two queries of the tensor, where ``x.device != device`` builds a torch.device on every call.
+        self.cpu = comm.device == torch.device("cpu")
+        self.index = comm.device.index
         self.in_place = bound.in_place and not self.virtual
         # The output's rows are the input's * mul // div; a reduce_scatter's input rows must divide by div.
         self.mul = comm.world_size if site.collective is Collective.ALL_GATHER else 1
         self.div = comm.world_size if site.collective is Collective.REDUCE_SCATTER else 1
-        # The call guard (route_impls/guard.py): the separate header, or the one the route carries in its messages.
-        self.header = (CallHeader(site, native=comm._native, device=comm.device)
-                       if comm.call_guard == _guard.HEADER else None)
-        self.message = getattr(bound, "guard", None)
+        self.same_shape = self.mul == self.div == 1 and not self.virtual  # out's shape is x's
+        # The bytes of one row of x and of out: a checked tensor's extent is its rows times these (the overlap test).
+        row = site.row_numel
+        self.x_row_bytes = row * math.prod(self.lead) * self.in_dtype.itemsize
+        self.out_row_bytes = row * site.dtype.itemsize
         self.calls = 0  # this site's user calls on this communicator (named in errors; self-checks not counted)
         self.fused = getattr(bound, "fused", None)  # the workspace's fused norm kernel, where routing chose it
         self.agreed = False  # the next call's fingerprint was already compared (Communicator._resolve)
         self._lock = comm._lock  # one collective call at a time per communicator: the ranks pair calls by order
+        # The call guard (route_impls/guard.py): the separate header, or the one the route carries in its messages;
+        # setting ``header`` chooses the call's proof (``_prove``) again.
+        self.message = getattr(bound, "guard", None)
+        self.header = (CallHeader(site, native=comm._native, device=comm.device)
+                       if comm.call_guard == _guard.HEADER else None)
 
     @property
     def bound(self) -> BoundRoute:
@@ -129,10 +149,23 @@ class SiteCall:
         # A route_impls.base.Bound's own method, called directly: its __call__ would be one more frame per call.
         self._call: Call = bound.call if isinstance(bound, Bound) else bound
 
+    @property
+    def header(self) -> CallHeader | None:
+        """The call guard's separate header (None: the communicator's guard is another; tests remove it)."""
+        return self._header
+
+    @header.setter
+    def header(self, header: CallHeader | None) -> None:
+        self._header = header
+        # The one proof every call of this site makes, chosen once: the communicator's guard mode is static.
+        self._prove: Proof | None = (self._fingerprint if self.comm._verifier is not None
+                                     else self._exchange if header is not None
+                                     else self._arm if self.message is not None else None)
+
     def check(self, x: object, out: object) -> torch.Tensor | None:
         """Validate a call (see the class docstring); returns what the route gets as ``CallArgs.out`` (None:
         it allocates, and the collective copies the result into ``out``)."""
-        if type(x) is not torch.Tensor and not isinstance(x, torch.Tensor):
+        if type(x) is not _Tensor and not isinstance(x, _Tensor):
             raise TypeError(f"site {self.name!r}: expected a torch.Tensor, got {type(x).__name__}")
         sh = x.shape
         if (len(sh) != self.ndim or x.dtype is not self.in_dtype
@@ -145,7 +178,7 @@ class SiteCall:
                              "declare the site with a larger max_rows (the most rows it will ever carry)")
         if rows % self.div:
             raise ValueError(rs_rows(self.name, rows, self.div))
-        if x.device != self.device:
+        if (not x.is_cpu) if self.cpu else (not x.is_cuda or x.get_device() != self.index):
             check_tensor(self.name, x, device=self.device, backend=self.comm.backend_name)
         if not x.is_contiguous():
             raise ValueError(f"site {self.name!r}: tensor is not contiguous; pass x.contiguous()")
@@ -155,15 +188,16 @@ class SiteCall:
             return None
         if out is x:
             return x if self.in_place else None
-        if type(out) is not torch.Tensor and not isinstance(out, torch.Tensor):
+        if type(out) is not _Tensor and not isinstance(out, _Tensor):
             raise TypeError(f"site {self.name!r}: out must be a torch.Tensor, got {type(out).__name__}")
         osh = out.shape
-        if self.mul == self.div == 1 and not self.virtual:
+        if self.same_shape:
             bad = osh != sh
         else:
             bad = (len(osh) != 1 + len(self.tail) or osh[0] != rows * self.mul // self.div
                    or osh[1:] != sh[self.row_dim + 1:])
-        if bad or out.dtype is not self.dtype or out.device != self.device:
+        if (bad or out.dtype is not self.dtype
+                or ((not out.is_cpu) if self.cpu else (not out.is_cuda or out.get_device() != self.index))):
             want = [rows * self.mul // self.div, *self.tail]
             raise ValueError(
                 f"site {self.name!r}: out must be a {name_of(self.dtype)} tensor of shape {want} on {self.device}, "
@@ -174,7 +208,8 @@ class SiteCall:
         a, b = out.data_ptr(), x.data_ptr()
         if a == b:  # x's bytes (x itself, or another view of them): in place
             return out if self.in_place else None
-        if a < b + x.nbytes and b < a + out.nbytes:
+        # Both extents from the checked shapes: x holds rows rows, out osh[0] (nbytes would be two more queries).
+        if a < b + rows * self.x_row_bytes and b < a + osh[0] * self.out_row_bytes:
             raise ValueError(f"site {self.name!r}: out partially overlaps the input; pass out=x (in place) or a "
                              "separate buffer")
         return None if self.virtual else out
@@ -209,7 +244,7 @@ class SiteCall:
         """A plain collective (all_reduce, reduce_scatter, all_gather): validate, run, deliver into ``out``
         where given, wrap in a ``Work`` for ``async_op``. Collective."""
         target = self.check(x, out)
-        result = self.run(x, NO_ARGS if target is None else CallArgs(out=target))
+        result = self.run(x, NO_ARGS if target is None else _new_tuple(CallArgs, (*_BEFORE_OUT, target)))
         if out is not None and result is not out:
             out.copy_(result)
             result = out
@@ -298,25 +333,11 @@ class SiteCall:
             raise busy(self.name, self.comm.rank)
         try:
             self.calls += 1
-            # Prove across ranks that every rank makes this call, before its data moves: the checker's fingerprint
-            # with checking on, else the call guard's separate header; or arm the header the route carries in its
-            # messages (compared before the route returns).
-            verifier = self.comm._verifier
-            if verifier is not None:
-                if self.agreed:  # the first call's fingerprint went before the site's implicit declaration
-                    self.agreed = False
-                else:
-                    verifier.agree(self.name, self.collective, self.op, x, rows_per_rank=rows_per_rank, uneven=uneven)
-            elif self.header is not None:
-                # Inside a CUDA-graph capture no header can be exchanged (host traffic): captured calls carry no
-                # guard, as with the in-message guard (route_impls/guard.py). This is what lets a gloo-staged CUDA
-                # group capture its ipc_fold calls, whose kernels compare their own per-call descriptor.
-                if not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
-                    self.header.exchange(self.calls, -1 if uneven or rows_per_rank is not None
-                                         else x.shape[self.row_dim], rows_per_rank)
-            elif self.message is not None:
-                self.message.arm(self.calls, -1 if uneven or rows_per_rank is not None else x.shape[self.row_dim],
-                                 rows_per_rank)
+            # Prove across ranks that every rank makes this call, before its data moves (``_prove``, chosen when
+            # the site was bound; None: one rank).
+            prove = self._prove
+            if prove is not None:
+                prove(x, rows_per_rank, uneven)
             if prepare is not None:
                 args = prepare()
             return (self._call if route is None else route)(x, args)
@@ -326,6 +347,32 @@ class SiteCall:
             raise self.comm._failure(self.name, self.calls, e) from e
         finally:
             lock.release()
+
+    # -- the proofs (one per communicator's guard mode, route_impls/guard.py) --------------------------------------
+    def _fingerprint(self, x: torch.Tensor, rows_per_rank: Sequence[int] | None, uneven: bool) -> None:
+        """With checking on: the call checker's full fingerprint."""
+        if self.agreed:  # the first call's fingerprint went before the site's implicit declaration
+            self.agreed = False
+            return
+        verifier = self.comm._verifier
+        assert verifier is not None, "the fingerprint proof is chosen only with a call checker"
+        verifier.agree(self.name, self.collective, self.op, x, rows_per_rank=rows_per_rank, uneven=uneven)
+
+    def _exchange(self, x: torch.Tensor, rows_per_rank: Sequence[int] | None, uneven: bool) -> None:
+        """The call guard's separate header, all-gathered before the data moves. Inside a CUDA-graph capture no
+        header can be exchanged (host traffic): captured calls carry no guard, as with the in-message guard. This
+        is what lets a gloo-staged CUDA group capture its ipc_fold calls, whose kernels compare their own per-call
+        descriptor."""
+        if not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+            assert self._header is not None
+            self._header.exchange(self.calls, -1 if uneven or rows_per_rank is not None else x.shape[self.row_dim],
+                                  rows_per_rank)
+
+    def _arm(self, x: torch.Tensor, rows_per_rank: Sequence[int] | None, uneven: bool) -> None:
+        """The header the route carries in its messages, armed with this call (compared before the route returns)."""
+        assert self.message is not None
+        self.message.arm(self.calls, -1 if uneven or rows_per_rank is not None else x.shape[self.row_dim],
+                         rows_per_rank)
 
 
 # -- the arguments of a call, checked before its site is looked up -------------------------------------------------

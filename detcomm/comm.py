@@ -59,6 +59,11 @@ _log = logging.getLogger("detcomm")
 
 # Width of the startup self-checks' rows: not a multiple of 8, so vectorized kernels' scalar tails run too.
 _STARTUP_CHECK_SHAPE = (76,)
+# The collectives' enum members as constants: reading an Enum member off its class is a descriptor call (~70 ns
+# on the CI machine, a twentieth of a call's host path), paid by every call that names it.
+_ALL_REDUCE, _REDUCE_SCATTER, _ALL_GATHER = Collective.ALL_REDUCE, Collective.REDUCE_SCATTER, Collective.ALL_GATHER
+_ALL_REDUCE_RMSNORM, _TOKEN_ALL_GATHER = Collective.ALL_REDUCE_RMSNORM, Collective.TOKEN_ALL_GATHER
+_ALL_TO_ALL, _ARGMAX, _SUM, _MAX = Collective.ALL_TO_ALL, Collective.ARGMAX, ReduceOp.SUM, ReduceOp.MAX
 
 
 def _group_label(group: dist.ProcessGroup) -> str:
@@ -442,7 +447,7 @@ class Communicator:
 
         On a virtual-shard site ``x`` is this rank's [V/W, rows, *shape] fp32 partial sums and the result is
         [rows, *shape] in the site's dtype (docs/spec.md §9.1)."""
-        return self._site_call(site, Collective.ALL_REDUCE, x, op).call(x, out, async_op)
+        return self._site_call(site, _ALL_REDUCE, x, op).call(x, out, async_op)
 
     def reduce_scatter(self, x: torch.Tensor, site: str | Site, *, op: str = "sum", out: torch.Tensor | None = None,
                        async_op: bool = False) -> torch.Tensor | Work:
@@ -451,12 +456,12 @@ class Communicator:
 
         On a virtual-shard site ``x`` is this rank's [V/W, rows, *shape] fp32 partial sums and rank r receives
         row block r of the folded [rows, *shape] result, in the site's dtype (docs/spec.md §9.1)."""
-        return self._site_call(site, Collective.REDUCE_SCATTER, x, op).call(x, out, async_op)
+        return self._site_call(site, _REDUCE_SCATTER, x, op).call(x, out, async_op)
 
     def all_gather(self, x: torch.Tensor, site: str | Site, *, out: torch.Tensor | None = None,
                    async_op: bool = False) -> torch.Tensor | Work:
         """Every rank's ``x`` concatenated along dim 0 in rank order (``out``: ``W * rows`` rows). Collective."""
-        return self._site_call(site, Collective.ALL_GATHER, x, ReduceOp.SUM).call(x, out, async_op)
+        return self._site_call(site, _ALL_GATHER, x, _SUM).call(x, out, async_op)
 
     def all_reduce_residual_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, *,
                                     eps: float, site: str | Site) -> tuple[torch.Tensor, torch.Tensor]:
@@ -471,14 +476,14 @@ class Communicator:
         if type(name) is str and name not in self._site_calls:
             # An undeclared site is declared from this call (a self-check is collective): its arguments first.
             norm_args(name, x, residual, weight, eps)
-        return self._site_call(site, Collective.ALL_REDUCE_RMSNORM, x, ReduceOp.SUM).norm(x, residual, weight, eps)
+        return self._site_call(site, _ALL_REDUCE_RMSNORM, x, _SUM).norm(x, residual, weight, eps)
 
     def token_all_gather(self, x: torch.Tensor, site: str | Site, *, rows_per_rank: Sequence[int]) -> torch.Tensor:
         """Uneven all-gather: rank r contributes ``rows_per_rank[r]`` rows; concatenated in rank order. Collective."""
         self._check_open()
         counts = token_counts(site.name if isinstance(site, Site) else site, x, rows_per_rank,
                               world_size=self.world_size, rank=self.rank)
-        sc = self._site_call(site, Collective.TOKEN_ALL_GATHER, x, ReduceOp.SUM, rows_per_rank=counts)
+        sc = self._site_call(site, _TOKEN_ALL_GATHER, x, _SUM, rows_per_rank=counts)
         return sc.token_all_gather(x, counts)
 
     def all_to_all(self, x: torch.Tensor, site: str | Site, *, splits: Sequence[int] | None = None,
@@ -496,7 +501,7 @@ class Communicator:
         self._check_open()
         in_splits, known = a2a_splits(site.name if isinstance(site, Site) else site, x, splits, out_splits,
                                       world_size=self.world_size)
-        sc = self._site_call(site, Collective.ALL_TO_ALL, x, ReduceOp.SUM, uneven=splits is not None)
+        sc = self._site_call(site, _ALL_TO_ALL, x, _SUM, uneven=splits is not None)
         return sc.all_to_all(x, in_splits, known)
 
     def argmax(self, logits_shard: torch.Tensor, site: str | Site, *, vocab_start: int) -> torch.Tensor:
@@ -504,7 +509,7 @@ class Communicator:
         NaN counts as the largest value (as torch.argmax). Collective."""
         self._check_open()
         argmax_start(site.name if isinstance(site, Site) else site, logits_shard, vocab_start)
-        return self._site_call(site, Collective.ARGMAX, logits_shard, ReduceOp.MAX).argmax(logits_shard, vocab_start)
+        return self._site_call(site, _ARGMAX, logits_shard, _MAX).argmax(logits_shard, vocab_start)
 
     # -- introspection and lifecycle ----------------------------------------------------------------
     def routes(self) -> RouteTable:

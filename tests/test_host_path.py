@@ -90,7 +90,12 @@ def job_fast_path(rank: int, w: int) -> list[str]:
         x = torch.full((3, 12), float(rank + 1))
         want = torch.full((3, 12), float(w * (w + 1) // 2))
         buf = torch.empty_like(x)
+        # out right after x in one storage: touching, not overlapping (the overlap test's boundary, from the rows).
+        pair = torch.empty(6, 12)
+        xa, after = pair[:3], pair[3:]
+        xa.copy_(x)
         for label, call in (("name", lambda: detcomm.all_reduce(x, "hp.e")),
+                            ("out adjacent", lambda: detcomm.all_reduce(xa, "hp.e", out=after)),
                             ("out=buf", lambda: detcomm.all_reduce(x, "hp.e", out=buf)),
                             ("Site", lambda: detcomm.all_reduce(x, site)),
                             ("op=ReduceOp", lambda: detcomm.all_reduce(x, "hp.e", op=ReduceOp.SUM)),
@@ -128,6 +133,15 @@ def job_fast_path(rank: int, w: int) -> list[str]:
             "out dtype": (lambda: detcomm.all_reduce(x, "hp.e", out=buf.double()), ValueError, "out must be"),
             "out type": (lambda: detcomm.all_reduce(x, "hp.e", out=3), TypeError, "out must be a torch.Tensor"),
             "out overlap": (lambda: detcomm.all_reduce(x[:2], "hp.e", out=x[1:]), ValueError, "partially overlaps"),
+            "x device": (lambda: detcomm.all_reduce(x.to("meta"), "hp.e"), ValueError,
+                         "site 'hp.e': tensor is on meta, but this communicator (gloo) works on cpu; move it with "
+                         "x.to('cpu')"),
+            "out device": (lambda: detcomm.all_reduce(x, "hp.e", out=torch.empty(3, 12, device="meta")), ValueError,
+                           "site 'hp.e': out must be a float32 tensor of shape [3, 12] on cpu, got float32 [3, 12] on "
+                           "meta"),
+            "rs out device": (lambda: detcomm.reduce_scatter(xs, "hp.rs", out=torch.empty(2, 12, device="meta")),
+                              ValueError, "out must be a float32 tensor of shape [2, 12] on cpu, got float32 [2, 12] "
+                              "on meta"),
             "out strided": (lambda: detcomm.all_reduce(x, "hp.e", out=torch.empty(12, 3).t()), ValueError,
                             "out is not contiguous"),
             "foreign Site": (lambda: detcomm.all_reduce(x, Site("hp.e", Collective.ALL_REDUCE, torch.float32,
@@ -152,6 +166,24 @@ def job_fast_path(rank: int, w: int) -> list[str]:
             # A contradicting collective or op, a foreign Site and a wrong site type take the resolution's error.
             if label in ("op", "bad op", "rs as all_reduce", "foreign Site", "site type") and len(full) == n:
                 problems.append(f"{label}: the site resolution never ran")
+        # A virtual-shard site's out (the folded rows, bf16) against its fp32 partials [V/W, rows, H]: the overlap
+        # test counts every row's V/W partials (an out inside their last bytes is refused, one right after them
+        # is accepted and receives the fold).
+        detcomm.site("hp.v", collective="all_reduce", dtype=torch.bfloat16, shape=(8,), max_rows=4,
+                     virtual_shards=2 * w)
+        st = torch.zeros(2 * 3 * 8 + 12)
+        part = st[:48].view(2, 3, 8)
+        part.fill_(float(rank + 1))
+        inside, beside = part.view(-1).view(torch.bfloat16)[72:].view(3, 8), st[48:].view(torch.bfloat16).view(3, 8)
+        try:
+            detcomm.all_reduce(part, "hp.v", out=inside)
+            problems.append("virtual: an out inside the partials' bytes was accepted")
+        except ValueError as e:
+            if "partially overlaps" not in str(e):
+                problems.append(f"virtual inside: {e}")
+        folded = torch.full((3, 8), float(w * (w + 1)), dtype=torch.bfloat16)  # 2 shards of rank + 1 per rank
+        if detcomm.all_reduce(part, "hp.v", out=beside) is not beside or not torch.equal(beside, folded):
+            problems.append(f"virtual: the out beside the partials did not receive the fold: {beside[0].tolist()}")
         # The spy sees a resolution (negative control of the 'declared calls skip it' assertion above).
         detcomm.all_reduce(x, "hp.undeclared")
         if not full or full[-1] != "hp.undeclared":
