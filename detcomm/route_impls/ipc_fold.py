@@ -65,8 +65,8 @@ class _FusedFamily:
     plain fold and the tree; none folds the shard order, admission.fused_layout_refusal): their variants, their
     call, the composition's all-reduce they are proven against, the check's residual, and the route table's words."""
 
-    variants: Callable[[Workspace], Callable[[torch.dtype, int, int], list[str]]]
-    run: Callable[[Workspace], Callable[..., tuple[torch.Tensor, torch.Tensor]]]
+    variants: Callable[[Workspace, torch.dtype, int, int], list[str]]
+    run: Callable[..., tuple[torch.Tensor, torch.Tensor]]  # (ws, x, residual, weight, eps_fp32, label=, **variant)
     all_reduce: Callable[[Workspace, torch.Tensor, torch.dtype, str], torch.Tensor]
     residual: Callable[[torch.Tensor, torch.dtype], torch.Tensor]
     row: str  # what one fused launch must hold
@@ -74,10 +74,12 @@ class _FusedFamily:
 
 
 _FUSED = {
-    Kind.PLAIN: _FusedFamily(lambda ws: ws.fused_norm_variants, lambda ws: ws.all_reduce_rmsnorm,
+    Kind.PLAIN: _FusedFamily(lambda ws, *a: ws.fused_norm_variants(*a),
+                             lambda ws, *a, **kw: ws.all_reduce_rmsnorm(*a, **kw),
                              lambda ws, x, dtype, label: ws.all_reduce(x, label=label), _plain_residual, "a row",
                              "fused"),
-    Kind.TREE: _FusedFamily(lambda ws: ws.fused_norm_tree_variants, lambda ws: ws.all_reduce_rmsnorm_tree,
+    Kind.TREE: _FusedFamily(lambda ws, *a: ws.fused_norm_tree_variants(*a),
+                            lambda ws, *a, **kw: ws.all_reduce_rmsnorm_tree(*a, **kw),
                             lambda ws, x, dtype, label: ws.all_reduce_tree(x, dtype=dtype, label=label),
                             _tree_residual, "an fp32 row", "fused tree"),
 }
@@ -185,25 +187,24 @@ class IpcFoldRoute:
         forced = dict(bound.variants)
         if fusion_refusal(self.resolved, site, world_size=ws.world_size) is not None:
             return FusedBound(bound.route, bound.site, bound.call, forced)
-        variants = family.variants(ws)(dtype, site.shape[0], site.max_rows)
+        variants = family.variants(ws, dtype, site.shape[0], site.max_rows)
         if not variants:
             return FusedBound(bound.route, bound.site, bound.call, forced,
                               note=f" [not fused: {family.row} does not fit one fused launch of the workspace; "
                                    "composition]")
-        kernels = family.run(ws)
         for v in variants:
             kw: dict[str, object] = {"chunk_rows": 1} if v == "fused_chunked" else {"algo": v.removeprefix("fused_")}
 
             def run(x: torch.Tensor, res: torch.Tensor, w: torch.Tensor, eps: float,
                     kw: dict[str, object] = kw) -> tuple[torch.Tensor, torch.Tensor]:
-                return kernels(x, res, w, norm.eps_fp32(eps), label=label, **kw)
+                return family.run(ws, x, res, w, norm.eps_fp32(eps), label=label, **kw)
 
             forced[v] = _proving(ws, run, label, dtype, site.layout.kind)
 
         def fused(x: torch.Tensor, res: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
             hidden = res.shape[-1]
             lead = x.shape[: x.dim() - res.dim()]  # a virtual layout's V/W slabs lead the partials
-            y, r = kernels(x.view(*lead, -1, hidden), res.view(-1, hidden), w, norm.eps_fp32(eps), label=label)
+            y, r = family.run(ws, x.view(*lead, -1, hidden), res.view(-1, hidden), w, norm.eps_fp32(eps), label=label)
             return y.view(res.shape), r.view(res.shape)
 
         return FusedBound(bound.route, bound.site, bound.call, forced, fused=fused)
