@@ -98,6 +98,12 @@ class Layout:
         """How a route moves and combines the partials (``how``: "gather", "rows" or "columns"; virtual layouts)."""
         return _MOVES[self.kind][how]
 
+    def spelled(self) -> str:
+        """The declaration's words for the layout, as a suffix (Site.describe, the self-checks' labels); "" plain."""
+        if self.shards is None:
+            return ""
+        return f" virtual_shards={self.shards}" + (" shard_fold=tree" if self.kind is Kind.TREE else "")
+
     def declared(self) -> str:
         """The layout as a forced route's reason names it."""
         return f"{self.shards} virtual shards" + (", tree order" if self.kind is Kind.TREE else "")

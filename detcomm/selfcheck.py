@@ -80,10 +80,7 @@ class CheckKey:
         dt = name_of(self.dtype)
         op = f" {self.op.value}" if self.collective.reduces else ""
         variant = f" [{self.variant}]" if self.variant else ""
-        vs = "" if self.virtual_shards is None else f" virtual_shards={self.virtual_shards}"
-        if self.virtual_shards is not None and self.shard_fold != "order":
-            vs += f" shard_fold={self.shard_fold}"
-        return f"{self.route.value}{variant}: {self.collective.value}{op} {dt}{list(self.shape)}{vs}"
+        return f"{self.route.value}{variant}: {self.collective.value}{op} {dt}{list(self.shape)}{self.layout.spelled()}"
 
 
 @dataclass(frozen=True)

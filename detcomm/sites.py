@@ -262,10 +262,8 @@ class Site:
     def describe(self) -> str:
         dt = name_of(self.dtype)
         op = f" {self.op.value}" if self.collective.reduces else ""
-        vs = "" if self.virtual_shards is None else f" virtual_shards={self.virtual_shards}"
-        if self.shard_fold != "order":
-            vs += f" shard_fold={self.shard_fold}"
-        return f"{self.collective.value}{op} {dt}[rows<={self.max_rows}, {', '.join(map(str, self.shape))}]{vs}"
+        rows = f"[rows<={self.max_rows}, {', '.join(map(str, self.shape))}]"
+        return f"{self.collective.value}{op} {dt}{rows}{self.layout.spelled()}"
 
 
 

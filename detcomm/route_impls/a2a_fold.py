@@ -23,24 +23,18 @@ import torch
 import torch.nn.functional as F
 
 from ..layout import PLAIN, Layout
-from ..numerics.fold import Leaf
-from ..numerics.layout import combine, sent
+from ..numerics.layout import sent
 from ..sites import BoundRoute, Collective, ReduceOp, Route, Site
 from .base import Call, bind_from
 from .guard import MessageGuard, exchange_blocks
-from .native import NativeRoute
+from .host_fold import HostFoldRoute
 
 
-class A2AFoldRoute:
+class A2AFoldRoute(HostFoldRoute):
     route = Route.A2A_FOLD
 
-    def __init__(self, native: NativeRoute, leaf: Leaf) -> None:
-        self.native = native
-        self.leaf = leaf
-
     def bind(self, site: Site) -> BoundRoute:
-        # The call guard inside the exchanged blocks where the group's messages live in device memory (guard.py).
-        guard = MessageGuard(site, native=self.native) if self.native.in_message else None
+        guard = self._guard(site)
         layout, dtype, op = site.layout, site.dtype, site.op
         table: dict[Collective, Call] = {
             Collective.REDUCE_SCATTER: lambda x, a: self.reduce_scatter(x, op, layout=layout, dtype=dtype,
@@ -78,6 +72,3 @@ class A2AFoldRoute:
         """``blocks`` [W, k, ...]: block q goes to rank q. Returns [W, k, ...]: what every rank sent this rank, in
         rank order (so the V shards in shard order)."""
         return exchange_blocks(self.native, blocks, guard, contiguous=blocks.is_cuda)
-
-    def _fold(self, moved: torch.Tensor, dtype: torch.dtype, op: ReduceOp, layout: Layout) -> torch.Tensor:
-        return combine(layout, moved, dtype, op, self.leaf.fold)

@@ -15,24 +15,18 @@ from __future__ import annotations
 import torch
 
 from ..layout import PLAIN, Layout
-from ..numerics.fold import Leaf
-from ..numerics.layout import combine, sent
+from ..numerics.layout import sent
 from ..sites import BoundRoute, Collective, ReduceOp, Route, Site
 from .base import bind_from
 from .guard import MessageGuard, gather
-from .native import NativeRoute
+from .host_fold import HostFoldRoute
 
 
-class GatherFoldRoute:
+class GatherFoldRoute(HostFoldRoute):
     route = Route.GATHER_FOLD
 
-    def __init__(self, native: NativeRoute, leaf: Leaf) -> None:
-        self.native = native
-        self.leaf = leaf
-
     def bind(self, site: Site) -> BoundRoute:
-        # The call guard inside the gathered messages where the group's messages live in device memory (guard.py).
-        guard = MessageGuard(site, native=self.native) if self.native.in_message else None
+        guard = self._guard(site)
         layout, dtype, op = site.layout, site.dtype, site.op
         return bind_from(self.route, site, {
             Collective.ALL_REDUCE: lambda x, a: self.all_reduce(x, op, layout=layout, dtype=dtype, guard=guard),
@@ -57,6 +51,3 @@ class GatherFoldRoute:
     def _gathered(self, x: torch.Tensor, guard: MessageGuard | None) -> torch.Tensor:
         # The torch leaf folds strided views; the CUDA leaf reads one contiguous [W, ...] block.
         return gather(self.native, x, guard, contiguous=x.is_cuda)
-
-    def _fold(self, moved: torch.Tensor, dtype: torch.dtype, op: ReduceOp, layout: Layout) -> torch.Tensor:
-        return combine(layout, moved, dtype, op, self.leaf.fold)

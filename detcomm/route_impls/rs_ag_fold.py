@@ -26,26 +26,19 @@ import torch
 import torch.nn.functional as F
 
 from ..layout import PLAIN
-from ..numerics.fold import Leaf
-from ..numerics.layout import combine
 from ..sites import BoundRoute, Collective, ReduceOp, Route, Site
 from .base import bind_from
 from .guard import MessageGuard, exchange_blocks
-from .native import NativeRoute
+from .host_fold import HostFoldRoute
 
 __all__ = ["RsAgFoldRoute"]
 
 
-class RsAgFoldRoute:
+class RsAgFoldRoute(HostFoldRoute):
     route = Route.RS_AG_FOLD
 
-    def __init__(self, native: NativeRoute, leaf: Leaf) -> None:
-        self.native = native
-        self.leaf = leaf
-
     def bind(self, site: Site) -> BoundRoute:
-        # The call guard inside the exchanged blocks where the group's messages live in device memory (guard.py).
-        guard = MessageGuard(site, native=self.native) if self.native.in_message else None
+        guard = self._guard(site)
         return bind_from(self.route, site,
                          {Collective.ALL_REDUCE: lambda x, a: self.all_reduce(x, site.op, guard=guard)}, guard=guard)
 
@@ -60,5 +53,5 @@ class RsAgFoldRoute:
             flat = F.pad(flat, (0, w * c - n))
         # Block q goes to rank q; rank q receives block q of every rank, in rank order.
         stacked = exchange_blocks(self.native, flat.view(w, c), guard, contiguous=x.is_cuda)
-        mine = combine(PLAIN, stacked.unsqueeze(1), x.dtype, op, self.leaf.fold)
+        mine = self._fold(stacked.unsqueeze(1), x.dtype, op, PLAIN)
         return self.native.all_gather(mine)[:n].view(x.shape)
