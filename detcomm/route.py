@@ -15,6 +15,8 @@ exist yet, and ``table()`` builds both that static table and the live ``detcomm.
 
 The words it decides in (Site, Route, Capabilities, the BoundRoute / RouteImpl protocol) are
 detcomm/sites.py's, a layer below: the routes, the workspace's admission and the numerics read them from there.
+A site's layout (plain, shard order or tree over V: detcomm/layout.py) says which W it serves and what the routes
+move; the router asks it, so one candidate list serves every virtual layout.
 
 Rejected: routing from the message size (the route would change with the batch: exactly the bug this package
 exists to prevent); a separate "fallback" layer in the communicator (it made four places decide routes).
