@@ -23,6 +23,7 @@ def job_colocated(rank: int, w: int, directory: str, trainer_world: int) -> dict
     from detcomm.rl.colocate import Colocated
 
     torch.set_num_threads(1)
+    detcomm.shutdown()  # a job before this one on the shared cluster may have left its communicator
     detcomm.init(numerics="rl-bitwise")
     try:
         c = Colocated(directory, trainer_world=trainer_world, lr=1e-2)

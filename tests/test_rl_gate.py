@@ -67,6 +67,7 @@ def job_contracts(rank: int, w: int, directory: str) -> list[dict]:
     out = []
     for dtype, layout, v in ((torch.float32, "virtual", 8), (torch.bfloat16, "virtual", 8),
                              (torch.float32, "virtual", 4), (torch.float32, "fold", None)):
+        detcomm.shutdown()  # a job before this one on the shared cluster may have left its communicator
         detcomm.init(numerics="rl-bitwise")
         try:
             lm = TPCausalLM(load_causal_lm(directory, dtype=dtype), ServingConfig(t_pad=64, max_context=64),

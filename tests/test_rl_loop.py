@@ -17,11 +17,20 @@ from detcomm.rl.loop import GRPOLoop
 PROMPTS = [[5, 77, 300, 2, 999, 41], [12, 640, 8]]
 
 
+def job_fresh(rank: int, w: int) -> None:
+    """Shut down a communicator an earlier job on the shared cluster may have left (the loop's sides init their own)."""
+    import detcomm
+
+    detcomm.shutdown()
+
+
 @pytest.mark.slow
 def test_grpo_loop_exact_across_widths(tmp_path, cluster2, cluster4) -> None:  # noqa: ANN001
     from clusters import get_cluster
 
     directory = write_tiny_checkpoint("llama-tiny", str(tmp_path), seed=3)
+    for c in (get_cluster(1), cluster2, cluster4):
+        c.run(job_fresh)
     for trainer in (get_cluster(1), cluster2):
         loop = GRPOLoop(directory, rollout=cluster4, trainer=trainer, lr=1e-2)
         try:

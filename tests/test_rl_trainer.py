@@ -38,6 +38,7 @@ def job_rollout(rank: int, w: int, directory: str, dtype: str = "float32") -> di
     from detcomm.rl.rollout import sample
 
     torch.set_num_threads(1)
+    detcomm.shutdown()  # a job before this one on the shared cluster may have left its communicator
     detcomm.init(numerics="rl-bitwise")
     try:
         lm = _engine(directory, dtype)
@@ -55,6 +56,7 @@ def job_trainer(rank: int, w: int, directory: str, seqs: list[list[int]], starts
     from detcomm.rl.trainer import Trainer
 
     torch.set_num_threads(1)
+    detcomm.shutdown()  # a job before this one on the shared cluster may have left its communicator
     detcomm.init(numerics="rl-bitwise")
     try:
         lm = _engine(directory, dtype)
@@ -168,6 +170,7 @@ def job_refusals(rank: int, w: int, directory: str, moe: str) -> list[str]:
     out = []
     tree = dict(layout="virtual", virtual_shards=8, shard_fold="tree")
     for d, kw, impl in ((directory, {}, None), (moe, tree, None), (directory, tree, "triton")):
+        detcomm.shutdown()  # a job before this one on the shared cluster may have left its communicator
         detcomm.init(numerics="rl-bitwise")
         try:
             serving = ServingConfig(t_pad=64, max_context=64, attention_impl=impl)
