@@ -15,6 +15,8 @@ exist yet, and ``table()`` builds both that static table and the live ``detcomm.
 
 The words it decides in (Site, Route, Capabilities, the BoundRoute / RouteImpl protocol) are
 detcomm/sites.py's, a layer below: the routes, the workspace's admission and the numerics read them from there.
+A site's layout (plain, shard order or tree over V: detcomm/layout.py) says which W it serves and what the routes
+move; the router asks it, so one candidate list serves every virtual layout.
 
 Rejected: routing from the message size (the route would change with the batch: exactly the bug this package
 exists to prevent); a separate "fallback" layer in the communicator (it made four places decide routes).
@@ -23,7 +25,6 @@ exists to prevent); a separate "fallback" layer in the communicator (it made fou
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, cast
@@ -32,6 +33,7 @@ from . import dtypes
 from .dtypes import name_of
 from .envelope import Resolved
 from .errors import RouteRefused
+from .layout import Kind
 from .sites import ROUTE_INFO, BoundRoute, Capabilities, Collective, ReduceOp, Route, RouteImpl, Site
 from .tables import format_table
 from .workspace import admission
@@ -170,10 +172,9 @@ class Router:
         self._impls = dict(impls or {})
         self._checker = checker
         self._bound: dict[Site, tuple[BoundRoute, RouteDecision, str]] = {}
-        # (route, collective, op, shard fold of a virtual-shard site or None) -> why it was refused: a route that
-        # failed a check serves that collective for no dtype or shape on this group (a virtual-shard site, and each
-        # shard fold, runs other code on the route).
-        self._refused: dict[tuple[Route, Collective, ReduceOp, str | None], str] = {}
+        # (route, collective, op, the site's layout kind) -> why it was refused: a route that failed a check serves
+        # that collective for no dtype or shape on this group (each layout runs other code on the route).
+        self._refused: dict[tuple[Route, Collective, ReduceOp, Kind], str] = {}
 
     # -- the static policy -------------------------------------------------------------------------------------
     def decide(self, site: Site) -> RouteDecision:
@@ -182,7 +183,7 @@ class Router:
 
     def candidates(self, site: Site) -> list[RouteDecision]:
         sw = self.resolved.switches
-        if site.virtual_shards is not None:
+        if site.layout.virtual:
             return self._with_norm(site, self._virtual_candidates(site))
         if site.route is not None:
             return [self._forced(site)]
@@ -272,27 +273,17 @@ class Router:
                 f"break-even {self._rs_ag_break_even()} B (W={w}, {self._rs_ag_link()}; docs/spec.md §3)")
 
     def _virtual_candidates(self, site: Site) -> list[RouteDecision]:
-        """A virtual-shard site (docs/spec.md §9.1): gather_fold or a2a_fold under every envelope, by a static
-        rule. The declaration asks for bits that do not depend on W; under ``auto`` the native route would give
-        other numerics without a word, so it serves such a site only when forced (outside bitwise envelopes),
-        as a negative control. An all-reduce site takes the workspace first where the workspace admits it
-        (detcomm.workspace.admission: armed, and one row's V/W fp32 slabs fit a launch); reduce-scatter never does."""
-        v, w = site.virtual_shards, self.caps.world_size
-        assert v is not None
-        tree = site.shard_fold == "tree"
-        if tree and v % w:
-            # V is a power of two (Site), so W divides V exactly when W is a power of two no larger than V.
-            raise ValueError(
-                f"site {site.name!r}: shard_fold='tree' at W={w}: rank r folds the subtree of shards r*V/W .. "
-                f"(r+1)*V/W - 1, so W must be a power of two dividing V={v}; shard_fold='order' serves every W "
-                f"dividing V (declare V a multiple of every TP size you will run, e.g. {math.lcm(w, 8)}, with V/W fp32 "
-                "partials per rank on the wire)"
-            )
-        if v % w:
-            raise ValueError(
-                f"site {site.name!r}: virtual_shards V={v} is not divisible by the group's world size W={w} (rank r "
-                f"owns shards r*V/W .. (r+1)*V/W - 1); choose V a multiple of every TP size you will run, e.g. 8"
-            )
+        """A virtual-shard site (docs/spec.md §9.1; its layout, detcomm/layout.py, says what each rank holds and
+        how the routes move and combine it): gather_fold or a2a_fold under every envelope, by a static rule. The
+        declaration asks for bits that do not depend on W; under ``auto`` the native route would give other
+        numerics without a word, so it serves such a site only when forced (outside bitwise envelopes), as a
+        negative control. All-reduce: the workspace where it admits the site (detcomm.workspace.admission), then
+        gather_fold (one collective: the decode route), then a2a_fold (column blocks, then an all-gather of the
+        rounded blocks: the bandwidth route). Reduce-scatter: a2a_fold's row-block exchange, then gather_fold."""
+        layout, w = site.layout, self.caps.world_size
+        no_w = layout.world_refusal(w)
+        if no_w is not None:
+            raise ValueError(f"site {site.name!r}: {no_w}")
         ws = admission.admit(site, self.caps, self.resolved)
         if site.route is not None:
             if site.route is Route.NATIVE and self.resolved.bitwise:
@@ -302,50 +293,19 @@ class Router:
                     "batch invariance; drop route= (gather_fold/a2a_fold fold the V shards) or use numerics='auto'"
                 )
             if site.route is Route.IPC_FOLD and not ws.serves:
-                raise ValueError(f"site {site.name!r}: route='ipc_fold' is unavailable for {v} virtual shards: "
-                                 f"{ws.why}; drop route= (gather_fold / a2a_fold fold the V shards on any group)")
-            return [RouteDecision(site.route, f"forced by the site's route=; {v} virtual shards"
-                                                  f"{', tree order' if tree else ''}")]
-        if tree:
-            return self._tree_candidates(site, ws)
-        shards = f"{v} virtual shards, {v // w} fp32 partials per rank"
+                raise ValueError(f"site {site.name!r}: route='ipc_fold' is unavailable for {layout.shards} virtual "
+                                 f"shards: {ws.why}; drop route= (gather_fold / a2a_fold fold the V shards on any "
+                                 "group)")
+            return [RouteDecision(site.route, f"forced by the site's route=; {layout.declared()}")]
+        held = layout.held(w)
         if site.collective is Collective.REDUCE_SCATTER:
-            shards += f"; {ws.why}"
-            gather = RouteDecision(Route.GATHER_FOLD, f"canonical fold over the shards after an all-gather of the "
-                                                      f"fp32 partials ({shards})")
-            return [RouteDecision(Route.A2A_FOLD, f"canonical fold over the shards after an all-to-all of the row "
-                                                  f"blocks of the fp32 partials ({shards})"), gather]
+            held += f"; {ws.why}"
+            return [RouteDecision(Route.A2A_FOLD, f"{layout.moves('rows')} ({held})"),
+                    RouteDecision(Route.GATHER_FOLD, f"{layout.moves('gather')} ({held})")]
         out = [RouteDecision(Route.IPC_FOLD, ws.why)] if ws.serves else []
-        shards += f"; {'ipc_fold refused' if ws.serves else ws.why}"
-        return out + [
-            RouteDecision(Route.GATHER_FOLD, f"canonical fold over the shards after an all-gather of the fp32 "
-                                             f"partials ({shards})"),
-            RouteDecision(Route.A2A_FOLD, f"all-to-all of column blocks of the fp32 partials, canonical fold, "
-                                          f"all-gather of the rounded blocks ({shards})")]
-
-    def _tree_candidates(self, site: Site, ws: admission.Admission) -> list[RouteDecision]:
-        """A tree-order virtual-shard site (docs/spec.md §9.1 "The tree order"): every rank folds its own subtree
-        and sends one fp32 root per element. All-reduce: the workspace where it admits the site, then gather_fold
-        (one collective: the decode route), then a2a_fold (reduce-scatter of column blocks, all-gather of the
-        rounded blocks: the bandwidth route, forced with route='a2a_fold'). Reduce-scatter: a2a_fold's row-block
-        exchange, then gather_fold."""
-        v, w = site.virtual_shards, self.caps.world_size
-        assert v is not None
-        local = (f"{v} virtual shards in the tree order, each rank folds its subtree of {v // w} and sends one fp32 "
-                 f"root per element")
-        if site.collective is Collective.REDUCE_SCATTER:
-            local += f"; {ws.why}"
-            return [RouteDecision(Route.A2A_FOLD, f"all-to-all of the row blocks of the subtree roots, the top "
-                                                  f"log2(W) levels of the tree ({local})"),
-                    RouteDecision(Route.GATHER_FOLD, f"all-gather of the subtree roots, the top log2(W) levels of "
-                                                     f"the tree ({local})")]
-        out = [RouteDecision(Route.IPC_FOLD, ws.why)] if ws.serves else []
-        local += f"; {'ipc_fold refused' if ws.serves else ws.why}"
-        return out + [
-            RouteDecision(Route.GATHER_FOLD, f"all-gather of the subtree roots, the top log2(W) levels of the tree "
-                                             f"({local})"),
-            RouteDecision(Route.A2A_FOLD, f"all-to-all of column blocks of the subtree roots, the top log2(W) "
-                                          f"levels, all-gather of the rounded blocks ({local})")]
+        held += f"; {'ipc_fold refused' if ws.serves else ws.why}"
+        return out + [RouteDecision(Route.GATHER_FOLD, f"{layout.moves('gather')} ({held})"),
+                      RouteDecision(Route.A2A_FOLD, f"{layout.moves('columns')} ({held})")]
 
     def _forced(self, site: Site) -> RouteDecision:
         route = site.route
@@ -383,7 +343,7 @@ class Router:
             return hit[0]
         refused: list[str] = []
         for cand in self.candidates(site):
-            kind = (cand.route, site.collective, site.op, None if site.virtual_shards is None else site.shard_fold)
+            kind = (cand.route, site.collective, site.op, site.layout.kind)
             if kind in self._refused:
                 refused.append(f"{cand.route.value}: {self._refused[kind]}")
                 continue

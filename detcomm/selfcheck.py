@@ -42,6 +42,7 @@ from .invariance import (
     measure,
 )
 from .invariance import rows_changed as _rows_differing
+from .layout import Kind, Layout
 from .numerics.fold import average, canonical_nan, reference_fold
 from .numerics.tree import reference_tree
 from .payload import ill_conditioned, with_specials
@@ -70,14 +71,16 @@ class CheckKey:
     virtual_shards: int | None = None  # V of a virtual-shard site: the check folds V fp32 partials
     shard_fold: str = "order"  # a virtual-shard site's order over its V partials ("order" or "tree")
 
+    @property
+    def layout(self) -> Layout:
+        """The checked site's layout (detcomm/layout.py): the payload and the reference follow it."""
+        return Layout.of(self.virtual_shards, self.shard_fold)
+
     def label(self) -> str:
         dt = name_of(self.dtype)
         op = f" {self.op.value}" if self.collective.reduces else ""
         variant = f" [{self.variant}]" if self.variant else ""
-        vs = "" if self.virtual_shards is None else f" virtual_shards={self.virtual_shards}"
-        if self.virtual_shards is not None and self.shard_fold != "order":
-            vs += f" shard_fold={self.shard_fold}"
-        return f"{self.route.value}{variant}: {self.collective.value}{op} {dt}{list(self.shape)}{vs}"
+        return f"{self.route.value}{variant}: {self.collective.value}{op} {dt}{list(self.shape)}{self.layout.spelled()}"
 
 
 @dataclass(frozen=True)
@@ -168,7 +171,7 @@ def _shard_payload(key: CheckKey, rows: int, *, seed: int, rank: int, w: int, de
     for j in range(k):
         shard = rank * k + j
         p = ill_conditioned(rows, key.shape, key.dtype, seed=seed, rank=shard, world_size=v).to(torch.float32)
-        if key.shard_fold == "tree":
+        if key.layout.kind is Kind.TREE:
             p = _tree_placed(p, shard, v, key.dtype)
         slabs.append(p * factor)
     return torch.stack(slabs, dim=1).to(device)
@@ -211,7 +214,7 @@ def _tree_placed(p: torch.Tensor, shard: int, v: int, dtype: torch.dtype) -> tor
 
 
 def _payload(key: CheckKey, rows: int, *, seed: int, rank: int, w: int, device: torch.device) -> torch.Tensor:
-    if key.virtual_shards is not None:
+    if key.layout.virtual:
         return _shard_payload(key, rows, seed=seed, rank=rank, w=w, device=device)
     x = ill_conditioned(rows, key.shape, key.dtype, seed=seed, rank=rank, world_size=w)
     if key.collective is Collective.ARGMAX:
@@ -232,7 +235,7 @@ def _checks(key: CheckKey, execute: Callable[[torch.Tensor], torch.Tensor], *, w
             native: NativeRoute, device: torch.device) -> list[str]:
     rs = key.collective is Collective.REDUCE_SCATTER
     blocks = w if rs else 1  # a reduce-scatter input is W row blocks; rank r receives block r
-    if key.virtual_shards is not None:
+    if key.layout.virtual:
         # The payloads are rows first (the compositions of (b) index dim 0); the route takes [V/W, rows, ...].
         execute = _shards_first(execute)
     b = _BASE_ROWS
@@ -258,12 +261,12 @@ def _checks(key: CheckKey, execute: Callable[[torch.Tensor], torch.Tensor], *, w
                         f"changed, up to {tally.max_ulps:g} ulps")
 
     stacked = native.all_gather(base).view(w, *base.shape).cpu()
-    if key.virtual_shards is not None:  # [W, rows, V/W, ...] -> the V shards in order, [V, rows, ...]
-        stacked = stacked.transpose(1, 2).reshape(key.virtual_shards, *base.shape[:1], *base.shape[2:])
+    if key.layout.virtual:  # [W, rows, V/W, ...] -> the V shards in order, [V, rows, ...]
+        stacked = stacked.transpose(1, 2).reshape(-1, *base.shape[:1], *base.shape[2:])
     if key.collective is Collective.ARGMAX:
         full = stacked.permute(1, 0, 2).reshape(b, -1).to(torch.float32)
         ref = torch.argmax(full, dim=-1)
-    elif key.virtual_shards is not None and key.shard_fold == "tree":
+    elif key.layout.kind is Kind.TREE:
         ref = reference_tree(stacked.to(torch.float32), key.dtype)
     elif key.op is ReduceOp.SUM:
         ref = reference_fold(stacked, key.dtype)

@@ -3,7 +3,8 @@
 Collective, ReduceOp and Route name what a site issues and what can carry it (``ROUTE_INFO``: what each route
 moves and whether its floating-point SUM is the canonical fold); ``Site`` is a call site's static declaration,
 validated here, without a group; ``Capabilities`` the static facts of a group found at startup; ``CallArgs``,
-``BoundRoute`` and ``RouteImpl`` the protocol between the communicator, the router and the routes. The
+``BoundRoute`` and ``RouteImpl`` the protocol between the communicator, the router and the routes; a site's
+``layout`` (plain, shard order or tree over V: detcomm/layout.py) is what every layer asks of its partials. The
 defaults the static route view reads (``DEFAULT_*``) live here too, torch-free.
 
 The router (detcomm/route.py) decides, the routes (detcomm/route_impls/) bind, the workspace's admission and the
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
 
 from . import dtypes
 from .dtypes import name_of
+from .layout import SHARD_FOLDS, Layout
 
 if TYPE_CHECKING:
     import torch
@@ -41,6 +43,7 @@ __all__ = [
     "DEFAULT_WORKSPACE_BYTES",
     "VIRTUAL_SHARD_COLLECTIVES",
     "SHARD_FOLDS",
+    "Layout",
 ]
 
 DEFAULT_MAX_ROWS = 8192
@@ -122,9 +125,6 @@ _CARRIES: Mapping[Route, frozenset[Collective]] = {
 # An all_reduce_rmsnorm site's all-reduce may be virtual too (docs/spec.md §9.2 "Tree sites"): the layer boundary
 # of a TP-size-invariant layout, its sum that virtual all-reduce, then the canonical residual add + RMSNorm.
 VIRTUAL_SHARD_COLLECTIVES = frozenset({Collective.ALL_REDUCE, Collective.REDUCE_SCATTER, Collective.ALL_REDUCE_RMSNORM})
-# How a virtual-shard site combines its V partials (docs/spec.md §9.1): the fold in shard order (the default, any W
-# dividing V) or the fixed balanced binary tree ("The tree order": one fp32 partial per rank on the wire).
-SHARD_FOLDS = ("order", "tree")
 _VIRTUAL_ROUTES = frozenset({Route.GATHER_FOLD, Route.A2A_FOLD, Route.NATIVE, Route.IPC_FOLD})
 
 
@@ -240,6 +240,11 @@ class Site:
                              "virtual-shard reduce-scatter; drop route= (a2a_fold carries it)")
 
     @property
+    def layout(self) -> Layout:
+        """How the site's partials lie over the ranks and combine (detcomm/layout.py): what every layer asks."""
+        return Layout.of(self.virtual_shards, self.shard_fold)
+
+    @property
     def is_float(self) -> bool:
         return dtypes.is_float(self.dtype)
 
@@ -257,10 +262,8 @@ class Site:
     def describe(self) -> str:
         dt = name_of(self.dtype)
         op = f" {self.op.value}" if self.collective.reduces else ""
-        vs = "" if self.virtual_shards is None else f" virtual_shards={self.virtual_shards}"
-        if self.shard_fold != "order":
-            vs += f" shard_fold={self.shard_fold}"
-        return f"{self.collective.value}{op} {dt}[rows<={self.max_rows}, {', '.join(map(str, self.shape))}]{vs}"
+        rows = f"[rows<={self.max_rows}, {', '.join(map(str, self.shape))}]"
+        return f"{self.collective.value}{op} {dt}{rows}{self.layout.spelled()}"
 
 
 

@@ -507,8 +507,8 @@ def job_mutant_fold(rank: int, w: int) -> dict[str, object]:
     want, reversed_fold = oracle.fold_oracle(inputs, "float32"), oracle.fold_oracle(inputs[::-1], "float32")
     original = GatherFoldRoute._fold
 
-    def mutant(self, stacked, dtype, op):  # type: ignore[no-untyped-def]
-        return original(self, stacked.flip(0), dtype, op)
+    def mutant(self, stacked, *rest):  # type: ignore[no-untyped-def]
+        return original(self, stacked.flip(0), *rest)
 
     pg = dist.new_group(backend="detcomm")
     x = to_torch(inputs[rank], "float32")

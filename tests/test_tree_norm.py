@@ -9,7 +9,7 @@ s, then tests/norm_oracle.py's residual add and RMSNorm. Routes: gather_fold (th
 the composition through the API (the tree site's all-reduce, then the canonical add + RMSNorm). Negative controls:
 the payload's placed cancellations make the shard-order fold give other (y, r) (the oracle of that composition, and
 a shard-order all_reduce_rmsnorm site, which detcomm serves as that composition); the fused tree variants'
-self-check harness (route_impls/ipc_fold._proving_tree, driven by selfcheck.run_check over a stand-in workspace that
+self-check harness (route_impls/ipc_fold._proving, driven by selfcheck.run_check over a stand-in workspace that
 folds on the host) refuses a "fused kernel" that folds the shard order, pairs other shards, folds in reverse or
 drops the root's +0.0, and passes the right one. Wrong calls (dtype, shapes, a V the group cannot serve, rows, eps)
 raise ValueError on one rank alone, before any communication (the other ranks' next call still pairs with its).
@@ -177,14 +177,15 @@ def job_tree_norm(rank: int, w: int, payloads: dict[str, dict[str, np.ndarray]])
 
 
 def job_fused_check(rank: int, w: int) -> dict[str, tuple[bool, str]]:
-    """The fused tree variants' self-check (ipc_fold._proving_tree under selfcheck.run_check, the tree payload) with
+    """The fused tree variants' self-check (ipc_fold._proving under selfcheck.run_check, the tree payload) with
     a stand-in workspace whose all_reduce_tree folds the gathered partials on the host, and stand-in fused kernels:
     the right composition, and ones whose s is the shard-order fold, another pairing, a reversed fold or a tree
     without the root's +0.0. Each verdict, agreed across ranks."""
     import detcomm
+    from detcomm.layout import Kind
     from detcomm.numerics.norm import add_rms_norm
     from detcomm.numerics.tree import tree_fold
-    from detcomm.route_impls.ipc_fold import _proving_tree
+    from detcomm.route_impls.ipc_fold import _proving
     from detcomm.selfcheck import CheckKey, run_check
     from detcomm.sites import Collective, ReduceOp, Route
 
@@ -213,7 +214,7 @@ def job_fused_check(rank: int, w: int) -> dict[str, tuple[bool, str]]:
 
             key = CheckKey(Route.IPC_FOLD, Collective.ALL_REDUCE_RMSNORM, ReduceOp.SUM, dt, (CHECK_HIDDEN,),
                            f"fused_{kind}", V, "tree")
-            call = _proving_tree(ws, fused, "check", dt)  # type: ignore[arg-type]
+            call = _proving(ws, fused, "check", dt, Kind.TREE)  # type: ignore[arg-type]
             res = run_check(key, lambda x, call=call: call(x, None), native=native, device=comm.device)  # type: ignore[misc]
             out[f"{kind}.{dt}"] = (res.passed, res.reason)
     detcomm.shutdown()

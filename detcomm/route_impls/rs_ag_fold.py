@@ -3,8 +3,9 @@ all-gather of the rounded blocks. The bandwidth-optimal canonical all-reduce whe
 
 A call's input (rows x row) is flattened and split into W column blocks of c = ceil(n/W) elements (the last
 zero-padded; the padding is dropped from the result). An all-to-all gives rank q block q of every rank, in rank
-order; rank q folds those W blocks (docs/spec.md §1: fp32 from +0.0 in rank order, one rounding, canonical NaN;
-``op="avg"``: the fp32 fold, one division by W, one rounding) and an all-gather of the W rounded blocks gives
+order; rank q folds those W blocks (the plain layout's combine, detcomm/numerics/layout.py; docs/spec.md §1:
+fp32 from +0.0 in rank order, one rounding, canonical NaN; ``op="avg"``: the fp32 fold, one division by W, one
+rounding) and an all-gather of the W rounded blocks gives
 every rank the whole result, moved bit for bit (a -0.0 result stays -0.0). The fold is element-wise, so where
 the block boundaries fall moves no bit: a row's result depends only on its W inputs, not on the batch, its
 offset or W's divisibility, and equals gather_fold's and the workspace's.
@@ -24,25 +25,20 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..numerics.fold import Leaf, average
+from ..layout import PLAIN
 from ..sites import BoundRoute, Collective, ReduceOp, Route, Site
 from .base import bind_from
 from .guard import MessageGuard, exchange_blocks
-from .native import NativeRoute
+from .host_fold import HostFoldRoute
 
 __all__ = ["RsAgFoldRoute"]
 
 
-class RsAgFoldRoute:
+class RsAgFoldRoute(HostFoldRoute):
     route = Route.RS_AG_FOLD
 
-    def __init__(self, native: NativeRoute, leaf: Leaf) -> None:
-        self.native = native
-        self.leaf = leaf
-
     def bind(self, site: Site) -> BoundRoute:
-        # The call guard inside the exchanged blocks where the group's messages live in device memory (guard.py).
-        guard = MessageGuard(site, native=self.native) if self.native.in_message else None
+        guard = self._guard(site)
         return bind_from(self.route, site,
                          {Collective.ALL_REDUCE: lambda x, a: self.all_reduce(x, site.op, guard=guard)}, guard=guard)
 
@@ -57,8 +53,5 @@ class RsAgFoldRoute:
             flat = F.pad(flat, (0, w * c - n))
         # Block q goes to rank q; rank q receives block q of every rank, in rank order.
         stacked = exchange_blocks(self.native, flat.view(w, c), guard, contiguous=x.is_cuda)
-        if op is ReduceOp.AVG:
-            mine = average(self.leaf.fold(stacked, torch.float32), w, x.dtype)
-        else:
-            mine = self.leaf.fold(stacked, x.dtype)
+        mine = self._fold(stacked.unsqueeze(1), x.dtype, op, PLAIN)
         return self.native.all_gather(mine)[:n].view(x.shape)

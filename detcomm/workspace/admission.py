@@ -9,10 +9,9 @@ kernels and plan are what they describe:
 - rows: ``max_rows`` within the armed rows; an all-reduce site above them still takes the workspace when one row
   fits one launch (``workspace_bytes``), chunked with the same bits; a reduce-scatter site above them does not;
 - avg: the kernels round to the dtype, and avg needs the fp32 fold;
-- virtual shards: all-reduce sites (and all_reduce_rmsnorm sites' all-reduce) only, where one row's V/W fp32 slabs
-  fit one launch; a tree-order site
-  (``shard_fold="tree"``) where the tree kernels fold its V over this W (``plan.tree_refusal``) and one fp32 row
-  fits one launch (the local subtree is folded before the slot, so V/W does not count);
+- virtual shards (the site's layout, detcomm/layout.py): all-reduce sites (and all_reduce_rmsnorm sites'
+  all-reduce) only, where the fp32 row a rank sends fits one launch (its V/W slabs in the shard order; one root in
+  the tree, whose V over this W the tree kernels must fold too: ``plan.tree_refusal``);
 - fusion (``all_reduce_rmsnorm``): a fused kernel served for the site's all-reduce (the plain fold and the tree
   order; none for the shard order) and rows the fused kernels hold in registers
   (``plan.fused_norm_refusal``); what the numerics allow is ``detcomm.numerics.norm.fusion_refusal``'s part of
@@ -24,11 +23,13 @@ decides without importing torch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .. import dtypes
 from ..envelope import Resolved
+from ..layout import Kind
 from . import plan
 
 if TYPE_CHECKING:
@@ -65,12 +66,12 @@ def unavailable(caps: Capabilities, resolved: Resolved) -> str | None:
 def admit(site: Site, caps: Capabilities, resolved: Resolved) -> Admission:
     """Whether the workspace serves ``site`` (a floating-point SUM or AVG site of a batch-invariant envelope, or a
     virtual-shard all-reduce site) on a group with ``caps``, and why or why not."""
-    if site.virtual_shards is not None and site.collective.value not in _VIRTUAL_COLLECTIVES:
+    if site.layout.virtual and site.collective.value not in _VIRTUAL_COLLECTIVES:
         return Admission(False, "the workspace kernels fold virtual shards for all-reduce only")
     no = unavailable(caps, resolved)
     if no is not None:
         return Admission(False, no)
-    if site.virtual_shards is not None:
+    if site.layout.virtual:
         return _admit_virtual(site, caps)
     if site.max_rows > caps.workspace_max_rows and not _chunks_above_armed(site, caps):
         return Admission(False, f"max_rows {site.max_rows} > workspace's armed {caps.workspace_max_rows} rows")
@@ -92,7 +93,7 @@ def fused_layout_refusal(site: Site, world_size: int) -> str | None:
     all-reduce (the plain fold and the tree order, csrc/fused_rmsnorm.cu; it has no shard-order variant) and holds
     its rows in registers at ``world_size`` (plan.fused_norm_refusal: the tree variants read fp32 slot rows but hold
     the site's dtype in registers, as the plain ones do)."""
-    if site.virtual_shards is not None and site.shard_fold != "tree":
+    if site.layout.kind is Kind.ORDER:
         return ("no fused kernel folds the shard order, only the plain fold and the tree: the workspace's virtual "
                 "all-reduce, then the canonical add + RMSNorm")
     return plan.fused_norm_refusal(site.shape[0], dtypes.name_of(site.dtype), world_size)
@@ -110,43 +111,36 @@ def _launches(nbytes: int, launch_bytes: int) -> int:
     return 1 if launch_bytes <= 0 else max(1, -(-nbytes // launch_bytes))
 
 
+# Per virtual layout: the kernels' own limit on (V, W) beyond the layout's (plan.tree_refusal), what one rank
+# publishes per row in words (the refusal's), and what the kernels do (the route table's reason, from V/W and V).
+_VIRTUAL_KERNELS: dict[Kind, tuple[Callable[[int, int], str | None] | None, Callable[[int, int], str],
+                                   Callable[[int, int], str]]] = {
+    Kind.ORDER: (None, lambda k, row: f"one row's V/W={k} fp32 slabs ({row} bytes) exceed",
+                 lambda k, v: (f"the CUDA-IPC workspace kernels fold the V/W={k} fp32 slabs of every rank in global "
+                               f"shard order ({v} virtual shards), one rounding")),
+    Kind.TREE: (plan.tree_refusal, lambda k, row: f"one fp32 row ({row} bytes) exceeds",
+                lambda k, v: (f"the CUDA-IPC workspace's tree kernels: each rank folds its V/W={k} fp32 shards as a "
+                              f"subtree and publishes one fp32 row, the top levels after the exchange ({v} virtual "
+                              "shards, shard_fold='tree'), one rounding")),
+}
+
+
 def _admit_virtual(site: Site, caps: Capabilities) -> Admission:
-    """A virtual-shard all-reduce site (docs/spec.md §9.1; csrc/virtual_fold.cu): where one row's V/W fp32 slabs fit
-    one launch; more rows than a launch holds are chunked (the fold is element-wise: the same bits)."""
-    assert site.virtual_shards is not None
-    if site.shard_fold == "tree":
-        return _admit_tree(site, caps)
-    k = site.virtual_shards // caps.world_size
-    slab = k * site.row_numel * 4
-    if slab > caps.workspace_bytes:
-        return Admission(False, f"one row's V/W={k} fp32 slabs ({slab} bytes) exceed a workspace launch "
-                                f"(workspace_bytes={caps.workspace_bytes})")
-    why = (f"the CUDA-IPC workspace kernels fold the V/W={k} fp32 slabs of every rank in global shard order "
-           f"({site.virtual_shards} virtual shards), one rounding")
-    if site.max_rows > caps.workspace_max_rows:
-        why += f"; chunked above the armed {caps.workspace_max_rows} rows"
-    launches = -(-site.max_rows // (caps.workspace_bytes // slab))
-    if launches > 1:
-        why += f"; {launches} launches per call at max_rows (workspace_bytes={caps.workspace_bytes})"
-    return Admission(True, why)
-
-
-def _admit_tree(site: Site, caps: Capabilities) -> Admission:
-    """A tree-order virtual-shard all-reduce site (csrc/tree_fold.cu): where the tree kernels fold V over this W
-    (plan.tree_refusal) and one fp32 row fits one launch; each rank folds its V/W shards in the kernel that
-    publishes them, so a launch carries one fp32 row per rank and more rows are chunked (the same bits)."""
-    assert site.virtual_shards is not None
-    no = plan.tree_refusal(site.virtual_shards, caps.world_size)
+    """A virtual-shard all-reduce site (docs/spec.md §9.1; csrc/virtual_fold.cu for the shard order, tree_fold.cu for
+    the tree): where the kernels fold V over this W and the fp32 row a rank publishes (the layout's V/W slabs in the
+    shard order; in the tree the root of its subtree, folded in the kernel that publishes it) fits one launch; more
+    rows than a launch holds are chunked (the fold is element-wise: the same bits)."""
+    layout = site.layout
+    assert layout.shards is not None
+    limit, published, does = _VIRTUAL_KERNELS[layout.kind]
+    no = limit(layout.shards, caps.world_size) if limit is not None else None
     if no is not None:
         return Admission(False, no)
-    row = site.row_numel * plan.F32_BYTES
+    k = layout.per_rank(caps.world_size)
+    row = layout.sent(caps.world_size) * site.row_numel * plan.F32_BYTES
     if row > caps.workspace_bytes:
-        return Admission(False, f"one fp32 row ({row} bytes) exceeds a workspace launch "
-                                f"(workspace_bytes={caps.workspace_bytes})")
-    k = site.virtual_shards // caps.world_size
-    why = (f"the CUDA-IPC workspace's tree kernels: each rank folds its V/W={k} fp32 shards as a subtree and "
-           f"publishes one fp32 row, the top levels after the exchange ({site.virtual_shards} virtual shards, "
-           f"shard_fold='tree'), one rounding")
+        return Admission(False, f"{published(k, row)} a workspace launch (workspace_bytes={caps.workspace_bytes})")
+    why = does(k, layout.shards)
     if site.max_rows > caps.workspace_max_rows:
         why += f"; chunked above the armed {caps.workspace_max_rows} rows"
     launches = -(-site.max_rows // (caps.workspace_bytes // row))
