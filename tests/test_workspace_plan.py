@@ -719,9 +719,17 @@ def test_tree_variants_are_the_kernels_some_row_count_takes():
 
 
 class _TreeSite:
-    """A site declared shard_fold="tree" (Site.shard_fold): every other attribute is the wrapped Site's."""
+    """A site declared shard_fold="tree" (Site.shard_fold, and the layout every layer asks: Site.layout), bypassing
+    Site's own validation (so that admission's refusal of a V that is not a power of two is reachable): every other
+    attribute is the wrapped Site's."""
 
     shard_fold = "tree"
+
+    @property
+    def layout(self) -> object:
+        from detcomm.layout import Layout
+
+        return Layout.of(self._site.virtual_shards, "tree")
 
     def __init__(self, site: object) -> None:
         self._site = site
