@@ -35,7 +35,7 @@ from typing import Protocol
 import torch
 
 __all__ = ["ROW_TILE", "IMPLS", "PagedKVCache", "BlockAllocator", "StepKV", "KVStore", "PagedKV", "check_paged_geometry",
-           "default_impl", "paged_attention"]
+           "default_impl", "paged_attention", "step_rows"]
 
 ROW_TILE = 16  # rows per tile: part of the arithmetic's definition (every GEMM's batch is ROW_TILE)
 
@@ -122,6 +122,13 @@ class StepKV:
     positions: torch.Tensor
 
 
+def step_rows(spans: Sequence[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A step's (row_request, positions) [rows] on the host, for segments of ``spans`` (start, n) packed in order."""
+    req = torch.cat([torch.full((n,), i, dtype=torch.long) for i, (_, n) in enumerate(spans)])
+    pos = torch.cat([torch.arange(start, start + n) for start, n in spans])
+    return req, pos
+
+
 class KVStore(Protocol):
     """What a step asks of the KV cache its segments' tables belong to: ``step`` lays out the step's rows (growing
     the tables), ``attend`` writes a layer's new keys and values and runs the one attention call. ``PagedKV`` is the
@@ -175,8 +182,7 @@ class PagedKV:
         bt = torch.zeros(len(tables), self.max_blocks, dtype=torch.long)
         for i, table in enumerate(tables):
             bt[i, : len(table)] = torch.tensor(table, dtype=torch.long)
-        req = torch.cat([torch.full((n,), i, dtype=torch.long) for i, (_, n) in enumerate(spans)])
-        pos = torch.cat([torch.arange(start, start + n) for start, n in spans])
+        req, pos = step_rows(spans)
         return StepKV(bt.to(self.device), req.to(self.device), pos.to(self.device))
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: StepKV, *, scale: float,

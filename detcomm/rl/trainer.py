@@ -21,7 +21,7 @@ import torch
 import detcomm
 
 from ..hf.engine import StepLogits
-from ..numerics.attention import PagedKVCache, StepKV, paged_attention
+from ..numerics.attention import PagedKVCache, StepKV, paged_attention, step_rows
 from ..tp import Segment
 from . import regions
 from .reshard import gather_full, pieces
@@ -60,7 +60,7 @@ class _TrainKV:
         kv = lm.kv
         if grad:
             _check_backward(lm)
-        self.impl, self.block_size, self.max_blocks = kv.impl, kv.block_size, kv.max_blocks
+        self.impl, self.block_size, self.max_blocks, self.blocks_for = kv.impl, kv.block_size, kv.max_blocks, kv.blocks_for
         self.device = lm.device
         self._tables: list[list[int]] = []  # kept alive: a table's id() keys its history
         self._history: dict[int, list[list[tuple[torch.Tensor, torch.Tensor]]]] = {}
@@ -73,17 +73,15 @@ class _TrainKV:
         return table
 
     def step(self, tables: Sequence[list[int]], spans: Sequence[tuple[int, int]]) -> _TrainStep:
-        bs = self.block_size
         bt = torch.zeros(len(tables), self.max_blocks, dtype=torch.long)
         first = 0
         blocks = []
         for i, (start, n) in enumerate(spans):
-            nb = -(-(start + n) // bs)
+            nb = self.blocks_for(start + n)
             bt[i, :nb] = torch.arange(first, first + nb)
             blocks.append(nb)
             first += nb
-        req = torch.cat([torch.full((n,), i, dtype=torch.long) for i, (_, n) in enumerate(spans)])
-        pos = torch.cat([torch.arange(start, start + n) for start, n in spans])
+        req, pos = step_rows(spans)
         return _TrainStep(bt.to(self.device), req.to(self.device), pos.to(self.device),
                           [self._history[id(t)] for t in tables], list(spans), blocks)
 
