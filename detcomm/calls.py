@@ -66,7 +66,7 @@ class CallOwner(Protocol):
 __all__ = ["SiteCall", "check_tensor", "busy", "check_grad", "rs_rows", "token_counts", "a2a_splits", "argmax_start", "norm_args"]
 
 Call = Callable[[torch.Tensor, CallArgs], Any]  # a bound route, or the fused norm in its place
-Proof = Callable[[torch.Tensor, Sequence[int] | None, bool], None]  # SiteCall's proof that every rank calls
+Proof = Callable[["SiteCall", torch.Tensor, Sequence[int] | None, bool], None]  # the proof that every rank calls
 
 # ``CallArgs(out=t)`` built as a plain tuple: the named tuple's keyword constructor is a Python frame and costs a
 # call's out= path about twice as much (bench/host_path.py).
@@ -157,10 +157,14 @@ class SiteCall:
     @header.setter
     def header(self, header: CallHeader | None) -> None:
         self._header = header
-        # The one proof every call of this site makes, chosen once: the communicator's guard mode is static.
-        self._prove: Proof | None = (self._fingerprint if self.comm._verifier is not None
-                                     else self._exchange if header is not None
-                                     else self._arm if self.message is not None else None)
+        # The one proof every call of this site makes, chosen once: the communicator's guard mode is static. The
+        # class's function, called with self: a bound method stored on its own instance is a reference cycle, which
+        # kept every SiteCall (and through its header the native backend and the process group) alive past
+        # ``close`` until a garbage collection, one that can come at interpreter exit, where gloo's worker threads
+        # abort the process (tests/test_shutdown_frees_the_group.py).
+        self._prove: Proof | None = (SiteCall._fingerprint if self.comm._verifier is not None
+                                     else SiteCall._exchange if header is not None
+                                     else SiteCall._arm if self.message is not None else None)
 
     def check(self, x: object, out: object) -> torch.Tensor | None:
         """Validate a call (see the class docstring); returns what the route gets as ``CallArgs.out`` (None:
@@ -337,7 +341,7 @@ class SiteCall:
             # the site was bound; None: one rank).
             prove = self._prove
             if prove is not None:
-                prove(x, rows_per_rank, uneven)
+                prove(self, x, rows_per_rank, uneven)
             if prepare is not None:
                 args = prepare()
             return (self._call if route is None else route)(x, args)
