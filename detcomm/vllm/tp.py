@@ -53,9 +53,9 @@ class Audit:
     forward context is a new pass; None outside one): how many passes a generation takes follows the engine's
     timing (async scheduling may run one more), how many all-reduces a pass issues does not."""
 
-    def __init__(self, directory: str, *, rank: int, world_size: int, path: str) -> None:
+    def __init__(self, directory: str, *, rank: int, world_size: int, path: str, mechanism: str) -> None:
         os.makedirs(directory, exist_ok=True)
-        self.rank, self.world_size, self.path = rank, world_size, path
+        self.rank, self.world_size, self.path, self.mechanism = rank, world_size, path, mechanism
         self._file = open(os.path.join(directory, f"rank{rank}.pkl"), "ab")  # noqa: SIM115  (open for the process)
         self._calls: Counter[str] = Counter()
         self._context: object = None  # the last forward context seen, held so that its id cannot be reused
@@ -73,7 +73,7 @@ class Audit:
                 self._context, self._step = context, self._step + 1
             step = self._step
         pickle.dump({"site": site, "call": k, "step": step, "rank": self.rank, "world_size": self.world_size,
-                     "path": self.path,
+                     "path": self.path, "mechanism": self.mechanism,
                      "x": x.detach().to("cpu", copy=True), "y": y.detach().to("cpu", copy=True)}, self._file)
         self._file.flush()
 
@@ -92,7 +92,8 @@ class TPGroup:
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
         self.sites: dict[str, Site] = {}
         self.counts: Counter[str] = Counter()
-        self.audit = (Audit(settings.audit_dir, rank=self.rank, world_size=self.world_size, path="detcomm")
+        self.audit = (Audit(settings.audit_dir, rank=self.rank, world_size=self.world_size, path="detcomm",
+                            mechanism="detcomm")
                       if settings.audit_dir else None)
         self._shown = False
         log.info("detcomm: TP group %s (W=%d) on %s, envelope %s, layout %s", unique_name, self.world_size,

@@ -31,12 +31,14 @@ def runs(tmp_path_factory: pytest.TempPathFactory, llama: Path):
     cache: dict[tuple, tuple[dict, Path | None]] = {}
     base = tmp_path_factory.mktemp("vllm-runs")
 
-    def get(*, tp: int, plugin: bool, layout: str | None = None, audit: bool = True) -> tuple[dict, Path | None]:
-        key = (tp, plugin, layout, audit)
+    def get(*, tp: int, plugin: bool, layout: str | None = None, audit: bool = True,
+            vllm_path: str = "auto") -> tuple[dict, Path | None]:
+        key = (tp, plugin, layout, audit, vllm_path)
         if key not in cache:
-            tag = f"tp{tp}-{'on' if plugin else 'off'}-{layout or 'fold'}"
+            tag = f"tp{tp}-{'on' if plugin else 'off'}-{layout or 'fold'}-{vllm_path}"
             adir = base / f"{tag}-audit" if audit else None
-            res = serve(llama, base / f"{tag}.json", vllm_env(tp=tp, plugin=plugin, audit=adir, layout=layout), tp=tp)
+            env = vllm_env(tp=tp, plugin=plugin, audit=adir, layout=layout, vllm_path=vllm_path)
+            res = serve(llama, base / f"{tag}.json", env, tp=tp)
             cache[key] = (res, adir)
         return cache[key]
 

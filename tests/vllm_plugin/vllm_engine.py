@@ -19,8 +19,19 @@ def bind(tp: int) -> str:
     return "|".join(str(r % CORES) for r in range(tp))
 
 
-def vllm_env(*, tp: int, plugin: bool, audit: Path | None = None, layout: str | None = None) -> dict[str, str]:
+# vLLM's CPU all-reduce paths: "auto" is vLLM's own choice (its shared-memory kernel where it has one), and
+# "torch.distributed" forces its gloo fallback through the test-only general plugin in torch_distributed_path/.
+VLLM_PATHS = ("auto", "torch.distributed")
+
+
+def vllm_env(*, tp: int, plugin: bool, audit: Path | None = None, layout: str | None = None,
+             vllm_path: str = "auto") -> dict[str, str]:
+    if vllm_path not in VLLM_PATHS:
+        raise ValueError(f"vllm_path {vllm_path!r}: one of {VLLM_PATHS}")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DETCOMM_", "VLLM_"))}
+    if vllm_path == "torch.distributed":
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE / "torch_distributed_path"),
+                                                          env.get("PYTHONPATH")]))
     env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND=bind(tp), VLLM_LOGGING_LEVEL="INFO",
                NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1",
                TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
