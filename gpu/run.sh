@@ -12,6 +12,7 @@
 #   mutants   the failure-guard mutants (tests/mutations.py --gpu-only; MUTANTS=1,1b,... for a subset)
 #   bench     the stream and NCCL benches, gather_fold captured, the fused bench, the host path
 #   soak      the 40 s soak over every route: processes sharing one GPU, and one GPU per rank where >= 2
+#   rl        detcomm.rl's GRPO loop on the GPU (rollout W = 4, trainer W = 2, ranks sharing the GPUs; fp32, bf16)
 #   attention the serving step's paged attention (Triton kernel and torch on CUDA), the HF engine on it (triton
 #             impl, W = 1 and 2 processes sharing the GPU) and the one-layer bench
 # On one GPU the multi-GPU parts skip themselves: the NCCL bench, the NCCL soak, and the fused bench falls back to W
@@ -76,6 +77,7 @@ has corecuda && group core "$(lim 440)" tests/gpu/test_core_cuda.py tests/gpu/te
   tests/gpu/test_rs_ag_fold_gpu.py tests/gpu/test_trainers_shared_gpu.py
 has robust && group robust "$(lim 300)" tests/gpu/test_robust_gpu.py tests/gpu/test_workspace_multiproc.py \
   tests/gpu/test_failed_call_output.py tests/test_robust_guard_modes.py -k "not soak"
+has rl && group rl "$(lim 400)" -s tests/gpu/test_rl_gpu.py
 if has attention; then
   group attention "$(lim 360)" tests/gpu/test_paged_attention_gpu.py tests/gpu/test_hf_engine_gpu.py
   timeout 150 $PY bench/paged_attention.py > "$OUT/paged_attention.md" 2>&1
