@@ -392,22 +392,20 @@ def test_fused_norm_on_the_tree_matches_the_oracle_and_the_composition(world, dt
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_the_route_binds_a_tree_norm_site_to_the_fused_tree_kernels(world):
-    """ipc_fold binds an all_reduce_rmsnorm site whose all-reduce is the tree (a stand-in site object with
-    shard_fold="tree": the router's own site declaration is the host side's) to the fused tree kernels: every
+    """ipc_fold binds an all_reduce_rmsnorm site whose all-reduce is the tree (a Site declared with
+    shard_fold="tree", bound by the route directly: the router's own declaration is the host side's) to the fused
+    tree kernels: every
     variant the binding exposes runs its self-check call (fused vs composition, raising on any differing bit) and
     returns the tree's s; the fused call gives the oracle's (y, r)."""
-    from types import SimpleNamespace
-
     from detcomm.envelope import resolve_numerics
     from detcomm.route_impls.ipc_fold import IpcFoldRoute
-    from detcomm.sites import Collective, ReduceOp
+    from detcomm.sites import Collective, ReduceOp, Site
 
     v, rows, hidden, dtype = 8, 7, 4096, "bfloat16"
-    site = SimpleNamespace(name="tree.add_norm", collective=Collective.ALL_REDUCE_RMSNORM, dtype=torch.bfloat16,
-                           shape=(hidden,), max_rows=128, op=ReduceOp.SUM, virtual_shards=v, shard_fold="tree",
-                           row_numel=hidden)
+    site = Site(name="tree.add_norm", collective=Collective.ALL_REDUCE_RMSNORM, dtype=torch.bfloat16,
+                shape=(hidden,), max_rows=128, op=ReduceOp.SUM, virtual_shards=v, shard_fold="tree")
     R = ranks(world, capacity=8 << 20)
-    bound = [IpcFoldRoute(view, resolved=resolve_numerics("rl-bitwise")).bind(site) for view in R.views]  # type: ignore[arg-type]
+    bound = [IpcFoldRoute(view, resolved=resolve_numerics("rl-bitwise")).bind(site) for view in R.views]
     assert all(b.fused is not None for b in bound), [b.note for b in bound]
     names = sorted(bound[0].variants)
     # Up to 128 rows of 4096: the fused tree kernel takes one-shot while the rows' bf16 bytes fit the one-shot limit
