@@ -149,7 +149,7 @@ MUTATIONS: tuple[Mutation, ...] = (
       (f"{FAILURES}::test_cuda_fold_leaf_is_capturable_and_falls_back",), gpu=True, limit_s=150),
     # 6: an overlapping out/x pair is refused before any communication.
     M("6-comm", "6", "the communicator refuses a partially overlapping out", "detcomm/calls.py",
-      "        if a < b + x.nbytes and b < a + out.nbytes:",
+      "        if a < b + rows * self.x_row_bytes and b < a + osh[0] * self.out_row_bytes:",
       "        if False:  # mutant: partial overlap accepted",
       ("tests/test_api_calls.py::test_out_inplace_avg_async[W2-float32]",), gpu=False, limit_s=180),
     M("6-workspace", "6", "the workspace refuses any overlap of out and x", "detcomm/workspace/collectives.py",
