@@ -5,7 +5,9 @@ Megatron's column/row-parallel regions: a row-parallel sum (the embedding's all-
 activation entering column-parallel compute (every decoder RMSNorm's output: the q/k/v and gate/up projections,
 the LM head) is the identity forward and an all-reduce of its gradient backward (at ``GRAD_SITE``, a detcomm
 site: the gradients' sums take a canonical route too). The vocabulary-parallel log-softmax of the chosen tokens
-is the head's own ``logprobs`` forward and ``onehot - softmax`` on each rank's vocabulary shard backward.
+is the head's own ``logprobs`` forward and ``onehot - softmax`` on each rank's vocabulary shard backward. A
+biased o_proj/down_proj keeps its own all-reduce (``reduce_partials``), the whole bias added once after it
+(``add_bias``: its gradient a row sum in one fixed order) and the local add + norm (``add_norm``, no site).
 
 Each forward is the exact call the serving engine makes, on the same operand objects (autograd is off inside
 it), so its bits are the engine's; under ``torch.no_grad`` (serving) the functions are just those calls. The norms' backward
@@ -22,7 +24,10 @@ import torch
 
 import detcomm
 
-__all__ = ["GRAD_SITE", "declare_grad_site", "reduce_from", "norm", "add_norm", "token_logprobs"]
+from ..numerics.norm import add_rms_norm
+
+__all__ = ["GRAD_SITE", "declare_grad_site", "reduce_from", "reduce_partials", "add_bias", "norm", "add_norm",
+           "token_logprobs"]
 
 # The all-reduce of a replicated activation's gradient (each rank holds the part its shards contributed).
 GRAD_SITE = "rl.grad.hidden"
@@ -67,6 +72,55 @@ def reduce_from(part: torch.Tensor, *, site: str) -> torch.Tensor:
     return out
 
 
+class _ReducePartials(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, parts: torch.Tensor, site: str) -> torch.Tensor:  # type: ignore[override]
+        ctx.shape, ctx.dtype = parts.shape, parts.dtype
+        return detcomm.all_reduce(parts, site=site)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        # every partial (the tree layout's slabs [V/W, rows, N]) reaches the sum unchanged
+        g = grad.to(ctx.dtype)
+        return (g.expand(ctx.shape) if len(ctx.shape) == 3 else g), None
+
+
+def reduce_partials(parts: torch.Tensor, *, site: str) -> torch.Tensor:
+    """``detcomm.all_reduce(parts, site=site)`` of a row-parallel layer's partials (``detcomm.tp.RowParallelLinear.
+    partials``: [rows, N], or the virtual layout's fp32 slabs [V/W, rows, N]; contiguous), the exact call of the
+    layer's own ``__call__``; backward: the sum's gradient to every partial. Collective in forward only."""
+    out: torch.Tensor = _ReducePartials.apply(parts, site)
+    return out
+
+
+def _row_sum(g: torch.Tensor) -> torch.Tensor:
+    """The sum over the rows of ``g`` [T, N] in one fixed order: fp32 from +0.0, rows 0, 1, .., T-1, one rounding
+    per add (no torch reduction kernel picks the order); T is the engine's T_pad, whatever the batch."""
+    acc = torch.zeros(g.shape[-1], dtype=torch.float32, device=g.device)
+    for row in g.reshape(-1, g.shape[-1]).to(torch.float32):
+        acc = acc + row
+    return acc
+
+
+class _AddBias(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.bias_dtype = bias.dtype
+        return x + bias
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        return grad, _row_sum(grad).to(ctx.bias_dtype)
+
+
+def add_bias(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """``x + bias`` (a row-parallel projection's whole bias, added once after the sum: the engine's op); backward:
+    the bias's gradient is ``_row_sum`` of x's (replicated, whole on every rank: every rank computes the same
+    bits, at every W). Local."""
+    out: torch.Tensor = _AddBias.apply(x, bias)
+    return out
+
+
 class _Norm(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:  # type: ignore[override]
@@ -91,8 +145,11 @@ def norm(h: torch.Tensor, weight: torch.Tensor, *, eps: float) -> torch.Tensor:
 class _AddNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,  # type: ignore[override]
-                site: str) -> tuple[torch.Tensor, torch.Tensor]:
-        y, r = detcomm.all_reduce_residual_rmsnorm(x, residual, weight, eps=eps, site=site)
+                site: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if site is None:
+            y, r = add_rms_norm(x, residual, weight, eps=eps)
+        else:
+            y, r = detcomm.all_reduce_residual_rmsnorm(x, residual, weight, eps=eps, site=site)
         ctx.save_for_backward(r, weight)
         ctx.eps, ctx.x_shape, ctx.x_dtype = eps, x.shape, x.dtype
         return y, r
@@ -107,11 +164,13 @@ class _AddNorm(torch.autograd.Function):
 
 
 def add_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, *, eps: float,
-             site: str) -> tuple[torch.Tensor, torch.Tensor]:
+             site: str | None) -> tuple[torch.Tensor, torch.Tensor]:
     """``detcomm.all_reduce_residual_rmsnorm(x, residual, weight, eps=eps, site=site)`` -> (y, r). ``x``: this
-    rank's part of the sum ([rows, H], or the tree layout's fp32 shard partials [V/W, rows, H]). Backward: y's
-    gradient all-reduced (it feeds column-parallel compute), then the norm's; x and the residual get r's whole
-    gradient. Collective."""
+    rank's part of the sum ([rows, H], or the tree layout's fp32 shard partials [V/W, rows, H]); ``site`` None:
+    x is already the whole sum [rows, H] (a biased projection's output, an MoE block's), and the forward is the
+    local ``detcomm.numerics.norm.add_rms_norm``. Backward: y's gradient all-reduced (it feeds column-parallel
+    compute), then the norm's; x and the residual get r's whole gradient. Collective (with ``site`` None: in
+    backward only)."""
     y, r = _AddNorm.apply(x, residual, weight, eps, site)
     return y, r
 

@@ -3,10 +3,10 @@ weight sync built on it: gather a trainer's shards into whole tensors (W_t ranks
 shards (W_s ranks), in memory.
 
 ``pieces(lm)`` lists every tensor the engine's forward computes with (the tree layout's column blocks, its
-fp32 virtual shards of o_proj/down_proj, the vocabulary rows of the embedding and the LM head's blocks, the
-replicated norms) with its place: the whole tensor's name (transformers' parameter names), the dimension it
-is cut along and the range, and whether the shard holds the slice transposed (``detcomm.tp``'s [in, out]
-matrices). Gathering and cutting are copies only, so a synced engine computes with exactly the trainer's bits.
+fp32 virtual shards of o_proj/down_proj and their whole biases, the vocabulary rows of the embedding and the
+LM head's blocks, the replicated norms) with its place: the whole tensor's name (transformers' parameter
+names), the dimension it is cut along and the range, and whether the shard holds the slice transposed
+(``detcomm.tp``'s [in, out] matrices). Gathering and cutting are copies only, so a synced engine computes with exactly the trainer's bits.
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ class Piece:
 
 
 def check_invariant(lm: Any) -> None:
-    """ValueError unless ``lm`` runs the tree-order virtual layout with fused boundaries, dense, with bias-free row
-    projections: the engine this package trains (docs/rl.md "What is supported")."""
+    """ValueError unless ``lm`` runs the tree-order virtual layout with fused boundaries, dense: the engine this
+    package trains (docs/rl.md "What is supported")."""
     s = lm.shards
     if not (s.layout == "virtual" and s.shard_fold == "tree" and lm.fuse):
         raise ValueError("detcomm.rl trains the TP-size-invariant tree layout with fused boundaries: build the engine "
@@ -47,9 +47,6 @@ def check_invariant(lm: Any) -> None:
                          "envelope (detcomm.init(numerics='rl-bitwise')) and no forced route")
     if s.moe_blocks:
         raise ValueError("detcomm.rl: expert-parallel MoE blocks have no autograd path yet; train a dense model")
-    for layer in lm.layers:
-        if layer.self_attn.o_proj.bias is not None or layer.mlp.down_proj.bias is not None:
-            raise ValueError("detcomm.rl: a row-parallel projection with a bias is not supported yet")
 
 
 def pieces(lm: Any) -> list[tuple[torch.Tensor, Piece]]:
@@ -74,6 +71,8 @@ def pieces(lm: Any) -> list[tuple[torch.Tensor, Piece]]:
         first = r * (layer.virtual_shards // layer.world)
         for j, w in enumerate(layer.weights):
             out.append((w, Piece(f"{name}.weight", 1, (first + j) * kv, (first + j + 1) * kv, transposed=True)))
+        if mod.bias is not None:  # whole on every rank, added once after the sum
+            out.append((mod.bias, Piece(f"{name}.bias", None)))
 
     def whole(mod: Any, name: str) -> None:
         out.append((mod.weight, Piece(f"{name}.weight", None)))

@@ -38,6 +38,39 @@ def _check_backward(lm: Any) -> None:
                          "engine's impl: their bits differ)")
 
 
+def _reaches(node: Any, cls: type) -> bool:
+    """Whether the autograd graph from ``node`` has a node of class ``cls``."""
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n is None or id(n) in seen:
+            continue
+        seen.add(id(n))
+        if isinstance(n, cls):
+            return True
+        todo.extend(f for f, _ in n.next_functions)
+    return False
+
+
+def _check_local_boundaries(lm: Any) -> None:
+    """A boundary after a biased o_proj/down_proj is the engine's local add + norm (``TPCausalLM._add_norm`` with
+    no site): its normed output feeds column-parallel compute, so its gradient must be all-reduced in backward
+    (``regions.add_norm`` with ``site=None``). An engine whose local boundary bypasses it would give each rank only
+    its own heads' part of the gradient: refused, with the fix. Local (the check is one row's local add + norm)."""
+    if not any(layer.self_attn.o_proj.bias is not None or layer.mlp.down_proj.bias is not None for layer in lm.layers):
+        return
+    hidden = lm.config.hidden_size
+    with torch.enable_grad():
+        x = torch.zeros(1, hidden, dtype=lm.dtype, device=lm.device, requires_grad=True)
+        _, normed = lm._add_norm(x, torch.zeros(1, hidden, dtype=lm.dtype, device=lm.device),
+                                 lm.layers[0].post_attention_layernorm, 1, site=None)
+    if not _reaches(normed.grad_fn, regions._AddNorm._backward_cls):  # type: ignore[attr-defined]
+        raise ValueError("detcomm.rl: this engine's boundary after a biased o_proj/down_proj runs the local add + norm "
+                         "outside detcomm.rl.regions, so its gradient would miss the other ranks' part: "
+                         "TPCausalLM._add_norm must call regions.add_norm(..., site=None) for the local case "
+                         "(detcomm/hf/engine.py); until then train a checkpoint with bias-free o_proj/down_proj")
+
+
 @dataclass(frozen=True)
 class _TrainStep(StepKV):
     """A step of the trainer's store: the engine's StepKV fields, and per segment its history, span and blocks."""
@@ -167,7 +200,8 @@ class Trainer:
                  weight_decay: float = 0.0) -> None:
         _check_backward(lm)
         self.lm = lm
-        self.params = [t for t, _ in pieces(lm)]
+        self.params = [t for t, _ in pieces(lm)]  # refuses what the trainer cannot train, before any probe
+        _check_local_boundaries(lm)
         for t in self.params:
             t.requires_grad_(True)
         regions.declare_grad_site(hidden=lm.config.hidden_size, dtype=lm.dtype, max_rows=lm.cfg.t_pad)
