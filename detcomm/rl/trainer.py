@@ -80,6 +80,20 @@ class _TrainStep(StepKV):
     blocks: list[int] = field(default_factory=list)
 
 
+class _Table(list):  # type: ignore[type-arg]  # a list[int]: Segment.blocks, the KVStore protocol's table
+    """A sequence's table in the trainer's KV store: an (always empty) block table, and the sequence's history,
+    per layer the (keys, values) of its pieces in position order. The history hangs on the table object itself
+    (not in a map keyed by ``id(table)``, which a new table may reuse once an old one is freed), so two
+    sequences' histories never mix; ``store``: the store that made it."""
+
+    __slots__ = ("store", "history")
+
+    def __init__(self, store: _TrainKV, layers: int) -> None:
+        super().__init__()
+        self.store = store
+        self.history: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(layers)]
+
+
 class _TrainKV:
     """The trainer's KV store (``detcomm.numerics.attention.KVStore``): each sequence's keys and values kept as
     the tensors its steps computed (autograd follows them into later pieces of a long sequence), laid out per step
@@ -87,7 +101,8 @@ class _TrainKV:
     which autograd refuses once an earlier step's attention saved it; and a row's attention bits follow neither the
     block ids nor the cache's size nor what unused slots hold (docs/spec.md §9.1), so the engine's bits stay.
 
-    A table (``new_table``) names a sequence here; the trainer feeds each one's pieces in position order."""
+    A table (``new_table``, a ``_Table``) names a sequence here and holds its history itself; the trainer feeds
+    each one's pieces in position order."""
 
     def __init__(self, lm: Any, *, grad: bool) -> None:
         kv = lm.kv
@@ -95,15 +110,10 @@ class _TrainKV:
             _check_backward(lm)
         self.impl, self.block_size, self.max_blocks, self.blocks_for = kv.impl, kv.block_size, kv.max_blocks, kv.blocks_for
         self.device = lm.device
-        self._tables: list[list[int]] = []  # kept alive: a table's id() keys its history
-        self._history: dict[int, list[list[tuple[torch.Tensor, torch.Tensor]]]] = {}
         self._layers = len(lm.layers)
 
-    def new_table(self) -> list[int]:
-        table: list[int] = []
-        self._tables.append(table)
-        self._history[id(table)] = [[] for _ in range(self._layers)]
-        return table
+    def new_table(self) -> _Table:
+        return _Table(self, self._layers)
 
     def step(self, tables: Sequence[list[int]], spans: Sequence[tuple[int, int]]) -> _TrainStep:
         bt = torch.zeros(len(tables), self.max_blocks, dtype=torch.long)
@@ -115,8 +125,10 @@ class _TrainKV:
             blocks.append(nb)
             first += nb
         req, pos = step_rows(spans)
+        for t in tables:
+            assert isinstance(t, _Table) and t.store is self, "a table of this store (new_table())"
         return _TrainStep(bt.to(self.device), req.to(self.device), pos.to(self.device),
-                          [self._history[id(t)] for t in tables], list(spans), blocks)
+                          [t.history for t in tables], list(spans), blocks)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: StepKV, *,
                scale: float, window: int | None) -> torch.Tensor:
