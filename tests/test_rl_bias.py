@@ -21,6 +21,9 @@ import torch
 
 pytest.importorskip("transformers")
 
+from detcomm.errors import ContractMismatch
+from detcomm.rl.contract import Contract
+from detcomm.rl.gate import check_contract
 from test_rl_trainer import GRAD_BOUND, LP_BOUND, PROMPTS, _grad_errors, _reference, job_rollout
 
 ROW_BIASES = ("self_attn.o_proj.bias", "mlp.down_proj.bias")
@@ -141,9 +144,10 @@ def job_synced(rank: int, w: int, directory: str, full: dict, seqs: list[list[in
 
 
 def job_control(rank: int, w: int, directory: str, seqs: list[list[int]], starts: list[int]) -> dict:
-    """The bias added before the reduction (its logprobs); and the engine without the stand-in refused."""
+    """The bias added before the reduction (its logprobs); the engine without the stand-in refused; the contract."""
     import detcomm
     from detcomm.hf.layers import InvariantRowLinear
+    from detcomm.rl.contract import contract
     from detcomm.rl.trainer import Trainer, teacher_forced
 
     torch.set_num_threads(1)
@@ -157,8 +161,9 @@ def job_control(rank: int, w: int, directory: str, seqs: list[list[int]], starts
             refused = None
         except ValueError as e:
             refused = str(e)
+        fields = contract(lm).fields
         _bias_before_sum()
-        return {"refused": refused, "before_sum": teacher_forced(lm, seqs, starts, grad=False)}
+        return {"refused": refused, "before_sum": teacher_forced(lm, seqs, starts, grad=False), "contract": fields}
     finally:
         InvariantRowLinear.forward = real  # type: ignore[method-assign]
         detcomm.shutdown()
@@ -200,3 +205,7 @@ def test_biased_row_projections_train_exactly(tmp_path, cluster2, cluster4) -> N
     assert control["refused"] is not None and "regions.add_norm(..., site=None)" in control["refused"], control
     assert any(not _bits_equal(a, b) for a, (_, b) in zip(control["before_sum"], outs)), \
         "the bias added before the reduction gave the rollout's bits: the equality would not bite"
+    fields = control["contract"]  # the biases are the model's configuration: a bias-free side is refused by name
+    assert fields["config.attention_bias"] is True and fields["config.mlp_bias"] is True
+    with pytest.raises(ContractMismatch, match=r"in 1 field\(s\) .*: config.mlp_bias: False != True"):
+        check_contract(Contract(dict(fields, **{"config.mlp_bias": False})), Contract(fields))
