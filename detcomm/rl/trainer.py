@@ -29,6 +29,7 @@ from .reshard import gather_full, pieces
 __all__ = ["Trainer", "teacher_forced"]
 
 _HEAD_NORM_SITE = "rl.grad.head_norms"
+_MOE_SITE = "rl.grad.moe"
 
 
 def _check_backward(lm: Any) -> None:
@@ -53,11 +54,16 @@ def _reaches(node: Any, cls: type) -> bool:
 
 
 def _check_local_boundaries(lm: Any) -> None:
-    """A boundary after a biased o_proj/down_proj is the engine's local add + norm (``TPCausalLM._add_norm`` with
-    no site): its normed output feeds column-parallel compute, so its gradient must be all-reduced in backward
+    """A boundary after a biased o_proj/down_proj or an MoE block is the engine's local add + norm
+    (``TPCausalLM._add_norm`` with no site): its normed output feeds column-parallel compute, so its gradient must be all-reduced in backward
     (``regions.add_norm`` with ``site=None``). An engine whose local boundary bypasses it would give each rank only
     its own heads' part of the gradient: refused, with the fix. Local (the check is one row's local add + norm)."""
-    if not any(layer.self_attn.o_proj.bias is not None or layer.mlp.down_proj.bias is not None for layer in lm.layers):
+    def local(layer: Any) -> bool:  # a boundary of the local add + norm: after a biased projection, an MoE block
+        down = getattr(layer.mlp, "down_proj", None)
+        return (layer.self_attn.o_proj.bias is not None or layer.mlp in lm.shards.moe_blocks
+                or getattr(down, "bias", None) is not None)
+
+    if not any(local(layer) for layer in lm.layers):
         return
     hidden = lm.config.hidden_size
     with torch.enable_grad():
@@ -65,10 +71,11 @@ def _check_local_boundaries(lm: Any) -> None:
         _, normed = lm._add_norm(x, torch.zeros(1, hidden, dtype=lm.dtype, device=lm.device),
                                  lm.layers[0].post_attention_layernorm, 1, site=None)
     if not _reaches(normed.grad_fn, regions._AddNorm._backward_cls):  # type: ignore[attr-defined]
-        raise ValueError("detcomm.rl: this engine's boundary after a biased o_proj/down_proj runs the local add + norm "
+        raise ValueError("detcomm.rl: this engine's boundary after a biased o_proj/down_proj or an MoE block runs the "
+                         "local add + norm "
                          "outside detcomm.rl.regions, so its gradient would miss the other ranks' part: "
                          "TPCausalLM._add_norm must call regions.add_norm(..., site=None) for the local case "
-                         "(detcomm/hf/engine.py); until then train a checkpoint with bias-free o_proj/down_proj")
+                         "(detcomm/hf/engine.py); until then train a dense checkpoint with bias-free o_proj/down_proj")
 
 
 @dataclass(frozen=True)
@@ -224,6 +231,16 @@ class Trainer:
         if self.head_norms:
             detcomm.site(_HEAD_NORM_SITE, collective="all_reduce", dtype=lm.dtype, shape=(lm.shards.head_dim,),
                          max_rows=len(self.head_norms))
+        # MoE blocks: each rank's gradients of the router, the experts and a shared expert are its chunk of the
+        # rows' part (detcomm.rl.regions), summed over the ranks in one all-reduce after the backward.
+        self.moe_params = [t for b in lm.shards.moe_blocks for t in (b.router, b.gate_up, b.down)
+                           + tuple(p for mod in (b.shared_expert, b.shared_expert_gate) if mod is not None
+                                   for p in mod.parameters())]
+        for b in lm.shards.moe_blocks:
+            b.declare_grad(dtype=lm.dtype, max_rows=lm.cfg.t_pad)
+        if self.moe_params:
+            detcomm.site(_MOE_SITE, collective="all_reduce", dtype=lm.dtype,
+                         shape=(sum(t.numel() for t in self.moe_params),), max_rows=1)
         # foreach=False: one elementwise loop per tensor, the same arithmetic whatever the tensor list's shapes.
         self.opt = torch.optim.AdamW(self.params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                                      foreach=False)
@@ -242,6 +259,13 @@ class Trainer:
             summed = detcomm.all_reduce(torch.stack([w.grad for w in self.head_norms]), site=_HEAD_NORM_SITE)
             for w, g in zip(self.head_norms, summed):
                 w.grad = g.clone()
+        if self.moe_params:
+            flat = torch.cat([(torch.zeros_like(t) if t.grad is None else t.grad).reshape(-1) for t in self.moe_params])
+            summed = detcomm.all_reduce(flat[None], site=_MOE_SITE)[0]
+            at = 0
+            for t in self.moe_params:
+                t.grad = summed[at : at + t.numel()].view(t.shape).clone()
+                at += t.numel()
         if getattr(self.lm.config, "tie_word_embeddings", False):
             self._tie_gradients()
 
