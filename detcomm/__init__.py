@@ -15,7 +15,8 @@ from __future__ import annotations
 import importlib
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal, overload
 
@@ -116,6 +117,7 @@ __all__ = [
     "routes",
     "shutdown",
     "get_communicator",
+    "use",
     "is_initialized",
     "Communicator",
     "Work",
@@ -426,6 +428,36 @@ def get_communicator(group: dist.ProcessGroup | None = None) -> Communicator:
             + ": call detcomm.init(" + ("" if group is None else "group=...") + ") first"
         )
     return comm
+
+
+def _live(comm: object) -> bool:
+    """Whether ``comm`` is a communicator ``init`` created and no ``shutdown`` has closed (identity, not ==)."""
+    return any(c is comm for c in _COMMS.values())
+
+
+@contextmanager
+def use(comm: Communicator) -> Iterator[Communicator]:
+    """Make ``comm`` the module default inside the block: ``get_communicator()`` and every module-level call whose
+    site is a name or a default-group ``Site`` (``detcomm.site``, ``all_reduce``, ...) go to it; the default the
+    block found is back afterwards, also when the block raises (blocks nest). For two communicators in one
+    process, e.g. a trainer TP group's next to the default group's (``init(group=...)`` returns it). Yields
+    ``comm``. Local.
+
+    The module default is process-wide, not per thread: another thread's module-level calls inside the block go
+    to ``comm`` too, so keep one thread issuing a group's collectives (as every rank must anyway, in one order).
+    Raises ValueError for a communicator that ``shutdown()`` closed (or no communicator at all). If ``shutdown``
+    runs inside the block, the default stays unset afterwards rather than a closed one coming back."""
+    global _DEFAULT
+    if not _live(comm):
+        raise ValueError(f"detcomm.use: {comm!r} is not a live communicator (it was shut down, or is not one "
+                         "detcomm.init returned): call detcomm.init(group=...) again and pass the communicator "
+                         "it returns")
+    saved = _DEFAULT
+    _DEFAULT = comm
+    try:
+        yield comm
+    finally:
+        _DEFAULT = saved if saved is None or _live(saved) else None
 
 
 def _comm_for(site: str | Site) -> Communicator:

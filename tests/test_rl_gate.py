@@ -2,7 +2,8 @@
 position, both values and the ulp distance (an independent integer oracle of the ulp distance); every field of a
 real engine's contract, changed alone, is refused with its name; engines that differ in what fixes the arithmetic
 (dtype, V, layout, the fold layout's W) have contracts that differ in exactly those fields, and the tree layout at
-W = 1 and 2 has one contract (W is not in it: its bits do not follow W)."""
+W = 1 and 2 has one contract (W is not in it: its bits do not follow W); the NVRTC version and options (cupy's,
+a stand-in module) are fields, None on the CPU or without cupy, each refused by name when changed."""
 
 from __future__ import annotations
 
@@ -87,6 +88,7 @@ def test_contract_fields_refused_by_name(tmp_path, cluster2) -> None:  # noqa: A
     two = cluster2.run(job_contracts, directory)
     assert two[0] == two[1]  # the ranks of one side agree
     base = Contract(one[0])
+    assert base.fields["nvrtc_version"] is None and base.fields["nvrtc_options"] is None  # the CPU: no NVRTC kernel
     check_contract(Contract(two[0][0]), base)  # tree layout: W = 2 and W = 1 share the contract
     assert base.digest == Contract(two[0][0]).digest
     for field in base.fields:  # each field changed alone is refused with its name
@@ -100,3 +102,40 @@ def test_contract_fields_refused_by_name(tmp_path, cluster2) -> None:  # noqa: A
         assert {d.split(":")[0] for d in diff} == names, diff
     fold1, fold2 = Contract(one[3]), Contract(two[0][3])
     assert [d.split(":")[0] for d in fold2.differences(fold1)] == ["world"]  # the fold layout's bits follow W
+
+
+def test_contract_names_the_nvrtc_build(monkeypatch) -> None:  # noqa: ANN001
+    """On CUDA with cupy the contract holds the NVRTC version (cupy's getVersion: a stand-in module here, no GPU
+    needed) and the kernels' options for the device's architecture (W's define left out); a changed version or
+    option is refused by name. Without cupy, or on the CPU, both are None."""
+    import sys
+    import types
+
+    from detcomm.rl.contract import _nvrtc
+    from detcomm.workspace.kernels import nvrtc_options
+
+    fake = types.ModuleType("cupy.cuda.nvrtc")
+    fake.getVersion = lambda: (12, 4)  # type: ignore[attr-defined]
+    cuda = types.ModuleType("cupy.cuda")
+    cuda.nvrtc = fake  # type: ignore[attr-defined]
+    cupy = types.ModuleType("cupy")
+    cupy.cuda = cuda  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    monkeypatch.setitem(sys.modules, "cupy.cuda", cuda)
+    monkeypatch.setitem(sys.modules, "cupy.cuda.nvrtc", fake)
+    version, options = _nvrtc(torch.device("cuda", 0), [9, 0])
+    assert version == [12, 4]
+    assert options == [o for o in nvrtc_options(4, "sm_90") if not o.startswith("-DDETCOMM_W=")]
+    assert "-arch=sm_90" in options and "--fmad=false" in options and len(options) == len(nvrtc_options(1, "sm_90")) - 1
+    assert _nvrtc(torch.device("cpu"), None) == (None, None)
+    base = Contract({"nvrtc_version": version, "nvrtc_options": options, "dtype": "float32"})
+    newer = Contract(dict(base.fields, nvrtc_version=[12, 8]))
+    with pytest.raises(ContractMismatch, match=r"in 1 field\(s\) .*: nvrtc_version: \[12, 8\] != \[12, 4\]"):
+        check_contract(newer, base)
+    fast = Contract(dict(base.fields, nvrtc_options=[*options, "--use_fast_math"]))
+    with pytest.raises(ContractMismatch, match=r"in 1 field\(s\) .*: nvrtc_options: "):
+        check_contract(fast, base)
+    assert len({base.digest, newer.digest, fast.digest}) == 3
+    for name in ("cupy", "cupy.cuda", "cupy.cuda.nvrtc"):  # cupy not installed: the import fails
+        monkeypatch.setitem(sys.modules, name, None)
+    assert _nvrtc(torch.device("cuda", 0), [9, 0]) == (None, None)

@@ -6,7 +6,8 @@ Independent checks: the logprobs recomputed in fp64 by transformers' own forward
 controls: transformers' own fp32 forward does not give the rollout's bits, and at W_t = 2 a backward without the
 conjugate all-reduce of the activations' gradients misses the bound. The same equality in bf16 (W_t = 2). W = 3 is
 not run: the tree layout's invariance holds at the W that are powers of two dividing V and the model's fixed
-block count (8, 4 or 2: docs/spec.md §9.1), never at W = 3.
+block count (8, 4 or 2: docs/spec.md §9.1), never at W = 3. The trainer's KV store keeps each sequence's history
+apart (on its table, not under an id() a new table may reuse: tested with the reuse happening).
 """
 
 from __future__ import annotations
@@ -160,8 +161,9 @@ def test_trainer_logprobs_equal_rollout_bf16(tmp_path, cluster2, cluster4) -> No
 
 
 def job_refusals(rank: int, w: int, directory: str, moe: str) -> list[str]:
-    """What the trainer refuses, with the fix: the fold layout, expert-parallel MoE blocks (``moe``), an engine on
-    the Triton attention (no backward; constructible on CPU, refused before any step)."""
+    """What the trainer refuses, with the fix: the fold layout, an MoE model (``moe``) while the engine's boundary
+    after its blocks bypasses detcomm.rl.regions (engine.py's pending change; tests/test_rl_moe.py stands in for
+    it), an engine on the Triton attention (no backward; constructible on CPU, refused before any step)."""
     import detcomm
     from detcomm.hf import ServingConfig, TPCausalLM, load_causal_lm
     from detcomm.rl.trainer import Trainer
@@ -193,7 +195,7 @@ def test_trainer_refuses_what_it_cannot_train(tmp_path) -> None:  # noqa: ANN001
     moe = write_tiny_checkpoint("qwen3-moe-tiny", str(tmp_path / "moe"), seed=3)
     fold, ep, triton = get_cluster(1).run(job_refusals, llama, moe)[0]
     assert "layout='virtual', virtual_shards=V, shard_fold='tree'" in fold, fold
-    assert "MoE blocks" in ep and "dense" in ep, ep
+    assert "MoE block" in ep and "regions.add_norm(..., site=None)" in ep, ep
     assert "attention_impl='torch'" in triton and "no backward" in triton, triton
 
 
@@ -217,3 +219,70 @@ def test_tied_head_qwen3(tmp_path, cluster2, cluster4) -> None:  # noqa: ANN001
     errors = _grad_errors(got["grads"], grad64)
     assert max(errors.values()) < GRAD_BOUND, {n: e for n, e in errors.items() if e >= GRAD_BOUND}
     assert max(_grad_errors(got["bad"], grad64).values()) > GRAD_BOUND
+
+
+def _train_kv():  # noqa: ANN202
+    """A trainer KV store over a stand-in engine (2 layers, 2 KV heads of 8, blocks of 16; the torch attention)."""
+    from types import SimpleNamespace
+
+    from detcomm.numerics.attention import PagedKV
+    from detcomm.rl.trainer import _TrainKV
+
+    kv = PagedKV(layers=2, kv_heads=2, head_dim=8, block_size=16, num_blocks=8, max_context=64, dtype=torch.float32,
+                 device=torch.device("cpu"), impl="torch")
+    return _TrainKV(SimpleNamespace(kv=kv, device=torch.device("cpu"), layers=[None, None]), grad=False)
+
+
+
+def _attend(kv, tables, spans, gen):  # noqa: ANN001, ANN202
+    """One layer-0 step of ``tables``' rows (``spans``: (start, n) each) with random q/k/v: (q, k, v, output)."""
+    rows = sum(n for _, n in spans)
+    q, k, v = (torch.randn(rows, h, 8, generator=gen) for h in (4, 2, 2))
+    return q, k, v, kv.attend(0, q, k, v, kv.step(tables, spans), scale=0.35, window=None)
+
+
+def _alone(first_k: torch.Tensor, first_v: torch.Tensor, q, k, v) -> torch.Tensor:  # noqa: ANN001
+    """The oracle: in a store of its own, one sequence with rows ``first_k/v`` at 0.., then the row q/k/v after."""
+    kv = _train_kv()
+    t = kv.new_table()
+    n = first_k.shape[0]
+    kv.attend(0, torch.zeros(n, 4, 8), first_k, first_v, kv.step([t], [(0, n)]), scale=0.35, window=None)
+    return kv.attend(0, q, k, v, kv.step([t], [(n, q.shape[0])]), scale=0.35, window=None)
+
+
+def test_train_kv_histories_never_mix() -> None:
+    """Each sequence's history holds exactly its own pieces in position order, whatever steps it shared, and its
+    attention rows in a packed step are the bits of the same rows computed alone (an independent store; the
+    control: with the other sequence's keys in its history, the row differs). A table made after another was freed
+    starts with an empty history even when it gets the freed one's id(): the negative control shows the reuse is
+    real here, so a map keyed by id(table) would have handed it the dead one's history."""
+    import gc
+
+    gen = torch.Generator().manual_seed(0)
+    kv = _train_kv()
+    a, b = kv.new_table(), kv.new_table()
+    _, k1, v1, _ = _attend(kv, [a, b], [(0, 3), (0, 2)], gen)
+    q2, k2, v2, out2 = _attend(kv, [b, a], [(2, 4), (3, 1)], gen)  # the other order: b's rows first
+    assert [c[0].data_ptr() for c in a.history[0]] == [k1[:3].data_ptr(), k2[4:].data_ptr()]
+    assert [c[0].data_ptr() for c in b.history[0]] == [k1[3:].data_ptr(), k2[:4].data_ptr()]
+    assert a.history[1] == [] and b.history[1] == []  # layer 1 never attended
+    assert torch.equal(out2[4:], _alone(k1[:3], v1[:3], q2[4:], k2[4:], v2[4:]))
+    assert not torch.equal(out2[4:], _alone(k1[2:], v1[2:], q2[4:], k2[4:], v2[4:])), "b's keys did not matter"
+    # a freed table's id() reused by a new one: its history is its own (empty), not the dead one's
+    old_keyed: dict[int, list] = {}
+    for _ in range(1000):
+        dead = kv.new_table()
+        _attend(kv, [dead], [(0, 2)], gen)
+        old_keyed[id(dead)], freed = dead.history, id(dead)
+        del dead
+        gc.collect()
+        fresh = kv.new_table()
+        if id(fresh) == freed:
+            break
+    else:
+        pytest.fail("CPython never reused a freed table's id(): the negative control did not run")
+    assert old_keyed[id(fresh)][0], "the id-keyed map holds the dead table's pieces under the new table's id"
+    assert fresh.history == [[], []]
+    _attend(kv, [fresh], [(0, 2)], gen)  # position 0 accepted (the dead one's 2 rows would put it at 2)
+    with pytest.raises(AssertionError, match="a table of this store"):
+        kv.step([[]], [(0, 1)])  # a plain list (an engine's table) is not one of this store's

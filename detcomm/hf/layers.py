@@ -233,13 +233,16 @@ class InvariantRowLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
         rows = flat.shape[0] if self._step.rows is None else self._step.rows
-        summed = self.layer(flat, rows)
+        if self.layer.layout == "virtual":  # the layer's own call (its partials' all-reduce), with autograd (detcomm.rl)
+            summed = regions.reduce_partials(self.layer.partials(flat, rows), site=self.layer.site)
+        else:
+            summed = self.layer(flat, rows)
         out = summed if rows == flat.shape[0] else torch.zeros(flat.shape[0], self.out_features, dtype=summed.dtype,
                                                               device=summed.device)
         if rows != flat.shape[0]:
             out[:rows] = summed
         if self.bias is not None:
-            out = out + self.bias
+            out = regions.add_bias(out, self.bias)  # out + bias; its gradient's row sum in a fixed order
         return out.view(*x.shape[:-1], self.out_features)
 
 

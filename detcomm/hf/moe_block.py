@@ -42,6 +42,7 @@ from torch import nn
 import detcomm
 from detcomm.moe import COMBINE_ORDERS, MoESite, Placement, moe_combine, moe_dispatch, moe_site, run_experts_blocked
 
+from ..rl import regions
 from .layers import StepRows
 
 __all__ = ["MOE_FAMILIES", "EPConfig", "EPMoEBlock", "moe_block_of", "dense_ffn_width", "route",
@@ -208,15 +209,23 @@ class EPMoEBlock(nn.Module):
         shared = self.shared(flat)
         per = self.chunk(rows)
         lo, hi = min(self.rank * per, rows), min((self.rank + 1) * per, rows)
-        d = moe_dispatch(flat[lo:hi].contiguous(), ids[lo:hi].contiguous(), placement=self.placement,
-                         site=self.sites, token_ids=torch.arange(lo, hi, device=flat.device))
-        y = run_experts_blocked(d.rows, d.expert_ids, self.expert, block=self.block)
-        mine = moe_combine(y, weights[lo:hi].contiguous(), d.handle, site=self.sites,
-                           shared=None if shared is None else shared[lo:hi].contiguous(),
-                           combine_order=self.combine_order)
+        token_ids = torch.arange(lo, hi, device=flat.device)
+        chunk_shared = None if shared is None else shared[lo:hi].contiguous()
+        if self.combine_order == "slot":  # the same calls, with autograd (detcomm.rl.regions: the trainer)
+            d = regions.moe_dispatch(flat[lo:hi].contiguous(), ids[lo:hi].contiguous(), placement=self.placement,
+                                     site=self.sites, token_ids=token_ids)
+            y = run_experts_blocked(d.rows, d.expert_ids, self.expert, block=self.block)
+            mine = regions.moe_combine(y, weights[lo:hi].contiguous(), d.handle, site=self.sites,
+                                       grad_site=self.grad_site, shared=chunk_shared)
+        else:  # the rank-order negative control (numerics="auto"): serving only
+            d = moe_dispatch(flat[lo:hi].contiguous(), ids[lo:hi].contiguous(), placement=self.placement,
+                             site=self.sites, token_ids=token_ids)
+            y = run_experts_blocked(d.rows, d.expert_ids, self.expert, block=self.block)
+            mine = moe_combine(y, weights[lo:hi].contiguous(), d.handle, site=self.sites, shared=chunk_shared,
+                               combine_order=self.combine_order)
         part = flat.new_zeros(per, self.hidden)
         part[: hi - lo] = mine
-        full = detcomm.all_gather(part, site=self.sites_gather)  # [W * per, H], rank order = row order
+        full = regions.gather_chunks(part, site=self.sites_gather, rank=self.rank)  # [W * per, H], row order
         out = torch.zeros_like(flat)
         out[:rows] = full[:rows]
         return out.view(x.shape)
@@ -224,6 +233,17 @@ class EPMoEBlock(nn.Module):
     @property
     def sites_gather(self) -> str:
         return f"{self.name}.gather"
+
+    @property
+    def grad_site(self) -> str:
+        """The backward's all_to_all of the expert outputs' gradients (declared by ``declare_grad``)."""
+        return f"{self.name}.grad"
+
+    def declare_grad(self, *, dtype: torch.dtype, max_rows: int) -> None:
+        """Declare ``grad_site`` for steps of at most ``max_rows`` rows (the trainer, detcomm.rl). Collective."""
+        sent = self.chunk(max_rows) * self.top_k
+        detcomm.site(self.grad_site, collective="all_to_all", dtype=dtype, shape=(self.hidden,),
+                     max_rows=self.world * sent)
 
     def declare(self, *, dtype: torch.dtype, max_rows: int) -> None:
         """Declare the block's three sites for steps of at most ``max_rows`` rows. Collective."""

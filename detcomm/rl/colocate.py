@@ -4,7 +4,7 @@
 Two detcomm communicators live in each process: the default one (the rollout engine) and the trainer TP group's
 (``detcomm.init(group=...)``); a third, the rank's DP group, sums the replicas' gradients. The engine's sites are
 names, which resolve to the module-default communicator, so the trainer's engine is built and run (forward and
-backward) inside ``on(tp_comm)``, which makes that communicator the default for the block. Per step
+backward) inside ``detcomm.use(tp_comm)``, which makes that communicator the default for the block. Per step
 (``Colocated.step``: ``sample``, then ``train``): the rollout on all W ranks, each DP replica's share of the
 sequences recomputed and gated (one verdict for the whole group), the loss's backward, the gradients summed over
 the replicas at a detcomm site (one canonical fold), AdamW, and the weight sync in memory: each TP group gathers
@@ -14,8 +14,7 @@ loop as a ``LocalCluster`` job (launch/examples/rl_grpo.py --colocated).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -26,18 +25,7 @@ import detcomm
 from ..errors import LogprobMismatch
 from .gate import check_logprobs
 
-__all__ = ["on", "Colocated", "run_job"]
-
-
-@contextmanager
-def on(comm: Any) -> Iterator[None]:
-    """Make ``comm`` the module-default communicator inside the block (string site names resolve to it). Local."""
-    saved = detcomm._DEFAULT
-    detcomm._DEFAULT = comm
-    try:
-        yield
-    finally:
-        detcomm._DEFAULT = saved
+__all__ = ["Colocated", "run_job"]
 
 
 class Colocated:
@@ -65,7 +53,7 @@ class Colocated:
         layout: dict[str, Any] = dict(layout="virtual", virtual_shards=virtual_shards, shard_fold="tree")
         serving = ServingConfig(t_pad=t_pad, max_context=max_context, attention_impl="torch")
         self.rollout = TPCausalLM(load_causal_lm(directory, dtype=dtype), serving, **layout)
-        with on(self.tp_comm):
+        with detcomm.use(self.tp_comm):
             self.lm = TPCausalLM(load_causal_lm(directory, dtype=dtype), serving, **layout)
             self.trainer = Trainer(self.lm, lr=lr)
         numel = sum(t.numel() for t in self.trainer.params)
@@ -98,7 +86,7 @@ class Colocated:
         seqs = [list(prompts[i]) + outs[i][0] for i in mine]
         starts = [len(prompts[i]) for i in mine]
         old = [outs[i][1] for i in mine]
-        with on(self.tp_comm):
+        with detcomm.use(self.tp_comm):
             new = teacher_forced(self.lm, seqs, starts, grad=advantages is not None)
         delta = max((float((n.detach().cpu() - o).abs().max()) for n, o in zip(new, old)), default=0.0)
         refused = None
@@ -118,7 +106,7 @@ class Colocated:
         # replicas below (ratio = exp(new - old) is exactly 1: the gate held).
         loss = -torch.stack([(torch.exp(n - o.to(n.device)) * advantages[i]).sum() / len(n)
                              for n, o, i in zip(new, old, mine)]).sum() / len(prompts)
-        with on(self.tp_comm):
+        with detcomm.use(self.tp_comm):
             self.trainer.backward(loss)
         params = self.trainer.params
         grads = [t.grad for t in params]
@@ -131,7 +119,7 @@ class Colocated:
             at += t.numel()
         self.trainer.opt.step()
         if sync:
-            with on(self.tp_comm):
+            with detcomm.use(self.tp_comm):
                 full = gather_full(self.lm, group=self.tp_group)
             load_full(self.rollout, full)
         return delta

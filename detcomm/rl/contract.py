@@ -4,8 +4,9 @@
 count, the dtype, the step geometry (T_pad rows per GEMM, the paged attention's KV block size: every shape the
 arithmetic sees; not max_context or num_blocks, which the paged attention's bits do not follow), the numerics
 envelope and every switch, the attention impl (torch or triton: their bits differ), the
-model's configuration, the detcomm, torch and transformers versions, the GPU kernels' sources and the device's
-compute capability; W only where the layout is not TP-size invariant (the fold and shard-order layouts' sums
+model's configuration, the detcomm, torch and transformers versions, the GPU kernels' sources, the device's
+compute capability, and the NVRTC version and options they are compiled with (cupy's; None on the CPU or
+without cupy, where no NVRTC kernel runs); W only where the layout is not TP-size invariant (the fold and shard-order layouts' sums
 follow W). ``digest`` is a SHA-256 of them; the gate (``detcomm.rl.gate.check_contract``) compares the fields
 and names every one that differs.
 """
@@ -51,6 +52,25 @@ def _kernel_sources() -> str:
     return h.hexdigest()
 
 
+def _nvrtc(device: torch.device, capability: list[int] | None) -> tuple[list[int] | None, list[str] | None]:
+    """(NVRTC version, compile options) of the kernels on ``device``: the version is the installed cupy/CUDA's
+    (``cupy.cuda.nvrtc.getVersion()``; part of the kernel cache's key, not fixed by the sources or the detcomm
+    version); the options are ``detcomm.workspace.kernels.nvrtc_options`` for the device's architecture, the
+    canonical build, less ``-DDETCOMM_W`` (the norm kernel builds at W = 1, the workspace's at the group's W,
+    which the invariant layouts' bits do not follow). (None, None) on the CPU or without cupy."""
+    if device.type != "cuda" or capability is None:
+        return None, None
+    try:
+        from cupy.cuda import nvrtc
+    except ImportError:  # no cupy: detcomm runs no NVRTC kernel here (the torch compositions)
+        return None, None
+    from ..workspace.kernels import nvrtc_options
+
+    major, minor = capability
+    options = [o for o in nvrtc_options(1, f"sm_{major}{minor}") if not o.startswith("-DDETCOMM_W=")]
+    return [int(x) for x in nvrtc.getVersion()], options
+
+
 def contract(lm: Any) -> Contract:
     """The arithmetic contract of ``lm`` (a ``detcomm.hf.TPCausalLM``) on this rank. Local."""
     import transformers
@@ -66,12 +86,13 @@ def contract(lm: Any) -> Contract:
         "attention": lm.attention_impl,
         "detcomm": detcomm.__version__, "torch": torch.__version__, "transformers": transformers.__version__,
         "device": lm.device.type,
-        # the GPU kernels' builds: their sources (the NVRTC cache key's other parts, options and version, follow
-        # from these and the detcomm version) and the architecture they are compiled for
+        # the GPU kernels' builds: what the NVRTC cache key holds (their sources, the options, the NVRTC version)
+        # and the architecture they are compiled for
         "kernel_sources": _kernel_sources(),
         "device_capability": (list(torch.cuda.get_device_capability(lm.device)) if lm.device.type == "cuda"
                               else None),
     }
+    fields["nvrtc_version"], fields["nvrtc_options"] = _nvrtc(lm.device, fields["device_capability"])
     fields.update({f"switch.{k}": getattr(resolved.switches, k) for k in type(resolved.switches).names()})
     config = json.loads(lm.config.to_json_string(use_diff=False))
     for k, v in config.items():

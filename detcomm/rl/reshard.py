@@ -3,10 +3,11 @@ weight sync built on it: gather a trainer's shards into whole tensors (W_t ranks
 shards (W_s ranks), in memory.
 
 ``pieces(lm)`` lists every tensor the engine's forward computes with (the tree layout's column blocks, its
-fp32 virtual shards of o_proj/down_proj, the vocabulary rows of the embedding and the LM head's blocks, the
-replicated norms) with its place: the whole tensor's name (transformers' parameter names), the dimension it
-is cut along and the range, and whether the shard holds the slice transposed (``detcomm.tp``'s [in, out]
-matrices). Gathering and cutting are copies only, so a synced engine computes with exactly the trainer's bits.
+fp32 virtual shards of o_proj/down_proj and their whole biases, the vocabulary rows of the embedding and the
+LM head's blocks, the replicated norms and MoE blocks) with its place: the whole tensor's name (transformers'
+parameter names), the dimension it is cut along and the range, and whether the shard holds the slice
+transposed (``detcomm.tp``'s [in, out] matrices). Gathering and cutting are copies only, so a synced engine
+computes with exactly the trainer's bits.
 """
 
 from __future__ import annotations
@@ -38,18 +39,22 @@ class Piece:
 
 
 def check_invariant(lm: Any) -> None:
-    """ValueError unless ``lm`` runs the tree-order virtual layout with fused boundaries, dense, with bias-free row
-    projections: the engine this package trains (docs/rl.md "What is supported")."""
+    """ValueError unless ``lm`` runs the tree-order virtual layout with fused boundaries, its MoE blocks (if any)
+    with every expert on every rank in slot order: the engine this package trains (docs/rl.md "What is
+    supported")."""
     s = lm.shards
     if not (s.layout == "virtual" and s.shard_fold == "tree" and lm.fuse):
         raise ValueError("detcomm.rl trains the TP-size-invariant tree layout with fused boundaries: build the engine "
                          "with TPCausalLM(model, layout='virtual', virtual_shards=V, shard_fold='tree') under a bitwise "
                          "envelope (detcomm.init(numerics='rl-bitwise')) and no forced route")
-    if s.moe_blocks:
-        raise ValueError("detcomm.rl: expert-parallel MoE blocks have no autograd path yet; train a dense model")
-    for layer in lm.layers:
-        if layer.self_attn.o_proj.bias is not None or layer.mlp.down_proj.bias is not None:
-            raise ValueError("detcomm.rl: a row-parallel projection with a bias is not supported yet")
+    for b in s.moe_blocks:
+        if b.hosted != tuple(range(b.placement.num_experts)):
+            raise ValueError(f"detcomm.rl: {b.name} hosts experts {list(b.hosted)} of {b.placement.num_experts} on "
+                             f"rank {s.rank}; the trainer trains every expert on every rank: build the engine "
+                             "with ep=None (or EPConfig(placement=Placement.replicated(E, W)))")
+        if b.combine_order != "slot":
+            raise ValueError(f"detcomm.rl: {b.name} combines in rank order (the negative control): train with "
+                             "EPConfig(combine_order='slot')")
 
 
 def pieces(lm: Any) -> list[tuple[torch.Tensor, Piece]]:
@@ -74,6 +79,8 @@ def pieces(lm: Any) -> list[tuple[torch.Tensor, Piece]]:
         first = r * (layer.virtual_shards // layer.world)
         for j, w in enumerate(layer.weights):
             out.append((w, Piece(f"{name}.weight", 1, (first + j) * kv, (first + j + 1) * kv, transposed=True)))
+        if mod.bias is not None:  # whole on every rank, added once after the sum
+            out.append((mod.bias, Piece(f"{name}.bias", None)))
 
     def whole(mod: Any, name: str) -> None:
         out.append((mod.weight, Piece(f"{name}.weight", None)))
@@ -91,6 +98,14 @@ def pieces(lm: Any) -> list[tuple[torch.Tensor, Piece]]:
                 whole(getattr(a, qk), f"{p}.self_attn.{qk}")
         row(a.o_proj, f"{p}.self_attn.o_proj")
         whole(layer.post_attention_layernorm, f"{p}.post_attention_layernorm")
+        if m in s.moe_blocks:  # replicated on every rank (check_invariant): whole tensors
+            out.append((m.router, Piece(f"{m.name}.gate.weight", None)))
+            out.append((m.gate_up, Piece(f"{m.name}.experts.gate_up_proj", None)))
+            out.append((m.down, Piece(f"{m.name}.experts.down_proj", None)))
+            for mod, sub in ((m.shared_expert, "shared_expert"), (m.shared_expert_gate, "shared_expert_gate")):
+                if mod is not None:
+                    out += [(t, Piece(f"{m.name}.{sub}.{n}", None)) for n, t in mod.named_parameters()]
+            continue
         column(m.gate_proj, f"{p}.mlp.gate_proj", r * s.ffn)
         column(m.up_proj, f"{p}.mlp.up_proj", r * s.ffn)
         row(m.down_proj, f"{p}.mlp.down_proj")
@@ -143,8 +158,10 @@ def load_full(lm: Any, full: dict[str, torch.Tensor]) -> None:
     for t, p in pieces(lm):
         t.copy_(p.of(full[p.name]).to(t.dtype))
     for i, layer in enumerate(lm.layers):
-        for mod, name in ((layer.self_attn.o_proj, f"model.layers.{i}.self_attn.o_proj"),
-                          (layer.mlp.down_proj, f"model.layers.{i}.mlp.down_proj")):
+        rows = [(layer.self_attn.o_proj, f"model.layers.{i}.self_attn.o_proj")]
+        if layer.mlp not in lm.shards.moe_blocks:
+            rows.append((layer.mlp.down_proj, f"model.layers.{i}.mlp.down_proj"))
+        for mod, name in rows:
             k = mod.in_features
             mod.weight.copy_(full[f"{name}.weight"][:, lm.rank * k : (lm.rank + 1) * k])
     head = lm.model.lm_head

@@ -29,6 +29,7 @@ from .reshard import gather_full, pieces
 __all__ = ["Trainer", "teacher_forced"]
 
 _HEAD_NORM_SITE = "rl.grad.head_norms"
+_MOE_SITE = "rl.grad.moe"
 
 
 def _check_backward(lm: Any) -> None:
@@ -36,6 +37,45 @@ def _check_backward(lm: Any) -> None:
         raise ValueError(f"the engine attends with the {lm.attention_impl!r} paged attention, which has no backward: "
                          "serve and train with ServingConfig(attention_impl='torch') (the trainer must use the "
                          "engine's impl: their bits differ)")
+
+
+def _reaches(node: Any, cls: type) -> bool:
+    """Whether the autograd graph from ``node`` has a node of class ``cls``."""
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n is None or id(n) in seen:
+            continue
+        seen.add(id(n))
+        if isinstance(n, cls):
+            return True
+        todo.extend(f for f, _ in n.next_functions)
+    return False
+
+
+def _check_local_boundaries(lm: Any) -> None:
+    """A boundary after a biased o_proj/down_proj or an MoE block is the engine's local add + norm
+    (``TPCausalLM._add_norm`` with no site): its normed output feeds column-parallel compute, so its gradient must be all-reduced in backward
+    (``regions.add_norm`` with ``site=None``). An engine whose local boundary bypasses it would give each rank only
+    its own heads' part of the gradient: refused, with the fix. Local (the check is one row's local add + norm)."""
+    def local(layer: Any) -> bool:  # a boundary of the local add + norm: after a biased projection, an MoE block
+        down = getattr(layer.mlp, "down_proj", None)
+        return (layer.self_attn.o_proj.bias is not None or layer.mlp in lm.shards.moe_blocks
+                or getattr(down, "bias", None) is not None)
+
+    if not any(local(layer) for layer in lm.layers):
+        return
+    hidden = lm.config.hidden_size
+    with torch.enable_grad():
+        x = torch.zeros(1, hidden, dtype=lm.dtype, device=lm.device, requires_grad=True)
+        _, normed = lm._add_norm(x, torch.zeros(1, hidden, dtype=lm.dtype, device=lm.device),
+                                 lm.layers[0].post_attention_layernorm, 1, site=None)
+    if not _reaches(normed.grad_fn, regions._AddNorm._backward_cls):  # type: ignore[attr-defined]
+        raise ValueError("detcomm.rl: this engine's boundary after a biased o_proj/down_proj or an MoE block runs the "
+                         "local add + norm "
+                         "outside detcomm.rl.regions, so its gradient would miss the other ranks' part: "
+                         "TPCausalLM._add_norm must call regions.add_norm(..., site=None) for the local case "
+                         "(detcomm/hf/engine.py); until then train a dense checkpoint with bias-free o_proj/down_proj")
 
 
 @dataclass(frozen=True)
@@ -47,6 +87,20 @@ class _TrainStep(StepKV):
     blocks: list[int] = field(default_factory=list)
 
 
+class _Table(list):  # type: ignore[type-arg]  # a list[int]: Segment.blocks, the KVStore protocol's table
+    """A sequence's table in the trainer's KV store: an (always empty) block table, and the sequence's history,
+    per layer the (keys, values) of its pieces in position order. The history hangs on the table object itself
+    (not in a map keyed by ``id(table)``, which a new table may reuse once an old one is freed), so two
+    sequences' histories never mix; ``store``: the store that made it."""
+
+    __slots__ = ("store", "history")
+
+    def __init__(self, store: _TrainKV, layers: int) -> None:
+        super().__init__()
+        self.store = store
+        self.history: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(layers)]
+
+
 class _TrainKV:
     """The trainer's KV store (``detcomm.numerics.attention.KVStore``): each sequence's keys and values kept as
     the tensors its steps computed (autograd follows them into later pieces of a long sequence), laid out per step
@@ -54,7 +108,8 @@ class _TrainKV:
     which autograd refuses once an earlier step's attention saved it; and a row's attention bits follow neither the
     block ids nor the cache's size nor what unused slots hold (docs/spec.md §9.1), so the engine's bits stay.
 
-    A table (``new_table``) names a sequence here; the trainer feeds each one's pieces in position order."""
+    A table (``new_table``, a ``_Table``) names a sequence here and holds its history itself; the trainer feeds
+    each one's pieces in position order."""
 
     def __init__(self, lm: Any, *, grad: bool) -> None:
         kv = lm.kv
@@ -62,15 +117,10 @@ class _TrainKV:
             _check_backward(lm)
         self.impl, self.block_size, self.max_blocks, self.blocks_for = kv.impl, kv.block_size, kv.max_blocks, kv.blocks_for
         self.device = lm.device
-        self._tables: list[list[int]] = []  # kept alive: a table's id() keys its history
-        self._history: dict[int, list[list[tuple[torch.Tensor, torch.Tensor]]]] = {}
         self._layers = len(lm.layers)
 
-    def new_table(self) -> list[int]:
-        table: list[int] = []
-        self._tables.append(table)
-        self._history[id(table)] = [[] for _ in range(self._layers)]
-        return table
+    def new_table(self) -> _Table:
+        return _Table(self, self._layers)
 
     def step(self, tables: Sequence[list[int]], spans: Sequence[tuple[int, int]]) -> _TrainStep:
         bt = torch.zeros(len(tables), self.max_blocks, dtype=torch.long)
@@ -82,8 +132,10 @@ class _TrainKV:
             blocks.append(nb)
             first += nb
         req, pos = step_rows(spans)
+        for t in tables:
+            assert isinstance(t, _Table) and t.store is self, "a table of this store (new_table())"
         return _TrainStep(bt.to(self.device), req.to(self.device), pos.to(self.device),
-                          [self._history[id(t)] for t in tables], list(spans), blocks)
+                          [t.history for t in tables], list(spans), blocks)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: StepKV, *,
                scale: float, window: int | None) -> torch.Tensor:
@@ -167,7 +219,8 @@ class Trainer:
                  weight_decay: float = 0.0) -> None:
         _check_backward(lm)
         self.lm = lm
-        self.params = [t for t, _ in pieces(lm)]
+        self.params = [t for t, _ in pieces(lm)]  # refuses what the trainer cannot train, before any probe
+        _check_local_boundaries(lm)
         for t in self.params:
             t.requires_grad_(True)
         regions.declare_grad_site(hidden=lm.config.hidden_size, dtype=lm.dtype, max_rows=lm.cfg.t_pad)
@@ -178,6 +231,16 @@ class Trainer:
         if self.head_norms:
             detcomm.site(_HEAD_NORM_SITE, collective="all_reduce", dtype=lm.dtype, shape=(lm.shards.head_dim,),
                          max_rows=len(self.head_norms))
+        # MoE blocks: each rank's gradients of the router, the experts and a shared expert are its chunk of the
+        # rows' part (detcomm.rl.regions), summed over the ranks in one all-reduce after the backward.
+        self.moe_params = [t for b in lm.shards.moe_blocks for t in (b.router, b.gate_up, b.down)
+                           + tuple(p for mod in (b.shared_expert, b.shared_expert_gate) if mod is not None
+                                   for p in mod.parameters())]
+        for b in lm.shards.moe_blocks:
+            b.declare_grad(dtype=lm.dtype, max_rows=lm.cfg.t_pad)
+        if self.moe_params:
+            detcomm.site(_MOE_SITE, collective="all_reduce", dtype=lm.dtype,
+                         shape=(sum(t.numel() for t in self.moe_params),), max_rows=1)
         # foreach=False: one elementwise loop per tensor, the same arithmetic whatever the tensor list's shapes.
         self.opt = torch.optim.AdamW(self.params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                                      foreach=False)
@@ -196,6 +259,13 @@ class Trainer:
             summed = detcomm.all_reduce(torch.stack([w.grad for w in self.head_norms]), site=_HEAD_NORM_SITE)
             for w, g in zip(self.head_norms, summed):
                 w.grad = g.clone()
+        if self.moe_params:
+            flat = torch.cat([(torch.zeros_like(t) if t.grad is None else t.grad).reshape(-1) for t in self.moe_params])
+            summed = detcomm.all_reduce(flat[None], site=_MOE_SITE)[0]
+            at = 0
+            for t in self.moe_params:
+                t.grad = summed[at : at + t.numel()].view(t.shape).clone()
+                at += t.numel()
         if getattr(self.lm.config, "tie_word_embeddings", False):
             self._tie_gradients()
 
