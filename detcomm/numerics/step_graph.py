@@ -78,7 +78,7 @@ class StepInputs:
             self._dev.copy_(self._host)
             return
         self._dev.copy_(self._host, non_blocking=True)
-        self._copied.record()
+        self._copied.record(torch.cuda.current_stream(self.device))
         self._pending = True
 
 
@@ -118,14 +118,16 @@ class StepGraphs(Generic[T]):
     def _capture(self, key: Hashable) -> tuple[torch.cuda.CUDAGraph, T]:
         main = torch.cuda.current_stream(self.device)
         side = torch.cuda.Stream(self.device)
+        # Host-side in-flight checks (the detcomm workspace's: one collective at a time, across streams) must see
+        # the main stream's last launch done before the side stream issues one; once per key, so the wait is cheap.
+        main.synchronize()
         side.wait_stream(main)
         with torch.cuda.stream(side):
             # The warm-up is a real step on the same buffers (its cache writes store the values the replay stores
             # again): lazy initialisation, kernel loads and Triton compiles happen here, outside the capture.
             self.body(key)
         main.wait_stream(side)
-        # Host-side in-flight checks (the detcomm workspace's) see the side stream's last launch as done.
-        side.synchronize()
+        side.synchronize()  # the same checks, the other way
         graph = torch.cuda.CUDAGraph()
         # thread_local: torch's NCCL watchdog thread queries events while this thread captures (tests/gpu/
         # test_fold_capture.py); nothing of the body runs on another thread.
