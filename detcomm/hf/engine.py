@@ -25,8 +25,9 @@ by construction:
 the fold and tree layouts fuse each layer boundary into one ``detcomm.all_reduce_residual_rmsnorm`` call
 (docs/spec.md §9.2), and every decoder RMSNorm is detcomm's canonical norm with the module's weight and eps.
 
-Each step pays T_pad rows of GEMM and each row's attention over its actual context: the costs, the boundaries'
-rules and what differs from transformers' own arithmetic are in docs/design/hf-engine.md.
+Each step pays T_pad rows of GEMM and each row's attention over its actual context. ``ServingConfig.cuda_graphs``
+runs the steps on static buffers, captured in a CUDA graph per real row count where every site and op of the step
+captures (the same bits). The costs, the shape keys, the boundaries' rules: docs/design/hf-engine.md.
 """
 
 from __future__ import annotations
