@@ -6,7 +6,8 @@ several prompts alone and packed; one graph is captured per row count (its body 
 warm-up and the capture; never on a replay). In the tree layout too. Negative control: the replayed engine with its
 buffers not refreshed after the first step must give other bits (a replay that ignored the buffers, or read others
 than it was captured on, would pass it). A host-staged group (workspace off: gather_fold through host memory) runs
-"auto" eagerly with the route named, and cuda_graphs=True is refused there; so is the torch attention."""
+"auto" eagerly with the route named, and cuda_graphs=True is refused there; so is the torch attention. The probe
+decoder (detcomm.probe.model.TPTransformer, bf16) replays its eager bits too, fold W = 1, 2 and tree W = 2."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 import test_hf_graphs as t
+import test_probe_graphs as p
 from clusters import get_cluster
 from detcomm.hf import write_tiny_checkpoint
 
@@ -126,3 +128,38 @@ def test_auto_runs_the_torch_attention_eagerly(tmp_path) -> None:  # noqa: ANN00
     directory = write_tiny_checkpoint("llama-tiny", str(tmp_path), seed=3)
     (reason,) = get_cluster(1).run(job_torch_attention, directory)
     assert reason is not None and "attention_impl='torch'" in reason
+
+
+def job_probe_graphs(rank: int, w: int, layout: str, virtual_shards: int | None, shard_fold: str) -> dict:
+    """The probe decoder (detcomm.probe.model.TPTransformer): cuda_graphs=False against "auto" (captured)."""
+    import numpy as np
+
+    import detcomm
+    from detcomm.probe.model import ModelConfig, TPTransformer
+
+    detcomm.init(numerics="rl-bitwise", device="cuda:0")
+    try:
+        cfg = ModelConfig(t_pad=64, max_context=64, block_size=4, num_blocks=64, dtype=torch.bfloat16)
+        models = []
+        for mode in (False, "auto"):
+            m = TPTransformer(cfg, device="cuda:0", layout=layout, virtual_shards=virtual_shards,  # type: ignore[arg-type]
+                              shard_fold=shard_fold, cuda_graphs=mode)
+            m.declare_sites()
+            models.append(m)
+        got = [p._drive(m) for m in models]
+        out = {"mode": models[1].cuda_graphs, "reason": models[1].graphs_reason, "captures": models[1].graph_captures}
+        models[1].release_graphs()
+    finally:
+        detcomm.shutdown()
+    out["same"] = [all(np.array_equal(x, y) if isinstance(x, np.ndarray) else x == y for x, y in zip(f, s))
+                   for f, s in zip(*got)]
+    return out
+
+
+@pytest.mark.parametrize(("layout", "v", "fold", "world"), [("fold", None, "order", 1), ("fold", None, "order", 2),
+                                                            ("virtual", 8, "tree", 2)])
+def test_probe_decoder_replayed_graphs_give_the_eager_bits(layout: str, v: int | None, fold: str, world: int) -> None:
+    for r in get_cluster(world).run(job_probe_graphs, layout, v, fold):
+        assert r["mode"] is True and r["reason"] is None, r["reason"]
+        assert len(r["same"]) == 6 and all(r["same"]), r["same"]
+        assert r["captures"] >= 3, r
