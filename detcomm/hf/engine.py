@@ -205,6 +205,9 @@ class TPCausalLM:
         peers ran eagerly would issue its collectives twice (warm-up, replay) against their once."""
         self._graphs: StepGraphs[torch.Tensor] | None = None
         self._inputs: StepInputs | None = None
+        #: whether the engine's steps are captured and replayed; graphs_reason: why not (None when they are)
+        self.cuda_graphs: bool = False
+        self.graphs_reason: str | None = None
         if mode is False:
             self.cuda_graphs, self.graphs_reason = False, "cuda_graphs=False"
             return
@@ -219,9 +222,7 @@ class TPCausalLM:
         shapes = {"ids": (c.t_pad,), "pos": (c.t_pad,), "last": (c.t_pad,),
                   **self.kv.step_shapes(segments=c.t_pad, rows=c.t_pad)}
         self._inputs = StepInputs(shapes, device=self.device)
-        #: whether the engine's steps are captured and replayed; graphs_reason: why not (None when they are)
-        self.cuda_graphs: bool = reason is None
-        self.graphs_reason: str | None = reason
+        self.cuda_graphs, self.graphs_reason = reason is None, reason
         self._graphs = StepGraphs(self._static_body, device=self.device, capture=self.cuda_graphs)
 
     def _graph_refusal(self) -> str | None:

@@ -201,7 +201,8 @@ class TPTransformer:
         self._graph_mode = cuda_graphs
         self._inputs: StepInputs | None = None
         self._graphs: StepGraphs[torch.Tensor] | None = None
-        self.cuda_graphs, self.graphs_reason = False, "sites not declared yet (declare_sites decides)"
+        self.cuda_graphs: bool = False
+        self.graphs_reason: str | None = "sites not declared yet (declare_sites decides)"
 
     # -- sites -----------------------------------------------------------------------------------------
     def declare_sites(self, *, route: str | None = None) -> None:
