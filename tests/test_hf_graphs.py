@@ -6,7 +6,7 @@ prompts alone and packed, in three layouts (fold with fused boundaries, fold wit
 the tree layout). The buffers the step body reads sit at the same addresses for every step of one row count (the
 shape key), which is what a replay needs; the sites a step calls are the ones ``step_sites`` names (what the
 capture decision reads). Negative control: a static engine whose buffers are not refreshed after its first step
-must give other bits. The refusals (a bad mode, cuda_graphs=True on CPU, an undeclared site, the reasons'
+must give other bits. The refusals (a bad mode, an NCCL call under "auto", cuda_graphs=True on CPU, an undeclared site, the reasons'
 wording on a host-staged group and for the torch attention) are checked with their fixes."""
 
 from __future__ import annotations
@@ -178,6 +178,7 @@ def job_refusals(rank: int, w: int, directory: str) -> dict:
         out["staged"] = comm.capture_refusal(site)
         comm._native.stage = False  # a group whose library moves CUDA tensors itself (NCCL)
         out["unstaged"] = comm.capture_refusal(site)
+        out["unstaged_auto"] = comm.capture_refusal(site, library=False)  # what "auto" asks: no NCCL captured
         comm.device = torch.device("cpu")
         lm.device = torch.device("cuda", 0)
         out["torch_attention"] = lm._graph_refusal()
@@ -199,6 +200,7 @@ def test_refusals_name_the_site_and_the_fix(tmp_path) -> None:  # noqa: ANN001
     assert "host memory" in r["staged"] and r["route"] in r["staged"] and "CaptureThroughHost" in r["staged"], r
     assert "workspace_max_rows" in r["staged"] and "NCCL" in r["staged"]
     assert r["unstaged"] is None
+    assert "detcomm.shutdown() waits" in r["unstaged_auto"] and "release_graphs()" in r["unstaged_auto"], r
     assert "attention_impl='torch'" in r["torch_attention"] and "attention_impl='triton'" in r["torch_attention"]
 
 

@@ -211,7 +211,7 @@ class TPCausalLM:
         if mode is False:
             self.cuda_graphs, self.graphs_reason = False, "cuda_graphs=False"
             return
-        reason = self._graph_refusal()
+        reason = self._graph_refusal(library=mode is True)
         if mode is True and reason is not None:
             raise ValueError(f"cuda_graphs=True: this engine's step cannot be captured in a CUDA graph: {reason}. "
                              "Fix that, or pass ServingConfig(cuda_graphs='auto') (eager where capture cannot run) "
@@ -225,8 +225,9 @@ class TPCausalLM:
         self.cuda_graphs, self.graphs_reason = reason is None, reason
         self._graphs = StepGraphs(self._static_body, device=self.device, capture=self.cuda_graphs)
 
-    def _graph_refusal(self) -> str | None:
-        """Why this engine's step cannot be captured (None: it can), from static facts; the first reason found."""
+    def _graph_refusal(self, *, library: bool = False) -> str | None:
+        """Why this engine's step cannot be captured (None: it can), from static facts; the first reason found.
+        ``library``: NCCL calls may be captured (cuda_graphs=True: the caller releases the graphs before shutdown)."""
         if self.device.type != "cuda":
             return f"the engine runs on {self.device}: CUDA graphs need a CUDA device"
         if self.attention_impl != "triton":
@@ -239,7 +240,7 @@ class TPCausalLM:
                     "experts' row counts): MoE models run their steps eagerly")
         comm = detcomm.get_communicator()
         for site in self.step_sites():
-            why = comm.capture_refusal(site)
+            why = comm.capture_refusal(site, library=library)
             if why is not None:
                 return why
         return None

@@ -268,7 +268,8 @@ class TPTransformer:
                       "which a CUDA graph cannot hold: use attention_impl='triton' (CUDA's default)")
         else:
             comm = detcomm.get_communicator()
-            reason = next((why for why in map(comm.capture_refusal, self.step_sites()) if why is not None), None)
+            reason = next((why for site in self.step_sites()
+                           if (why := comm.capture_refusal(site, library=mode is True)) is not None), None)
         if mode is True and reason is not None:
             raise ValueError(f"cuda_graphs=True: this model's step cannot be captured in a CUDA graph: {reason}. Fix "
                              "that, or pass cuda_graphs='auto' (eager where capture cannot run) or cuda_graphs=False")
