@@ -22,13 +22,17 @@ Which numbers mean what:
 * the NCCL environment is the launch's: under ``--numerics rl-bitwise`` NCCL runs Ring/Simple for both
   phases (NCCL reads it when the communicator is created). ``--phases native`` under a launch with
   ``--numerics auto`` measures native with NCCL's own algorithm choice.
-Decode steps include the per-request attention loop of the fixed-width engine (one small kernel chain per
-request per layer; see detcomm/hf/engine.py for what the fixed width costs).
+* ``--graphs``: each phase twice in the same run, its steps eager on fresh tensors (``cuda_graphs=False``) and
+  replayed from CUDA graphs (``cuda_graphs="auto"``: captured once per row count; where the step cannot be captured
+  it runs eagerly and the title says why), with the ratio graphs / eager. Without it every step runs eagerly.
+Decode steps run the engine's one paged-attention call per layer over every row (see detcomm/hf/engine.py for what
+the fixed width costs).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -66,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     add_decode_arguments(p, prompt=16, steps=16, warmup=3)
     p.add_argument("--phases", default="fold,native", help="which phases, in order: fold, native or both")
+    p.add_argument("--graphs", action="store_true",
+                   help="each phase eager and with CUDA graphs, same run (tokens/s of both and graphs / eager)")
     p.add_argument("--backend", choices=("nccl", "gloo"), default=None,
                    help="process group backend when none exists (default: nccl with CUDA, else gloo)")
     p.add_argument("--device", default=None, help="tensor device (default: cuda:LOCAL_RANK for nccl, cpu for gloo)")
@@ -238,32 +244,54 @@ def main(argv: Sequence[str] | None = None) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     results: dict[str, dict[int, float]] = {}
     routes: dict[str, Any] = {}
+    graphs_off: dict[str, str] = {}  # variant -> why its steps ran eagerly although graphs were asked for
+    variants: list[tuple[str, bool | str]] = [("", False)] + ([(" graphs", "auto")] if ns.graphs else [])
     for phase in phases:
         detcomm.init(numerics="rl-bitwise" if phase == "fold" else "auto", device=device)
         try:
-            lm = TPCausalLM(_build(ns, device, dtype), serving, route=None if phase == "fold" else "native")
-            routes[phase] = next(e["route"] for e in detcomm.routes().as_dicts() if e["site"] == lm.shards.row_sites[0])
-            results[phase] = time_decode(lm, ns.concurrency, ns, vocab=lm.shards.vocab, seed=ns.seed)
-            del lm
+            for suffix, mode in variants:
+                lm = TPCausalLM(_build(ns, device, dtype), dataclasses.replace(serving, cuda_graphs=mode),
+                                route=None if phase == "fold" else "native")
+                routes[phase] = next(e["route"] for e in detcomm.routes().as_dicts()
+                                     if e["site"] == lm.shards.row_sites[0])
+                if mode and not lm.cuda_graphs:
+                    graphs_off[phase + suffix] = str(lm.graphs_reason)
+                results[phase + suffix] = time_decode(lm, ns.concurrency, ns, vocab=lm.shards.vocab, seed=ns.seed)
+                lm.release_graphs()  # before shutdown: a graph holding an NCCL call would block it
+                del lm
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
         finally:
             detcomm.shutdown()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
     if rank == 0:
+        names = [phase + suffix for phase in phases for suffix, _ in variants]
+        cols = ["concurrency", *(f"tokens/s {n}" for n in names)]
+        if ns.graphs:
+            cols += [f"{p} graphs/eager" for p in phases]
+        if {"fold", "native"} <= set(phases):
+            cols.append("native/fold")
         rows: list[list[object]] = []
         for c in ns.concurrency:
-            fo, na = results.get("fold", {}).get(c), results.get("native", {}).get(c)
-            rows.append([c, "-" if fo is None else round(fo, 1), "-" if na is None else round(na, 1),
-                         "-" if fo is None or na is None else round(na / fo, 3)])
+            got = {n: results.get(n, {}).get(c) for n in names}
+            row: list[object] = [c, *("-" if got[n] is None else round(got[n], 1) for n in names)]  # type: ignore[arg-type]
+            ratios = [(f"{p} graphs", p) for p in phases] if ns.graphs else []
+            if {"fold", "native"} <= set(phases):
+                ratios.append(("native", "fold"))
+            for num, den in ratios:
+                a, b = got.get(num), got.get(den)
+                row.append("-" if a is None or b is None else round(a / b, 3))
+            rows.append(row)
         title = (f"HF decode: W={world} backend={backend} device={device} dtype={ns.dtype} "
                  f"{'model=' + ns.model if ns.model else f'hidden={ns.hidden} layers={ns.layers} heads={ns.heads}/kv {ns.kv_heads} ffn={ns.ffn} vocab={ns.vocab}'} "
                  f"T_pad={ns.t_pad} steps={ns.steps} logprobs={'yes' if ns.logprobs else 'no'} "
-                 f"routes: {', '.join(f'{k}={v}' for k, v in routes.items())}")
-        emit(format_table(["concurrency", "tokens/s fold", "tokens/s native", "native/fold"], rows, title=title))
+                 f"routes: {', '.join(f'{k}={v}' for k, v in routes.items())}"
+                 + "".join(f"\n{k}: CUDA graphs off, eager: {v}" for k, v in graphs_off.items()))
+        emit(format_table(cols, rows, title=title))
         if ns.json:
             with open(ns.json, "w") as f:
                 json.dump({"world_size": world, "backend": backend, "device": str(device), "dtype": ns.dtype,
                            "args": {k: v for k, v in vars(ns).items() if k != "json"}, "routes": routes,
+                           "graphs_off": graphs_off,
                            "tokens_per_s": {p: {str(c): v for c, v in r.items()} for p, r in results.items()}},
                           f, indent=2)
     if dist.is_initialized():

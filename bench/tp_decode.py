@@ -16,6 +16,9 @@ width T_pad; prompts prefilled untimed):
   native   the plain layers with o_proj / down_proj forced onto the library's all-reduce (numerics auto).
 
 Rank 0 prints tokens/s per concurrency and layout and each layout's cost against fold, and writes ``--json``.
+``--graphs``: each layout also with its steps captured in CUDA graphs (``cuda_graphs="auto"``, one graph per row
+count), same run: columns "<layout> graphs" with the ratio to that layout's eager steps (and why a layout ran
+eagerly, if one did, under the table).
 The invariant layouts also run their local compute in fixed blocks (column blocks, vocabulary
 blocks: docs/spec.md §9.1), which costs kernel launches at small widths: the numbers include that.
 """
@@ -60,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", action="store_true",
                    help="GPU only: also profile --steps steps per concurrency and layout (device operations per "
                         "step, their device time, the step's wall time: how launch-bound each layout is)")
+    p.add_argument("--graphs", action="store_true",
+                   help="each layout eager and with CUDA graphs, same run (tokens/s of both and graphs / eager)")
     p.add_argument("--json", metavar="PATH", help="rank 0 writes the results as JSON")
     return p
 
@@ -98,24 +103,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise ValueError("--profile counts device work: it needs a CUDA device")
     results: dict[str, dict[int, float]] = {}
     profiles: dict[str, dict[int, dict[str, float]]] = {}
+    graphs_off: dict[str, str] = {}
+    variants: list[tuple[str, bool | str]] = [("", False)] + ([(" graphs", "auto")] if ns.graphs else [])
     for phase in phases:
         detcomm.init(numerics="auto" if phase == "native" else "rl-bitwise", device=device)
         try:
             layout = "fold" if phase == "native" else "virtual" if phase == "tree" else phase
-            model = TPTransformer(cfg, device=device, layout=layout,  # type: ignore[arg-type]
-                                  virtual_shards=ns.virtual_shards if layout == "virtual" else None,
-                                  shard_fold="tree" if phase == "tree" else "order")
-            model.declare_sites(route="native" if phase == "native" else None)
-            # An untimed pass first: a process's first steps pay one-time costs (allocator, kernel caches).
-            time_decode(model, [1], ns, vocab=cfg.vocab)
-            results[phase] = time_decode(model, ns.concurrency, ns, vocab=cfg.vocab, repeats=ns.repeats)
-            if ns.profile:
-                profiles[phase] = profile_decode(model, ns.concurrency, ns, vocab=cfg.vocab)
-            del model
+            for suffix, mode in variants:
+                name = phase + suffix
+                model = TPTransformer(cfg, device=device, layout=layout,  # type: ignore[arg-type]
+                                      virtual_shards=ns.virtual_shards if layout == "virtual" else None,
+                                      shard_fold="tree" if phase == "tree" else "order", cuda_graphs=mode)
+                model.declare_sites(route="native" if phase == "native" else None)
+                if mode and not model.cuda_graphs:
+                    graphs_off[name] = str(model.graphs_reason)
+                # An untimed pass first: a process's first steps pay one-time costs (allocator, kernel caches).
+                time_decode(model, [1], ns, vocab=cfg.vocab)
+                results[name] = time_decode(model, ns.concurrency, ns, vocab=cfg.vocab, repeats=ns.repeats)
+                if ns.profile:
+                    profiles[name] = profile_decode(model, ns.concurrency, ns, vocab=cfg.vocab)
+                model.release_graphs()  # before shutdown: a graph holding an NCCL call would block it
+                del model
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
         finally:
             detcomm.shutdown()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+    phases = [phase + suffix for phase in phases for suffix, _ in variants]
     if rank == 0:
         rows: list[list[object]] = []
         for c in ns.concurrency:
@@ -123,7 +136,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             row: list[object] = [c]
             for p in phases:
                 v = results[p][c]
-                row.append(f"{v:.1f}" + ("" if fold is None or p == "fold" else f" ({v / fold:.2f}x)"))
+                if p.endswith(" graphs"):  # against the same layout's eager steps
+                    row.append(f"{v:.1f} ({v / results[p[: -len(' graphs')]][c]:.2f}x eager)")
+                else:
+                    row.append(f"{v:.1f}" + ("" if fold is None or p == "fold" else f" ({v / fold:.2f}x)"))
             rows.append(row)
         title = (f"probe decoder decode tokens/s: W={world} backend={backend} device={device} dtype={ns.dtype} "
                  f"hidden={cfg.hidden} layers={cfg.layers} heads={cfg.heads}x{cfg.head_dim} ffn={cfg.ffn} "
@@ -131,6 +147,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                  f"best of {ns.repeats}x{ns.steps} steps "
                  f"logprobs={'yes' if ns.logprobs else 'no'}; (x) = tokens/s relative to fold")
         emit(format_table(["concurrency", *phases], rows, title=title))
+        for name, why in graphs_off.items():
+            emit(f"{name}: CUDA graphs off, eager: {why}")
         if profiles:
             prow = [[c, *(f"{profiles[p][c]['kernels']:.0f} / {profiles[p][c]['busy_ms']:.2f} / "
                           f"{profiles[p][c]['wall_ms']:.2f}" for p in phases)] for c in ns.concurrency]
@@ -142,6 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 json.dump({"world_size": world, "backend": backend, "device": str(device),
                            "args": {k: v for k, v in vars(ns).items() if k != "json"},
                            "tokens_per_s": {p: {str(c): v for c, v in r.items()} for p, r in results.items()},
+                           "graphs_off": graphs_off,
                            "profile": {p: {str(c): v for c, v in r.items()} for p, r in profiles.items()}},
                           f, indent=2)
     dist.destroy_process_group()

@@ -517,6 +517,42 @@ class Communicator:
         return self.router.table(list(self._sites.values()),
                                note=f"topology: {self.caps.topology}; workspace: {self.caps.workspace_reason}")
 
+    def capture_refusal(self, site: str, *, library: bool = True) -> str | None:
+        """Why a call of the declared ``site`` cannot be captured in a CUDA graph on this group, or None where it
+        can (local; the same answer on every rank). Static facts only, read before any capture: the group's device,
+        the call checker (its fingerprints are read back on the host), and the site's route in the route table
+        with whether this group moves CUDA tensors through host memory (a gloo group: ranks sharing a GPU), the
+        facts a call raises ``CaptureThroughHost`` from inside a capture. ipc_fold (the workspace's kernels, the
+        fused norms and trees among them) captures on any CUDA group; every route captures on a group whose library
+        moves CUDA tensors itself (NCCL). ``library=False`` also refuses the latter: a graph that captured an NCCL
+        call holds NCCL's communicator until the graph is released, and ``detcomm.shutdown`` waits for it forever
+        while it lives (what an engine that captures on its own, unasked, must not leave behind)."""
+        self._check_open()
+        s = self._sites.get(site)
+        if s is None:
+            raise ValueError(f"capture_refusal: site {site!r} is not declared on this group; declare it first "
+                             "(detcomm.site)")
+        if self.device.type != "cuda":
+            return f"the group works on {self.device}: CUDA graphs capture CUDA work only"
+        if self._verifier is not None:
+            return ("call checking is on (detcomm.init(check=True) or DETCOMM_CHECK): every call's fingerprint is "
+                    "read back on the host, which a CUDA graph cannot hold")
+        route = self.router.table([s]).entries[0].decision.route
+        if route is Route.IPC_FOLD:
+            return None
+        if not self._native.stage:
+            if library:
+                return None
+            return (f"site {site!r} takes route {route.value}, whose {self.backend_name} calls a CUDA graph would "
+                    "capture: such a graph holds the library's communicator until it is released, and "
+                    "detcomm.shutdown() waits for it forever while it lives (pytorch/pytorch#115388); capture anyway "
+                    "with cuda_graphs=True and release the graphs (release_graphs()) before detcomm.shutdown()")
+        return (f"site {site!r} takes route {route.value}, which moves its CUDA tensors through host memory on this "
+                f"{self.backend_name} group (ranks sharing a GPU), and a CUDA graph cannot hold a host copy "
+                f"(detcomm.CaptureThroughHost); only ipc_fold calls capture here: arm the CUDA-IPC workspace for the "
+                f"site (a batch-invariant envelope, detcomm.init(workspace_max_rows=...) >= its max_rows "
+                f"{s.max_rows}; workspace: {self.caps.workspace_reason}) or give each rank its own GPU over NCCL")
+
     def checks(self) -> list[CheckResult]:
         """Every self-check run on this group so far, in order (local)."""
         return list(self._selfchecks.results.values())

@@ -36,13 +36,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 import detcomm
 
 __all__ = ["LAYOUTS", "Layout", "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
-           "VocabParallelHead", "gumbel_noise", "check_divides", "Segment", "pack_segments"]
+           "VocabParallelHead", "gumbel_noise", "check_divides", "Segment", "pack_segments", "stage_segments"]
 
 Layout = Literal["fold", "virtual", "full_k"]
 LAYOUTS: tuple[str, ...] = ("fold", "virtual", "full_k")
@@ -396,22 +397,35 @@ class Segment:
     sample: bool = field(default=True)
 
 
-def pack_segments(segments: Sequence[Segment], *, t_pad: int, max_context: int,
-                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor, list[int], int]:
-    """Lay one step's segments out in a fixed ``t_pad``-row buffer, in order: the token ids and positions of
-    every row (filler rows: token 0 at position 0), each segment's first row, and the real row count."""
+def stage_segments(segments: Sequence[Segment], ids: np.ndarray, pos: np.ndarray, *,
+                   max_context: int) -> tuple[list[int], int]:
+    """Write one step's token ids and positions into the host arrays ``ids`` and ``pos`` (a fixed ``t_pad``-row
+    buffer each), segments in order, filler rows token 0 at position 0. Returns each segment's first row and the
+    real row count. What ``pack_segments`` and the engines' static step buffers (detcomm.numerics.step_graph) both
+    lay out."""
+    t_pad = ids.shape[0]
     rows = sum(len(s.tokens) for s in segments)
     if not 1 <= rows <= t_pad:
         raise ValueError(f"a step carries 1..T_pad={t_pad} rows, got {rows}")
-    ids = torch.zeros(t_pad, dtype=torch.long)
-    pos = torch.zeros(t_pad, dtype=torch.long)  # built on the CPU, moved once below
+    ids[:] = 0
+    pos[:] = 0
     offsets, at = [], 0
     for s in segments:
         n = len(s.tokens)
         if s.start + n > max_context:
             raise ValueError(f"a request outgrew max_context={max_context}")
-        ids[at : at + n] = torch.tensor(list(s.tokens), dtype=torch.long)
-        pos[at : at + n] = torch.arange(s.start, s.start + n)
+        ids[at : at + n] = list(s.tokens)
+        pos[at : at + n] = np.arange(s.start, s.start + n)
         offsets.append(at)
         at += n
-    return ids.to(device), pos.to(device), offsets, rows
+    return offsets, rows
+
+
+def pack_segments(segments: Sequence[Segment], *, t_pad: int, max_context: int,
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor, list[int], int]:
+    """Lay one step's segments out in a fixed ``t_pad``-row buffer, in order: the token ids and positions of
+    every row (filler rows: token 0 at position 0), each segment's first row, and the real row count."""
+    host = np.zeros((2, t_pad), dtype=np.int64)  # built on the host, moved in one copy
+    offsets, rows = stage_segments(segments, host[0], host[1], max_context=max_context)
+    dev = torch.from_numpy(host).to(device)
+    return dev[0], dev[1], offsets, rows

@@ -68,8 +68,10 @@ def job_paged_bits(rank: int, w: int, directory: str, control: bool, device: str
     torch.set_num_threads(1)
     detcomm.init(numerics="rl-bitwise", device=device)
     try:
+        # The control's attention reads rows back to the host, which a CUDA graph cannot hold: it runs eagerly.
         lm = TPCausalLM(load_causal_lm(directory, dtype=torch.float32),
-                        ServingConfig(t_pad=64, max_context=64, block_size=BLOCK, num_blocks=64))
+                        ServingConfig(t_pad=64, max_context=64, block_size=BLOCK, num_blocks=64,
+                                      cuda_graphs=False if control else "auto"))
         if control:
             lm.kv.attend = lambda *a, **kw: split_kv_attend(lm.kv, *a, **kw)  # type: ignore[method-assign]
         free0 = lm.kv.allocator.available

@@ -25,15 +25,17 @@ by construction:
 the fold and tree layouts fuse each layer boundary into one ``detcomm.all_reduce_residual_rmsnorm`` call
 (docs/spec.md §9.2), and every decoder RMSNorm is detcomm's canonical norm with the module's weight and eps.
 
-Each step pays T_pad rows of GEMM and each row's attention over its actual context: the costs, the boundaries'
-rules and what differs from transformers' own arithmetic are in docs/design/hf-engine.md.
+Each step pays T_pad rows of GEMM and each row's attention over its actual context. ``ServingConfig.cuda_graphs``
+runs the steps on static buffers, captured in a CUDA graph per real row count where every site and op of the step
+captures (the same bits). The costs, the shape keys, the boundaries' rules: docs/design/hf-engine.md.
 """
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -41,23 +43,29 @@ import torch.nn.functional as F
 
 import detcomm
 
-from ..numerics.attention import KVStore, PagedKV, check_paged_geometry
+from ..numerics.attention import KVStore, PagedKV, StepKV, check_paged_geometry
 from ..numerics.norm import add_rms_norm
+from ..numerics.step_graph import StepGraphs, StepInputs
 from ..rl import regions
-from ..tp import Segment, pack_segments
+from ..tp import Segment, pack_segments, stage_segments
 from .agree import agreed
 from .layers import StepRows
 from .moe_block import EPConfig, EPMoEBlock
 from .shard import Shards, add_norm_site, declare_sites, fuse_boundaries, shard_model
 from .sliced import Checkpoint, fill
 
-__all__ = ["ServingConfig", "StepLogits", "TPCausalLM", "ROW_ALIGN", "Sampler"]
+__all__ = ["ServingConfig", "StepLogits", "TPCausalLM", "ROW_ALIGN", "GRAPH_MODES", "Sampler"]
 
 # generate's token choice: (request index, the token's position, its fp32 logprobs [vocab]) -> the token id
 Sampler = Callable[[int, int, torch.Tensor], int]
 
 # T_pad and max_context are multiples of these (see the module docstring).
 ROW_ALIGN = 64
+
+# ServingConfig.cuda_graphs
+GRAPH_MODES: tuple[bool | str, ...] = ("auto", True, False)
+
+_log = logging.getLogger("detcomm")
 
 
 @dataclass(frozen=True)
@@ -67,13 +75,18 @@ class ServingConfig:
     positions per layer, shared by every live request (``block_size`` is part of the attention's arithmetic,
     detcomm.numerics.attention; ``num_blocks`` only bounds how many tokens all live requests hold at once).
     ``attention_impl``: "torch" or "triton" (None: triton on CUDA, torch elsewhere); part of the arithmetic too
-    (e.g. "torch" on CUDA for a trainer that needs autograd through the attention and the server's bits)."""
+    (e.g. "torch" on CUDA for a trainer that needs autograd through the attention and the server's bits).
+    ``cuda_graphs`` (keyword-only), not part of the arithmetic (the same bits either way): "auto" runs the engine's
+    steps on static buffers and captures them in CUDA graphs where every route and op of the step can be captured,
+    eagerly otherwise (``TPCausalLM.graphs_reason`` says why, logged once); True requires the capture (ValueError
+    naming what cannot be captured and the fix); False runs today's eager step on fresh tensors."""
 
     t_pad: int = 64
     max_context: int = 128
     block_size: int = 16
     num_blocks: int = 256
     attention_impl: str | None = None
+    cuda_graphs: bool | str = field(default="auto", kw_only=True)
 
     def check(self) -> None:
         if self.t_pad < 1 or self.t_pad % ROW_ALIGN:
@@ -82,6 +95,8 @@ class ServingConfig:
             raise ValueError(f"max_context must be a positive multiple of {ROW_ALIGN}, got {self.max_context}")
         check_paged_geometry(block_size=self.block_size, num_blocks=self.num_blocks, max_context=self.max_context,
                              impl=self.attention_impl)
+        if self.cuda_graphs not in GRAPH_MODES or not isinstance(self.cuda_graphs, (bool, str)):
+            raise ValueError(f"cuda_graphs must be 'auto', True or False, got {self.cuda_graphs!r}")
 
 
 def _partial_linear(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -181,6 +196,89 @@ class TPCausalLM:
                           impl=serving.attention_impl)
         # Named once (default: torch on CPU, triton on CUDA): a trainer reproducing this engine's bits uses it too.
         self.attention_impl: str = self.kv.impl
+        self._setup_graphs(serving.cuda_graphs)
+
+    # -- CUDA graphs (ServingConfig.cuda_graphs; detcomm.numerics.step_graph) ------------------------------
+    def _setup_graphs(self, mode: bool | str) -> None:
+        """The static step buffers and the graphs over them. The decision is one of static facts, the same on every
+        rank (the device, the attention impl, the model's blocks, the route table): a rank that captured while its
+        peers ran eagerly would issue its collectives twice (warm-up, replay) against their once."""
+        self._graphs: StepGraphs[torch.Tensor] | None = None
+        self._inputs: StepInputs | None = None
+        #: whether the engine's steps are captured and replayed; graphs_reason: why not (None when they are)
+        self.cuda_graphs: bool = False
+        self.graphs_reason: str | None = None
+        if mode is False:
+            self.cuda_graphs, self.graphs_reason = False, "cuda_graphs=False"
+            return
+        reason = self._graph_refusal(library=mode is True)
+        if mode is True and reason is not None:
+            raise ValueError(f"cuda_graphs=True: this engine's step cannot be captured in a CUDA graph: {reason}. "
+                             "Fix that, or pass ServingConfig(cuda_graphs='auto') (eager where capture cannot run) "
+                             "or cuda_graphs=False")
+        if reason is not None:
+            _log.info("detcomm.hf: CUDA graphs off, the steps run eagerly on static buffers: %s", reason)
+        c = self.cfg
+        shapes = {"ids": (c.t_pad,), "pos": (c.t_pad,), "last": (c.t_pad,),
+                  **self.kv.step_shapes(segments=c.t_pad, rows=c.t_pad)}
+        self._inputs = StepInputs(shapes, device=self.device)
+        self.cuda_graphs, self.graphs_reason = reason is None, reason
+        self._graphs = StepGraphs(self._static_body, device=self.device, capture=self.cuda_graphs)
+
+    def _graph_refusal(self, *, library: bool = False) -> str | None:
+        """Why this engine's step cannot be captured (None: it can), from static facts; the first reason found.
+        ``library``: NCCL calls may be captured (cuda_graphs=True: the caller releases the graphs before shutdown)."""
+        if self.device.type != "cuda":
+            return f"the engine runs on {self.device}: CUDA graphs need a CUDA device"
+        if self.attention_impl != "triton":
+            return (f"attention_impl={self.attention_impl!r} reads each row tile's KV block range back to the host "
+                    "(a data-dependent loop), which a CUDA graph cannot hold: serve with attention_impl='triton' "
+                    "(CUDA's default)")
+        if self.shards.moe_blocks:
+            return (f"the expert-parallel MoE blocks ({self.shards.moe_blocks[0].name} and the others, "
+                    "detcomm.hf.moe_block) read each step's routing back to the host (the all-to-all splits, the "
+                    "experts' row counts): MoE models run their steps eagerly")
+        comm = detcomm.get_communicator()
+        for site in self.step_sites():
+            why = comm.capture_refusal(site, library=library)
+            if why is not None:
+                return why
+        return None
+
+    def step_sites(self) -> list[str]:
+        """The detcomm sites one step calls, in call order (the head's sampling sites are outside the step: greedy,
+        logprobs): the embedding's, then per layer its boundaries' (the fused add + norm site, or the projection's
+        own: the fold layout's all-reduce, the invariant layouts' virtual all-reduce or full-K all-gathers), an MoE
+        block's in between."""
+        sites = [self.shards.embed_site]
+
+        def proj_sites(proj: Any) -> list[str]:
+            if self.fuse and proj.bias is None:
+                return [add_norm_site(proj.site)]
+            if not self.invariant:
+                return [proj.site]
+            layer = proj.layer
+            return [layer.site] if layer.layout == "virtual" else [f"{layer.site}.gather_in", f"{layer.site}.gather_out"]
+
+        for layer in self.layers:
+            sites += proj_sites(layer.self_attn.o_proj)
+            if isinstance(layer.mlp, EPMoEBlock):
+                m = layer.mlp.name  # detcomm.moe.moe_site's names, then the block's gather
+                sites += [f"{m}.dispatch", f"{m}.combine", layer.mlp.sites_gather]
+            else:
+                sites += proj_sites(layer.mlp.down_proj)
+        return sites
+
+    @property
+    def graph_captures(self) -> int:
+        """CUDA graphs captured so far (one per step shape: the real row count); 0 when the steps run eagerly."""
+        return 0 if self._graphs is None or not self.cuda_graphs else self._graphs.captures
+
+    def release_graphs(self) -> None:
+        """Drop the captured graphs (later steps capture again). A graph that captured an NCCL call must be dropped
+        before ``detcomm.shutdown`` (docs/hf.md)."""
+        if self._graphs is not None:
+            self._graphs.release()
 
     # -- geometry --------------------------------------------------------------------------------------
     def _window(self, attn: Any) -> int | None:
@@ -266,12 +364,52 @@ class TPCausalLM:
         forward is the same call: the same bits. ``kv``: the KV store the segments' tables belong to (default the
         engine's paged cache; the trainer passes its own, whose writes autograd can follow)."""
         with torch.set_grad_enabled(grad):
+            if kv is None and not grad and self._inputs is not None:
+                return self._static_step(segments)
             return self._step(segments, self.kv if kv is None else kv)
 
     def _step(self, segments: Sequence[Segment], kv: KVStore) -> tuple[StepLogits, list[int]]:
-        c, s = self.cfg, self.shards
+        """A step on fresh tensors: any KV store (the trainer's), autograd, or cuda_graphs=False."""
+        c = self.cfg
         ids, pos, offsets, rows = pack_segments(segments, t_pad=c.t_pad, max_context=c.max_context, device=self.device)
         step = kv.step([seg.blocks for seg in segments], [(seg.start, len(seg.tokens)) for seg in segments])
+        logits = self._body(ids, pos, step, kv, rows)
+        picks = [i for i, seg in enumerate(segments) if seg.sample]
+        last = torch.tensor([offsets[i] + len(segments[i].tokens) - 1 for i in picks], dtype=torch.long,
+                            device=self.device)
+        return StepLogits(logits, last), picks
+
+    def _static_step(self, segments: Sequence[Segment]) -> tuple[StepLogits, list[int]]:
+        """A step of the engine's own cache on the static buffers: the host writes the step's integers (ids,
+        positions, block tables, each row's request and position, the sampling rows) and copies them once; the
+        body runs on the buffers, captured per row count where the engine captures (ServingConfig.cuda_graphs)."""
+        c = self.cfg
+        assert self._inputs is not None and self._graphs is not None
+        if len(segments) > c.t_pad:
+            raise ValueError(f"a step carries at most T_pad={c.t_pad} segments, got {len(segments)}: drop the empty "
+                             "ones")
+        host = self._inputs.begin()
+        offsets, rows = stage_segments(segments, host["ids"], host["pos"], max_context=c.max_context)
+        self.kv.stage(host, [seg.blocks for seg in segments], [(seg.start, len(seg.tokens)) for seg in segments])
+        picks = [i for i, seg in enumerate(segments) if seg.sample]
+        host["last"][: len(picks)] = [offsets[i] + len(segments[i].tokens) - 1 for i in picks]
+        self._inputs.upload()
+        logits = self._graphs(rows)  # the shape key: the real row count (the reductions', the attention's)
+        # A graph's output is overwritten by the next replay of its row count, and the buffers by the next step:
+        # the caller gets its own tensors, as from a step on fresh tensors.
+        buf = logits.clone() if self.cuda_graphs else logits
+        return StepLogits(buf, self._inputs.dev["last"][: len(picks)].clone()), picks
+
+    def _static_body(self, rows: object) -> torch.Tensor:
+        assert self._inputs is not None and isinstance(rows, int)
+        dev = self._inputs.dev
+        return self._body(dev["ids"], dev["pos"], self.kv.static_step(dev, rows), self.kv, rows)
+
+    def _body(self, ids: torch.Tensor, pos: torch.Tensor, step: StepKV, kv: KVStore, rows: int) -> torch.Tensor:
+        """The step itself, on device tensors only: this rank's fp32 logits [T_pad, shard] of every row. The one
+        code path of every step (fresh tensors, static buffers, a CUDA graph's capture): nothing in it reads back to
+        the host, and its launch shapes follow ``rows`` alone."""
+        c, s = self.cfg, self.shards
         cos, sin = self.cos[pos][None], self.sin[pos][None]  # [1, T_pad, hd]
         hd = s.head_dim
         self.step_rows.rows = rows
@@ -291,7 +429,7 @@ class TPCausalLM:
                 # One paged_attention call over the step's real rows (every segment's, packed in order).
                 mixed = torch.zeros(c.t_pad, s.heads * hd, dtype=self.dtype, device=self.device)
                 mixed[:rows] = kv.attend(li, q[:rows], k[:rows], v[:rows], step, scale=attn.scaling,
-                                              window=self._layer_window[li]).reshape(rows, s.heads * hd)
+                                         window=self._layer_window[li]).reshape(rows, s.heads * hd)
                 nxt = self.layers[li + 1].input_layernorm if li + 1 < len(self.layers) else self.model.model.norm
                 if not self.fuse:  # transformers' residual adds and norm modules
                     h = h + attn.o_proj(mixed)
@@ -304,13 +442,10 @@ class TPCausalLM:
                     h, x = self._add_norm(mlp(x)[:rows], h, nxt, rows, site=None)
                 else:  # transformers' MLP, its down_proj's partial product handed to the fused boundary
                     h, x = self._boundary(mlp.down_proj, mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x), h, nxt, rows)
-            logits = self.model.lm_head.shard_logits(x)  # [T_pad, shard] fp32
+            logits: torch.Tensor = self.model.lm_head.shard_logits(x)  # [T_pad, shard] fp32
         finally:
             self.step_rows.rows = None
-        picks = [i for i, seg in enumerate(segments) if seg.sample]
-        last = torch.tensor([offsets[i] + len(segments[i].tokens) - 1 for i in picks], dtype=torch.long,
-                            device=self.device)
-        return StepLogits(logits, last), picks
+        return logits
 
     # -- vocabulary-parallel head ------------------------------------------------------------------------
     def greedy(self, logits: StepLogits) -> torch.Tensor:

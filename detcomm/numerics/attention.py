@@ -28,10 +28,11 @@ follow max_context); one GEMM per step over a variable row count (the kernel may
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 __all__ = ["ROW_TILE", "IMPLS", "PagedKVCache", "BlockAllocator", "StepKV", "KVStore", "PagedKV", "check_paged_geometry",
@@ -172,18 +173,54 @@ class PagedKV:
         self.allocator.free(table)
         table.clear()
 
-    def step(self, tables: Sequence[list[int]], spans: Sequence[tuple[int, int]]) -> StepKV:
+    def step_shapes(self, *, segments: int, rows: int) -> dict[str, tuple[int, ...]]:
+        """The shapes of a step's ``StepKV`` fields for up to ``segments`` segments and ``rows`` rows: what a
+        static buffer of them holds (``stage`` writes them, ``static_step`` reads them)."""
+        return {"block_tables": (segments, self.max_blocks), "row_request": (rows,), "positions": (rows,)}
+
+    def stage(self, host: Mapping[str, np.ndarray], tables: Sequence[list[int]],
+              spans: Sequence[tuple[int, int]]) -> None:
         """Grow each segment's table to cover its rows (``spans``: (start, n) per segment; positions must fit
-        max_context, which pack_segments checks) and lay out the step's ``StepKV``."""
+        max_context, which pack_segments checks) and write the step's ``StepKV`` fields into the host arrays
+        ``host`` (of ``step_shapes``; at least len(tables) segments and the step's rows): the tables zero-padded,
+        each real row's segment and position. Entries past the step's segments and rows are left as they are: no
+        step reads them (a row reads its own segment's table, up to the block holding its position)."""
         for table, (start, n) in zip(tables, spans):
             need = self.blocks_for(start + n) - len(table)
             if need > 0:
                 table.extend(self.allocator.allocate(need))
-        bt = torch.zeros(len(tables), self.max_blocks, dtype=torch.long)
-        for i, table in enumerate(tables):
-            bt[i, : len(table)] = torch.tensor(table, dtype=torch.long)
-        req, pos = step_rows(spans)
-        return StepKV(bt.to(self.device), req.to(self.device), pos.to(self.device))
+        bt, req, pos = host["block_tables"], host["row_request"], host["positions"]
+        if len(tables) > bt.shape[0] or sum(n for _, n in spans) > req.shape[0]:
+            raise ValueError(f"PagedKV.stage: {len(tables)} segments of {sum(n for _, n in spans)} rows do not fit "
+                             f"buffers of {bt.shape[0]} segments and {req.shape[0]} rows")
+        bt[: len(tables)] = 0
+        at = 0
+        for i, (table, (start, n)) in enumerate(zip(tables, spans)):
+            bt[i, : len(table)] = table
+            req[at : at + n] = i
+            pos[at : at + n] = np.arange(start, start + n)
+            at += n
+
+    def static_step(self, dev: Mapping[str, torch.Tensor], rows: int) -> StepKV:
+        """The ``StepKV`` of a step of ``rows`` rows on device buffers of ``step_shapes`` (``stage``'s values,
+        copied): views, the same tensors every step of that row count (what a CUDA graph captures)."""
+        return StepKV(dev["block_tables"], dev["row_request"][:rows], dev["positions"][:rows])
+
+    def step(self, tables: Sequence[list[int]], spans: Sequence[tuple[int, int]]) -> StepKV:
+        """``stage`` into fresh host arrays of this step's exact sizes, moved to the device in one copy."""
+        rows = sum(n for _, n in spans)
+        shapes = self.step_shapes(segments=len(tables), rows=rows)
+        flat = np.zeros(sum(int(np.prod(s)) for s in shapes.values()), dtype=np.int64)
+        host, at = {}, 0
+        for name, shape in shapes.items():
+            size = int(np.prod(shape))
+            host[name] = flat[at : at + size].reshape(shape)
+            at += size
+        self.stage(host, tables, spans)
+        dev = torch.from_numpy(flat).to(self.device)
+        bt_size = len(tables) * self.max_blocks
+        return StepKV(dev[:bt_size].view(len(tables), self.max_blocks), dev[bt_size : bt_size + rows],
+                      dev[bt_size + rows :])
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: StepKV, *, scale: float,
                window: int | None) -> torch.Tensor:

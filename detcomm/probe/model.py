@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 import detcomm
 from detcomm.numerics.attention import PagedKV, StepKV
+from detcomm.numerics.step_graph import StepGraphs, StepInputs
 from detcomm.tp import (
     LAYOUTS,
     ColumnParallelLinear,
@@ -47,6 +48,7 @@ from detcomm.tp import (
     VocabParallelHead,
     check_divides,
     pack_segments,
+    stage_segments,
 )
 
 __all__ = ["ModelConfig", "TPTransformer", "SITE_NAMES"]
@@ -113,10 +115,18 @@ class TPTransformer:
     the rank's columns, the canonical all-reduce of the W partials: invariant to the batch at one W, not
     across W); "virtual" (``virtual_shards`` V) and "full_k" give the same bits at every W dividing V and
     ``cfg.blocks``: fixed column blocks, a vocabulary-parallel embedding and a
-    fixed-block vocabulary head."""
+    fixed-block vocabulary head.
+
+    ``cuda_graphs`` (detcomm.hf.ServingConfig's option, decided when ``declare_sites`` has declared the sites):
+    False (the default here: the probes' steps stay eager), "auto" (the steps on static buffers, captured per real
+    row count where every site and the attention impl capture; ``graphs_reason`` says why not) or True (required:
+    ValueError otherwise). The same bits either way."""
 
     def __init__(self, cfg: ModelConfig, *, pad: bool = True, device: torch.device | str = "cpu",
-                 layout: Layout = "fold", virtual_shards: int | None = None, shard_fold: str = "order") -> None:
+                 layout: Layout = "fold", virtual_shards: int | None = None, shard_fold: str = "order",
+                 cuda_graphs: bool | str = False) -> None:
+        if cuda_graphs not in ("auto", True, False) or not isinstance(cuda_graphs, (bool, str)):
+            raise ValueError(f"cuda_graphs must be 'auto', True or False, got {cuda_graphs!r}")
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
         if (virtual_shards is not None) != (layout == "virtual"):
@@ -188,6 +198,11 @@ class TPTransformer:
                           block_size=cfg.block_size, num_blocks=cfg.num_blocks, max_context=cfg.max_context,
                           dtype=dt, device=dev, impl=cfg.attention_impl)
         self.attention_impl: str = self.kv.impl
+        self._graph_mode = cuda_graphs
+        self._inputs: StepInputs | None = None
+        self._graphs: StepGraphs[torch.Tensor] | None = None
+        self.cuda_graphs: bool = False
+        self.graphs_reason: str | None = "sites not declared yet (declare_sites decides)"
 
     # -- sites -----------------------------------------------------------------------------------------
     def declare_sites(self, *, route: str | None = None) -> None:
@@ -217,11 +232,67 @@ class TPTransformer:
                              shard_fold="tree" if tree else "order")
         if self.head is not None:
             self.head.declare()
+        else:
+            detcomm.site(SITE_NAMES["argmax"], collective="argmax", dtype=torch.float32, shape=(self.vocab_local,),
+                         max_rows=cfg.t_pad)
+            detcomm.site(SITE_NAMES["gather"], collective="all_gather", dtype=torch.float32,
+                         shape=(self.vocab_local,), max_rows=cfg.t_pad)
+        self._setup_graphs()
+
+    # -- CUDA graphs (detcomm.numerics.step_graph; as detcomm.hf's engine) -------------------------------------
+    def step_sites(self) -> list[str]:
+        """The detcomm sites one step calls (the head's sampling sites are outside the step)."""
+        sites = [] if self.embedding is None else [self.embedding.site]
+        for L in self.layers:
+            for lin, name in ((L["o"], "o_proj"), (L["down"], "down_proj")):
+                if self.fuse:
+                    sites.append(FUSED_SITE_NAMES[name])
+                elif lin.layout == "full_k":
+                    sites += [f"{lin.site}.gather_in", f"{lin.site}.gather_out"]
+                else:
+                    sites.append(lin.site)
+        return sites
+
+    def _setup_graphs(self) -> None:
+        """The static buffers and graphs (after the sites: the decision reads their routes; the same on every rank)."""
+        mode = self._graph_mode
+        self._inputs, self._graphs = None, None
+        if mode is False:
+            self.cuda_graphs, self.graphs_reason = False, "cuda_graphs=False"
             return
-        detcomm.site(SITE_NAMES["argmax"], collective="argmax", dtype=torch.float32, shape=(self.vocab_local,),
-                     max_rows=cfg.t_pad)
-        detcomm.site(SITE_NAMES["gather"], collective="all_gather", dtype=torch.float32, shape=(self.vocab_local,),
-                     max_rows=cfg.t_pad)
+        reason: str | None = None
+        if self.device.type != "cuda":
+            reason = f"the model runs on {self.device}: CUDA graphs need a CUDA device"
+        elif self.attention_impl != "triton":
+            reason = (f"attention_impl={self.attention_impl!r} reads each row tile's KV block range back to the host, "
+                      "which a CUDA graph cannot hold: use attention_impl='triton' (CUDA's default)")
+        else:
+            comm = detcomm.get_communicator()
+            reason = next((why for site in self.step_sites()
+                           if (why := comm.capture_refusal(site, library=mode is True)) is not None), None)
+        if mode is True and reason is not None:
+            raise ValueError(f"cuda_graphs=True: this model's step cannot be captured in a CUDA graph: {reason}. Fix "
+                             "that, or pass cuda_graphs='auto' (eager where capture cannot run) or cuda_graphs=False")
+        c = self.cfg
+        self._inputs = StepInputs({"ids": (c.t_pad,), "pos": (c.t_pad,), "last": (c.t_pad,),
+                                   **self.kv.step_shapes(segments=c.t_pad, rows=c.t_pad)}, device=self.device)
+        self.cuda_graphs, self.graphs_reason = reason is None, reason
+        self._graphs = StepGraphs(self._static_body, device=self.device, capture=self.cuda_graphs)
+
+    @property
+    def graph_captures(self) -> int:
+        """CUDA graphs captured so far (one per real row count); 0 when the steps run eagerly."""
+        return self._graphs.captures if self._graphs is not None and self.cuda_graphs else 0
+
+    def release_graphs(self) -> None:
+        """Drop the captured graphs (before detcomm.shutdown where one captured an NCCL call)."""
+        if self._graphs is not None:
+            self._graphs.release()
+
+    def _static_body(self, rows: object) -> torch.Tensor:
+        assert self._inputs is not None and isinstance(rows, int)
+        dev = self._inputs.dev
+        return self._logits(self._body(dev["ids"], dev["pos"], self.kv.static_step(dev, rows), rows), rows)
 
     def new_cache(self) -> list[int]:
         """A new request's KV cache: an empty block table of the model's paged cache (``Segment.blocks``), grown
@@ -312,11 +383,15 @@ class TPTransformer:
 
     # -- one forward step ------------------------------------------------------------------------------
     def hidden(self, segments: Sequence[Segment]) -> tuple[torch.Tensor, list[int], int]:
-        """Run the layers over the segments' rows, packed in order. Collective. Returns the final-normed
-        [T_pad, H] buffer, each segment's first row and the real row count."""
+        """Run the layers over the segments' rows, packed in order, on fresh tensors. Collective. Returns the
+        final-normed [T_pad, H] buffer, each segment's first row and the real row count."""
         c = self.cfg
         ids, pos, offsets, rows = pack_segments(segments, t_pad=c.t_pad, max_context=c.max_context, device=self.device)
         step = self.kv.step([s.blocks for s in segments], [(s.start, len(s.tokens)) for s in segments])
+        return self._body(ids, pos, step, rows), offsets, rows
+
+    def _body(self, ids: torch.Tensor, pos: torch.Tensor, step: StepKV, rows: int) -> torch.Tensor:
+        """The layers on device tensors only (the one code path of fresh, static and captured steps)."""
         if self.embedding is not None:
             h = self.embedding(ids)  # rows >= `rows` are filler
         else:
@@ -329,7 +404,29 @@ class TPTransformer:
             act = self._mlp_block(L, normed, rows)
             nxt = self.layers[li + 1]["attn_norm"] if li + 1 < len(self.layers) else self.final_norm
             h, normed = self._boundary(L["down"], act, h, nxt, "down_proj", rows)
-        return normed, offsets, rows
+        return normed
+
+    def _step_logits(self, segments: Sequence[Segment]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every real row's logit shard [rows, vocab/W] and the sampling rows (the last row of every segment with
+        ``sample``): on the static buffers (captured per row count where the model captures) unless
+        cuda_graphs=False. Collective."""
+        picks = [i for i, s in enumerate(segments) if s.sample]
+        if self._inputs is None or self._graphs is None:
+            x, offsets, rows = self.hidden(segments)
+            last = torch.tensor([offsets[i] + len(segments[i].tokens) - 1 for i in picks], dtype=torch.long,
+                                device=self.device)
+            return self._logits(x, rows), last
+        c = self.cfg
+        if len(segments) > c.t_pad:
+            raise ValueError(f"a step carries at most T_pad={c.t_pad} segments, got {len(segments)}")
+        host = self._inputs.begin()
+        offsets, rows = stage_segments(segments, host["ids"], host["pos"], max_context=c.max_context)
+        self.kv.stage(host, [s.blocks for s in segments], [(s.start, len(s.tokens)) for s in segments])
+        host["last"][: len(picks)] = [offsets[i] + len(segments[i].tokens) - 1 for i in picks]
+        self._inputs.upload()
+        logits = self._graphs(rows)
+        # A graph's output is overwritten by its next replay, the buffers by the next step: the caller's copies.
+        return (logits.clone() if self.cuda_graphs else logits), self._inputs.dev["last"][: len(picks)].clone()
 
     def _logits(self, x: torch.Tensor, rows: int) -> torch.Tensor:
         if self.head is not None:
@@ -344,17 +441,13 @@ class TPTransformer:
         Returns this rank's fp32 logit shard [S, vocab/W] of the sampling rows (the last row of every segment
         with ``sample``) and the index of each such segment.
         """
-        x, offsets, rows = self.hidden(segments)
-        logits = self._logits(x, rows)
-        picks = [i for i, s in enumerate(segments) if s.sample]
-        last = torch.tensor([offsets[i] + len(segments[i].tokens) - 1 for i in picks], dtype=torch.long, device=self.device)
-        return logits[last], picks
+        logits, last = self._step_logits(segments)
+        return logits[last], [i for i, s in enumerate(segments) if s.sample]
 
     def forward_all(self, segments: Sequence[Segment]) -> torch.Tensor:
         """The logit shard [rows, vocab/W] of every real row (teacher forcing: the training code path's one
         forward over whole sequences). Collective."""
-        x, _, rows = self.hidden(segments)
-        return self._logits(x, rows)
+        return self._step_logits(segments)[0]
 
     # -- vocabulary-parallel head ------------------------------------------------------------------------
     def greedy(self, shard: torch.Tensor) -> torch.Tensor:
