@@ -17,7 +17,7 @@ def _drive(model) -> list:  # noqa: ANN001
     from detcomm.tp import Segment
 
     def bits(t: torch.Tensor) -> np.ndarray:
-        return t.detach().to(torch.float32).contiguous().numpy().view(np.uint32).copy()
+        return t.detach().to(torch.float32).cpu().contiguous().numpy().view(np.uint32).copy()
 
     out = []
     a, b = model.new_cache(), model.new_cache()

@@ -22,8 +22,9 @@ from detcomm.hf import write_tiny_checkpoint
 pytestmark = pytest.mark.gpu
 
 
-def job_graphs(rank: int, w: int, directory: str, layout: dict, *, workspace: bool | None = None,
+def job_graphs(rank: int, w: int, directory: str, layout: dict, workspace: bool | None = None,
                control: bool = False, dtype: str = "float32") -> dict:
+    # positional options: LocalCluster.run passes a job's arguments positionally
     import numpy as np
 
     import detcomm
@@ -83,7 +84,7 @@ def job_graphs(rank: int, w: int, directory: str, layout: dict, *, workspace: bo
                                                         ("fold", 2, "float32"), ("tree", 2, "float32")])
 def test_replayed_graphs_give_the_eager_bits(layout: str, world: int, dtype: str, tmp_path) -> None:  # noqa: ANN001
     directory = write_tiny_checkpoint("llama-tiny", str(tmp_path), seed=3)
-    for r in get_cluster(world).run(job_graphs, directory, t.LAYOUTS[layout], dtype=dtype):
+    for r in get_cluster(world).run(job_graphs, directory, t.LAYOUTS[layout], None, False, dtype):
         assert r["mode"] is True and r["reason"] is None, r["reason"]
         assert r["required"] == ""  # cuda_graphs=True accepted where auto captures
         assert all(r["same_steps"]) and len(r["same_steps"]) == 6, r["same_steps"]
@@ -97,14 +98,14 @@ def test_replayed_graphs_give_the_eager_bits(layout: str, world: int, dtype: str
 
 def test_negative_control_stale_buffers_change_the_replayed_bits(tmp_path) -> None:  # noqa: ANN001
     directory = write_tiny_checkpoint("llama-tiny", str(tmp_path), seed=3)
-    for r in get_cluster(1).run(job_graphs, directory, {}, control=True):
+    for r in get_cluster(1).run(job_graphs, directory, {}, None, True):
         assert r["mode"] is True
         assert r["same_steps"][0] and not all(r["same_steps"][1:]) and not all(r["same_gen"]), r
 
 
 def test_auto_runs_eagerly_on_a_host_staged_group(tmp_path) -> None:  # noqa: ANN001
     directory = write_tiny_checkpoint("llama-tiny", str(tmp_path), seed=3)
-    for r in get_cluster(2).run(job_graphs, directory, {}, workspace=False):
+    for r in get_cluster(2).run(job_graphs, directory, {}, False):
         assert r["mode"] is False and "host memory" in r["reason"] and "CaptureThroughHost" in r["reason"], r["reason"]
         assert "cuda_graphs=True" in r["required"] and "host memory" in r["required"]
         assert r["captures"] == 0 and len(r["body_keys"]) == r["forwards"]  # the body ran once a step, eagerly
@@ -156,10 +157,18 @@ def job_probe_graphs(rank: int, w: int, layout: str, virtual_shards: int | None,
     return out
 
 
-@pytest.mark.parametrize(("layout", "v", "fold", "world"), [("fold", None, "order", 1), ("fold", None, "order", 2),
-                                                            ("virtual", 8, "tree", 2)])
-def test_probe_decoder_replayed_graphs_give_the_eager_bits(layout: str, v: int | None, fold: str, world: int) -> None:
+# The tree layout's vocabulary-parallel embedding gathers on the native route, which ranks sharing one GPU stage
+# through host memory: "auto" must run that decoder eagerly and name the site (seen on one H100, 2026-12-07).
+@pytest.mark.parametrize(("layout", "v", "fold", "world", "captured"),
+                         [("fold", None, "order", 1, True), ("fold", None, "order", 2, True),
+                          ("virtual", 8, "tree", 2, False)])
+def test_probe_decoder_replayed_graphs_give_the_eager_bits(layout: str, v: int | None, fold: str, world: int,
+                                                           captured: bool) -> None:
     for r in get_cluster(world).run(job_probe_graphs, layout, v, fold):
-        assert r["mode"] is True and r["reason"] is None, r["reason"]
         assert len(r["same"]) == 6 and all(r["same"]), r["same"]
-        assert r["captures"] >= 3, r
+        if captured:
+            assert r["mode"] is True and r["reason"] is None, r["reason"]
+            assert r["captures"] >= 3, r
+        else:
+            assert r["mode"] is False and "embed.gather" in r["reason"], r["reason"]
+            assert r["captures"] == 0, r
