@@ -72,6 +72,7 @@ def job_static_vs_fresh(rank: int, w: int, directory: str, layout: dict, control
     from detcomm.hf import ServingConfig, TPCausalLM, load_causal_lm
 
     torch.set_num_threads(1)
+    detcomm.shutdown()  # a job before this one on the shared cluster may have left its communicator
     comm = detcomm.init(numerics="rl-bitwise")
     try:
         serving = dict(t_pad=64, max_context=64, block_size=BLOCK, num_blocks=64)
@@ -157,6 +158,7 @@ def job_refusals(rank: int, w: int, directory: str) -> dict:
     from detcomm.hf import ServingConfig, TPCausalLM, load_causal_lm
 
     torch.set_num_threads(1)
+    detcomm.shutdown()  # a job before this one on the shared cluster may have left its communicator
     comm = detcomm.init(numerics="rl-bitwise")
     out: dict = {}
     try:

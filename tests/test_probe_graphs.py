@@ -51,6 +51,7 @@ def job_probe_static(rank: int, w: int, layout: str, virtual_shards: int | None,
     from detcomm.probe.model import ModelConfig, TPTransformer
 
     torch.set_num_threads(1)
+    detcomm.shutdown()  # a job before this one on the shared cluster may have left its communicator
     detcomm.init(numerics="rl-bitwise")
     try:
         cfg = ModelConfig(t_pad=32, max_context=64, block_size=4, num_blocks=64)

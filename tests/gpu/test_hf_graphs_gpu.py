@@ -31,6 +31,7 @@ def job_graphs(rank: int, w: int, directory: str, layout: dict, workspace: bool 
     from detcomm.hf import ServingConfig, TPCausalLM, load_causal_lm
 
     kw = {} if workspace is None else {"workspace": workspace}
+    detcomm.shutdown()  # a job before this one on the shared cluster may have left its communicator
     detcomm.init(numerics="rl-bitwise", device="cuda:0", **kw)
     out: dict = {}
     try:
@@ -116,6 +117,7 @@ def job_torch_attention(rank: int, w: int, directory: str) -> str | None:
     import detcomm
     from detcomm.hf import ServingConfig, TPCausalLM, load_causal_lm
 
+    detcomm.shutdown()  # a job before this one on the shared cluster may have left its communicator
     detcomm.init(numerics="rl-bitwise", device="cuda:0")
     try:
         lm = TPCausalLM(load_causal_lm(directory, dtype=torch.float32),
@@ -138,6 +140,7 @@ def job_probe_graphs(rank: int, w: int, layout: str, virtual_shards: int | None,
     import detcomm
     from detcomm.probe.model import ModelConfig, TPTransformer
 
+    detcomm.shutdown()  # a job before this one on the shared cluster may have left its communicator
     detcomm.init(numerics="rl-bitwise", device="cuda:0")
     try:
         cfg = ModelConfig(t_pad=64, max_context=64, block_size=4, num_blocks=64, dtype=torch.bfloat16)
