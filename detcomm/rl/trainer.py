@@ -132,10 +132,12 @@ class _TrainKV:
             blocks.append(nb)
             first += nb
         req, pos = step_rows(spans)
+        histories = []
         for t in tables:
             assert isinstance(t, _Table) and t.store is self, "a table of this store (new_table())"
-        return _TrainStep(bt.to(self.device), req.to(self.device), pos.to(self.device),
-                          [t.history for t in tables], list(spans), blocks)
+            histories.append(t.history)
+        return _TrainStep(bt.to(self.device), req.to(self.device), pos.to(self.device), histories, list(spans),
+                          blocks)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: StepKV, *,
                scale: float, window: int | None) -> torch.Tensor:
