@@ -7,15 +7,14 @@ logprobs bit-equal; the logprobs and every gradient (the biases' too) within a b
 and autograd; every trainer rank holds the same bias-gradient bits; after an AdamW step and the weight sync the
 W_s = 4 engine's logprobs equal the trainer's again. Negative controls: the bias added before the reduction (to rank
 0's first partial: the same value in exact arithmetic) breaks the equality; at W_t = 2 the local boundary without
-the all-reduce of its gradient misses the bound (at W_t = 1, where nothing is missing, it is met); a bypassing
-engine is refused.
-
-The engine's ``_add_norm`` (detcomm/hf/engine.py, not this branch's to edit) calls ``add_rms_norm`` for the local
-case; ``_route_local_boundaries`` stands in for its one-line change to ``regions.add_norm(..., site=None)`` (the
-same forward call) in the trainer's processes only, so the rollout runs the engine as it is.
+the all-reduce of its gradient (``bypass_local_boundaries``: the bare ``add_rms_norm``, the same forward) misses the
+bound (at W_t = 1, where nothing is missing, it is met), and the trainer refuses an engine that bypasses it.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -57,15 +56,25 @@ def _biased_llama(directory: str) -> str:
     return directory
 
 
-def _route_local_boundaries() -> object:
-    """Stand-in for engine.py's ``_add_norm`` calling ``regions.add_norm(..., site=None)`` (module docstring);
-    returns what it replaced."""
-    import detcomm.hf.engine as engine
+@contextlib.contextmanager
+def bypass_local_boundaries() -> Iterator[None]:
+    """The negative control: the engine's local boundary (``site=None``) as the bare ``add_rms_norm``, the same
+    forward without the all-reduce of its gradient; the sites' boundaries unchanged."""
+    from detcomm.numerics.norm import add_rms_norm
     from detcomm.rl import regions
 
-    real = engine.add_rms_norm
-    engine.add_rms_norm = lambda s, res, w, *, eps: regions.add_norm(s, res, w, eps=eps, site=None)  # type: ignore[assignment]
-    return real
+    real = regions.add_norm
+
+    def add_norm(x, residual, weight, *, eps, site):  # noqa: ANN001, ANN202
+        if site is None:
+            return add_rms_norm(x, residual, weight, eps=eps)
+        return real(x, residual, weight, eps=eps, site=site)
+
+    regions.add_norm = add_norm  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        regions.add_norm = real
 
 
 def _bias_before_sum() -> None:
@@ -98,21 +107,18 @@ def job_bias_trainer(rank: int, w: int, directory: str, seqs: list[list[int]], s
     """Recompute, gradients (and the local boundary's without its all-reduce), one AdamW step, the whole weights
     and the trainer's logprobs after the step."""
     import detcomm
-    import detcomm.hf.engine as engine
     from detcomm.rl.reshard import gather_full
     from detcomm.rl.trainer import Trainer
 
     torch.set_num_threads(1)
     detcomm.shutdown()  # a job before this one on the shared cluster may have left its communicator
     detcomm.init(numerics="rl-bitwise")
-    real = _route_local_boundaries()
     try:
         lm = _engine(directory)
         tr = Trainer(lm, lr=1e-2)
-        engine.add_rms_norm = real  # the control: the engine's local boundary as it is (no gradient all-reduce)
-        tr.backward(torch.stack([lp.sum() for lp in tr.token_logprobs(seqs, starts)]).sum())
+        with bypass_local_boundaries():  # the control: no all-reduce of the local boundary's gradient
+            tr.backward(torch.stack([lp.sum() for lp in tr.token_logprobs(seqs, starts)]).sum())
         local = gather_full(lm, grad=True)
-        _route_local_boundaries()
         lps = tr.token_logprobs(seqs, starts)
         tr.backward(torch.stack([lp.sum() for lp in lps]).sum())
         grads = gather_full(lm, grad=True)
@@ -122,7 +128,6 @@ def job_bias_trainer(rank: int, w: int, directory: str, seqs: list[list[int]], s
         after = tr.token_logprobs(seqs, starts)
         full = tr.full_weights()
     finally:
-        engine.add_rms_norm = real
         detcomm.shutdown()
     return {"logprobs": [lp.detach() for lp in lps], "grads": grads, "bias_grads": mine,
             "after": [lp.detach() for lp in after], "full": full, "local": local}
@@ -146,7 +151,8 @@ def job_synced(rank: int, w: int, directory: str, full: dict, seqs: list[list[in
 
 
 def job_control(rank: int, w: int, directory: str, seqs: list[list[int]], starts: list[int]) -> dict:
-    """The bias added before the reduction (its logprobs); the engine without the stand-in refused; the contract."""
+    """The bias added before the reduction (its logprobs); an engine bypassing the local boundary refused; the
+    contract."""
     import detcomm
     from detcomm.hf.layers import InvariantRowLinear
     from detcomm.rl.contract import contract
@@ -158,8 +164,10 @@ def job_control(rank: int, w: int, directory: str, seqs: list[list[int]], starts
     real = InvariantRowLinear.forward
     try:
         lm = _engine(directory)
+        Trainer(lm)  # the engine as it is: accepted
         try:
-            Trainer(lm)
+            with bypass_local_boundaries():
+                Trainer(lm)
             refused = None
         except ValueError as e:
             refused = str(e)

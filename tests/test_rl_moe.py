@@ -7,8 +7,7 @@ W_t = 1 and 2: the logprobs bit-equal; the logprobs and every gradient (router, 
 transformers' fp64 forward and autograd; every trainer rank holds the same MoE-gradient bits; after an AdamW step
 and the weight sync the W_s = 4 engine's logprobs equal the trainer's again. Negative control: at W_t = 2 without
 the sum of the blocks' gradients over the ranks (each rank's chunk's part only) the bound is missed (at W_t = 1,
-where the chunk is every row, it is met); transformers' own fp32 forward does not give the rollout's bits. The local
-boundary after an MoE block is stood in for as in tests/test_rl_bias.py (engine.py's pending one-line change).
+where the chunk is every row, it is met); transformers' own fp32 forward does not give the rollout's bits.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ import torch
 pytest.importorskip("transformers")
 
 from detcomm.hf import write_tiny_checkpoint
-from test_rl_bias import _engine, _route_local_boundaries
+from test_rl_bias import _bits_equal, _engine, job_synced
 from test_rl_trainer import GRAD_BOUND, LP_BOUND, PROMPTS, _grad_errors, job_rollout
 
 
@@ -41,14 +40,12 @@ def _reference(directory: str, seqs: list[list[int]], starts: list[int],  # noqa
 
 def job_moe_trainer(rank: int, w: int, directory: str, seqs: list[list[int]], starts: list[int]) -> dict:
     import detcomm
-    import detcomm.hf.engine as engine
     from detcomm.rl.reshard import gather_full
     from detcomm.rl.trainer import Trainer
 
     torch.set_num_threads(1)
     detcomm.shutdown()  # a job before this one on the shared cluster may have left its communicator
     detcomm.init(numerics="rl-bitwise")
-    real = _route_local_boundaries()
     try:
         lm = _engine(directory)
         tr = Trainer(lm, lr=1e-2)
@@ -64,30 +61,9 @@ def job_moe_trainer(rank: int, w: int, directory: str, seqs: list[list[int]], st
         after = tr.token_logprobs(seqs, starts)
         full = tr.full_weights()
     finally:
-        engine.add_rms_norm = real
         detcomm.shutdown()
     return {"logprobs": [lp.detach() for lp in lps], "grads": grads, "moe_grads": mine,
             "after": [lp.detach() for lp in after], "full": full, "partial": partial}
-
-
-def job_synced(rank: int, w: int, directory: str, full: dict, seqs: list[list[int]], starts: list[int]) -> list:
-    import detcomm
-    from detcomm.rl.reshard import load_full
-    from detcomm.rl.trainer import teacher_forced
-
-    torch.set_num_threads(1)
-    detcomm.shutdown()
-    detcomm.init(numerics="rl-bitwise")
-    try:
-        lm = _engine(directory)
-        load_full(lm, full)
-        return teacher_forced(lm, seqs, starts, grad=False)
-    finally:
-        detcomm.shutdown()
-
-
-def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return torch.equal(a.view(torch.int32), b.view(torch.int32))
 
 
 @pytest.mark.slow

@@ -44,7 +44,6 @@ import torch.nn.functional as F
 import detcomm
 
 from ..numerics.attention import KVStore, PagedKV, StepKV, check_paged_geometry
-from ..numerics.norm import add_rms_norm
 from ..numerics.step_graph import StepGraphs, StepInputs
 from ..rl import regions
 from ..tp import Segment, pack_segments, stage_segments
@@ -331,12 +330,10 @@ class TPCausalLM:
         ``x`` holds the real rows only. ``site``: x is this rank's part of the sum, reduced there by
         ``detcomm.all_reduce_residual_rmsnorm`` (collective): the fold layout's partial product [rows, H], or the
         tree layout's V/W fp32 shard partials [V/W, rows, H]; None: x is already the whole sum [rows, H]
-        (``add_rms_norm``, local)."""
+        (the local ``add_rms_norm``). Both go through ``detcomm.rl.regions.add_norm``: the same forward, and a
+        trainer's backward all-reduces the normed output's gradient, which feeds column-parallel compute."""
         w, eps = norm.weight, norm.variance_epsilon
-        if site is None:
-            y, r = add_rms_norm(x, h[:rows], w, eps=eps)
-        else:
-            y, r = regions.add_norm(x, h[:rows], w, eps=eps, site=site)
+        y, r = regions.add_norm(x, h[:rows], w, eps=eps, site=site)
         h = h.clone()
         h[:rows] = r
         normed = torch.zeros_like(h)  # rows never mix, so the filler's values do not matter: zero is the cheapest
