@@ -51,7 +51,7 @@ class Colocated:
         self.tp_comm = detcomm.init(numerics=numerics, group=self.tp_group)
         self.dp_comm = detcomm.init(numerics=numerics, group=self.dp_group)
         layout: dict[str, Any] = dict(layout="virtual", virtual_shards=virtual_shards, shard_fold="tree")
-        serving = ServingConfig(t_pad=t_pad, max_context=max_context, attention_impl="torch")
+        serving = ServingConfig(t_pad=t_pad, max_context=max_context)
         self.rollout = TPCausalLM(load_causal_lm(directory, dtype=dtype), serving, **layout)
         with detcomm.use(self.tp_comm):
             self.lm = TPCausalLM(load_causal_lm(directory, dtype=dtype), serving, **layout)

@@ -45,7 +45,7 @@ def start_side(rank: int, world: int, directory: str, role: str, t_pad: int, max
         device = f"cuda:{rank % torch.cuda.device_count()}"
     detcomm.init(numerics="rl-bitwise", device=device)
     fold = "tree" if layout == "virtual" else "order"
-    serving = ServingConfig(t_pad=t_pad, max_context=max_context, attention_impl="torch")  # the trainer's backward
+    serving = ServingConfig(t_pad=t_pad, max_context=max_context)  # paged attention: Triton on CUDA, torch elsewhere
     lm = TPCausalLM(load_causal_lm(directory, dtype=getattr(torch, dtype)), serving,
                     layout=layout, virtual_shards=virtual_shards, shard_fold=fold)
     _SIDE.update(lm=lm, trainer=Trainer(lm, lr=lr) if role == "trainer" else None)

@@ -32,11 +32,31 @@ _HEAD_NORM_SITE = "rl.grad.head_norms"
 _MOE_SITE = "rl.grad.moe"
 
 
-def _check_backward(lm: Any) -> None:
-    if lm.attention_impl != "torch":
-        raise ValueError(f"the engine attends with the {lm.attention_impl!r} paged attention, which has no backward: "
-                         "serve and train with ServingConfig(attention_impl='torch') (the trainer must use the "
-                         "engine's impl: their bits differ)")
+class _ServedAttention(torch.autograd.Function):
+    """The paged attention of a non-differentiable impl (the Triton kernel CUDA serves with) with a gradient:
+    forward is that impl, so the trainer's logprobs are the rollout's bits; backward is the gradient of the torch
+    impl (the same contract, other roundings) recomputed at the same inputs, which autograd can follow. The
+    gradient is that of a function a few ulp from the one forward evaluated: within the trainer's gradient bound,
+    and deterministic (the torch impl's reduction order is fixed per row)."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: StepKV, scale: float,  # type: ignore[override]
+                window: int | None, impl: str) -> torch.Tensor:
+        ctx.save_for_backward(q, k, v)
+        ctx.step, ctx.scale, ctx.window = step, scale, window
+        return paged_attention(q, PagedKVCache(k, v), 0, block_tables=step.block_tables, row_request=step.row_request,
+                               positions=step.positions, scale=scale, window=window, impl=impl)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        step = ctx.step
+        with torch.enable_grad():
+            q, k, v = (t.detach().requires_grad_(True) for t in ctx.saved_tensors)
+            out = paged_attention(q, PagedKVCache(k, v), 0, block_tables=step.block_tables,
+                                  row_request=step.row_request, positions=step.positions, scale=ctx.scale,
+                                  window=ctx.window, impl="torch")
+            gq, gk, gv = torch.autograd.grad(out, (q, k, v), grad)
+        return gq, gk, gv, None, None, None, None
 
 
 def _reaches(node: Any, cls: type) -> bool:
@@ -113,8 +133,6 @@ class _TrainKV:
 
     def __init__(self, lm: Any, *, grad: bool) -> None:
         kv = lm.kv
-        if grad:
-            _check_backward(lm)
         self.impl, self.block_size, self.max_blocks, self.blocks_for = kv.impl, kv.block_size, kv.max_blocks, kv.blocks_for
         self.device = lm.device
         self._layers = len(lm.layers)
@@ -157,9 +175,13 @@ class _TrainKV:
                 if pad:
                     rows.append(rows[0].new_zeros(pad, *rows[0].shape[1:]))
                 out.append(torch.cat(rows).view(nb, bs, *rows[0].shape[1:]))
-        cache = PagedKVCache(torch.cat(ks)[None], torch.cat(vs)[None])
-        return paged_attention(q, cache, 0, block_tables=step.block_tables, row_request=step.row_request,
-                               positions=step.positions, scale=scale, window=window, impl=self.impl)
+        kc, vc = torch.cat(ks)[None], torch.cat(vs)[None]
+        if self.impl != "torch" and torch.is_grad_enabled():  # an impl without autograd: the torch impl's gradient
+            served: torch.Tensor = _ServedAttention.apply(q, kc, vc, step, scale, window, self.impl)
+            return served
+        return paged_attention(q, PagedKVCache(kc, vc), 0, block_tables=step.block_tables,
+                               row_request=step.row_request, positions=step.positions, scale=scale, window=window,
+                               impl=self.impl)
 
 
 def teacher_forced(lm: Any, sequences: Sequence[Sequence[int]], starts: Sequence[int], *,
@@ -219,7 +241,6 @@ class Trainer:
 
     def __init__(self, lm: Any, *, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0) -> None:
-        _check_backward(lm)
         self.lm = lm
         self.params = [t for t, _ in pieces(lm)]  # refuses what the trainer cannot train, before any probe
         _check_local_boundaries(lm)
