@@ -40,7 +40,8 @@ def job_boundaries(rank: int, w: int, directory: str, numerics: str, dtype_name:
     ones, which would hide the weight's product). ``virtual_shards``: the virtual layout (``shard_fold``) instead
     of the fold layout."""
     import detcomm
-    from detcomm.hf import ServingConfig, TPCausalLM, engine, load_causal_lm
+    from detcomm.hf import ServingConfig, TPCausalLM, load_causal_lm
+    from detcomm.rl import regions
     from detcomm.tp import Segment
 
     torch.set_num_threads(1)
@@ -73,7 +74,7 @@ def job_boundaries(rank: int, w: int, directory: str, numerics: str, dtype_name:
             if m is not None:
                 m.register_forward_hook(count("qk_norm"))
     calls: list[tuple] = []
-    real_fused, real_local = detcomm.all_reduce_residual_rmsnorm, engine.add_rms_norm
+    real_fused, real_local = detcomm.all_reduce_residual_rmsnorm, regions.add_rms_norm
 
     def fused(x, residual, weight, *, eps, site):  # noqa: ANN001, ANN202
         y, r = real_fused(x, residual, weight, eps=eps, site=site)
@@ -86,7 +87,7 @@ def job_boundaries(rank: int, w: int, directory: str, numerics: str, dtype_name:
         return y, r
 
     detcomm.init(numerics=numerics)
-    detcomm.all_reduce_residual_rmsnorm, engine.add_rms_norm = fused, local
+    detcomm.all_reduce_residual_rmsnorm, regions.add_rms_norm = fused, local
     try:
         layout = {} if virtual_shards is None else dict(layout="virtual", virtual_shards=virtual_shards,
                                                          shard_fold=shard_fold)
@@ -97,7 +98,7 @@ def job_boundaries(rank: int, w: int, directory: str, numerics: str, dtype_name:
         declared = {str(e["site"]): (e["collective"], e["virtual_shards"], e["shard_fold"]) for e in entries
                     if str(e["site"]).endswith(".add_norm")}
     finally:
-        detcomm.all_reduce_residual_rmsnorm, engine.add_rms_norm = real_fused, real_local
+        detcomm.all_reduce_residual_rmsnorm, regions.add_rms_norm = real_fused, real_local
         detcomm.shutdown()
     out = {"fuse": lm.fuse, "counts": dict(counts), "norm_sites": list(lm.shards.norm_sites),
            "add_norm_collectives": {k: v for k, v in collectives.items() if k.endswith(".add_norm")},
