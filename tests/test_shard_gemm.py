@@ -15,12 +15,11 @@ import sys
 
 import pytest
 
-pytest.importorskip("triton")
-
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def test_shard_gemm_kernels_under_the_interpreter() -> None:
+    pytest.importorskip("triton", reason="pip install triton: its interpreter runs the kernels on CPU")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
         p for p in (os.path.dirname(HERE), os.environ.get("PYTHONPATH")) if p))
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE",
@@ -28,3 +27,35 @@ def test_shard_gemm_kernels_under_the_interpreter() -> None:
                        env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]
     assert " passed" in r.stdout and "failed" not in r.stdout, r.stdout[-2000:]
+
+
+def test_cpu_shard_weights_model_keeps_todays_bits() -> None:
+    # On CPU both shard storages run today's per-shard fp32 torch GEMMs on the same values (bf16 widened exactly).
+    import torch
+
+    from detcomm.tp import RowParallelLinear
+
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(64, 24, generator=g).to(torch.bfloat16)
+    x = torch.randn(16, 32, generator=g).to(torch.bfloat16)  # rank 1 of W = 2: K/W = 32 columns
+    layers = [RowParallelLinear(weight, site="o", layout="virtual", max_rows=16, virtual_shards=8, rank=1, world=2,
+                                shard_weights=sw) for sw in ("fp32", "model")]  # type: ignore[arg-type]
+    assert [w.dtype for w in layers[0].weights + layers[1].weights] == [torch.float32] * 4 + [torch.bfloat16] * 4
+    a, b = (layer.partials(x, 11) for layer in layers)
+    assert a.dtype == b.dtype == torch.float32 and a.shape == (4, 11, 24)
+    assert torch.equal(a, b)
+    xf = x.to(torch.float32)  # and those bits are the per-shard torch GEMMs'
+    assert torch.equal(a[2], torch.matmul(xf[:, 16:24].contiguous(), weight[48:56].to(torch.float32))[:11])
+
+
+def test_shard_weights_caller_errors() -> None:
+    import torch
+
+    from detcomm.tp import RowParallelLinear
+
+    w = torch.zeros(16, 8)
+    with pytest.raises(ValueError, match="needs layout='virtual'"):
+        RowParallelLinear(w, site="o", layout="fold", max_rows=4, rank=0, world=1, shard_weights="model")
+    with pytest.raises(ValueError, match="'fp32' or 'model'"):
+        RowParallelLinear(w, site="o", layout="virtual", virtual_shards=2, max_rows=4, rank=0, world=1,
+                          shard_weights="bf16")  # type: ignore[arg-type]

@@ -31,6 +31,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -120,11 +121,15 @@ class TPTransformer:
     ``cuda_graphs`` (detcomm.hf.ServingConfig's option, decided when ``declare_sites`` has declared the sites):
     False (the default here: the probes' steps stay eager), "auto" (the steps on static buffers, captured per real
     row count where every site and the attention impl capture; ``graphs_reason`` says why not) or True (required:
-    ValueError otherwise). The same bits either way."""
+    ValueError otherwise). The same bits either way.
+
+    ``shard_weights`` (virtual layout): "fp32" (default) or "model": how the virtual shards are stored
+    (detcomm.tp.RowParallelLinear); on CUDA "model" halves the bytes the shard kernel streams and gives other GPU bits
+    than "fp32" (the same at every W either way); on CPU the bits are the same."""
 
     def __init__(self, cfg: ModelConfig, *, pad: bool = True, device: torch.device | str = "cpu",
                  layout: Layout = "fold", virtual_shards: int | None = None, shard_fold: str = "order",
-                 cuda_graphs: bool | str = False) -> None:
+                 cuda_graphs: bool | str = False, shard_weights: Literal["fp32", "model"] = "fp32") -> None:
         if cuda_graphs not in ("auto", True, False) or not isinstance(cuda_graphs, (bool, str)):
             raise ValueError(f"cuda_graphs must be 'auto', True or False, got {cuda_graphs!r}")
         if layout not in LAYOUTS:
@@ -152,7 +157,7 @@ class TPTransformer:
         def row(m: torch.Tensor, site: str) -> RowParallelLinear:
             return RowParallelLinear(m, site=site, layout=layout, max_rows=cfg.t_pad, virtual_shards=virtual_shards,
                                      blocks=blocks if layout == "full_k" else None, dtype=dt, device=dev,
-                                     shard_fold=shard_fold)
+                                     shard_fold=shard_fold, shard_weights=shard_weights)
 
         def vec(n: int) -> torch.Tensor:
             return (1.0 + 0.1 * torch.randn(n, generator=g)).to(dt).to(dev)
