@@ -25,8 +25,10 @@ Rejected: cuBLAS strided-batched ``torch.bmm`` of the S shards (cuBLAS picks its
 batch count and shape, so the bits could change with S = V/W: exactly what the layout must not depend on, and
 pinning cuBLAS's choice is not an API); Triton's autotune (it picks the config by timing, so two processes, or two
 runs, could pick different configs and different bits); one launch per shard (V/W launches, the cost issue 42
-measures). The config is tuned once by hand for the issue's width on an H100 and written below; changing it
-changes the GPU bits of every virtual/tree-layout model, so it is a versioned constant, not a knob.
+measures). The config below was chosen for the issue's width (T_pad 64 rows = one row tile; BK = 64: four 16-deep
+MMA steps per load; 3 stages of [64, 64] tiles fit shared memory with fp32 weights too) without a device run to
+tune it; changing it changes the GPU bits of every virtual/tree-layout model, so it is a versioned constant, not a
+knob (bench/shard_gemm.py measures it).
 
 CUDA-graph capturable: one launch, no host reads, no allocation but the output. ``ShardPartials`` and
 ``BlockGemm`` are the autograd wrappers detcomm.rl's trainer differentiates through: forward is the kernel,
@@ -43,7 +45,7 @@ import torch
 __all__ = ["CONFIG", "shard_partials", "block_gemm", "ShardPartials", "BlockGemm", "packed", "require_triton"]
 
 # The one tile configuration (see the module doc: a versioned constant; its values are part of the GPU bits).
-CONFIG: dict[str, int] = {"BM": 64, "BN": 64, "BK": 32, "num_warps": 4, "num_stages": 3}
+CONFIG: dict[str, int] = {"BM": 64, "BN": 64, "BK": 64, "num_warps": 4, "num_stages": 3}
 
 _FIX = ("pip install triton (it ships with torch's CUDA wheels); the GPU virtual/tree layouts compute with its "
         "fixed-config kernels, detcomm.numerics.shard_gemm, and have no other kernel with their bits")
@@ -233,8 +235,9 @@ class ShardPartials(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, *shards: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        w = packed(shards)  # first: it may rebind the shards' storage
         ctx.save_for_backward(x, *shards)
-        return shard_partials(x, packed(shards))
+        return shard_partials(x, w)
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
@@ -258,8 +261,9 @@ class BlockGemm(torch.autograd.Function):
                 *params: torch.Tensor) -> torch.Tensor:
         blocks, biases = params[:nb], params[nb:]
         ctx.transposed, ctx.nb, ctx.has_bias = transposed, nb, bool(biases)
+        w, b = packed(blocks), (packed(biases).reshape(-1) if biases else None)  # first: they may rebind storage
         ctx.save_for_backward(x, *blocks)
-        return block_gemm(x, packed(blocks), packed(biases).reshape(-1) if biases else None, transposed=transposed)
+        return block_gemm(x, w, b, transposed=transposed)
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]

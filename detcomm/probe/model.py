@@ -329,6 +329,13 @@ class TPTransformer:
             out.append(full)
         return out
 
+    def _cols_cat(self, lin: ColumnParallelLinear, x: torch.Tensor, rows: int) -> torch.Tensor:
+        """The blocks of ``_cols`` side by side, [T_pad, N/W]. On CUDA (padded buffers) the layer's one launch
+        (detcomm.numerics.shard_gemm.block_gemm) is already that tensor: no split and re-concatenation."""
+        if self.pad and x.is_cuda:
+            return lin(x)
+        return torch.cat(self._cols(lin, x, rows), dim=1)
+
     def _rows(self, lin: RowParallelLinear, x: torch.Tensor, rows: int) -> torch.Tensor:
         """A row-parallel layer: the whole [rows, H] output on every rank. Collective."""
         return lin(x if self.pad else x[:rows], rows)
@@ -370,7 +377,7 @@ class TPTransformer:
         """Attention of one layer on the normed [T_pad, H] input: o_proj's [T_pad, heads/W * head_dim] input. One
         paged_attention call over the real rows (rotary: elementwise IEEE ops only, no shape dependence)."""
         c, hl, hd = self.cfg, self.heads_local, self.cfg.head_dim
-        q, k, v = (torch.cat(self._cols(L[n], x, rows), dim=1) for n in ("q", "k", "v"))
+        q, k, v = (self._cols_cat(L[n], x, rows) for n in ("q", "k", "v"))
         q = self._rope(q.reshape(c.t_pad, hl, hd), pos)
         k = self._rope(k.reshape(c.t_pad, hl, hd), pos)
         v = v.reshape(c.t_pad, hl, hd)
@@ -381,7 +388,11 @@ class TPTransformer:
 
     def _mlp_block(self, L: dict, x: torch.Tensor, rows: int) -> torch.Tensor:
         """SwiGLU of one layer on the normed [T_pad, H] input: down_proj's [T_pad, F/W] input. The activation runs
-        per column block (each its own [T_pad, F/blocks] tensor at every W)."""
+        per column block (each its own [T_pad, F/blocks] tensor at every W) on CPU, where torch's vectorized loops
+        could treat a wider tensor's tail otherwise; on CUDA an elementwise op computes each element alike whatever
+        the tensor's width, so it runs once over the layer's one-launch output."""
+        if self.pad and x.is_cuda:
+            return torch.nn.functional.silu(L["gate"](x)) * L["up"](x)
         act = [torch.nn.functional.silu(gb) * ub for gb, ub in zip(self._cols(L["gate"], x, rows),
                                                                      self._cols(L["up"], x, rows))]
         return act[0] if len(act) == 1 else torch.cat(act, dim=1)
