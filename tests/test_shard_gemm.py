@@ -59,3 +59,36 @@ def test_shard_weights_caller_errors() -> None:
     with pytest.raises(ValueError, match="'fp32' or 'model'"):
         RowParallelLinear(w, site="o", layout="virtual", virtual_shards=2, max_rows=4, rank=0, world=1,
                           shard_weights="bf16")  # type: ignore[arg-type]
+
+
+def test_kernels_compile_for_sm90_without_a_device() -> None:
+    # Ahead-of-time compile (triton's bundled ptxas; no GPU needed): the kernels build at the fixed config, the
+    # 2-byte path runs on wgmma tensor cores, the fp32 path is explicit fma.rn.f32 (ieee, no tf32 MMA).
+    pytest.importorskip("triton", reason="pip install triton")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("the interpreter is on in this process: the cases run it; this test compiles")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from detcomm.numerics import shard_gemm as sg
+
+    shard, block = sg._kernels()
+    c = sg.CONFIG
+    opts = {"num_warps": c["num_warps"], "num_stages": c["num_stages"], "enable_fp_fusion": False}
+    i32 = "i32"
+    for ieee, wdt in ((True, "*fp32"), (False, "*bf16")):
+        sig = {"x_ptr": "*bf16", "w_ptr": wdt, "out_ptr": "*fp32", **{a: i32 for a in (
+            "T", "N", "KV", "stride_xm", "stride_xk", "stride_ws", "stride_wk", "stride_wn", "stride_os", "stride_om")},
+            "BM": "constexpr", "BN": "constexpr", "BK": "constexpr", "IEEE": "constexpr"}
+        ptx = triton.compile(ASTSource(fn=shard, signature=sig, constexprs={"BM": c["BM"], "BN": c["BN"],
+                                                                               "BK": c["BK"], "IEEE": ieee}),
+                             target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"]
+        assert ("wgmma" in ptx) is (not ieee) and ("fma.rn.f32" in ptx) is ieee, ieee
+        sig = {"x_ptr": "*bf16", "w_ptr": wdt, "b_ptr": "*bf16", "y_ptr": "*bf16", **{a: i32 for a in (
+            "T", "K", "WIDTH", "TILES", "stride_xm", "stride_xk", "stride_wb", "stride_wk", "stride_wn", "stride_ym")},
+            "BM": "constexpr", "BN": "constexpr", "BK": "constexpr", "IEEE": "constexpr", "HAS_BIAS": "constexpr"}
+        ptx = triton.compile(ASTSource(fn=block, signature=sig, constexprs={"BM": c["BM"], "BN": c["BN"], "BK": c["BK"],
+                                                                               "IEEE": ieee, "HAS_BIAS": True}),
+                             target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"]
+        assert ("wgmma" in ptx) is (not ieee), ieee

@@ -30,6 +30,10 @@ MMA steps per load; 3 stages of [64, 64] tiles fit shared memory with fp32 weigh
 tune it; changing it changes the GPU bits of every virtual/tree-layout model, so it is a versioned constant, not a
 knob (bench/shard_gemm.py measures it).
 
+Both launches pass ``enable_fp_fusion=False`` (Triton 3.9 defaults it on and 3.10 off: pinned, so the bits do not
+follow the triton version's default): nothing outside the dot is contracted into an FMA (the bias add stays one
+fp32 add); the ieee dot itself is explicit fma.rn.f32 instructions either way (checked in the sm_90 PTX).
+
 CUDA-graph capturable: one launch, no host reads, no allocation but the output. ``ShardPartials`` and
 ``BlockGemm`` are the autograd wrappers detcomm.rl's trainer differentiates through: forward is the kernel,
 backward deterministic torch matmuls of fixed shapes (the gradients today's per-shard autograd computes).
@@ -80,8 +84,9 @@ def _kernels() -> tuple[Any, Any]:
 def _build() -> tuple[Any, Any]:
     require_triton()  # the kernels below read the module globals triton and tl (the interpreter patches tl there)
     # do_not_specialize: Triton would otherwise compile other code for T == 1 or T % 16 == 0; one binary for
-    # every row count keeps T out of the arithmetic by construction.
-    @triton.jit(do_not_specialize=["T"])
+    # every row count keeps T out of the arithmetic by construction. x's row stride is K/W, the one argument of the
+    # shard kernel that follows W: not specialized either, so every W runs the same binary.
+    @triton.jit(do_not_specialize=["T", "stride_xm"])
     def _shard_partials_kernel(x_ptr, w_ptr, out_ptr, T, N, KV,
                                stride_xm, stride_xk, stride_ws, stride_wk, stride_wn, stride_os, stride_om,
                                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
@@ -162,7 +167,7 @@ def shard_partials(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     grid = (-(-t // c["BM"]), -(-n // c["BN"]), s)
     kern[grid](x, w, out, t, n, kv, x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2),
                out.stride(0), out.stride(1), BM=c["BM"], BN=c["BN"], BK=c["BK"], IEEE=ieee,
-               num_warps=c["num_warps"], num_stages=c["num_stages"])
+               num_warps=c["num_warps"], num_stages=c["num_stages"], enable_fp_fusion=False)
     return out
 
 
@@ -197,7 +202,7 @@ def block_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = Non
     b = y if bias is None else bias.contiguous()  # an unused pointer when HAS_BIAS is off
     kern[grid](x, w, b, y, t, k, width, tiles, x.stride(0), x.stride(1), w.stride(0), swk, swn, y.stride(0),
                BM=c["BM"], BN=bn, BK=c["BK"], IEEE=ieee, HAS_BIAS=bias is not None,
-               num_warps=c["num_warps"], num_stages=c["num_stages"])
+               num_warps=c["num_warps"], num_stages=c["num_stages"], enable_fp_fusion=False)
     return y
 
 
