@@ -185,3 +185,39 @@ def test_autograd_matches_per_shard_torch(sg) -> None:  # type: ignore[no-untype
     for a, b in zip(shards, s2):
         assert a.grad is not None and b.grad is not None
         assert torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_autograd_two_byte_shards(sg) -> None:  # type: ignore[no-untyped-def]
+    # model-dtype shards (shard_weights="model"): fp32 partials, gradients in the shards' and x's dtypes
+    x, w = _data(6, 2, 32, 16, torch.float16, seed=7)
+    x.requires_grad_(True)
+    shards = [w[j].clone().requires_grad_(True) for j in range(2)]
+    out = sg.ShardPartials.apply(x, *shards)
+    assert out.dtype == torch.float32
+    out.backward(torch.ones_like(out))
+    assert x.grad is not None and x.grad.dtype == torch.float16
+    ref = torch.cat([torch.ones(6, 16) @ s.detach().float().t() for s in shards], dim=1)
+    assert torch.allclose(x.grad.float(), ref, rtol=1e-3, atol=1e-3)
+    assert all(s.grad is not None and s.grad.dtype == torch.float16 for s in shards)
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_block_gemm_autograd_matches_per_block_torch(sg, transposed: bool) -> None:  # type: ignore[no-untyped-def]
+    g = torch.Generator().manual_seed(8)
+    k, width, nb = 24, 16, 3
+    x = torch.randn(5, k, generator=g, requires_grad=True)
+    kn = [torch.randn(k, width, generator=g) for _ in range(nb)]
+    blocks = [(b.t().contiguous() if transposed else b).requires_grad_(True) for b in kn]
+    biases = [torch.randn(width, generator=g, requires_grad=True) for _ in range(nb)]
+    y = sg.BlockGemm.apply(x, transposed, nb, *blocks, *biases)
+    gy = torch.randn(y.shape, generator=g)
+    y.backward(gy)
+    x2 = x.detach().clone().requires_grad_(True)
+    b2 = [b.detach().clone().requires_grad_(True) for b in blocks]
+    c2 = [c.detach().clone().requires_grad_(True) for c in biases]
+    ref = torch.cat([(torch.nn.functional.linear(x2, b, c) if transposed else x2 @ b + c) for b, c in zip(b2, c2)], 1)
+    assert torch.allclose(y, ref, rtol=1e-5, atol=1e-5)
+    ref.backward(gy)
+    for a, b in [(x, x2), *zip(blocks, b2), *zip(biases, c2)]:
+        assert a.grad is not None and b.grad is not None and a.grad.shape == b.grad.shape
+        assert torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-5)

@@ -249,7 +249,7 @@ class ShardPartials(torch.autograd.Function):
         x, *shards = ctx.saved_tensors
         kv = shards[0].shape[0]
         xf = x.to(torch.float32)
-        gx = [torch.matmul(g[j], w.t()) for j, w in enumerate(shards)] if ctx.needs_input_grad[0] else None
+        gx = [torch.matmul(g[j], w.to(torch.float32).t()) for j, w in enumerate(shards)] if ctx.needs_input_grad[0] else None
         gws = [torch.matmul(xf[:, j * kv : (j + 1) * kv].t(), g[j]).to(w.dtype) if ctx.needs_input_grad[1 + j]
                else None for j, w in enumerate(shards)]
         return (None if gx is None else torch.cat(gx, dim=1).to(x.dtype), *gws)
