@@ -27,7 +27,7 @@ pinning cuBLAS's choice is not an API); Triton's autotune (it picks the config b
 runs, could pick different configs and different bits); one launch per shard (V/W launches, the cost issue 42
 measures). The config below was chosen for the issue's width (T_pad 64 rows = one row tile; BK = 64: four 16-deep
 MMA steps per load; 3 stages of [64, 64] tiles fit shared memory with fp32 weights too) without a device run to
-tune it; changing it changes the GPU bits of every virtual/tree-layout model, so it is a versioned constant, not a
+tune it; changing it may change the GPU bits of every virtual/tree-layout model, so it is a versioned constant, not a
 knob (bench/shard_gemm.py measures it).
 
 Both launches pass ``enable_fp_fusion=False`` (Triton 3.9 defaults it on and 3.10 off: pinned, so the bits do not
