@@ -47,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
                                 epilog="\n\n".join(__doc__.split("\n\n")[1:]))
     p.add_argument("--layouts", default=",".join(PHASES), help=f"comma-separated phases, in order, from {PHASES}")
     p.add_argument("--virtual-shards", type=int, default=8, metavar="V")
+    p.add_argument("--shard-weights", choices=("fp32", "model"), default="fp32",
+                   help="the virtual/tree layouts' shard storage (detcomm.tp.RowParallelLinear shard_weights): 'model' "
+                        "keeps bf16 shards (half the bytes the CUDA shard kernel streams)")
     p.add_argument("--blocks", type=int, default=8, help="fixed blocks of the invariant layouts (W must divide it)")
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--heads", type=int, default=24)
@@ -113,7 +116,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 name = phase + suffix
                 model = TPTransformer(cfg, device=device, layout=layout,  # type: ignore[arg-type]
                                       virtual_shards=ns.virtual_shards if layout == "virtual" else None,
-                                      shard_fold="tree" if phase == "tree" else "order", cuda_graphs=mode)
+                                      shard_fold="tree" if phase == "tree" else "order", cuda_graphs=mode,
+                                      shard_weights=ns.shard_weights if layout == "virtual" else "fp32")
                 model.declare_sites(route="native" if phase == "native" else None)
                 if mode and not model.cuda_graphs:
                     graphs_off[name] = str(model.graphs_reason)

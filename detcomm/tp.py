@@ -5,7 +5,8 @@ the arithmetic sees, whatever W is:
 
 * ``ColumnParallelLinear``: each rank computes its output columns in fixed column blocks (one GEMM per block,
   the same [rows, K] x [K, block] shape at every W), so a column's kernel configuration never changes with
-  N/W. No communication.
+  N/W. No communication. On CUDA all the rank's blocks run in one fixed-config Triton launch whose tiles never
+  straddle a block (detcomm.numerics.shard_gemm.block_gemm); on CPU one torch GEMM per block.
 * ``RowParallelLinear`` in three layouts:
 
   - ``"fold"``: today's Megatron layer: one GEMM over the rank's K/W inputs, the canonical all-reduce of the W
@@ -13,6 +14,8 @@ the arithmetic sees, whatever W is:
   - ``"virtual"``: the reduction dimension is split into V fixed virtual shards; shard v's partial
     ``x[:, K_v] @ W[K_v, :]`` is an fp32 GEMM of one fixed shape, and the all-reduce folds the V partials in
     shard order (a site with ``virtual_shards=V``): the same bits for every W dividing V, W = 1 included.
+    On CUDA the V/W partials are one fixed-config Triton launch with the shard on the grid
+    (detcomm.numerics.shard_gemm.shard_partials: its bits, not cuBLAS's); on CPU one torch GEMM per shard.
     ``shard_fold="tree"`` sums them by the fixed balanced tree instead (V a power of two; W a power of two
     dividing V): each rank folds its own V/W partials and one fp32 value per element crosses the wire.
   - ``"full_k"``: an all-gather of the K-wide input, then every rank computes its N/W output columns as full-K
@@ -41,6 +44,8 @@ import torch
 import torch.distributed as dist
 
 import detcomm
+
+from .numerics import shard_gemm
 
 __all__ = ["LAYOUTS", "Layout", "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
            "VocabParallelHead", "gumbel_noise", "check_divides", "Segment", "pack_segments", "stage_segments"]
@@ -98,14 +103,31 @@ class ColumnParallelLinear:
             width = n // blocks
             # Separate contiguous tensors: a strided view could take another GEMM path than a block of its own.
             self.blocks = [local[:, j : j + width].contiguous().to(dt).to(device) for j in range(0, n // world, width)]
+            if torch.device(device).type == "cuda":  # the one-launch kernel reads them as slabs of one buffer
+                shard_gemm.packed(self.blocks)
+        self.fixed_blocks = blocks is not None
         self.in_features, self.out_features, self.local_out = k, n, n // world
+
+    def _blocked(self, x: torch.Tensor) -> torch.Tensor | None:
+        """On CUDA with fixed blocks: all blocks in one launch, [rows, N/W] (autograd: shard_gemm.BlockGemm).
+        None elsewhere (CPU keeps one torch GEMM per block; the plain layer keeps its one cuBLAS GEMM)."""
+        if not (x.is_cuda and self.fixed_blocks):
+            return None
+        y: torch.Tensor = shard_gemm.BlockGemm.apply(x, False, len(self.blocks), *self.blocks)
+        return y
 
     def forward_blocks(self, x: torch.Tensor) -> list[torch.Tensor]:
         """This rank's output column blocks, in order, each [rows, N/blocks] (or one [rows, N/W] block)."""
+        y = self._blocked(x)
+        if y is not None:
+            return list(y.split(self.blocks[0].shape[1], dim=1))
         return [torch.matmul(x, w) for w in self.blocks]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """[rows, K] -> this rank's [rows, N/W] output columns."""
+        y = self._blocked(x)
+        if y is not None:
+            return y
         out = self.forward_blocks(x)
         return out[0] if len(out) == 1 else torch.cat(out, dim=1)
 
@@ -116,19 +138,29 @@ class RowParallelLinear:
 
     ``layout``: "fold", "virtual" (``virtual_shards`` V; W must divide V; ``shard_fold`` "order" or "tree",
     docs/spec.md §9.1 "The tree order") or "full_k" (``blocks`` fixed output column blocks; W must divide
-    ``blocks``). ``site``: the call site's name (full_k declares
+    ``blocks``). ``shard_weights`` (virtual layout, keyword-only): "fp32" (default) keeps each shard in fp32, the
+    tensors a trainer updates; "model" keeps them in the layer's dtype (the same values: the fp32 shards are exact
+    widenings of it), halving the bytes the CUDA kernel streams (its 2-byte tensor-core path, other GPU bits than
+    "fp32"'s); on CPU both give today's bits (the shard is widened exactly before its fp32 GEMM). ``site``: the call
+    site's name (full_k declares
     ``<site>.gather_in`` and ``<site>.gather_out``). ``max_rows``: the most real rows a call carries.
     Call ``declare()`` once after ``detcomm.init`` (collective), then the layer on every rank."""
 
     def __init__(self, weight: torch.Tensor, *, site: str, layout: Layout, max_rows: int,
                  virtual_shards: int | None = None, blocks: int | None = None, route: str | None = None,
                  rank: int | None = None, world: int | None = None, dtype: torch.dtype | None = None,
-                 device: torch.device | str = "cpu", shard_fold: str = "order") -> None:
+                 device: torch.device | str = "cpu", shard_fold: str = "order",
+                 shard_weights: Literal["fp32", "model"] = "fp32") -> None:
         rank, world = _matrix_and_group(weight, "in, out", rank, world)
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
         if (virtual_shards is not None) != (layout == "virtual"):
             raise ValueError("virtual_shards is given exactly for layout='virtual'")
+        if shard_weights not in ("fp32", "model"):
+            raise ValueError(f"shard_weights must be 'fp32' or 'model', got {shard_weights!r}")
+        if shard_weights != "fp32" and layout != "virtual":
+            raise ValueError(f"shard_weights={shard_weights!r} stores virtual shards: it needs layout='virtual'")
+        self.shard_weights = shard_weights
         if shard_fold != "order" and layout != "virtual":
             raise ValueError(f"shard_fold={shard_fold!r} orders the sum of virtual shards: it needs layout='virtual'")
         self.shard_fold = shard_fold
@@ -148,9 +180,13 @@ class RowParallelLinear:
             check_divides(f"RowParallelLinear {site!r} virtual_shards", k, virtual_shards, world)
             self.virtual_shards = v = virtual_shards
             kv = k // v
-            # fp32 shards: the partial is an fp32 GEMM whatever the model dtype (docs/spec.md §9.1).
-            self.weights = [weight[s * kv : (s + 1) * kv].to(dt).to(torch.float32).contiguous().to(device)
+            # fp32 shards: the partial is an fp32 GEMM whatever the model dtype (docs/spec.md §9.1); "model": the
+            # same values in the model dtype, widened exactly where they are multiplied.
+            store = torch.float32 if shard_weights == "fp32" else dt
+            self.weights = [weight[s * kv : (s + 1) * kv].to(dt).to(store).contiguous().to(device)
                             for s in range(rank * (v // world), (rank + 1) * (v // world))]
+            if torch.device(device).type == "cuda":  # the one-launch kernel reads them as slabs of one buffer
+                shard_gemm.packed(self.weights)
         else:
             assert blocks is not None
             check_divides(f"RowParallelLinear {site!r} blocks", n, blocks, world)
@@ -192,10 +228,14 @@ class RowParallelLinear:
         if self.layout != "virtual":
             raise ValueError(f"RowParallelLinear {self.site!r}: layout={self.layout!r} has no partial sums (full-K "
                              "computes whole output columns)")
+        if x.is_cuda:
+            # All V/W shards in one fixed-config launch (shard on the grid): bits independent of V/W and T.
+            parts: torch.Tensor = shard_gemm.ShardPartials.apply(x, *self.weights)
+            return parts[:, :rows].contiguous()
         kv = self.in_features // self.virtual_shards
         xf = x.to(torch.float32)
         # One [T, K/V] x [K/V, N] fp32 GEMM per shard: the same shape at every W and every row count.
-        parts = torch.stack([torch.matmul(xf[:, j * kv : (j + 1) * kv].contiguous(), w)
+        parts = torch.stack([torch.matmul(xf[:, j * kv : (j + 1) * kv].contiguous(), w.to(torch.float32))
                              for j, w in enumerate(self.weights)])
         return parts[:, :rows].contiguous()
 

@@ -19,6 +19,10 @@
 #             GPU; the host-staged group's eager fallback) and bench/hf_decode.py --graphs (eager and graphs, same
 #             run) at W = 1 over NCCL, at the probe decoder's width (issue 42's table) and at the bench's default;
 #             bench/tp_decode.py --graphs (the probe decoder, fold and tree) at that width
+#   shardgemm the TP-invariant layouts' fixed-config Triton GEMMs (detcomm.numerics.shard_gemm): the kernel and model
+#             tests (bits over V/W and rows, W = 1 and 2 processes sharing the GPU, graphs on/off), bench/shard_gemm.py
+#             (per-projection us: per-shard torch vs the kernel vs the fold's cuBLAS) and bench/tp_decode.py fold / tree
+#             (fp32 and bf16 shards) at issue 42's width; about 4 minutes
 # On one GPU the multi-GPU parts skip themselves: the NCCL bench, the NCCL soak, and the fused bench falls back to W
 # streams of the one GPU (bench/fused_streams.py).
 set -u -o pipefail
@@ -102,6 +106,19 @@ if has graphs; then
     --hidden 2048 --heads 16 --head-dim 128 --ffn 8192 --vocab 32000 --layers 4 --dtype bfloat16 --t-pad 64 \
     --concurrency 1,64 --steps 8 --repeats 3 --json "$OUT/tp_decode_graphs.json" > "$OUT/tp_decode_graphs.log" 2>&1
   say "bench tp_decode --graphs rc=$?"; grep -E '^(\[rank0\]: )?( *[0-9]+ |probe decoder|concurrency|.* graphs: CUDA)' "$OUT/tp_decode_graphs.log" | head -8
+fi
+if has shardgemm; then
+  group shardgemm "$(lim 150)" tests/gpu/test_shard_gemm_gpu.py
+  timeout 60 $PY bench/shard_gemm.py --json "$OUT/shard_gemm.json" > "$OUT/shard_gemm.md" 2>&1
+  say "bench shard_gemm rc=$?"; grep -E '^(\||device|.*max \|)' "$OUT/shard_gemm.md" | head -24
+  for sw in fp32 model; do
+    timeout 90 $PY -m detcomm.launch --nproc 1 --numerics rl-bitwise bench/tp_decode.py --layouts fold,tree \
+      --shard-weights $sw --hidden 2048 --heads 16 --head-dim 128 --ffn 8192 --vocab 32000 --layers 4 \
+      --dtype bfloat16 --t-pad 64 --concurrency 1,64 --steps 8 --repeats 3 --json "$OUT/tp_decode_shard_$sw.json" \
+      > "$OUT/tp_decode_shard_$sw.log" 2>&1
+    say "bench tp_decode --shard-weights $sw rc=$?"
+    grep -E '^(\[rank0\]: )?( *[0-9]+ |probe decoder|concurrency)' "$OUT/tp_decode_shard_$sw.log" | head -6
+  done
 fi
 if has mutants; then
   timeout 560 $PY tests/mutations.py --gpu-only --jobs 6 ${MUTANTS:+--only $MUTANTS} > "$OUT/mutations.log" 2>&1

@@ -22,6 +22,7 @@ from torch import nn
 
 import detcomm
 
+from ..numerics import shard_gemm
 from ..rl import regions
 
 __all__ = ["StepRows", "column_shard", "RowParallelLinear", "VocabParallelEmbedding", "VocabParallelHead",
@@ -187,6 +188,8 @@ class VocabParallelHead(nn.Module):
 class BlockColumnLinear(nn.Module):
     """Output features [start, stop) of a Linear in fixed blocks of ``block`` features, one GEMM per block, so
     a feature's GEMM has the same shape at every W (detcomm.tp.ColumnParallelLinear for transformers' modules).
+    On CUDA all blocks (and their biases) run in one fixed-config Triton launch whose tiles never straddle a block
+    (detcomm.numerics.shard_gemm.block_gemm, autograd through BlockGemm); on CPU one F.linear per block.
     Local (no communication)."""
 
     def __init__(self, linear: nn.Linear, start: int, stop: int, *, block: int) -> None:
@@ -201,6 +204,11 @@ class BlockColumnLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, stop - start
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            flat = x.reshape(-1, self.in_features)
+            params = [*self.blocks, *(self.biases if self.biases is not None else ())]
+            y = shard_gemm.BlockGemm.apply(flat, True, len(self.blocks), *params)
+            return y.view(*x.shape[:-1], self.out_features)
         biases = [None] * len(self.blocks) if self.biases is None else list(self.biases)
         return torch.cat([F.linear(x, w, b) for w, b in zip(self.blocks, biases)], dim=-1)
 
@@ -208,7 +216,8 @@ class BlockColumnLinear(nn.Module):
 class InvariantRowLinear(nn.Module):
     """o_proj / down_proj in a TP-size-invariant layout: ``detcomm.tp.RowParallelLinear`` ("virtual" with
     ``virtual_shards``, or "full_k" with ``blocks``) over input features [start, stop) of a Linear, the bias
-    added once after. Only the step's real rows travel; filler rows come back as zeros. Collective."""
+    added once after. Only the step's real rows travel; filler rows come back as zeros. On CUDA the virtual
+    layout's partials are detcomm.tp's one-launch kernel (detcomm.numerics.shard_gemm). Collective."""
 
     def __init__(self, linear: nn.Linear, start: int, stop: int, *, site: str, step: StepRows, layout: str,
                  virtual_shards: int | None, blocks: int | None, max_rows: int, rank: int, world: int,

@@ -31,6 +31,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -120,11 +121,15 @@ class TPTransformer:
     ``cuda_graphs`` (detcomm.hf.ServingConfig's option, decided when ``declare_sites`` has declared the sites):
     False (the default here: the probes' steps stay eager), "auto" (the steps on static buffers, captured per real
     row count where every site and the attention impl capture; ``graphs_reason`` says why not) or True (required:
-    ValueError otherwise). The same bits either way."""
+    ValueError otherwise). The same bits either way.
+
+    ``shard_weights`` (virtual layout): "fp32" (default) or "model": how the virtual shards are stored
+    (detcomm.tp.RowParallelLinear); on CUDA "model" halves the bytes the shard kernel streams and gives other GPU bits
+    than "fp32" (the same at every W either way); on CPU the bits are the same."""
 
     def __init__(self, cfg: ModelConfig, *, pad: bool = True, device: torch.device | str = "cpu",
                  layout: Layout = "fold", virtual_shards: int | None = None, shard_fold: str = "order",
-                 cuda_graphs: bool | str = False) -> None:
+                 cuda_graphs: bool | str = False, shard_weights: Literal["fp32", "model"] = "fp32") -> None:
         if cuda_graphs not in ("auto", True, False) or not isinstance(cuda_graphs, (bool, str)):
             raise ValueError(f"cuda_graphs must be 'auto', True or False, got {cuda_graphs!r}")
         if layout not in LAYOUTS:
@@ -152,7 +157,7 @@ class TPTransformer:
         def row(m: torch.Tensor, site: str) -> RowParallelLinear:
             return RowParallelLinear(m, site=site, layout=layout, max_rows=cfg.t_pad, virtual_shards=virtual_shards,
                                      blocks=blocks if layout == "full_k" else None, dtype=dt, device=dev,
-                                     shard_fold=shard_fold)
+                                     shard_fold=shard_fold, shard_weights=shard_weights)
 
         def vec(n: int) -> torch.Tensor:
             return (1.0 + 0.1 * torch.randn(n, generator=g)).to(dt).to(dev)
@@ -324,6 +329,13 @@ class TPTransformer:
             out.append(full)
         return out
 
+    def _cols_cat(self, lin: ColumnParallelLinear, x: torch.Tensor, rows: int) -> torch.Tensor:
+        """The blocks of ``_cols`` side by side, [T_pad, N/W]. On CUDA (padded buffers) the layer's one launch
+        (detcomm.numerics.shard_gemm.block_gemm) is already that tensor: no split and re-concatenation."""
+        if self.pad and x.is_cuda:
+            return lin(x)
+        return torch.cat(self._cols(lin, x, rows), dim=1)
+
     def _rows(self, lin: RowParallelLinear, x: torch.Tensor, rows: int) -> torch.Tensor:
         """A row-parallel layer: the whole [rows, H] output on every rank. Collective."""
         return lin(x if self.pad else x[:rows], rows)
@@ -365,7 +377,7 @@ class TPTransformer:
         """Attention of one layer on the normed [T_pad, H] input: o_proj's [T_pad, heads/W * head_dim] input. One
         paged_attention call over the real rows (rotary: elementwise IEEE ops only, no shape dependence)."""
         c, hl, hd = self.cfg, self.heads_local, self.cfg.head_dim
-        q, k, v = (torch.cat(self._cols(L[n], x, rows), dim=1) for n in ("q", "k", "v"))
+        q, k, v = (self._cols_cat(L[n], x, rows) for n in ("q", "k", "v"))
         q = self._rope(q.reshape(c.t_pad, hl, hd), pos)
         k = self._rope(k.reshape(c.t_pad, hl, hd), pos)
         v = v.reshape(c.t_pad, hl, hd)
@@ -376,7 +388,11 @@ class TPTransformer:
 
     def _mlp_block(self, L: dict, x: torch.Tensor, rows: int) -> torch.Tensor:
         """SwiGLU of one layer on the normed [T_pad, H] input: down_proj's [T_pad, F/W] input. The activation runs
-        per column block (each its own [T_pad, F/blocks] tensor at every W)."""
+        per column block (each its own [T_pad, F/blocks] tensor at every W) on CPU, where torch's vectorized loops
+        could treat a wider tensor's tail otherwise; on CUDA an elementwise op computes each element alike whatever
+        the tensor's width, so it runs once over the layer's one-launch output."""
+        if self.pad and x.is_cuda:
+            return torch.nn.functional.silu(L["gate"](x)) * L["up"](x)
         act = [torch.nn.functional.silu(gb) * ub for gb, ub in zip(self._cols(L["gate"], x, rows),
                                                                      self._cols(L["up"], x, rows))]
         return act[0] if len(act) == 1 else torch.cat(act, dim=1)
