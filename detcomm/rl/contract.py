@@ -6,7 +6,8 @@ arithmetic sees; not max_context or num_blocks, which the paged attention's bits
 envelope and every switch, the attention impl (torch or triton: their bits differ), the
 model's configuration, the detcomm, torch and transformers versions, the GPU kernels' sources, the device's
 compute capability, and the NVRTC version and options they are compiled with (cupy's; None on the CPU or
-without cupy, where no NVRTC kernel runs); W only where the layout is not TP-size invariant (the fold and shard-order layouts' sums
+without cupy, where no NVRTC kernel runs), and on CUDA triton's version and the Triton kernels' sources with the
+shard GEMMs' tile configuration; W only where the layout is not TP-size invariant (the fold and shard-order layouts' sums
 follow W). ``digest`` is a SHA-256 of them; the gate (``detcomm.rl.gate.check_contract``) compares the fields
 and names every one that differs.
 """
@@ -52,6 +53,31 @@ def _kernel_sources() -> str:
     return h.hexdigest()
 
 
+def _triton(device: torch.device) -> tuple[str | None, str | None]:
+    """(triton's version, SHA-256 of the Triton kernels' sources and the shard GEMMs' tile configuration) on CUDA,
+    where the paged attention (``attention_triton``) and the virtual layout's shard GEMMs (``shard_gemm``) are
+    Triton kernels whose bits follow both; (None, None) elsewhere. The sources are read, not imported (importing
+    them needs triton)."""
+    if device.type != "cuda":
+        return None, None
+    import importlib.metadata
+    import importlib.util
+
+    from ..numerics import shard_gemm
+
+    try:
+        version: str | None = importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        version = None
+    h = hashlib.sha256()
+    for name in ("attention_triton", "shard_gemm"):
+        spec = importlib.util.find_spec(f"detcomm.numerics.{name}")
+        assert spec is not None and spec.origin is not None, name
+        h.update(name.encode() + b"\0" + open(spec.origin, "rb").read())
+    h.update(json.dumps(shard_gemm.CONFIG, sort_keys=True).encode())
+    return version, h.hexdigest()
+
+
 def _nvrtc(device: torch.device, capability: list[int] | None) -> tuple[list[int] | None, list[str] | None]:
     """(NVRTC version, compile options) of the kernels on ``device``: the version is the installed cupy/CUDA's
     (``cupy.cuda.nvrtc.getVersion()``; part of the kernel cache's key, not fixed by the sources or the detcomm
@@ -93,6 +119,7 @@ def contract(lm: Any) -> Contract:
                               else None),
     }
     fields["nvrtc_version"], fields["nvrtc_options"] = _nvrtc(lm.device, fields["device_capability"])
+    fields["triton"], fields["triton_kernels"] = _triton(lm.device)
     fields.update({f"switch.{k}": getattr(resolved.switches, k) for k in type(resolved.switches).names()})
     config = json.loads(lm.config.to_json_string(use_diff=False))
     for k, v in config.items():
