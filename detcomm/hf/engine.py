@@ -45,6 +45,7 @@ import detcomm
 
 from ..numerics import sampling
 from ..numerics.attention import KVStore, PagedKV, StepKV, check_paged_geometry
+from ..numerics.sampling import StepTokens
 from ..numerics.step_graph import StepGraphs, StepInputs
 from ..rl import regions
 from ..tp import Segment, pack_segments, stage_segments
@@ -114,16 +115,6 @@ class StepLogits:
 
     def __len__(self) -> int:
         return int(self.rows.shape[0])
-
-
-@dataclass
-class StepTokens:
-    """One step's token choice (``next_tokens``), on the host: each sampling segment's ``tokens`` and their fp32
-    ``logprobs`` (a CPU tensor [S]), and ``picks`` the index of each sampling segment."""
-
-    tokens: list[int]
-    logprobs: torch.Tensor
-    picks: list[int]
 
 
 class TPCausalLM:

@@ -19,17 +19,28 @@ once captured, and the noise would depend on the number of rows drawn before it)
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-__all__ = ["sample_key", "keyed_gumbel", "pick", "pack", "unpack", "f32_bits", "from_bits", "check_sampling"]
+__all__ = ["StepTokens", "sample_key", "keyed_gumbel", "pick", "pack", "unpack", "f32_bits", "from_bits", "check_sampling"]
 
 _M32 = 0xFFFFFFFF
 # Odd multipliers below 2**31: a 32-bit value times one stays below 2**63, so no int64 product overflows on any
 # device (the hash is exact integer arithmetic everywhere).
 _C1, _C2, _C3 = 0x7FEB352D, 0x5BD1E995, 0x2C1B3C6D
 _PAD = 64  # the noise's columns are padded to a multiple of this (CPU: every element on the vector path)
+
+
+@dataclass
+class StepTokens:
+    """One step's token choice (the engines' ``next_tokens``), on the host: each sampling segment's ``tokens`` and
+    their fp32 ``logprobs`` (a CPU tensor [S]), and ``picks`` the index of each sampling segment."""
+
+    tokens: list[int]
+    logprobs: torch.Tensor
+    picks: list[int]
 
 
 def sample_key(seed: int, request: int, position: int) -> int:

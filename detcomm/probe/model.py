@@ -321,17 +321,17 @@ class TPTransformer:
         return sampling.pack(tok, lps.gather(1, tok[:, None])[:, 0])
 
     def next_tokens(self, segments: Sequence[Segment], *, keys: Sequence[int] | None = None,
-                    temperatures: Sequence[float] | None = None) -> tuple[list[int], torch.Tensor, list[int]]:
+                    temperatures: Sequence[float] | None = None) -> sampling.StepTokens:
         """One step and its token choice (detcomm.hf.TPCausalLM.next_tokens' contract): each sampling segment's
-        next token, its fp32 logprob (a CPU tensor [S]) and the segments' indices, read back in one device-to-host
-        copy; greedy unless ``keys`` and ``temperatures`` (one per sampling segment) are given. On the static
+        next token, its fp32 logprob (a CPU tensor [S]) and the segments' indices (``sampling.StepTokens``), read
+        back in one device-to-host copy; greedy unless ``keys`` and ``temperatures`` (one per sampling segment) are given. On the static
         buffers one graph per (rows, S, sampled) where the model captures. Collective."""
         picks = [i for i, s in enumerate(segments) if s.sample]
         n = len(picks)
         smp = sampling.check_sampling(n, keys, temperatures)
         if not n:
             self.forward(segments)
-            return [], torch.zeros(0, dtype=torch.float32), picks
+            return sampling.StepTokens([], torch.zeros(0, dtype=torch.float32), picks)
         if self._inputs is None or self._graphs is None:
             shard, _ = self.forward(segments)
             temps = sampling.from_bits(torch.from_numpy(sampling.f32_bits(temperatures or [0.0] * n)).to(self.device))
@@ -344,7 +344,7 @@ class TPTransformer:
             self._inputs.upload()
             packed = self._graphs((sum(len(s.tokens) for s in segments), n, smp))
         toks, lps = sampling.unpack(packed.cpu().numpy())  # the step's one device-to-host copy
-        return toks, lps, picks
+        return sampling.StepTokens(toks, lps, picks)
 
     def new_cache(self) -> list[int]:
         """A new request's KV cache: an empty block table of the model's paged cache (``Segment.blocks``), grown
