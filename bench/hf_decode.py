@@ -22,6 +22,9 @@ Which numbers mean what:
 * the NCCL environment is the launch's: under ``--numerics rl-bitwise`` NCCL runs Ring/Simple for both
   phases (NCCL reads it when the communicator is created). ``--phases native`` under a launch with
   ``--numerics auto`` measures native with NCCL's own algorithm choice.
+* every decode step is one ``next_tokens`` call (the step and its head: greedy token and logprob; one graph replay
+  where the engine captures, one device-to-host copy); prefill tokens/s (one T_pad-token prompt a step) is printed
+  under the table.
 * ``--graphs``: each phase twice in the same run, its steps eager on fresh tensors (``cuda_graphs=False``) and
   replayed from CUDA graphs (``cuda_graphs="auto"``: captured once per row count; where the step cannot be captured
   it runs eagerly and the title says why), with the ratio graphs / eager. Without it every step runs eagerly.
@@ -342,6 +345,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         dist.init_process_group(backend=backend, init_method="env://")
     rank, world = dist.get_rank(), dist.get_world_size()
     results: dict[str, dict[int, float]] = {}
+    prefill: dict[str, float] = {}
     routes: dict[str, Any] = {}
     graphs_off: dict[str, str] = {}  # variant -> why its steps ran eagerly although graphs were asked for
     variants: list[tuple[str, bool | str]] = [("", False)] + ([(" graphs", "auto")] if ns.graphs else [])
@@ -356,6 +360,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if mode and not lm.cuda_graphs:
                     graphs_off[phase + suffix] = str(lm.graphs_reason)
                 results[phase + suffix] = time_decode(lm, ns.concurrency, ns, vocab=lm.shards.vocab, seed=ns.seed)
+                prefill[phase + suffix] = time_prefill(lm, ns, vocab=lm.shards.vocab, seed=ns.seed)
+                if mode and lm.cuda_graphs and not lm.head_graphs:
+                    graphs_off[phase + suffix + " head"] = f"the step captured, its head eager: {lm.head_graphs_reason}"
                 lm.release_graphs()  # before shutdown: a graph holding an NCCL call would block it
                 del lm
                 if device.type == "cuda":
@@ -386,11 +393,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                  f"routes: {', '.join(f'{k}={v}' for k, v in routes.items())}"
                  + "".join(f"\n{k}: CUDA graphs off, eager: {v}" for k, v in graphs_off.items()))
         emit(format_table(cols, rows, title=title))
+        emit("prefill tokens/s (one request's T_pad-token prompt in one step, median of 5): "
+             + ", ".join(f"{n} {v:.0f}" for n, v in prefill.items()))
         if ns.json:
             with open(ns.json, "w") as f:
                 json.dump({"world_size": world, "backend": backend, "device": str(device), "dtype": ns.dtype,
                            "args": {k: v for k, v in vars(ns).items() if k != "json"}, "routes": routes,
-                           "graphs_off": graphs_off,
+                           "graphs_off": graphs_off, "prefill_tokens_per_s": prefill,
                            "tokens_per_s": {p: {str(c): v for c, v in r.items()} for p, r in results.items()}},
                           f, indent=2)
     if dist.is_initialized():

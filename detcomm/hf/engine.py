@@ -209,8 +209,12 @@ class TPCausalLM:
         #: whether the engine's steps are captured and replayed; graphs_reason: why not (None when they are)
         self.cuda_graphs: bool = False
         self.graphs_reason: str | None = None
+        #: whether next_tokens captures the head (token choice) with the step; head_graphs_reason: why not
+        self.head_graphs: bool = False
+        self.head_graphs_reason: str | None = None
         if mode is False:
             self.cuda_graphs, self.graphs_reason = False, "cuda_graphs=False"
+            self.head_graphs_reason = self.graphs_reason
             return
         reason = self._graph_refusal(library=mode is True)
         if mode is True and reason is not None:
@@ -225,7 +229,18 @@ class TPCausalLM:
                   **self.kv.step_shapes(segments=c.t_pad, rows=c.t_pad)}
         self._inputs = StepInputs(shapes, device=self.device)
         self.cuda_graphs, self.graphs_reason = reason is None, reason
+        # The head's sites decide separately: where they cannot be captured (a host-staged group; NCCL gathers
+        # under "auto" at W > 1) the step is still one graph and the head runs eagerly after it on the static
+        # buffers (the same bits), rather than the whole step running eagerly.
+        head = reason or self._sites_refusal(self.head_sites(), library=mode is True)
+        self.head_graphs, self.head_graphs_reason = head is None, head
+        if self.cuda_graphs and head is not None:
+            _log.info("detcomm.hf: the head runs eagerly after the captured step: %s", head)
         self._graphs = StepGraphs(self._static_body, device=self.device, capture=self.cuda_graphs)
+
+    def _sites_refusal(self, sites: list[str], *, library: bool) -> str | None:
+        comm = detcomm.get_communicator()
+        return next((why for site in sites if (why := comm.capture_refusal(site, library=library)) is not None), None)
 
     def _graph_refusal(self, *, library: bool = False) -> str | None:
         """Why this engine's step cannot be captured (None: it can), from static facts; the first reason found.
@@ -240,12 +255,7 @@ class TPCausalLM:
             return (f"the expert-parallel MoE blocks ({self.shards.moe_blocks[0].name} and the others, "
                     "detcomm.hf.moe_block) read each step's routing back to the host (the all-to-all splits, the "
                     "experts' row counts): MoE models run their steps eagerly")
-        comm = detcomm.get_communicator()
-        for site in self.step_sites() + self.head_sites():  # next_tokens captures the head with the step
-            why = comm.capture_refusal(site, library=library)
-            if why is not None:
-                return why
-        return None
+        return self._sites_refusal(self.step_sites(), library=library)
 
     def head_sites(self) -> list[str]:
         """The detcomm sites the head calls (``greedy``, ``logprobs``; ``next_tokens`` captures them with the step)."""
@@ -466,7 +476,12 @@ class TPCausalLM:
             self._inputs.upload()
             rows = sum(len(seg.tokens) for seg in segments)
             with torch.no_grad():
-                packed = self._graphs((rows, n, sampled))
+                if self.head_graphs or not self.cuda_graphs:  # one body: step + head (captured, or eager)
+                    packed = self._graphs((rows, n, sampled))
+                else:  # the captured step, then the head eagerly on its output and the static buffers
+                    dev = self._inputs.dev
+                    packed = self._head(StepLogits(self._graphs(rows), dev["last"][:n]),
+                                        sampling.from_bits(dev["temps"][:n]), dev["keys"][:n], sampled=sampled)
         toks, lps = sampling.unpack(packed.cpu().numpy())  # the step's one device-to-host copy
         return StepTokens(toks, lps, picks)
 

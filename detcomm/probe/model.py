@@ -205,6 +205,9 @@ class TPTransformer:
         self._graphs: StepGraphs[torch.Tensor] | None = None
         self.cuda_graphs: bool = False
         self.graphs_reason: str | None = "sites not declared yet (declare_sites decides)"
+        #: whether next_tokens captures the head with the step; head_graphs_reason: why not
+        self.head_graphs: bool = False
+        self.head_graphs_reason: str | None = self.graphs_reason
 
     # -- sites -----------------------------------------------------------------------------------------
     def declare_sites(self, *, route: str | None = None) -> None:
@@ -261,6 +264,7 @@ class TPTransformer:
         self._inputs, self._graphs = None, None
         if mode is False:
             self.cuda_graphs, self.graphs_reason = False, "cuda_graphs=False"
+            self.head_graphs, self.head_graphs_reason = False, self.graphs_reason
             return
         reason: str | None = None
         if self.device.type != "cuda":
@@ -270,7 +274,7 @@ class TPTransformer:
                       "which a CUDA graph cannot hold: use attention_impl='triton' (CUDA's default)")
         else:
             comm = detcomm.get_communicator()
-            reason = next((why for site in self.step_sites() + self.head_sites()  # next_tokens: head captured too
+            reason = next((why for site in self.step_sites()
                            if (why := comm.capture_refusal(site, library=mode is True)) is not None), None)
         if mode is True and reason is not None:
             raise ValueError(f"cuda_graphs=True: this model's step cannot be captured in a CUDA graph: {reason}. Fix "
@@ -279,6 +283,12 @@ class TPTransformer:
         self._inputs = StepInputs({"ids": (c.t_pad,), "pos": (c.t_pad,), "last": (c.t_pad,), "keys": (c.t_pad,),
                                    "temps": (c.t_pad,), **self.kv.step_shapes(segments=c.t_pad, rows=c.t_pad)}, device=self.device)
         self.cuda_graphs, self.graphs_reason = reason is None, reason
+        # The head's sites decide separately (detcomm.hf's engine: the step stays one graph, the head eager after it).
+        if reason is None:
+            comm = detcomm.get_communicator()
+            reason = next((why for site in self.head_sites()
+                           if (why := comm.capture_refusal(site, library=mode is True)) is not None), None)
+        self.head_graphs, self.head_graphs_reason = reason is None, reason
         self._graphs = StepGraphs(self._static_body, device=self.device, capture=self.cuda_graphs)
 
     @property
@@ -342,7 +352,13 @@ class TPTransformer:
             host["keys"][:n] = np.asarray(list(keys), dtype=np.int64) if keys is not None else 0
             host["temps"][:n] = sampling.f32_bits(temperatures) if temperatures is not None else 0
             self._inputs.upload()
-            packed = self._graphs((sum(len(s.tokens) for s in segments), n, smp))
+            rows = sum(len(s.tokens) for s in segments)
+            if self.head_graphs or not self.cuda_graphs:  # one body: step + head (captured, or eager)
+                packed = self._graphs((rows, n, smp))
+            else:  # the captured step, then the head eagerly on its output and the static buffers
+                dev = self._inputs.dev
+                packed = self._head(self._graphs(rows)[dev["last"][:n]], sampling.from_bits(dev["temps"][:n]),
+                                    dev["keys"][:n], sampled=smp)
         toks, lps = sampling.unpack(packed.cpu().numpy())  # the step's one device-to-host copy
         return sampling.StepTokens(toks, lps, picks)
 
