@@ -108,7 +108,8 @@ def test_replayed_graphs_give_the_eager_bits(layout: str, world: int, dtype: str
         # One graph per row count: its body ran twice (warm-up, capture), every later step of it replayed.
         keys = r["keys"]
         assert r["captures"] == len(keys) == len(set(keys)) >= 5, keys
-        assert sorted(r["body_keys"]) == sorted(keys * 2), (r["body_keys"], keys)
+        # (the keys mix row counts and the head's (rows, S, sampled) tuples: compared as text)
+        assert sorted(map(repr, r["body_keys"])) == sorted(map(repr, keys * 2)), (r["body_keys"], keys)
         assert r["forwards"] > len(keys), r  # replays happened
         assert all(r["head_same"].values()), r["head_same"]
         h = r["head"]
