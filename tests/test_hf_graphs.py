@@ -92,7 +92,7 @@ def _drive_tokens(lm) -> dict:  # noqa: ANN001
         if keys is None:
             want = lm.greedy(logits)
         else:
-            want = torch.stack([torch.argmax(full[i] / t + keyed_gumbel(torch.tensor([k]), vocab)[0]) if t > 0
+            want = torch.stack([torch.argmax(full[i] / t + keyed_gumbel(torch.tensor([k], device=full.device), vocab)[0]) if t > 0
                                 else torch.argmax(full[i]) for i, (k, t) in enumerate(zip(keys, temps))])
         out["agree"].append(got.tokens == want.tolist() and got.picks == picks
                             and np.array_equal(_bits(full.gather(1, want[:, None])[:, 0]), _bits(got.logprobs)))
@@ -118,7 +118,7 @@ def _drive_tokens(lm) -> dict:  # noqa: ANN001
         lm.free_cache(t)
 
     def callback(request: int, position: int, logprobs: torch.Tensor) -> int:
-        noise = keyed_gumbel(torch.tensor([sample_key(SEED, request, position)]), vocab)[0]
+        noise = keyed_gumbel(torch.tensor([sample_key(SEED, request, position)], device=logprobs.device), vocab)[0]
         return int(torch.argmax(logprobs / 1.0 + noise))
 
     gen = [lm.generate([PROMPTS[0]], max_new_tokens=NEW, temperature=1.0, seed=SEED),

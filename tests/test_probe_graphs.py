@@ -74,7 +74,7 @@ def _drive_tokens(model) -> list:  # noqa: ANN001
         else:
             rows = []
             for i, (k, t) in enumerate(zip(keys, temps)):
-                noise = keyed_gumbel(torch.tensor([k]), model.cfg.vocab)[0]
+                noise = keyed_gumbel(torch.tensor([k], device=full.device), model.cfg.vocab)[0]
                 rows.append(torch.argmax(full[i] / t + noise) if t > 0 else torch.argmax(full[i]))
             want = torch.stack(rows)
         agree = (toks == want.tolist() and picks == rpicks
