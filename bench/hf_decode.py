@@ -22,6 +22,9 @@ Which numbers mean what:
 * the NCCL environment is the launch's: under ``--numerics rl-bitwise`` NCCL runs Ring/Simple for both
   phases (NCCL reads it when the communicator is created). ``--phases native`` under a launch with
   ``--numerics auto`` measures native with NCCL's own algorithm choice.
+* every decode step is one ``next_tokens`` call (the step and its head: greedy token and logprob; one graph replay
+  where the engine captures, one device-to-host copy); prefill tokens/s (one T_pad-token prompt a step) is printed
+  under the table.
 * ``--graphs``: each phase twice in the same run, its steps eager on fresh tensors (``cuda_graphs=False``) and
   replayed from CUDA graphs (``cuda_graphs="auto"``: captured once per row count; where the step cannot be captured
   it runs eagerly and the title says why), with the ratio graphs / eager. Without it every step runs eagerly.
@@ -43,7 +46,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["build_parser", "main", "add_decode_arguments", "time_decode", "profile_decode"]
+__all__ = ["build_parser", "main", "add_decode_arguments", "time_decode", "profile_decode", "time_prefill",
+           "copy_rate", "hf_generate_baseline", "HF_GENERATE_VARIANTS"]
 
 
 def _ints(text: str) -> list[int]:
@@ -105,13 +109,16 @@ def _sync(device: torch.device) -> None:
 
 def _decode_step(lm: Any, caches: list[list[int]], toks: list[int], pos: int, *, logprobs: bool) -> int:
     """One greedy decode step of every request (one row each, at position ``pos``); updates ``toks`` in place
-    and returns the next position. Collective."""
+    and returns the next position. Collective. ``next_tokens``: the step and its head (greedy token and its
+    logprob) in one call, one graph replay where the engine captures, one device-to-host copy; ``logprobs`` also
+    computes the whole [S, vocab] logprobs after it (the head's logprob is computed either way)."""
     from detcomm.tp import Segment
 
-    logits, _ = lm.forward([Segment(cache, [tok], pos) for cache, tok in zip(caches, toks)])
-    if logprobs:
+    segs = [Segment(cache, [tok], pos) for cache, tok in zip(caches, toks)]
+    toks[:] = lm.next_tokens(segs).tokens
+    if logprobs:  # the whole distribution too, as a caller that keeps it would (eager, outside the step)
+        logits, _ = lm.forward(segs)
         lm.logprobs(logits)
-    toks[:] = [int(t) for t in lm.greedy(logits).tolist()]
     return pos + 1
 
 
@@ -176,13 +183,107 @@ def time_decode(lm: Any, concurrency: Sequence[int], ns: argparse.Namespace, *, 
     return out
 
 
+def time_prefill(lm: Any, ns: argparse.Namespace, *, vocab: int, seed: int = 0, repeats: int = 5) -> float:
+    """Prefill tokens/s: one request's ``ns.t_pad``-token prompt in one full T_pad-row step (its token chosen
+    in the step, ``next_tokens``), the median of ``repeats`` timed steps after one untimed. Collective."""
+    from detcomm.tp import Segment
+
+    gen = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, vocab, (ns.t_pad,), generator=gen).tolist()
+    times = []
+    for i in range(repeats + 1):
+        cache = lm.new_cache()
+        _sync(lm.device)
+        dist.barrier()
+        t0 = time.perf_counter()
+        lm.next_tokens([Segment(cache, prompt, 0)])
+        _sync(lm.device)
+        if i:
+            times.append(time.perf_counter() - t0)
+        lm.free_cache(cache)
+    times.sort()
+    return ns.t_pad / times[len(times) // 2]
+
+
+def copy_rate(device: torch.device, *, nbytes: int = 1 << 30, repeats: int = 10) -> float:
+    """The device's memory rate, bytes/s (read + write) of one large device-to-device copy, the median of
+    ``repeats`` copies timed with CUDA events: the streaming limit a decode step is compared with."""
+    if device.type != "cuda":
+        raise ValueError("copy_rate times device memory: it needs a CUDA device")
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # warm
+    times = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    times.sort()
+    del src, dst
+    return 2 * nbytes / times[len(times) // 2]
+
+
+# transformers' own generate, in the order tried: (name, generate kwargs). "static+compile": a static cache,
+# whose forward transformers compiles itself (torch.compile, mode "reduce-overhead": CUDA graphs) where its
+# auto-compile criteria hold; "static": the same cache, compile disabled; "eager": the default dynamic cache.
+HF_GENERATE_VARIANTS: dict[str, dict[str, Any]] = {
+    "static+compile": {"cache_implementation": "static"},
+    "static": {"cache_implementation": "static", "disable_compile": True},
+    "eager": {},
+}
+
+
+def hf_generate_baseline(model: Any, concurrency: Sequence[int], *, prompt: int, new_tokens: int, vocab: int,
+                         variants: Sequence[str], seed: int = 0, repeats: int = 3) -> dict[str, Any]:
+    """transformers' own greedy ``model.generate`` (the unsharded model, this rank alone) at each concurrency:
+    ``concurrency`` prompts of ``prompt`` random tokens, ``new_tokens`` new tokens each (min = max: no early
+    stop), tokens/s = requests x new tokens / the generate call's wall time (the best of ``repeats`` after one
+    untimed call, which pays any compile: its prompt's prefill included). Each variant of
+    ``HF_GENERATE_VARIANTS`` is tried; one that raises is reported with its error, not retried under another
+    name. Local (no collective)."""
+    out: dict[str, Any] = {}
+    device = next(model.parameters()).device
+    gen = torch.Generator().manual_seed(seed)
+    for name in variants:
+        if name not in HF_GENERATE_VARIANTS:
+            raise ValueError(f"--hf-generate takes {', '.join(HF_GENERATE_VARIANTS)}, got {name!r}")
+        kw = HF_GENERATE_VARIANTS[name]
+        res: dict[str, Any] = {}
+        try:
+            for c in concurrency:
+                ids = torch.randint(0, vocab, (c, prompt), generator=gen).to(device)
+                mask = torch.ones_like(ids)
+                best = float("inf")
+                for i in range(repeats + 1):
+                    _sync(device)
+                    t0 = time.perf_counter()
+                    with torch.no_grad():
+                        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
+                                       min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, **kw)
+                    _sync(device)
+                    if i:
+                        best = min(best, time.perf_counter() - t0)
+                res[str(c)] = c * new_tokens / best
+            out[name] = res
+        except Exception as e:  # noqa: BLE001 - reported in the table: which variant ran is the result
+            out[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return out
+
+
 def profile_decode(lm: Any, concurrency: Sequence[int], ns: argparse.Namespace, *, vocab: int,
                    seed: int = 0) -> dict[int, dict[str, float]]:
     """Where a decode step's time goes on a GPU, per concurrency, from torch.profiler over ``ns.steps`` steps
     (after the same prefill and warmup as ``time_decode``): ``kernels`` (device operations per step: kernels,
     copies, memsets), ``busy_ms`` (their summed device time per step) and ``wall_ms`` (the step's host time, the
     profiler's overhead included: compare it with busy_ms, not with time_decode's numbers). A step whose busy_ms
-    is far below its wall_ms is launch-bound: the GPU waits for the host to issue work. Collective."""
+    is far below its wall_ms is launch-bound: the GPU waits for the host to issue work; ``busy_pct`` = busy_ms /
+    wall_ms (the device-busy share of a step). One decode step before the profiled ones captures any graph of
+    that shape outside the profile. Collective."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -191,6 +292,7 @@ def profile_decode(lm: Any, concurrency: Sequence[int], ns: argparse.Namespace, 
     out = {}
     for c in concurrency:
         caches, toks, pos = _prefill(lm, c, ns, vocab=vocab, seed=seed)
+        pos = _decode_step(lm, caches, toks, pos, logprobs=ns.logprobs)  # any capture of this shape: before
         _sync(lm.device)
         dist.barrier()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -202,9 +304,9 @@ def profile_decode(lm: Any, concurrency: Sequence[int], ns: argparse.Namespace, 
         for cache in caches:
             lm.free_cache(cache)
         device_ops = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
-        out[c] = {"kernels": len(device_ops) / ns.steps,
-                  "busy_ms": sum(e.time_range.elapsed_us() for e in device_ops) / 1e3 / ns.steps,
-                  "wall_ms": wall * 1e3 / ns.steps}
+        busy = sum(e.time_range.elapsed_us() for e in device_ops) / 1e3 / ns.steps
+        out[c] = {"kernels": len(device_ops) / ns.steps, "busy_ms": busy, "wall_ms": wall * 1e3 / ns.steps,
+                  "busy_pct": 100.0 * busy / (wall * 1e3 / ns.steps)}
     return out
 
 
@@ -243,6 +345,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         dist.init_process_group(backend=backend, init_method="env://")
     rank, world = dist.get_rank(), dist.get_world_size()
     results: dict[str, dict[int, float]] = {}
+    prefill: dict[str, float] = {}
     routes: dict[str, Any] = {}
     graphs_off: dict[str, str] = {}  # variant -> why its steps ran eagerly although graphs were asked for
     variants: list[tuple[str, bool | str]] = [("", False)] + ([(" graphs", "auto")] if ns.graphs else [])
@@ -257,6 +360,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if mode and not lm.cuda_graphs:
                     graphs_off[phase + suffix] = str(lm.graphs_reason)
                 results[phase + suffix] = time_decode(lm, ns.concurrency, ns, vocab=lm.shards.vocab, seed=ns.seed)
+                prefill[phase + suffix] = time_prefill(lm, ns, vocab=lm.shards.vocab, seed=ns.seed)
+                if mode and lm.cuda_graphs and not lm.head_graphs:
+                    graphs_off[phase + suffix + " head"] = f"the step captured, its head eager: {lm.head_graphs_reason}"
                 lm.release_graphs()  # before shutdown: a graph holding an NCCL call would block it
                 del lm
                 if device.type == "cuda":
@@ -287,11 +393,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                  f"routes: {', '.join(f'{k}={v}' for k, v in routes.items())}"
                  + "".join(f"\n{k}: CUDA graphs off, eager: {v}" for k, v in graphs_off.items()))
         emit(format_table(cols, rows, title=title))
+        emit("prefill tokens/s (one request's T_pad-token prompt in one step, median of 5): "
+             + ", ".join(f"{n} {v:.0f}" for n, v in prefill.items()))
         if ns.json:
             with open(ns.json, "w") as f:
                 json.dump({"world_size": world, "backend": backend, "device": str(device), "dtype": ns.dtype,
                            "args": {k: v for k, v in vars(ns).items() if k != "json"}, "routes": routes,
-                           "graphs_off": graphs_off,
+                           "graphs_off": graphs_off, "prefill_tokens_per_s": prefill,
                            "tokens_per_s": {p: {str(c): v for c, v in r.items()} for p, r in results.items()}},
                           f, indent=2)
     if dist.is_initialized():

@@ -21,6 +21,18 @@ count), same run: columns "<layout> graphs" with the ratio to that layout's eage
 eagerly, if one did, under the table).
 The invariant layouts also run their local compute in fixed blocks (column blocks, vocabulary
 blocks: docs/spec.md §9.1), which costs kernel launches at small widths: the numbers include that.
+
+Every decode step is one ``next_tokens`` call: the step and its head (the greedy token and its logprob), one
+graph replay where the layout captures, one device-to-host copy. On a CUDA device the same run also prints the
+peers the issue's goals name (issue 42):
+  * the device limit: the HBM copy rate (a 1 GiB device-to-device copy, CUDA events, median), and per layout and
+    concurrency the step's weight + KV streaming time at that rate (this rank's local weights once, each
+    request's K and V over its mean context) and step time / streaming time (goal: within 3x);
+  * prefill tokens/s: one request's T_pad-token prompt in one step (median);
+  * ``--hf-generate static+compile,static,eager``: transformers' own ``generate`` on a LlamaConfig of the same
+    width (hidden, heads x head_dim, FFN, vocab, layers, dtype; random weights, no hub) at the same
+    concurrencies, each variant guarded (one that raises prints its error; the table says which ran);
+  * ``--profile``: the device-busy % of a decode step (torch.profiler: summed device-operation time / wall).
 """
 
 from __future__ import annotations
@@ -30,11 +42,12 @@ import json
 import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from hf_decode import add_decode_arguments, profile_decode, time_decode
+from hf_decode import add_decode_arguments, copy_rate, hf_generate_baseline, profile_decode, time_decode, time_prefill
 
 __all__ = ["build_parser", "main", "PHASES"]
 
@@ -68,8 +81,50 @@ def build_parser() -> argparse.ArgumentParser:
                         "step, their device time, the step's wall time: how launch-bound each layout is)")
     p.add_argument("--graphs", action="store_true",
                    help="each layout eager and with CUDA graphs, same run (tokens/s of both and graphs / eager)")
+    p.add_argument("--hf-generate", default="", metavar="VARIANTS",
+                   help="also time transformers' own generate at the same width on rank 0, comma-separated variants "
+                        "in order from static+compile, static, eager (CUDA only; default none)")
+    p.add_argument("--no-limit", action="store_true", help="skip the HBM copy rate and the streaming ratios")
     p.add_argument("--json", metavar="PATH", help="rank 0 writes the results as JSON")
     return p
+
+
+def _stream_bytes(model: Any, cfg: Any, ns: argparse.Namespace) -> dict[int, float]:
+    """Bytes one decode step must read at each concurrency: this rank's local GEMM weights once (the step's
+    floor), and each request's K and V of every layer over its mean context in the timed blocks (the paged
+    attention reads the actual context, whole KV blocks)."""
+    weights = sum(w.numel() * w.element_size() for w in model.local_gemm_weights())
+    ctx = ns.prompt + ns.warmup + (ns.repeats * ns.steps) / 2
+    ctx = -(-ctx // cfg.block_size) * cfg.block_size
+    per_req = cfg.layers * ctx * model.heads_local * cfg.head_dim * 2 * (2 if cfg.dtype == torch.bfloat16 else 4)
+    return {c: float(weights + c * per_req) for c in ns.concurrency}
+
+
+def _tf_version() -> str:
+    import transformers
+
+    return str(transformers.__version__)
+
+
+def _hf_generate(cfg: Any, ns: argparse.Namespace, device: torch.device, names: list[str]) -> dict[str, Any]:
+    """transformers' own generate on a LlamaConfig of the probe's width (MHA: kv heads = heads), random weights."""
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    lc = transformers.LlamaConfig(vocab_size=cfg.vocab, hidden_size=cfg.hidden, intermediate_size=cfg.ffn,
+                                  num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads,
+                                  num_key_value_heads=cfg.heads, head_dim=cfg.head_dim,
+                                  max_position_embeddings=max(4096, cfg.max_context), tie_word_embeddings=False)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(lc)
+    model = model.to(cfg.dtype).eval()
+    try:
+        return hf_generate_baseline(model, ns.concurrency, prompt=ns.prompt, new_tokens=ns.steps, vocab=cfg.vocab,
+                                    variants=names)
+    finally:
+        del model
+        torch.cuda.empty_cache()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -105,8 +160,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if ns.profile and device.type != "cuda":
         raise ValueError("--profile counts device work: it needs a CUDA device")
     results: dict[str, dict[int, float]] = {}
+    prefill: dict[str, float] = {}
+    stream_bytes: dict[str, dict[int, float]] = {}  # per variant and concurrency: bytes one decode step streams
     profiles: dict[str, dict[int, dict[str, float]]] = {}
     graphs_off: dict[str, str] = {}
+    head_off: dict[str, str] = {}  # captured steps whose head runs eagerly after the graph, and why
     variants: list[tuple[str, bool | str]] = [("", False)] + ([(" graphs", "auto")] if ns.graphs else [])
     for phase in phases:
         detcomm.init(numerics="auto" if phase == "native" else "rl-bitwise", device=device)
@@ -121,9 +179,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 model.declare_sites(route="native" if phase == "native" else None)
                 if mode and not model.cuda_graphs:
                     graphs_off[name] = str(model.graphs_reason)
+                elif mode and not model.head_graphs:
+                    head_off[name] = str(model.head_graphs_reason)
                 # An untimed pass first: a process's first steps pay one-time costs (allocator, kernel caches).
                 time_decode(model, [1], ns, vocab=cfg.vocab)
                 results[name] = time_decode(model, ns.concurrency, ns, vocab=cfg.vocab, repeats=ns.repeats)
+                prefill[name] = time_prefill(model, ns, vocab=cfg.vocab)
+                stream_bytes[name] = _stream_bytes(model, cfg, ns)
                 if ns.profile:
                     profiles[name] = profile_decode(model, ns.concurrency, ns, vocab=cfg.vocab)
                 model.release_graphs()  # before shutdown: a graph holding an NCCL call would block it
@@ -132,6 +194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     torch.cuda.empty_cache()
         finally:
             detcomm.shutdown()
+    rate = copy_rate(device) if device.type == "cuda" and not ns.no_limit else None
     phases = [phase + suffix for phase in phases for suffix, _ in variants]
     if rank == 0:
         rows: list[list[object]] = []
@@ -153,20 +216,73 @@ def main(argv: Sequence[str] | None = None) -> int:
         emit(format_table(["concurrency", *phases], rows, title=title))
         for name, why in graphs_off.items():
             emit(f"{name}: CUDA graphs off, eager: {why}")
+        for name, why in head_off.items():
+            emit(f"{name}: the step captured, its head eager after the graph: {why}")
+        if ns.graphs:
+            emit("graphs: " + ", ".join(f"{p} {'step + head in one graph' if p not in graphs_off and p not in head_off else 'see above'}"
+                                        for p in phases if p.endswith(' graphs')))
+        emit(format_table(["layout", "prefill tokens/s"], [[p, f"{prefill[p]:.0f}"] for p in phases],
+                          title=f"prefill: one request's {ns.t_pad}-token prompt in one T_pad-row step (median of 5)"))
+        if rate is not None:
+            lrows = [[c, *(f"{c / results[p][c] * 1e3:.3f} / {stream_bytes[p][c] / rate * 1e3:.3f} / "
+                           f"{c / results[p][c] / (stream_bytes[p][c] / rate):.1f}x" for p in phases)]
+                     for c in ns.concurrency]
+            emit(format_table(["concurrency", *phases], lrows,
+                              title=f"device limit: HBM copy rate {rate / 1e12:.2f} TB/s (1 GiB device-to-device "
+                                    "copy, read + write, median of 10); per decode step: step ms / weight + KV "
+                                    "streaming ms at that rate / ratio (goal <= 3x)"))
         if profiles:
             prow = [[c, *(f"{profiles[p][c]['kernels']:.0f} / {profiles[p][c]['busy_ms']:.2f} / "
-                          f"{profiles[p][c]['wall_ms']:.2f}" for p in phases)] for c in ns.concurrency]
+                          f"{profiles[p][c]['wall_ms']:.2f} / {profiles[p][c]['busy_pct']:.0f}%" for p in phases)]
+                    for c in ns.concurrency]
             emit(format_table(["concurrency", *phases], prow,
                               title=f"rank 0, per decode step (torch.profiler, {ns.steps} steps): device operations / "
-                                    "their device ms / wall ms (busy far below wall: launch-bound)"))
-        if ns.json:
-            with open(ns.json, "w") as f:
-                json.dump({"world_size": world, "backend": backend, "device": str(device),
-                           "args": {k: v for k, v in vars(ns).items() if k != "json"},
-                           "tokens_per_s": {p: {str(c): v for c, v in r.items()} for p, r in results.items()},
-                           "graphs_off": graphs_off,
-                           "profile": {p: {str(c): v for c, v in r.items()} for p, r in profiles.items()}},
-                          f, indent=2)
+                                    "their device ms / wall ms / device busy % (goal >= 60 %; busy far below wall: "
+                                    "launch-bound)"))
+
+    def dump(hf_gen: dict[str, Any]) -> None:
+        if not ns.json:
+            return
+        with open(ns.json, "w") as f:
+            json.dump({"world_size": world, "backend": backend, "device": str(device),
+                       "args": {k: v for k, v in vars(ns).items() if k != "json"},
+                       "tokens_per_s": {p: {str(c): v for c, v in r.items()} for p, r in results.items()},
+                       "graphs_off": graphs_off, "head_eager": head_off, "prefill_tokens_per_s": prefill,
+                       "hbm_copy_bytes_per_s": rate, "hf_generate": hf_gen,
+                       "stream_bytes": {p: {str(c): v for c, v in r.items()} for p, r in stream_bytes.items()},
+                       "profile": {p: {str(c): v for c, v in r.items()} for p, r in profiles.items()}},
+                      f, indent=2)
+
+    # transformers' generate last, after the tables above are out (and the JSON written): a compile that outlasts
+    # the stage's limit loses only its own numbers.
+    if rank == 0:
+        dump({})
+    hf_gen: dict[str, Any] = {}
+    hf_names = [v.strip() for v in ns.hf_generate.split(",") if v.strip()]
+    if hf_names and rank == 0:
+        if device.type != "cuda":
+            raise ValueError("--hf-generate times transformers' generate on a CUDA device")
+        hf_gen = _hf_generate(cfg, ns, device, hf_names)
+    if rank == 0:
+        if hf_gen:
+            names = list(hf_gen)
+            hrows = [[c, *(hf_gen[n].get(str(c), "-") if "error" not in hf_gen[n] else "failed" for n in names)]
+                     for c in ns.concurrency]
+            hrows = [[r[0], *(f"{v:.1f}" if isinstance(v, float) else v for v in r[1:])] for r in hrows]
+            emit(format_table(["concurrency", *(f"transformers generate {n}" for n in names)], hrows,
+                              title=f"transformers {_tf_version()} generate tokens/s on rank 0 alone, LlamaConfig at the "
+                                    f"same width, {ns.dtype}, greedy, {ns.prompt}-token prompts, {ns.steps} new "
+                                    "tokens (the prompt's prefill included)"))
+            for n in names:
+                if "error" in hf_gen[n]:
+                    emit(f"transformers generate {n}: did not run: {hf_gen[n]['error']}")
+            if "fold graphs" in results or "fold" in results:
+                ref = "fold graphs" if "fold graphs" in results else "fold"
+                ran = [n for n in names if "error" not in hf_gen[n]]
+                for c in ns.concurrency:
+                    emit(f"{ref} vs transformers at {c} requests: "
+                         + ", ".join(f"{results[ref][c] / hf_gen[n][str(c)]:.2f}x {n}" for n in ran))
+        dump(hf_gen)
     dist.destroy_process_group()
     return 0
 

@@ -523,8 +523,9 @@ class Communicator:
         the call checker (its fingerprints are read back on the host), and the site's route in the route table
         with whether this group moves CUDA tensors through host memory (a gloo group: ranks sharing a GPU), the
         facts a call raises ``CaptureThroughHost`` from inside a capture. ipc_fold (the workspace's kernels, the
-        fused norms and trees among them) captures on any CUDA group; every route captures on a group whose library
-        moves CUDA tensors itself (NCCL). ``library=False`` also refuses the latter: a graph that captured an NCCL
+        fused norms and trees among them) captures on any CUDA group; every route captures on a group of one rank (its
+        transport is a local copy: no library call, no host staging) and on a group whose library moves CUDA tensors
+        itself (NCCL). ``library=False`` also refuses the latter: a graph that captured an NCCL
         call holds NCCL's communicator until the graph is released, and ``detcomm.shutdown`` waits for it forever
         while it lives (what an engine that captures on its own, unasked, must not leave behind)."""
         self._check_open()
@@ -539,6 +540,10 @@ class Communicator:
                     "read back on the host, which a CUDA graph cannot hold")
         route = self.router.table([s]).entries[0].decision.route
         if route is Route.IPC_FOLD:
+            return None
+        if not self._native.calls_library:
+            # One rank: every route's transport is a local copy (route_impls/native.py), so the call holds no
+            # library communicator and stages nothing through the host, whatever the backend.
             return None
         if not self._native.stage:
             if library:

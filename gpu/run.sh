@@ -15,10 +15,11 @@
 #   rl        detcomm.rl's GRPO loop on the GPU (rollout W = 4, trainer W = 2, ranks sharing the GPUs; fp32, bf16)
 #   attention the serving step's paged attention (Triton kernel and torch on CUDA), the HF engine on it (triton
 #             impl, W = 1 and 2 processes sharing the GPU) and the one-layer bench
-#   graphs    the HF engine's steps captured in CUDA graphs (replay == eager bits, W = 1 and 2 processes sharing the
-#             GPU; the host-staged group's eager fallback) and bench/hf_decode.py --graphs (eager and graphs, same
-#             run) at W = 1 over NCCL, at the probe decoder's width (issue 42's table) and at the bench's default;
-#             bench/tp_decode.py --graphs (the probe decoder, fold and tree) at that width
+#   graphs    the HF engine's steps captured in CUDA graphs (replay == eager bits, the head inside the step too,
+#             W = 1 and 2 processes sharing the GPU; the host-staged group's eager fallback); bench/tp_decode.py
+#             --graphs --profile --hf-generate (the probe decoder, fold and tree, at issue 42's width, W = 1 over
+#             NCCL, with the HBM copy rate and streaming ratios, prefill, device-busy % and transformers' generate in
+#             the same run) and bench/hf_decode.py --graphs at that width
 #   shardgemm the TP-invariant layouts' fixed-config Triton GEMMs (detcomm.numerics.shard_gemm): the kernel and model
 #             tests (bits over V/W and rows, W = 1 and 2 processes sharing the GPU, graphs on/off), bench/shard_gemm.py
 #             (per-projection us: per-shard torch vs the kernel vs the fold's cuBLAS) and bench/tp_decode.py fold / tree
@@ -92,20 +93,23 @@ if has attention; then
   say "bench paged attention rc=$?"; grep -E '^(\||device)' "$OUT/paged_attention.md" | head -12
 fi
 if has graphs; then
-  group graphs "$(lim 240)" tests/gpu/test_hf_graphs_gpu.py
-  # issue 42's width (the probe decoder's: hidden 2048, 4 layers, 16 heads x 128, FFN 8192, vocab 32000, bf16)
-  timeout 120 $PY -m detcomm.launch --nproc 1 --numerics rl-bitwise bench/hf_decode.py --graphs --phases fold \
+  # ~6 min wall at most: the replay == eager tests (head inside the step included), then issue 42's bench and width
+  group graphs "$(lim 180)" tests/gpu/test_hf_graphs_gpu.py
+  # the probe decoder (issue 42's bench/tp_decode.py and width: hidden 2048, 4 layers, 16 heads x 128, FFN 8192,
+  # vocab 32000, bf16), fold and tree, eager and graphs (step + head: next_tokens), and its peers in the same run:
+  # the HBM copy rate and each config's step / weight + KV streaming ratio, prefill tokens/s, the device-busy %
+  # (--profile), transformers' own generate at the same width (static cache + its compile, then eager)
+  timeout 170 $PY -m detcomm.launch --nproc 1 --numerics rl-bitwise bench/tp_decode.py --graphs --layouts fold,tree \
+    --hidden 2048 --heads 16 --head-dim 128 --ffn 8192 --vocab 32000 --layers 4 --dtype bfloat16 --t-pad 64 \
+    --concurrency 1,64 --steps 8 --repeats 3 --profile --hf-generate static+compile,eager \
+    --json "$OUT/tp_decode_graphs.json" > "$OUT/tp_decode_graphs.log" 2>&1
+  say "bench tp_decode --graphs --profile --hf-generate rc=$?"
+  grep -vE '^\[rank0\]: -+' "$OUT/tp_decode_graphs.log" | grep -E '^(\[rank0\]: )?( *[0-9]+ |probe decoder|concurrency|layout|prefill|device limit|rank 0, per|transformers|fold|tree|graphs:|.* graphs: CUDA)' | head -40
+  # detcomm.hf at the probe width (eager and graphs; prefill under the table)
+  timeout 80 $PY -m detcomm.launch --nproc 1 --numerics rl-bitwise bench/hf_decode.py --graphs --phases fold \
     --hidden 2048 --layers 4 --heads 16 --kv-heads 16 --ffn 8192 --vocab 32000 --concurrency 1,8,64 --steps 16 \
     --warmup 3 --json "$OUT/hf_decode_graphs_probe_width.json" > "$OUT/hf_decode_graphs_probe_width.log" 2>&1
-  say "bench hf_decode --graphs (probe width) rc=$?"; grep -E '^(\[rank0\]: )?( *[0-9]+ |HF decode|fold graphs:|concurrency)' "$OUT/hf_decode_graphs_probe_width.log" | head -8
-  timeout 120 $PY -m detcomm.launch --nproc 1 --numerics rl-bitwise bench/hf_decode.py --graphs --phases fold \
-    --concurrency 1,8,64 --steps 16 --warmup 3 --json "$OUT/hf_decode_graphs.json" > "$OUT/hf_decode_graphs.log" 2>&1
-  say "bench hf_decode --graphs (default width) rc=$?"; grep -E '^(\[rank0\]: )?( *[0-9]+ |HF decode|fold graphs:|concurrency)' "$OUT/hf_decode_graphs.log" | head -8
-  # the probe decoder itself (issue 42's bench/tp_decode.py and width), fold and tree, eager and graphs
-  timeout 100 $PY -m detcomm.launch --nproc 1 --numerics rl-bitwise bench/tp_decode.py --graphs --layouts fold,tree \
-    --hidden 2048 --heads 16 --head-dim 128 --ffn 8192 --vocab 32000 --layers 4 --dtype bfloat16 --t-pad 64 \
-    --concurrency 1,64 --steps 8 --repeats 3 --json "$OUT/tp_decode_graphs.json" > "$OUT/tp_decode_graphs.log" 2>&1
-  say "bench tp_decode --graphs rc=$?"; grep -E '^(\[rank0\]: )?( *[0-9]+ |probe decoder|concurrency|.* graphs: CUDA)' "$OUT/tp_decode_graphs.log" | head -8
+  say "bench hf_decode --graphs (probe width) rc=$?"; grep -E '^(\[rank0\]: )?( *[0-9]+ |HF decode|fold graphs|concurrency|prefill)' "$OUT/hf_decode_graphs_probe_width.log" | head -10
 fi
 if has shardgemm; then
   group shardgemm "$(lim 150)" tests/gpu/test_shard_gemm_gpu.py

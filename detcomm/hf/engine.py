@@ -43,7 +43,9 @@ import torch.nn.functional as F
 
 import detcomm
 
+from ..numerics import sampling
 from ..numerics.attention import KVStore, PagedKV, StepKV, check_paged_geometry
+from ..numerics.sampling import StepTokens
 from ..numerics.step_graph import StepGraphs, StepInputs
 from ..rl import regions
 from ..tp import Segment, pack_segments, stage_segments
@@ -53,7 +55,7 @@ from .moe_block import EPConfig, EPMoEBlock
 from .shard import Shards, add_norm_site, declare_sites, fuse_boundaries, shard_model
 from .sliced import Checkpoint, fill
 
-__all__ = ["ServingConfig", "StepLogits", "TPCausalLM", "ROW_ALIGN", "GRAPH_MODES", "Sampler"]
+__all__ = ["ServingConfig", "StepLogits", "StepTokens", "TPCausalLM", "ROW_ALIGN", "GRAPH_MODES", "Sampler"]
 
 # generate's token choice: (request index, the token's position, its fp32 logprobs [vocab]) -> the token id
 Sampler = Callable[[int, int, torch.Tensor], int]
@@ -207,8 +209,12 @@ class TPCausalLM:
         #: whether the engine's steps are captured and replayed; graphs_reason: why not (None when they are)
         self.cuda_graphs: bool = False
         self.graphs_reason: str | None = None
+        #: whether next_tokens captures the head (token choice) with the step; head_graphs_reason: why not
+        self.head_graphs: bool = False
+        self.head_graphs_reason: str | None = None
         if mode is False:
             self.cuda_graphs, self.graphs_reason = False, "cuda_graphs=False"
+            self.head_graphs_reason = self.graphs_reason
             return
         reason = self._graph_refusal(library=mode is True)
         if mode is True and reason is not None:
@@ -218,11 +224,23 @@ class TPCausalLM:
         if reason is not None:
             _log.info("detcomm.hf: CUDA graphs off, the steps run eagerly on static buffers: %s", reason)
         c = self.cfg
-        shapes = {"ids": (c.t_pad,), "pos": (c.t_pad,), "last": (c.t_pad,),
+        # keys / temps: each sampling row's key and temperature (fp32 bits): the head's step inputs (next_tokens).
+        shapes = {"ids": (c.t_pad,), "pos": (c.t_pad,), "last": (c.t_pad,), "keys": (c.t_pad,), "temps": (c.t_pad,),
                   **self.kv.step_shapes(segments=c.t_pad, rows=c.t_pad)}
         self._inputs = StepInputs(shapes, device=self.device)
         self.cuda_graphs, self.graphs_reason = reason is None, reason
+        # The head's sites decide separately: where they cannot be captured (a host-staged group; NCCL gathers
+        # under "auto" at W > 1) the step is still one graph and the head runs eagerly after it on the static
+        # buffers (the same bits), rather than the whole step running eagerly.
+        head = reason or self._sites_refusal(self.head_sites(), library=mode is True)
+        self.head_graphs, self.head_graphs_reason = head is None, head
+        if self.cuda_graphs and head is not None:
+            _log.info("detcomm.hf: the head runs eagerly after the captured step: %s", head)
         self._graphs = StepGraphs(self._static_body, device=self.device, capture=self.cuda_graphs)
+
+    def _sites_refusal(self, sites: list[str], *, library: bool) -> str | None:
+        comm = detcomm.get_communicator()
+        return next((why for site in sites if (why := comm.capture_refusal(site, library=library)) is not None), None)
 
     def _graph_refusal(self, *, library: bool = False) -> str | None:
         """Why this engine's step cannot be captured (None: it can), from static facts; the first reason found.
@@ -237,12 +255,15 @@ class TPCausalLM:
             return (f"the expert-parallel MoE blocks ({self.shards.moe_blocks[0].name} and the others, "
                     "detcomm.hf.moe_block) read each step's routing back to the host (the all-to-all splits, the "
                     "experts' row counts): MoE models run their steps eagerly")
-        comm = detcomm.get_communicator()
-        for site in self.step_sites():
-            why = comm.capture_refusal(site, library=library)
-            if why is not None:
-                return why
-        return None
+        return self._sites_refusal(self.step_sites(), library=library)
+
+    def head_sites(self) -> list[str]:
+        """The detcomm sites the head calls (``greedy``, ``logprobs``; ``next_tokens`` captures them with the step)."""
+        if self.invariant:
+            p = self.model.lm_head.head.site
+            return [f"{p}.argmax", f"{p}.stats", f"{p}.logprobs"]
+        s = self.shards.head_sites
+        return [s["argmax"], s["stats"], s["logprobs"]]
 
     def step_sites(self) -> list[str]:
         """The detcomm sites one step calls, in call order (the head's sampling sites are outside the step: greedy,
@@ -380,27 +401,89 @@ class TPCausalLM:
         """A step of the engine's own cache on the static buffers: the host writes the step's integers (ids,
         positions, block tables, each row's request and position, the sampling rows) and copies them once; the
         body runs on the buffers, captured per row count where the engine captures (ServingConfig.cuda_graphs)."""
-        c = self.cfg
         assert self._inputs is not None and self._graphs is not None
-        if len(segments) > c.t_pad:
-            raise ValueError(f"a step carries at most T_pad={c.t_pad} segments, got {len(segments)}: drop the empty "
-                             "ones")
-        host = self._inputs.begin()
-        offsets, rows = stage_segments(segments, host["ids"], host["pos"], max_context=c.max_context)
-        self.kv.stage(host, [seg.blocks for seg in segments], [(seg.start, len(seg.tokens)) for seg in segments])
+        self._stage(segments)
         picks = [i for i, seg in enumerate(segments) if seg.sample]
-        host["last"][: len(picks)] = [offsets[i] + len(segments[i].tokens) - 1 for i in picks]
         self._inputs.upload()
+        rows = sum(len(seg.tokens) for seg in segments)
         logits = self._graphs(rows)  # the shape key: the real row count (the reductions', the attention's)
         # A graph's output is overwritten by the next replay of its row count, and the buffers by the next step:
         # the caller gets its own tensors, as from a step on fresh tensors.
         buf = logits.clone() if self.cuda_graphs else logits
         return StepLogits(buf, self._inputs.dev["last"][: len(picks)].clone()), picks
 
-    def _static_body(self, rows: object) -> torch.Tensor:
-        assert self._inputs is not None and isinstance(rows, int)
+    def _stage(self, segments: Sequence[Segment]) -> dict[str, Any]:
+        """Write a step's integers into the static buffers' host views (ids, positions, block tables, each row's
+        request and position, the sampling rows); the caller adds the head's and uploads."""
+        c = self.cfg
+        assert self._inputs is not None
+        if len(segments) > c.t_pad:
+            raise ValueError(f"a step carries at most T_pad={c.t_pad} segments, got {len(segments)}: drop the empty "
+                             "ones")
+        host = self._inputs.begin()
+        offsets, _ = stage_segments(segments, host["ids"], host["pos"], max_context=c.max_context)
+        self.kv.stage(host, [seg.blocks for seg in segments], [(seg.start, len(seg.tokens)) for seg in segments])
+        picks = [i for i, seg in enumerate(segments) if seg.sample]
+        host["last"][: len(picks)] = [offsets[i] + len(segments[i].tokens) - 1 for i in picks]
+        return host
+
+    def _static_body(self, key: object) -> torch.Tensor:
+        """The graph body of a shape key: ``rows`` (the step's logits) or ``(rows, S, sampled)`` (the step and its
+        head: ``next_tokens``' packed [2, S] tokens and logprobs)."""
+        assert self._inputs is not None
         dev = self._inputs.dev
-        return self._body(dev["ids"], dev["pos"], self.kv.static_step(dev, rows), self.kv, rows)
+        rows, n, sampled = key if isinstance(key, tuple) else (key, None, False)
+        assert isinstance(rows, int)
+        logits = self._body(dev["ids"], dev["pos"], self.kv.static_step(dev, rows), self.kv, rows)
+        if n is None:
+            return logits
+        assert isinstance(n, int) and n >= 1
+        return self._head(StepLogits(logits, dev["last"][:n]), sampling.from_bits(dev["temps"][:n]),
+                          dev["keys"][:n], sampled=bool(sampled))
+
+    def _head(self, logits: StepLogits, temps: torch.Tensor, keys: torch.Tensor, *, sampled: bool) -> torch.Tensor:
+        """The token choice on device tensors only (the one code path of eager and captured heads): greedy (the
+        vocabulary-parallel argmax of the logits, ``greedy``) or seeded Gumbel-max over the logprobs
+        (``sampling.pick``), and the chosen token's logprob (``logprobs``' bits), packed [2, S]. Collective."""
+        lps = self.logprobs(logits)
+        tok = sampling.pick(lps, temps, keys) if sampled else self.greedy(logits)
+        return sampling.pack(tok, lps.gather(1, tok[:, None])[:, 0])
+
+    def next_tokens(self, segments: Sequence[Segment], *, keys: Sequence[int] | None = None,
+                    temperatures: Sequence[float] | None = None) -> StepTokens:
+        """One step and its token choice: each sampling segment's next token and its fp32 logprob, read back in one
+        device-to-host copy. Greedy (``greedy``'s tokens) unless ``keys`` and ``temperatures`` are given, one per
+        sampling segment in order: then the token is the argmax of ``logprobs / T + noise(key)`` (T = 0: of the
+        logprobs; detcomm.numerics.sampling, ``sample_key`` names a key). On the static buffers the step and its
+        head are one graph per (rows, S, sampled) where the engine captures; the keys and temperatures are step
+        inputs, so the same graph serves any of them. The bits are those of ``forward`` + ``greedy`` /
+        ``logprobs`` on fresh tensors. Collective (same arguments on every rank)."""
+        picks = [i for i, seg in enumerate(segments) if seg.sample]
+        n = len(picks)
+        sampled = sampling.check_sampling(n, keys, temperatures)
+        if self._inputs is None or self._graphs is None or not n:
+            logits, _ = self.forward(segments)
+            if not n:
+                return StepTokens([], torch.zeros(0, dtype=torch.float32), picks)
+            temps_t = torch.from_numpy(sampling.f32_bits(temperatures or [0.0] * n)).to(self.device)
+            keys_t = torch.tensor(list(keys or [0] * n), dtype=torch.int64, device=self.device)
+            with torch.no_grad():
+                packed = self._head(logits, sampling.from_bits(temps_t), keys_t, sampled=sampled)
+        else:
+            host = self._stage(segments)
+            host["keys"][:n] = list(keys) if keys is not None else 0
+            host["temps"][:n] = sampling.f32_bits(temperatures) if temperatures is not None else 0
+            self._inputs.upload()
+            rows = sum(len(seg.tokens) for seg in segments)
+            with torch.no_grad():
+                if self.head_graphs or not self.cuda_graphs:  # one body: step + head (captured, or eager)
+                    packed = self._graphs((rows, n, sampled))
+                else:  # the captured step, then the head eagerly on its output and the static buffers
+                    dev = self._inputs.dev
+                    packed = self._head(StepLogits(self._graphs(rows), dev["last"][:n]),
+                                        sampling.from_bits(dev["temps"][:n]), dev["keys"][:n], sampled=sampled)
+        toks, lps = sampling.unpack(packed.cpu().numpy())  # the step's one device-to-host copy
+        return StepTokens(toks, lps, picks)
 
     def _body(self, ids: torch.Tensor, pos: torch.Tensor, step: StepKV, kv: KVStore, rows: int) -> torch.Tensor:
         """The step itself, on device tensors only: this rank's fp32 logits [T_pad, shard] of every row. The one
@@ -480,18 +563,33 @@ class TPCausalLM:
         return full[:, : s.vocab]
 
     # -- a plain greedy scheduler ------------------------------------------------------------------------
-    def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
-                 sampler: Sampler | None = None) -> list[tuple[list[int], torch.Tensor]]:
+    def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, sampler: Sampler | None = None,
+                 temperature: float | Sequence[float] | None = None,
+                 seed: int = 0) -> list[tuple[list[int], torch.Tensor]]:
         """Continuation of every prompt by ``max_new_tokens`` tokens, all requests packed into shared steps (decode
         rows first, then prefill chunks, up to T_pad rows a step). Returns per prompt the new token ids and their
         fp32 logprobs; the bits do not depend on which prompts share the call. ``sampler(request, position,
         logprobs)``: the token at ``position`` of request ``request`` from its fp32 logprobs over the whole
         vocabulary (identical on every rank, so it must be a function of its arguments alone:
         ``detcomm.rl.rollout.sample`` passes a seeded Gumbel-max); None: greedy (``greedy``, lowest index on exact
-        ties). Collective (same arguments on every rank)."""
+        ties). ``temperature`` (a float, or one per prompt; instead of ``sampler``): seeded Gumbel-max sampling
+        inside the step (``next_tokens``: the request's key ``sampling.sample_key(seed, request, position)``, the
+        head captured with the step where the engine captures; T = 0: the argmax of the logprobs). Without a
+        ``sampler`` every step is one ``next_tokens`` call: one graph replay and one device-to-host copy.
+        Collective (same arguments on every rank)."""
         c = self.cfg
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        temps: list[float] | None = None
+        if temperature is not None:
+            if sampler is not None:
+                raise ValueError("generate takes sampler= (a host callback) or temperature= (sampling inside the "
+                                 "step), not both")
+            temps = ([float(temperature)] * len(prompts) if isinstance(temperature, (int, float))
+                     else [float(t) for t in temperature])
+            if len(temps) != len(prompts):
+                raise ValueError(f"temperature: one per prompt ({len(prompts)}), got {len(temps)}")
+            sampling.check_sampling(len(temps), [0] * len(temps), temps)
         for p in prompts:
             if not 1 <= len(p) or len(p) + max_new_tokens > c.max_context:
                 raise ValueError(f"a prompt of {len(p)} tokens plus {max_new_tokens} new ones must fit "
@@ -504,13 +602,15 @@ class TPCausalLM:
                              "prompts a call")
         caches = [self.new_cache() for _ in prompts]
         try:
-            return self._generate(prompts, caches, max_new_tokens=max_new_tokens, sampler=sampler)
+            return self._generate(prompts, caches, max_new_tokens=max_new_tokens, sampler=sampler, temps=temps,
+                                  seed=seed)
         finally:
             for cache in caches:
                 self.free_cache(cache)
 
     def _generate(self, prompts: Sequence[Sequence[int]], caches: list[list[int]], *, max_new_tokens: int,
-                  sampler: Sampler | None) -> list[tuple[list[int], torch.Tensor]]:
+                  sampler: Sampler | None, temps: list[float] | None,
+                  seed: int) -> list[tuple[list[int], torch.Tensor]]:
         c = self.cfg
         fed = [0] * len(prompts)
         out: list[tuple[list[int], list[torch.Tensor]]] = [([], []) for _ in prompts]
@@ -527,18 +627,25 @@ class TPCausalLM:
                     work.append((i, Segment(caches[i], list(p[fed[i] : fed[i] + n]), fed[i], sample=fed[i] + n == len(p))))
                     fed[i] += n
                     budget -= n
+            if sampler is None:  # the head inside the step: one call, one copy back
+                reqs = [work[k][0] for k, (_, seg) in enumerate(work) if seg.sample]
+                keys = None if temps is None else [
+                    sampling.sample_key(seed, i, len(prompts[i]) + len(out[i][0])) for i in reqs]
+                got = self.next_tokens([seg for _, seg in work], keys=keys,
+                                       temperatures=None if temps is None else [temps[i] for i in reqs])
+                for i, tok, lp in zip(reqs, got.tokens, got.logprobs):
+                    out[i][0].append(tok)
+                    out[i][1].append(lp)
+                    if len(out[i][0]) == max_new_tokens:  # done: its blocks serve the requests still running
+                        self.free_cache(caches[i])
+                continue
             logits, picks = self.forward([seg for _, seg in work])
             if not picks:
                 continue
-            lps = self.logprobs(logits)
-            greedy = self.greedy(logits) if sampler is None else None
+            lps = self.logprobs(logits)  # a host callback chooses: the head's logprobs come back whole
             for j, k in enumerate(picks):
                 i = work[k][0]
-                if sampler is None:
-                    assert greedy is not None
-                    tok = int(greedy[j])
-                else:
-                    tok = sampler(i, len(prompts[i]) + len(out[i][0]), lps[j])
+                tok = sampler(i, len(prompts[i]) + len(out[i][0]), lps[j])
                 out[i][0].append(tok)
                 out[i][1].append(lps[j, tok].cpu())
                 if len(out[i][0]) == max_new_tokens:  # done: its blocks serve the requests still running

@@ -33,10 +33,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 import detcomm
+from detcomm.numerics import sampling
 from detcomm.numerics.attention import PagedKV, StepKV
 from detcomm.numerics.step_graph import StepGraphs, StepInputs
 from detcomm.tp import (
@@ -208,6 +210,9 @@ class TPTransformer:
         self._graphs: StepGraphs[torch.Tensor] | None = None
         self.cuda_graphs: bool = False
         self.graphs_reason: str | None = "sites not declared yet (declare_sites decides)"
+        #: whether next_tokens captures the head with the step; head_graphs_reason: why not
+        self.head_graphs: bool = False
+        self.head_graphs_reason: str | None = self.graphs_reason
 
     # -- sites -----------------------------------------------------------------------------------------
     def declare_sites(self, *, route: str | None = None) -> None:
@@ -264,6 +269,7 @@ class TPTransformer:
         self._inputs, self._graphs = None, None
         if mode is False:
             self.cuda_graphs, self.graphs_reason = False, "cuda_graphs=False"
+            self.head_graphs, self.head_graphs_reason = False, self.graphs_reason
             return
         reason: str | None = None
         if self.device.type != "cuda":
@@ -279,9 +285,15 @@ class TPTransformer:
             raise ValueError(f"cuda_graphs=True: this model's step cannot be captured in a CUDA graph: {reason}. Fix "
                              "that, or pass cuda_graphs='auto' (eager where capture cannot run) or cuda_graphs=False")
         c = self.cfg
-        self._inputs = StepInputs({"ids": (c.t_pad,), "pos": (c.t_pad,), "last": (c.t_pad,),
-                                   **self.kv.step_shapes(segments=c.t_pad, rows=c.t_pad)}, device=self.device)
+        self._inputs = StepInputs({"ids": (c.t_pad,), "pos": (c.t_pad,), "last": (c.t_pad,), "keys": (c.t_pad,),
+                                   "temps": (c.t_pad,), **self.kv.step_shapes(segments=c.t_pad, rows=c.t_pad)}, device=self.device)
         self.cuda_graphs, self.graphs_reason = reason is None, reason
+        # The head's sites decide separately (detcomm.hf's engine: the step stays one graph, the head eager after it).
+        if reason is None:
+            comm = detcomm.get_communicator()
+            reason = next((why for site in self.head_sites()
+                           if (why := comm.capture_refusal(site, library=mode is True)) is not None), None)
+        self.head_graphs, self.head_graphs_reason = reason is None, reason
         self._graphs = StepGraphs(self._static_body, device=self.device, capture=self.cuda_graphs)
 
     @property
@@ -294,10 +306,66 @@ class TPTransformer:
         if self._graphs is not None:
             self._graphs.release()
 
-    def _static_body(self, rows: object) -> torch.Tensor:
-        assert self._inputs is not None and isinstance(rows, int)
+    def head_sites(self) -> list[str]:
+        """The detcomm sites the head calls (``greedy``, ``logprobs``; ``next_tokens`` captures them with the step)."""
+        if self.head is not None:
+            p = self.head.site
+            return [f"{p}.argmax", f"{p}.stats", f"{p}.logprobs"]
+        return [SITE_NAMES["argmax"], SITE_NAMES["gather"]]
+
+    def _static_body(self, key: object) -> torch.Tensor:
+        """The graph body of a shape key: ``rows`` (every real row's logit shard) or ``(rows, S, sampled)`` (the step
+        and its head: ``next_tokens``' packed [2, S] tokens and logprobs)."""
+        assert self._inputs is not None
         dev = self._inputs.dev
-        return self._logits(self._body(dev["ids"], dev["pos"], self.kv.static_step(dev, rows), rows), rows)
+        rows, n, sampled = key if isinstance(key, tuple) else (key, None, False)
+        assert isinstance(rows, int)
+        logits = self._logits(self._body(dev["ids"], dev["pos"], self.kv.static_step(dev, rows), rows), rows)
+        if n is None:
+            return logits
+        assert isinstance(n, int) and n >= 1
+        return self._head(logits[dev["last"][:n]], sampling.from_bits(dev["temps"][:n]), dev["keys"][:n],
+                          sampled=bool(sampled))
+
+    def _head(self, shard: torch.Tensor, temps: torch.Tensor, keys: torch.Tensor, *, sampled: bool) -> torch.Tensor:
+        """The token choice on device tensors only (eager and captured alike): greedy (``greedy``) or seeded
+        Gumbel-max over the logprobs (``sampling.pick``), and the chosen token's logprob (``logprobs``' bits),
+        packed [2, S]. Collective."""
+        lps = self.logprobs(shard)
+        tok = sampling.pick(lps, temps, keys) if sampled else self.greedy(shard)
+        return sampling.pack(tok, lps.gather(1, tok[:, None])[:, 0])
+
+    def next_tokens(self, segments: Sequence[Segment], *, keys: Sequence[int] | None = None,
+                    temperatures: Sequence[float] | None = None) -> sampling.StepTokens:
+        """One step and its token choice (detcomm.hf.TPCausalLM.next_tokens' contract): each sampling segment's
+        next token, its fp32 logprob (a CPU tensor [S]) and the segments' indices (``sampling.StepTokens``), read
+        back in one device-to-host copy; greedy unless ``keys`` and ``temperatures`` (one per sampling segment) are given. On the static
+        buffers one graph per (rows, S, sampled) where the model captures. Collective."""
+        picks = [i for i, s in enumerate(segments) if s.sample]
+        n = len(picks)
+        smp = sampling.check_sampling(n, keys, temperatures)
+        if not n:
+            self.forward(segments)
+            return sampling.StepTokens([], torch.zeros(0, dtype=torch.float32), picks)
+        if self._inputs is None or self._graphs is None:
+            shard, _ = self.forward(segments)
+            temps = sampling.from_bits(torch.from_numpy(sampling.f32_bits(temperatures or [0.0] * n)).to(self.device))
+            packed = self._head(shard, temps, torch.tensor(list(keys or [0] * n), dtype=torch.int64,
+                                                           device=self.device), sampled=smp)
+        else:
+            host = self._stage(segments)
+            host["keys"][:n] = np.asarray(list(keys), dtype=np.int64) if keys is not None else 0
+            host["temps"][:n] = sampling.f32_bits(temperatures) if temperatures is not None else 0
+            self._inputs.upload()
+            rows = sum(len(s.tokens) for s in segments)
+            if self.head_graphs or not self.cuda_graphs:  # one body: step + head (captured, or eager)
+                packed = self._graphs((rows, n, smp))
+            else:  # the captured step, then the head eagerly on its output and the static buffers
+                dev = self._inputs.dev
+                packed = self._head(self._graphs(rows)[dev["last"][:n]], sampling.from_bits(dev["temps"][:n]),
+                                    dev["keys"][:n], sampled=smp)
+        toks, lps = sampling.unpack(packed.cpu().numpy())  # the step's one device-to-host copy
+        return sampling.StepTokens(toks, lps, picks)
 
     def new_cache(self) -> list[int]:
         """A new request's KV cache: an empty block table of the model's paged cache (``Segment.blocks``), grown
@@ -432,17 +500,24 @@ class TPTransformer:
             last = torch.tensor([offsets[i] + len(segments[i].tokens) - 1 for i in picks], dtype=torch.long,
                                 device=self.device)
             return self._logits(x, rows), last
+        self._stage(segments)
+        self._inputs.upload()
+        logits = self._graphs(sum(len(s.tokens) for s in segments))
+        # A graph's output is overwritten by its next replay, the buffers by the next step: the caller's copies.
+        return (logits.clone() if self.cuda_graphs else logits), self._inputs.dev["last"][: len(picks)].clone()
+
+    def _stage(self, segments: Sequence[Segment]) -> dict[str, np.ndarray]:
+        """Write a step's integers into the static buffers' host views (the caller adds the head's and uploads)."""
         c = self.cfg
+        assert self._inputs is not None
         if len(segments) > c.t_pad:
             raise ValueError(f"a step carries at most T_pad={c.t_pad} segments, got {len(segments)}")
         host = self._inputs.begin()
-        offsets, rows = stage_segments(segments, host["ids"], host["pos"], max_context=c.max_context)
+        offsets, _ = stage_segments(segments, host["ids"], host["pos"], max_context=c.max_context)
         self.kv.stage(host, [s.blocks for s in segments], [(s.start, len(s.tokens)) for s in segments])
+        picks = [i for i, s in enumerate(segments) if s.sample]
         host["last"][: len(picks)] = [offsets[i] + len(segments[i].tokens) - 1 for i in picks]
-        self._inputs.upload()
-        logits = self._graphs(rows)
-        # A graph's output is overwritten by its next replay, the buffers by the next step: the caller's copies.
-        return (logits.clone() if self.cuda_graphs else logits), self._inputs.dev["last"][: len(picks)].clone()
+        return host
 
     def _logits(self, x: torch.Tensor, rows: int) -> torch.Tensor:
         if self.head is not None:

@@ -49,6 +49,16 @@ class NativeRoute:
         self.stage = stage_through_host
         # The call guard travels inside every bound call's message (guard.IN_MESSAGE); the fold routes read it too.
         self.in_message = in_message
+        # One rank: every collective of the transport below is the identity on this rank's rows (a gather or an
+        # all-to-all of one block, a reduction over one contribution), so it runs as a local copy and never calls
+        # the library. The bits are the library's (a copy), and a CUDA graph holds no NCCL communicator and no
+        # host staging (Communicator.capture_refusal reads this). Every route moves its data through this transport.
+        self.local = self.world_size == 1
+
+    @property
+    def calls_library(self) -> bool:
+        """Whether this group's collectives call the library (False at W = 1: local copies)."""
+        return not self.local
 
     def bind(self, site: Site) -> BoundRoute:
         op = site.op
@@ -118,6 +128,8 @@ class NativeRoute:
         return keys.argmax_index(self.reduce(keys.argmax_keys(logits, vocab_start), ReduceOp.MAX, guard, owned=True))
 
     def all_gather(self, x: torch.Tensor, *, guard: MessageGuard | None = None) -> torch.Tensor:
+        if self.local:  # no host staging either: nothing reaches the library
+            return x.clone()
         if guard is None:
             return self._back(self._gather_flat(self._lib(x)), x)
         return _guard.gather(self, x, guard, contiguous=True).view(x.shape[0] * self.world_size, *x.shape[1:])
@@ -145,6 +157,8 @@ class NativeRoute:
         """All-reduce ``x`` (SUM, or an integer MIN/MAX) with the library. ``out=x``: x itself is reduced where the
         library sees it; ``owned``: x is the caller's temporary (keys), reduced without a copy. Guarded: the W-slot
         region follows the payload in one buffer, which replaces the copy of ``x`` the unguarded call makes."""
+        if self.local:  # the sum / max / min of one contribution (module docstring; guards are off at W = 1)
+            return x if out is x or owned else x.clone()
         header = guard.begin(x) if guard is not None else None
         if header is None:
             in_place = out is x and not self.stage
@@ -167,6 +181,8 @@ class NativeRoute:
         """Reduce-scatter ``src`` (SUM, or an integer MIN/MAX): row block ``rank`` of the reduction. Guarded: every
         destination block carries the W slots, so every rank receives every rank's header."""
         w = self.world_size
+        if self.local:  # one rank receives the whole reduction of its one contribution
+            return src.clone()
         header = guard.begin(src) if guard is not None else None
         if header is None:
             lib = self._lib(src)
@@ -185,6 +201,8 @@ class NativeRoute:
         return mine[:n].view(src.shape[0] // w, *src.shape[1:])
 
     def _gather_flat(self, src: torch.Tensor) -> torch.Tensor:
+        if self.local:
+            return src.clone()
         out = torch.empty((src.shape[0] * self.world_size, *src.shape[1:]), dtype=src.dtype, device=src.device)
         all_gather_flat(out, src, group=self.group)
         return out
@@ -193,6 +211,9 @@ class NativeRoute:
                    guard: MessageGuard | None = None) -> torch.Tensor:
         """Rows ``in_splits[q]`` of x to rank q; ``out_splits[q]`` rows from rank q, in rank order. Guarded: each
         destination block followed by the header, as bytes, so every rank receives every rank's header."""
+        if self.local:  # its one block to itself
+            assert list(in_splits) == list(out_splits), (in_splits, out_splits)
+            return x.clone()
         header = guard.begin(x) if guard is not None else None
         if header is None:
             src = self._lib(x)
@@ -221,6 +242,8 @@ class NativeRoute:
 
     def exchange_splits(self, in_splits: Sequence[int], device: torch.device) -> list[int]:
         """Each rank's row count destined for this rank (one small all-to-all of the split vectors)."""
+        if self.local:
+            return [int(v) for v in in_splits]
         send = torch.tensor(list(in_splits), dtype=torch.int64, device="cpu" if self.stage else device)
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=self.group)
