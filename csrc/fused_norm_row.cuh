@@ -268,3 +268,30 @@ __device__ __forceinline__ void fn_norm_row_regs(const FnPlace& pl, i64 row, i64
     }
   }
 }
+
+// The fused families' kernels of this module: KERNELS(SFX, DT, WSFX, WDT) for the module's dtype DT (its name
+// SFX) and each weight dtype WDT (WSFX), in one order for every family (csrc/fused_rmsnorm.cu,
+// csrc/fused_rmsnorm_one_store.cu); a dtype the module does not hold (DETCOMM_WANT) expands to nothing.
+#if DETCOMM_WANT(DT_F32)
+#define FN_IF_F32(...) __VA_ARGS__
+#else
+#define FN_IF_F32(...)
+#endif
+#if DETCOMM_WANT(DT_BF16)
+#define FN_IF_BF16(...) __VA_ARGS__
+#else
+#define FN_IF_BF16(...)
+#endif
+#if DETCOMM_WANT(DT_F16)
+#define FN_IF_F16(...) __VA_ARGS__
+#else
+#define FN_IF_F16(...)
+#endif
+#define FN_EVERY_WEIGHT(KERNELS, SFX, DT) \
+  KERNELS(SFX, DT, f32, DT_F32)           \
+  KERNELS(SFX, DT, bf16, DT_BF16)         \
+  KERNELS(SFX, DT, f16, DT_F16)
+#define FN_FUSED_KERNELS(KERNELS)                       \
+  FN_IF_F32(FN_EVERY_WEIGHT(KERNELS, f32, DT_F32))      \
+  FN_IF_BF16(FN_EVERY_WEIGHT(KERNELS, bf16, DT_BF16))   \
+  FN_IF_F16(FN_EVERY_WEIGHT(KERNELS, f16, DT_F16))

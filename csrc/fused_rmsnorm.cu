@@ -315,17 +315,4 @@ __device__ __forceinline__ void fused_rmsnorm(const typename Traits<DT>::T* __re
   DETCOMM_FUSED_NORM_TREE_KERNEL(detcomm_fused_rmsnorm_tree_2shot_wide_##SFX##_w##WSFX,                             \
                                  DETCOMM_KIND_FUSED_NORM_TREE_2SHOT, true, true, DT, WDT)
 
-#define DETCOMM_FUSED_NORM_ALL_W(SFX, DT)   \
-  DETCOMM_FUSED_NORM(SFX, DT, f32, DT_F32)  \
-  DETCOMM_FUSED_NORM(SFX, DT, bf16, DT_BF16) \
-  DETCOMM_FUSED_NORM(SFX, DT, f16, DT_F16)
-
-#if DETCOMM_WANT(DT_F32)
-DETCOMM_FUSED_NORM_ALL_W(f32, DT_F32)
-#endif
-#if DETCOMM_WANT(DT_BF16)
-DETCOMM_FUSED_NORM_ALL_W(bf16, DT_BF16)
-#endif
-#if DETCOMM_WANT(DT_F16)
-DETCOMM_FUSED_NORM_ALL_W(f16, DT_F16)
-#endif
+FN_FUSED_KERNELS(DETCOMM_FUSED_NORM)

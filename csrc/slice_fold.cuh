@@ -1,4 +1,6 @@
-// detcomm: the slice fold shared by two-shot all-reduce and reduce-scatter.
+// detcomm: the phases every barrier kernel over slots shares: the slice fold of two-shot all-reduce and
+// reduce-scatter (slice_fold, below), and the one-shot / two-shot phases of the virtual-shard layouts
+// (unit_one_shot / unit_two_shot: each layout gives only its publish and its combine).
 //
 // The message is cut into W slices of L elements (the last ones may be shorter or empty). Slice s of every
 // rank lands at pack offset s*Lp of that rank's slot, where Lp is a multiple of the grid stride (see
@@ -13,6 +15,80 @@
 __device__ __forceinline__ i64 slice_len(int s, i64 n, i64 L) {
   const i64 left = n - (i64)s * L;
   return left <= 0 ? 0 : (left < L ? left : L);
+}
+
+// Every rank's slot of this use (copy g.par): what the phases that read the peers load from.
+__device__ __forceinline__ void peer_slots(const Group& g, const uint4* (&src)[DETCOMM_W]) {
+#pragma unroll
+  for (int k = 0; k < DETCOMM_W; ++k) src[k] = slot(g, k);
+}
+
+// The one-shot and two-shot kernels over units of E elements, P fp32 packs of the slot each: every layout's
+// (csrc/virtual_fold.cu: the shard order, csrc/tree_fold.cu: the tree) is these phases with the layout's two parts,
+//   publish(own, units, tid, stride)   phase 0: this rank's units into its slot `own` (units: nu, or Lu per slice)
+//   top(src, u, units, rank)           the layout's combine: the rounded output pack of slot unit u over every
+//                                      rank's slot src[k] (read after the START barrier)
+// One-shot: every rank combines every unit. Two-shot: slice s (L elements, Lu = L / E units) at unit s*Lu; rank r
+// combines slice r to the output and over the unit's first pack of its own slot (no other rank reads slice r in
+// phase 1), then, after the MID barrier, copies every other rank's rounded packs verbatim (a rounded -0.0 is a
+// value, docs/spec.md §9.4). Slots in copy g.par, no end barrier, as every barrier kernel.
+template <int DT, int E, typename Publish, typename Top>
+__device__ __forceinline__ void unit_one_shot(typename Traits<DT>::T* __restrict__ out, i64 n, const Group& g0,
+                                              const Publish& publish, const Top& top) {
+  const i64 tid = thread_id();
+  const i64 stride = grid_stride();
+  const i64 nu = (n + E - 1) / E;
+  if (!block_owns_packs(nu)) return skip_use(g0);
+  const Group g = open_use(g0);
+  const uint4* src[DETCOMM_W];
+  peer_slots(g, src);
+  publish(slot(g, g.rank), nu, tid, stride);
+  if (!block_barrier(g, BARRIER_START)) return;
+  for (i64 t = tid; t < nu; t += stride) store_user<DT>(out + t * E, n - t * E, top(src, t, nu, g.rank));
+  close_use(g);
+}
+
+template <int DT, int E, int P, typename Publish, typename Top>
+__device__ __forceinline__ void unit_two_shot(typename Traits<DT>::T* __restrict__ out, i64 n, i64 L,
+                                              const Group& g0, const Publish& publish, const Top& top) {
+  const i64 tid = thread_id();
+  const i64 stride = grid_stride();
+  const i64 Lu = L / E;
+  if (!block_owns_packs(Lu)) return skip_use(g0);  // slice 0 is the longest: Lu units
+  const Group g = open_use(g0);
+  const int r = g.rank;
+  uint4* own = slot(g, r);
+  const uint4* src[DETCOMM_W];
+  peer_slots(g, src);
+  publish(own, Lu, tid, stride);  // phase 0
+  if (!block_barrier(g, BARRIER_START)) return;
+
+  // Phase 1: slice r combined; the rounded pack to the output and over the unit's first pack of this slot.
+  {
+    const i64 len = slice_len(r, n, L);
+    const i64 nu = (len + E - 1) / E;
+    for (i64 t = tid; t < nu; t += stride) {
+      const uint4 v = top(src, (i64)r * Lu + t, Lu, r);
+      store_user<DT>(out + (i64)r * L + t * E, len - t * E, v);
+      st_ws(own + ((i64)r * Lu + t) * P, v);
+    }
+  }
+  if (!block_barrier(g, BARRIER_MID)) return;
+
+  // Phase 2: every other rank's rounded packs, copied verbatim.
+  for (i64 t = tid; t < Lu; t += stride) {
+    uint4 v[DETCOMM_W];
+#pragma unroll
+    for (int s = 0; s < DETCOMM_W; ++s) {
+      if (s != r && t * E < slice_len(s, n, L)) v[s] = ld_ws(src[s] + ((i64)s * Lu + t) * P);
+    }
+#pragma unroll
+    for (int s = 0; s < DETCOMM_W; ++s) {
+      const i64 len = slice_len(s, n, L);
+      if (s != r && t * E < len) store_user<DT>(out + (i64)s * L + t * E, len - t * E, v[s]);
+    }
+  }
+  close_use(g);
 }
 
 template <int DT, bool kGather>
@@ -32,8 +108,7 @@ __device__ __forceinline__ void slice_fold(const typename Traits<DT>::T* __restr
   const int r = g.rank;
   uint4* own = slot(g, r);
   const uint4* src[DETCOMM_W];
-#pragma unroll
-  for (int k = 0; k < DETCOMM_W; ++k) src[k] = slot(g, k);
+  peer_slots(g, src);
 
   // Phase 0: this rank's W slices into its slot (slice s at s*Lp).
 #pragma unroll 1

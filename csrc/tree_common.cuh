@@ -18,6 +18,20 @@ struct TreeUnit {
   static constexpr int kPacks = kElems / 4;         // fp32 slot packs per unit
 };
 
+// The pairwise levels over N fp32 packs in place, the tree's one shape for its leaves and its top: level by level,
+// after step h, v[k] (k a multiple of 2h) holds T(k, 2h) of the N (the left operand always the earlier subtree).
+template <int N>
+__device__ __forceinline__ void tree_levels(float (&v)[N][4]) {
+#pragma unroll
+  for (int h = 1; h < N; h *= 2) {
+#pragma unroll
+    for (int k = 0; k + h < N; k += 2 * h) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) v[k][i] = __fadd_rn(v[k][i], v[k + h][i]);
+    }
+  }
+}
+
 // T over the 2^LOG slabs j0 .. j0 + 2^LOG - 1 of one fp32 pack (elements off .. off + 3 of every slab, `valid` of
 // them present; missing ones read as +0.0 and are never stored). Every load is issued before the first add. The
 // tree is element-wise, so a unit's P packs are folded one after the other (4 live values per leaf, not E: fewer
@@ -36,15 +50,7 @@ __device__ __forceinline__ void tree_leaves(const u32* x, i64 x_stride, int j0, 
 #pragma unroll
     for (int i = 0; i < 4; ++i) v[k][i] = __uint_as_float(u.e[i]);
   }
-  // Level by level: after step h, v[k] (k a multiple of 2h) holds T(j0 + k, 2h).
-#pragma unroll
-  for (int h = 1; h < N; h *= 2) {
-#pragma unroll
-    for (int k = 0; k + h < N; k += 2 * h) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) v[k][i] = __fadd_rn(v[k][i], v[k + h][i]);
-    }
-  }
+  tree_levels(v);  // v[0] = T(j0, N)
 #pragma unroll
   for (int i = 0; i < 4; ++i) out[i] = v[0][i];
 }
@@ -109,14 +115,7 @@ __device__ __forceinline__ void tree_top_root(const uint4 (&col)[DETCOMM_W], int
 #pragma unroll
     for (int i = 0; i < 4; ++i) v[k][i] = __uint_as_float(u.e[i]);
   }
-#pragma unroll
-  for (int h = 1; h < DETCOMM_W; h *= 2) {
-#pragma unroll
-    for (int k = 0; k + h < DETCOMM_W; k += 2 * h) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) v[k][i] = __fadd_rn(v[k][i], v[k + h][i]);
-    }
-  }
+  tree_levels(v);
 #pragma unroll
   for (int i = 0; i < 4; ++i) v0[i] = __fadd_rn(v[0][i], 0.0f);  // the root's +0.0
 }

@@ -50,6 +50,18 @@ __device__ __forceinline__ void publish_units(const u32* x, i64 x_stride, int S,
   }
 }
 
+// The G packs p0 .. p0 + G - 1 of one unit (at pack `at`) of every rank's roots, all in flight together: `ld` is
+// how a kernel reads them (the barrier kernels' ld_ws, the one-store kernel's ld_poll).
+template <int G, typename Ld>
+__device__ __forceinline__ void load_group(uint4 (&in)[G][DETCOMM_W], const uint4* const (&src)[DETCOMM_W], i64 at,
+                                           int p0, const Ld& ld) {
+#pragma unroll
+  for (int q = 0; q < G; ++q) {
+#pragma unroll
+    for (int k = 0; k < DETCOMM_W; ++k) in[q][k] = ld(src[k] + at + p0 + q);
+  }
+}
+
 template <int DT>
 __device__ __forceinline__ uint4 top_of_unit(const uint4* const (&src)[DETCOMM_W], i64 unit, int rank) {
   constexpr int P = TreeUnit<DT>::kPacks;
@@ -58,11 +70,7 @@ __device__ __forceinline__ uint4 top_of_unit(const uint4* const (&src)[DETCOMM_W
 #pragma unroll
   for (int p0 = 0; p0 < P; p0 += G) {
     uint4 in[G][DETCOMM_W];
-#pragma unroll
-    for (int q = 0; q < G; ++q) {
-#pragma unroll
-      for (int k = 0; k < DETCOMM_W; ++k) in[q][k] = ld_ws(src[k] + unit * P + p0 + q);
-    }
+    load_group<G>(in, src, unit * P, p0, [](const uint4* a) { return ld_ws(a); });
 #pragma unroll
     for (int q = 0; q < G; ++q) tree_top_pack<DT>(in[q], rank, p0 + q, o);
   }
@@ -72,19 +80,9 @@ __device__ __forceinline__ uint4 top_of_unit(const uint4* const (&src)[DETCOMM_W
 template <int DT>
 __device__ __forceinline__ void tree_one_shot(const u32* __restrict__ x, i64 x_stride, int S,
                                               typename Traits<DT>::T* __restrict__ out, i64 n, const Group& g0) {
-  constexpr int E = TreeUnit<DT>::kElems;
-  const i64 tid = thread_id();
-  const i64 stride = grid_stride();
-  const i64 nu = (n + E - 1) / E;
-  if (!block_owns_packs(nu)) return skip_use(g0);
-  const Group g = open_use(g0);
-  const uint4* src[DETCOMM_W];
-#pragma unroll
-  for (int k = 0; k < DETCOMM_W; ++k) src[k] = slot(g, k);
-  publish_units<DT>(x, x_stride, S, 0, n, slot(g, g.rank), tid, stride);
-  if (!block_barrier(g, BARRIER_START)) return;
-  for (i64 t = tid; t < nu; t += stride) store_user<DT>(out + t * E, n - t * E, top_of_unit<DT>(src, t, g.rank));
-  close_use(g);
+  unit_one_shot<DT, TreeUnit<DT>::kElems>(
+      out, n, g0, [&](uint4* own, i64, i64 tid, i64 stride) { publish_units<DT>(x, x_stride, S, 0, n, own, tid, stride); },
+      [&](const uint4* const (&src)[DETCOMM_W], i64 t, i64, int rank) { return top_of_unit<DT>(src, t, rank); });
 }
 
 template <int DT>
@@ -93,49 +91,14 @@ __device__ __forceinline__ void tree_two_shot(const u32* __restrict__ x, i64 x_s
                                               const Group& g0) {
   constexpr int E = TreeUnit<DT>::kElems;
   constexpr int P = TreeUnit<DT>::kPacks;
-  const i64 tid = thread_id();
-  const i64 stride = grid_stride();
-  const i64 Lu = L / E;
-  if (!block_owns_packs(Lu)) return skip_use(g0);  // slice 0 is the longest: Lu units
-  const Group g = open_use(g0);
-  const int r = g.rank;
-  uint4* own = slot(g, r);
-  const uint4* src[DETCOMM_W];
-#pragma unroll
-  for (int k = 0; k < DETCOMM_W; ++k) src[k] = slot(g, k);
-
-  // Phase 0: this rank's subtree roots of every slice (slice s at unit s*Lu).
+  unit_two_shot<DT, E, P>(
+      out, n, L, g0,
+      [&](uint4* own, i64 Lu, i64 tid, i64 stride) {  // this rank's subtree roots of every slice (slice s at unit s*Lu)
 #pragma unroll 1
-  for (int s = 0; s < DETCOMM_W; ++s)
-    publish_units<DT>(x, x_stride, S, (i64)s * L, slice_len(s, n, L), own + (i64)s * Lu * P, tid, stride);
-  if (!block_barrier(g, BARRIER_START)) return;
-
-  // Phase 1: the top levels of slice r; the rounded pack goes to the output and over the slice's first fp32 pack.
-  {
-    const i64 len = slice_len(r, n, L);
-    const i64 nu = (len + E - 1) / E;
-    for (i64 t = tid; t < nu; t += stride) {
-      const uint4 v = top_of_unit<DT>(src, (i64)r * Lu + t, r);
-      store_user<DT>(out + (i64)r * L + t * E, len - t * E, v);
-      st_ws(own + ((i64)r * Lu + t) * P, v);
-    }
-  }
-  if (!block_barrier(g, BARRIER_MID)) return;
-
-  // Phase 2: every other rank's rounded packs, copied verbatim (a rounded -0.0 is a value, docs/spec.md §9.4).
-  for (i64 t = tid; t < Lu; t += stride) {
-    uint4 v[DETCOMM_W];
-#pragma unroll
-    for (int s = 0; s < DETCOMM_W; ++s) {
-      if (s != r && t * E < slice_len(s, n, L)) v[s] = ld_ws(src[s] + ((i64)s * Lu + t) * P);
-    }
-#pragma unroll
-    for (int s = 0; s < DETCOMM_W; ++s) {
-      const i64 len = slice_len(s, n, L);
-      if (s != r && t * E < len) store_user<DT>(out + (i64)s * L + t * E, len - t * E, v[s]);
-    }
-  }
-  close_use(g);
+        for (int s = 0; s < DETCOMM_W; ++s)
+          publish_units<DT>(x, x_stride, S, (i64)s * L, slice_len(s, n, L), own + (i64)s * Lu * P, tid, stride);
+      },
+      [&](const uint4* const (&src)[DETCOMM_W], i64 u, i64, int r) { return top_of_unit<DT>(src, u, r); });
 }
 
 // The one-store variant (csrc/one_store_common.cuh): push this rank's subtree roots, marked, into every rank's
@@ -178,11 +141,7 @@ __device__ __forceinline__ void tree_one_store(const u32* __restrict__ x, i64 x_
 #pragma unroll
       for (int p0 = 0; p0 < P; p0 += G) {
         uint4 in[G][DETCOMM_W];
-#pragma unroll
-        for (int q = 0; q < G; ++q) {
-#pragma unroll
-          for (int k = 0; k < DETCOMM_W; ++k) in[q][k] = ld_poll(src[k] + t * P + p0 + q);
-        }
+        load_group<G>(in, src, t * P, p0, [](const uint4* a) { return ld_poll(a); });
 #pragma unroll
         for (int q = 0; q < G; ++q) {
 #pragma unroll

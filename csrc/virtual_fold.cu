@@ -86,24 +86,14 @@ __device__ __forceinline__ uint4 fold_unit(const uint4* const (&src)[DETCOMM_W],
 template <int DT>
 __device__ __forceinline__ void virtual_one_shot(const u32* __restrict__ x, i64 x_stride, int S,
                                                  typename Traits<DT>::T* __restrict__ out, i64 n, const Group& g0) {
-  constexpr int E = VUnit<DT>::kElems;
   constexpr int P = VUnit<DT>::kPacks;
-  const i64 tid = thread_id();
-  const i64 stride = grid_stride();
-  const i64 nu = (n + E - 1) / E;
-  if (!block_owns_packs(nu)) return skip_use(g0);
-  const Group g = open_use(g0);
-  uint4* own = slot(g, g.rank);
-  const uint4* src[DETCOMM_W];
-#pragma unroll
-  for (int k = 0; k < DETCOMM_W; ++k) src[k] = slot(g, k);
-
+  unit_one_shot<DT, VUnit<DT>::kElems>(
+      out, n, g0,
+      [&](uint4* own, i64 nu, i64 tid, i64 stride) {  // slab j at unit j*nu
 #pragma unroll 1
-  for (int j = 0; j < S; ++j) copy_units<DT>(x + (i64)j * x_stride, n, own + (i64)j * nu * P, tid, stride);
-  if (!block_barrier(g, BARRIER_START)) return;
-
-  for (i64 t = tid; t < nu; t += stride) store_user<DT>(out + t * E, n - t * E, fold_unit<DT>(src, t, nu, S, g.rank));
-  close_use(g);
+        for (int j = 0; j < S; ++j) copy_units<DT>(x + (i64)j * x_stride, n, own + (i64)j * nu * P, tid, stride);
+      },
+      [&](const uint4* const (&src)[DETCOMM_W], i64 t, i64 nu, int rank) { return fold_unit<DT>(src, t, nu, S, rank); });
 }
 
 template <int DT>
@@ -112,54 +102,21 @@ __device__ __forceinline__ void virtual_two_shot(const u32* __restrict__ x, i64 
                                                  const Group& g0) {
   constexpr int E = VUnit<DT>::kElems;
   constexpr int P = VUnit<DT>::kPacks;
-  const i64 tid = thread_id();
-  const i64 stride = grid_stride();
-  const i64 Lu = L / E;
-  if (!block_owns_packs(Lu)) return skip_use(g0);  // slice 0 is the longest: Lu units
-  const Group g = open_use(g0);
-  const int r = g.rank;
-  uint4* own = slot(g, r);
-  const uint4* src[DETCOMM_W];
-#pragma unroll
-  for (int k = 0; k < DETCOMM_W; ++k) src[k] = slot(g, k);
-  const i64 slab_units = (i64)DETCOMM_W * Lu;
-
-  // Phase 0: every slice of every slab into this rank's slot (slab j slice s at unit j*W*Lu + s*Lu).
+  unit_two_shot<DT, E, P>(
+      out, n, L, g0,
+      [&](uint4* own, i64 Lu, i64 tid, i64 stride) {  // slab j slice s at unit j*W*Lu + s*Lu
+        const i64 slab_units = (i64)DETCOMM_W * Lu;
 #pragma unroll 1
-  for (int j = 0; j < S; ++j) {
+        for (int j = 0; j < S; ++j) {
 #pragma unroll 1
-    for (int s = 0; s < DETCOMM_W; ++s)
-      copy_units<DT>(x + (i64)j * x_stride + (i64)s * L, slice_len(s, n, L), own + ((i64)j * slab_units + s * Lu) * P,
-                     tid, stride);
-  }
-  if (!block_barrier(g, BARRIER_START)) return;
-
-  // Phase 1: fold slice r of all V slabs; the rounded pack goes to the output and over slab 0 slice r's unit.
-  {
-    const i64 len = slice_len(r, n, L);
-    const i64 nu = (len + E - 1) / E;
-    for (i64 t = tid; t < nu; t += stride) {
-      const uint4 v = fold_unit<DT>(src, (i64)r * Lu + t, slab_units, S, r);
-      store_user<DT>(out + (i64)r * L + t * E, len - t * E, v);
-      st_ws(own + ((i64)r * Lu + t) * P, v);
-    }
-  }
-  if (!block_barrier(g, BARRIER_MID)) return;
-
-  // Phase 2: every other rank's rounded packs, copied verbatim.
-  for (i64 t = tid; t < Lu; t += stride) {
-    uint4 v[DETCOMM_W];
-#pragma unroll
-    for (int s = 0; s < DETCOMM_W; ++s) {
-      if (s != r && t * E < slice_len(s, n, L)) v[s] = ld_ws(src[s] + ((i64)s * Lu + t) * P);
-    }
-#pragma unroll
-    for (int s = 0; s < DETCOMM_W; ++s) {
-      const i64 len = slice_len(s, n, L);
-      if (s != r && t * E < len) store_user<DT>(out + (i64)s * L + t * E, len - t * E, v[s]);
-    }
-  }
-  close_use(g);
+          for (int s = 0; s < DETCOMM_W; ++s)
+            copy_units<DT>(x + (i64)j * x_stride + (i64)s * L, slice_len(s, n, L),
+                           own + ((i64)j * slab_units + s * Lu) * P, tid, stride);
+        }
+      },
+      [&](const uint4* const (&src)[DETCOMM_W], i64 u, i64 Lu, int r) {
+        return fold_unit<DT>(src, u, (i64)DETCOMM_W * Lu, S, r);
+      });
 }
 
 // x: this rank's S fp32 slabs, slab j at x + j*x_stride (elements); out: n elements of T.

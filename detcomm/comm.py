@@ -18,20 +18,20 @@ import logging
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from . import envelope as _env
 from .calls import SiteCall, a2a_splits, argmax_start, busy, check_tensor, norm_args, rs_rows, token_counts
-from .declare import allocatable, caller, dtype_of, member, shape_of, site_bytes
+from .declare import caller, dtype_of, member, shape_of
 from .numerics.fold import BATCH_INVARIANT, FLOAT_DTYPES, Leaf, select_leaf
 from .route import RouteEntry, Router, RouteTable
 from .route_impls import A2AFoldRoute, GatherFoldRoute, NativeRoute, RsAgFoldRoute
 from .route_impls import guard as _guard
 from .route_impls.guard import SHUTDOWN, shutdown_header
-from .selfcheck import CheckResult, SelfChecks, declaration
+from .selfcheck import CheckResult, SelfChecks, agree_at_init, agree_declaration
 from .sites import (
     DEFAULT_MAX_ROWS,
     DEFAULT_WORKSPACE_BYTES,  # defined with the sites' vocabulary, torch-free (the static route view reads it)
@@ -49,7 +49,7 @@ from .topology import discover as discover_topology
 if TYPE_CHECKING:
     from .workspace import Workspace
 from .deadline import DEFAULT_TIMEOUT_S, is_timeout, peer_timeout
-from .errors import CollectiveFailed, CollectiveMismatch, DetcommError, WorkspaceUnavailable
+from .errors import CollectiveFailed, DetcommError
 from .verify import CallChecker
 from .work import Work
 
@@ -150,8 +150,9 @@ class Communicator:
         # else the group's own (unknown here: None).
         self.deadline_s: float | None = timeout_s if timeout_s is not None else (DEFAULT_TIMEOUT_S if owns_group else None)
         t0 = time.perf_counter()
-        self._agree_at_init(check=check, selfcheck=selfcheck, default_max_rows=default_max_rows, workspace=workspace,
-                            call_guard=self.call_guard)
+        agree_at_init(self.group, self.resolved, rank=self.rank, world_size=self.world_size, device=self.device,
+                      check=check, selfcheck=selfcheck, default_max_rows=default_max_rows, workspace=workspace,
+                      call_guard=self.call_guard)
         self.caps = self._discover_capabilities(workspace, workspace_max_rows, workspace_bytes, timeout_s)
         # Cross-rank call verification (detcomm/verify.py); timeout_s only names the group's timeout in its errors.
         self._verifier = (CallChecker(native=self._native, device=self.device, rank=self.rank,
@@ -184,24 +185,6 @@ class Communicator:
             self._selfchecks.seconds(), seconds)
 
     # -- startup ------------------------------------------------------------------------------------
-    def _agree_at_init(self, **options: object) -> None:
-        """Before any other collective: every rank must run the same envelope, checking mode and options, or
-        the group's calls would pair wrongly later (a self-check one rank skips, a fingerprint one rank does not
-        send). One object all-gather; on a difference every rank raises ``CollectiveMismatch`` naming it."""
-        mine = {**_env.fingerprint(self.resolved), **{k: repr(v) for k, v in options.items()},
-                "device": self.device.type, "W": str(self.world_size)}
-        everyone: list[dict[str, str]] = [{}] * self.world_size
-        dist.all_gather_object(everyone, mine, group=self.group)  # type: ignore[arg-type]
-        differ = [k for k in mine if len({e.get(k) for e in everyone}) > 1]
-        if differ:
-            parts = "; ".join(f"{k}: " + ", ".join(f"rank {r}={e.get(k)}" for r, e in enumerate(everyone))
-                              for k in differ)
-            raise CollectiveMismatch(
-                f"detcomm.init on rank {self.rank}: the ranks initialized differently ({parts}). Give every rank the "
-                "same init arguments and environment (DETCOMM_NUMERICS, DETCOMM_CHECK): detcomm-launch exports "
-                "them to every rank"
-            )
-
     def _discover_capabilities(self, workspace: bool | None, max_rows: int, capacity: int,
                                timeout_s: float | None) -> Capabilities:
         topo = discover_topology(self.group, self.device)
@@ -233,24 +216,14 @@ class Communicator:
             return False, "force_deterministic_rsag: no symmetric-memory path"
         if want is False or (want is None and not sw.batch_invariant_collectives):
             return False, "workspace not armed (init(workspace=True) arms it)"
-        from .route_impls.ipc_fold import IpcFoldRoute
-        from .workspace import Workspace
+        from .route_impls.ipc_fold import arm  # the workspace's modules load only where one is armed
 
-        kw: dict[str, Any] = {} if timeout_s is None else {"timeout_s": timeout_s}
-        try:
-            ws = Workspace.create(self.group, device=self.device, capacity_bytes=capacity, max_rows_armed=max_rows,
-                                  **kw)
-        except WorkspaceUnavailable as e:
-            # The envelope wanted the workspace: its sites now take gather_fold/a2a_fold (same bits, ~2x slower
-            # at decode sizes). Say so once, loudly: the route table alone is easy to miss.
-            _log.warning("detcomm: the CUDA-IPC workspace did not arm, so SUM sites take gather_fold/a2a_fold "
-                         "instead of ipc_fold (same bits, slower): %s", e)
-            return False, f"workspace unavailable: {e}"
-        self._workspace = ws
-        self._impls[Route.IPC_FOLD] = IpcFoldRoute(ws, resolved=self.resolved)
-        store = (f"one-store kernel up to {ws.one_store_max_bytes // 1024} KiB" if ws.one_store_max_bytes
-                 else "no one-store kernel (one rank, or more than two ranks on one GPU)")
-        return True, f"armed: {capacity // 1024} KiB per launch, sites up to {max_rows} rows, {store}"
+        route, why = arm(self.group, device=self.device, resolved=self.resolved, capacity=capacity,
+                         max_rows=max_rows, timeout_s=timeout_s)
+        if route is not None:
+            self._workspace = route.workspace
+            self._impls[Route.IPC_FOLD] = route
+        return route is not None, why
 
     def _startup_checks(self) -> None:
         """Check, on a small payload of each float dtype, the SUM routes this group would use for a bitwise
@@ -319,25 +292,8 @@ class Communicator:
         return s
 
     def _agree_declaration(self, s: Site) -> None:
-        """Every new declaration is proven the same on every rank, whether or not its self-check is cached (a
-        cached check runs no collective, so a rank whose declaration differs would otherwise wait alone in its
-        own check), and every rank refuses a site too large for this device's memory before its self-check
-        allocates (a check that ran out of memory would read as the route's failure). One header all-gather;
-        on a difference every rank raises ``CollectiveMismatch`` naming each rank's declaration. Collective."""
-        need, have = site_bytes(s, self.world_size), allocatable(self.device)
-        fits = need <= have
-        if self.world_size > 1:
-            header, readable = declaration(s, "new site")
-            if not fits:
-                readable += f" (too large: {need} B > {have} B of {self.device.type} memory)"
-            _guard.exchange(self._native, [*header, int(fits)], readable, device=self.device)
-        if not fits:
-            raise ValueError(
-                f"site {s.name!r} ({s.describe()}, max_rows={s.max_rows}): one call at max_rows carries {need} bytes "
-                f"(max_rows x {s.row_numel} elements per row), more than this {self.device.type} "
-                f"device's {have} bytes of memory, so no route can serve it (nothing was self-checked or refused). "
-                "Declare the real trailing shape and the most rows a call carries"
-            )
+        """Prove a new declaration the same on every rank, and that it fits this device (selfcheck.py)."""
+        agree_declaration(s, native=self._native, world_size=self.world_size, device=self.device)
 
     def _declared_as(self, s: Site) -> str:
         if s.name in self._implicit_where:

@@ -32,7 +32,10 @@ from typing import cast
 import torch
 import torch.distributed as dist
 
+from . import envelope as _env
+from .declare import allocatable, site_bytes
 from .dtypes import name_of
+from .errors import CollectiveMismatch
 from .invariance import (
     Composition,
     batch1_reference,
@@ -125,6 +128,48 @@ def declaration(site: Site, route: str) -> tuple[list[int], str]:
     return ([_DECLARE, guard.site_hash(site), hash_text(site.name), site.max_rows,
              hash_text(f"{site.group}|{site.route.value if site.route else ''}")],
             f"declaring site {site.name!r} as {site.describe()}, max_rows={site.max_rows}{forced} ({route})")
+
+
+def agree_at_init(group: dist.ProcessGroup, resolved: _env.Resolved, *, rank: int, world_size: int,
+                  device: torch.device, **options: object) -> None:
+    """Before any other collective: every rank must run the same envelope, checking mode and options, or
+    the group's calls would pair wrongly later (a self-check one rank skips, a fingerprint one rank does not
+    send). One object all-gather; on a difference every rank raises ``CollectiveMismatch`` naming it."""
+    mine = {**_env.fingerprint(resolved), **{k: repr(v) for k, v in options.items()},
+            "device": device.type, "W": str(world_size)}
+    everyone: list[dict[str, str]] = [{}] * world_size
+    dist.all_gather_object(everyone, mine, group=group)  # type: ignore[arg-type]
+    differ = [k for k in mine if len({e.get(k) for e in everyone}) > 1]
+    if differ:
+        parts = "; ".join(f"{k}: " + ", ".join(f"rank {r}={e.get(k)}" for r, e in enumerate(everyone))
+                          for k in differ)
+        raise CollectiveMismatch(
+            f"detcomm.init on rank {rank}: the ranks initialized differently ({parts}). Give every rank the "
+            "same init arguments and environment (DETCOMM_NUMERICS, DETCOMM_CHECK): detcomm-launch exports "
+            "them to every rank"
+        )
+
+
+def agree_declaration(s: Site, *, native: NativeRoute, world_size: int, device: torch.device) -> None:
+    """Every new declaration is proven the same on every rank, whether or not its self-check is cached (a
+    cached check runs no collective, so a rank whose declaration differs would otherwise wait alone in its
+    own check), and every rank refuses a site too large for this device's memory before its self-check
+    allocates (a check that ran out of memory would read as the route's failure). One header all-gather;
+    on a difference every rank raises ``CollectiveMismatch`` naming each rank's declaration. Collective."""
+    need, have = site_bytes(s, world_size), allocatable(device)
+    fits = need <= have
+    if world_size > 1:
+        header, readable = declaration(s, "new site")
+        if not fits:
+            readable += f" (too large: {need} B > {have} B of {device.type} memory)"
+        guard.exchange(native, [*header, int(fits)], readable, device=device)
+    if not fits:
+        raise ValueError(
+            f"site {s.name!r} ({s.describe()}, max_rows={s.max_rows}): one call at max_rows carries {need} bytes "
+            f"(max_rows x {s.row_numel} elements per row), more than this {device.type} "
+            f"device's {have} bytes of memory, so no route can serve it (nothing was self-checked or refused). "
+            "Declare the real trailing shape and the most rows a call carries"
+        )
 
 
 def run_check(

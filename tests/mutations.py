@@ -106,10 +106,10 @@ MUTATIONS: tuple[Mutation, ...] = (
       "                for base in []:  # mutant: the peers are never told",
       (ABORT_TEST,), gpu=True, limit_s=150, hang_ok=True),
     # 2: init(timeout_s=) reaches the workspace.
-    M("2-timeout", "2", "init(timeout_s=) is passed to Workspace.create", "detcomm/comm.py",
+    M("2-timeout", "2", "init(timeout_s=) is passed to Workspace.create", "detcomm/route_impls/ipc_fold.py",
       *_TIMEOUT,
       (f"{GUARDS}::test_init_timeout_reaches_the_workspace",), gpu=False, limit_s=120),
-    M("2-timeout-gpu", "2", "init(timeout_s=) is passed to Workspace.create", "detcomm/comm.py",
+    M("2-timeout-gpu", "2", "init(timeout_s=) is passed to Workspace.create", "detcomm/route_impls/ipc_fold.py",
       *_TIMEOUT,
       (INIT_TEST,), gpu=True, limit_s=180),
     # 3: one kernel per rank at a time, graph replays included.

@@ -10,8 +10,7 @@ post-attention-norm hidden states, is therefore the same on every rank. One call
 2. **Shared expert, replicated** (Qwen2-MoE): ``sigmoid(shared_expert_gate(x)) * shared_expert(x)`` through
    transformers' own modules, in the model dtype, on the whole buffer.
 3. **Dispatch.** The real rows are split in W contiguous chunks of ceil(rows / W); rank r dispatches chunk r
-   (``detcomm.moe_dispatch``, replica key = the row's index in the step) to the ranks hosting the slots'
-   experts.
+   (``detcomm.moe_dispatch``, replica key = the row's index in the step) to the ranks hosting the slots' experts.
 4. **Experts.** Each rank runs its hosted experts with ``run_experts_blocked`` (fixed blocks of
    ``EPConfig.block`` rows, the last one zero-padded): transformers' expert MLP arithmetic
    ``down(act(gate(x)) * up(x))`` with the checkpoint's weights, at one shape whatever the batch.
@@ -19,15 +18,15 @@ post-attention-norm hidden states, is therefore the same on every rank. One call
    slot order (topk order) in fp32, the shared expert's output as the last term (weight 1), one rounding.
 6. **Re-replicate.** The chunks are all-gathered in rank order (data movement) at site ``<block>.gather``.
 
-So a row's output is a pure function of the row and the checkpoint: not of its co-batch, its offset, the
-placement, the replicas or W. What differs from transformers' own block: transformers adds the weighted
-expert outputs in expert-index order in the model dtype (one rounding per expert) and then adds the shared
-expert's output (one more rounding); here the slots are folded in topk order in fp32 with one rounding. The
-two agree to rounding, not bitwise (bf16 especially).
+So a row's output is a pure function of the row and the checkpoint, not of its co-batch, its offset, the placement,
+the replicas or W. transformers' own block differs: it adds the weighted expert outputs in expert-index order in the
+model dtype (one rounding per expert), then the shared expert's output (one more); here the slots are folded in topk
+order in fp32, one rounding: the two agree to rounding, not bitwise (bf16 especially).
 
-transformers' own ``model(input_ids)`` also runs on the sharded model with transformers >= 5 (4.x's blocks
-return (hidden, router_logits): there only ``TPCausalLM``'s step loop runs them). Sites per MoE block (named after the block, e.g. ``model.layers.3.mlp``): ``.dispatch`` and ``.combine``
-(all_to_all) and ``.gather`` (all_gather), ``max_rows`` from the step width ``T_pad``.
+Sites per MoE block (named after the block, e.g. ``model.layers.3.mlp``): ``.dispatch`` and ``.combine``
+(all_to_all), ``.gather`` (all_gather), ``max_rows`` from the step width ``T_pad``. transformers' own
+``model(input_ids)`` also runs on the sharded model with transformers >= 5 (4.x's blocks return (hidden,
+router_logits): there only ``TPCausalLM``'s step loop runs them).
 """
 
 from __future__ import annotations

@@ -21,13 +21,11 @@ names the first rank that failed and how (docs/spec.md §6), after the whole gro
   the stack to ``rank<R>.term`` from the signal handler itself, even while the rank waits inside a C++
   collective, then the signal takes its default course.
 
-Only SIGKILL (and a C-level ``_exit``) leave no record; the launcher takes their exit status from the torchrun
-agent or mpiexec where those report it.
-
-The records are read after the group is down, so the consequences on the other ranks (a closed connection, a
-torn-down peer) cannot bury the cause. Without that folder (a batch script starting a bootstrap by hand, a
-rank on another node) an error is printed to stderr, each line tagged ``[rankN]:``. The torchrun mode runs
-this module; the MPI bootstrap (detcomm.launch.mpi_bootstrap) calls ``run`` after mapping MPI's rank facts.
+Only SIGKILL (and a C-level ``_exit``) leave no record; the launcher takes their exit status from the torchrun agent
+or mpiexec where those report it. The records are read after the group is down, so the consequences on the other
+ranks (a closed connection, a torn-down peer) cannot bury the cause. Without that folder (a batch script starting a
+bootstrap by hand, a rank on another node) an error is printed to stderr, each line tagged ``[rankN]:``. The torchrun
+mode runs this module; the MPI bootstrap (detcomm.launch.mpi_bootstrap) calls ``run`` after mapping MPI's rank facts.
 """
 
 from __future__ import annotations

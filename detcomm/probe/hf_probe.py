@@ -1,25 +1,23 @@
-"""HF probe: a transformers causal LM, sharded over detcomm, generating the same requests alone, packed and
-rerun (docs/spec.md §7).
+"""HF probe: a transformers causal LM, sharded over detcomm, generating the same requests alone, packed and rerun
+(docs/spec.md §7).
 
-The model is a local checkpoint (``--model DIR``, Llama / Mistral / Qwen2 / Qwen3, and the MoE families
-Mixtral / Qwen2-MoE / Qwen3-MoE) or a tiny real config (``--config llama-tiny|...|qwen3-moe-tiny``) whose seeded
-random weights are written with ``save_pretrained`` into a temporary directory and loaded back with
-``from_pretrained``. The model is loaded sliced (``detcomm.hf.sliced``: built on the meta device, each rank
-reading only its slices of the safetensors files; ``--full-load``: transformers' ``from_pretrained`` of the whole
-model, then cut; the TP-size-invariant layouts always load whole). It runs through
-``detcomm.hf`` (fixed-width steps, static KV caches, row-parallel o_proj/down_proj sites, vocabulary-parallel
-head). The requests, schedules and table are the model probe's: alone at batch 1, packed twice with random
-co-batches and prefill chunking, and packed #1 rerun; half greedy, half temperature 1 with per-request
-seeds. Under a bitwise envelope every row must read 0 (exit 1 otherwise); ``--route native
---expect-divergence`` under ``--numerics auto`` is the negative control (the native all-reduce at W >= 3 must be
-caught; a bitwise envelope refuses ``--route native`` before the group starts).
+The model is a local checkpoint (``--model DIR``, Llama / Mistral / Qwen2 / Qwen3, and the MoE families Mixtral /
+Qwen2-MoE / Qwen3-MoE) or a tiny real config (``--config llama-tiny|...|qwen3-moe-tiny``) whose seeded random weights
+are written with ``save_pretrained`` into a temporary directory and loaded back with ``from_pretrained``. The model
+is loaded sliced (``detcomm.hf.sliced``: built on the meta device, each rank reading only its slices of the
+safetensors files; ``--full-load``: transformers' ``from_pretrained`` of the whole model, then cut; the
+TP-size-invariant layouts always load whole). It runs through ``detcomm.hf`` (fixed-width steps, static KV caches,
+row-parallel o_proj/down_proj sites, vocabulary-parallel head). The requests, schedules and table are the model
+probe's: alone at batch 1, packed twice with random co-batches and prefill chunking, and packed #1 rerun; half
+greedy, half temperature 1 with per-request seeds. Under a bitwise envelope every row must read 0 (exit 1 otherwise);
+``--route native --expect-divergence`` under ``--numerics auto`` is the negative control (the native all-reduce at
+W >= 3 must be caught; a bitwise envelope refuses ``--route native`` before the group starts).
 
-MoE models run their sparse blocks expert-parallel (``detcomm.hf.moe_block``): every expert on every rank by
-default; ``--ep`` spreads them (round-robin, or ``--placement-seed N``: a random placement with up to
-``--max-replicas`` replicas per expert). Two placement seeds must give identical ``--json`` bits
-(``--compare A.json B.json`` checks, in one process); ``--combine-order rank`` (numerics auto) is the negative
-control: the engines' rank-order sum of per-rank partials moves bits with the replica chosen for a row, so
-with the batch, and with the placement.
+MoE models run their sparse blocks expert-parallel (``detcomm.hf.moe_block``): every expert on every rank by default;
+``--ep`` spreads them (round-robin, or ``--placement-seed N``: a random placement with up to ``--max-replicas``
+replicas per expert). Two placement seeds must give identical ``--json`` bits (``--compare A.json B.json`` checks, in
+one process); ``--combine-order rank`` (numerics auto) is the negative control: the engines' rank-order sum of
+per-rank partials moves bits with the replica chosen for a row, so with the batch, and with the placement.
 
     detcomm-launch --nproc 4 --numerics rl-bitwise -m detcomm.probe hf --config llama-tiny
     detcomm-launch --nproc 4 --numerics auto -m detcomm.probe hf --config llama-tiny --route native --expect-divergence

@@ -15,13 +15,16 @@ canonical norm (no fused kernel folds the shard order).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ..envelope import Resolved
-from ..errors import RouteRefused
+from ..errors import RouteRefused, WorkspaceUnavailable
 from ..invariance import bits_equal
 from ..layout import Kind
 from ..numerics import norm
@@ -33,6 +36,7 @@ from .base import Bound, Call, bind_from
 # (x, residual, weight, eps) -> (y, r): the fused all-reduce + residual add + RMSNorm of one site.
 Fused = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]
 _CHECK_EPS = 1e-6
+_log = logging.getLogger("detcomm")
 
 
 @dataclass(frozen=True)
@@ -224,3 +228,23 @@ class IpcFoldRoute:
 
     def close(self) -> None:
         self.workspace.close()
+
+
+def arm(group: dist.ProcessGroup, *, device: torch.device, resolved: Resolved, capacity: int, max_rows: int,
+        timeout_s: float | None) -> tuple[IpcFoldRoute | None, str]:
+    """Arm the CUDA-IPC workspace on ``group`` (collective) and the route over it, or None, with the reason the
+    route table shows. Every rank reaches the same verdict (Workspace.create raises on every rank when one cannot
+    arm); the communicator asks only where a route could use it (comm.Communicator._arm_workspace)."""
+    kw: dict[str, Any] = {} if timeout_s is None else {"timeout_s": timeout_s}
+    try:
+        ws = Workspace.create(group, device=device, capacity_bytes=capacity, max_rows_armed=max_rows, **kw)
+    except WorkspaceUnavailable as e:
+        # The envelope wanted the workspace: its sites now take gather_fold/a2a_fold (same bits, ~2x slower
+        # at decode sizes). Say so once, loudly: the route table alone is easy to miss.
+        _log.warning("detcomm: the CUDA-IPC workspace did not arm, so SUM sites take gather_fold/a2a_fold "
+                     "instead of ipc_fold (same bits, slower): %s", e)
+        return None, f"workspace unavailable: {e}"
+    store = (f"one-store kernel up to {ws.one_store_max_bytes // 1024} KiB" if ws.one_store_max_bytes
+             else "no one-store kernel (one rank, or more than two ranks on one GPU)")
+    return IpcFoldRoute(ws, resolved=resolved), (f"armed: {capacity // 1024} KiB per launch, sites up to "
+                                                 f"{max_rows} rows, {store}")
