@@ -1,36 +1,32 @@
 """Tensor-parallel layers whose bits do not depend on the tensor-parallel width W (docs/spec.md §9.1).
 
-A Megatron row-parallel layer sums W per-rank partials, so its bits follow W. The layers here fix every shape
-the arithmetic sees, whatever W is:
+A Megatron row-parallel layer sums W partials, so its bits follow W. These fix every shape the arithmetic sees:
 
-* ``ColumnParallelLinear``: each rank computes its output columns in fixed column blocks (one GEMM per block,
-  the same [rows, K] x [K, block] shape at every W), so a column's kernel configuration never changes with
-  N/W. No communication. On CUDA all the rank's blocks run in one fixed-config Triton launch whose tiles never
-  straddle a block (detcomm.numerics.shard_gemm.block_gemm); on CPU one torch GEMM per block.
+* ``ColumnParallelLinear``: each rank computes its output columns in fixed column blocks (the same [rows, K] x
+  [K, block] shape at every W), so a column's kernel configuration never changes with N/W. No communication. On
+  CUDA one fixed-config Triton launch whose tiles never straddle a block (``shard_gemm.block_gemm``); on CPU one
+  torch GEMM per block.
 * ``RowParallelLinear`` in three layouts:
 
   - ``"fold"``: today's Megatron layer: one GEMM over the rank's K/W inputs, the canonical all-reduce of the W
     partials. Batch-invariant at one W; the bits change with W.
-  - ``"virtual"``: the reduction dimension is split into V fixed virtual shards; shard v's partial
-    ``x[:, K_v] @ W[K_v, :]`` is an fp32 GEMM of one fixed shape, and the all-reduce folds the V partials in
-    shard order (a site with ``virtual_shards=V``): the same bits for every W dividing V, W = 1 included.
-    On CUDA the V/W partials are one fixed-config Triton launch with the shard on the grid
-    (detcomm.numerics.shard_gemm.shard_partials: its bits, not cuBLAS's); on CPU one torch GEMM per shard.
-    ``shard_fold="tree"`` sums them by the fixed balanced tree instead (V a power of two; W a power of two
-    dividing V): each rank folds its own V/W partials and one fp32 value per element crosses the wire.
-  - ``"full_k"``: an all-gather of the K-wide input, then every rank computes its N/W output columns as full-K
-    GEMMs in fixed column blocks, then an all-gather of the output columns. No cross-rank sum at all: the
-    value a TP=1 layer with the same column blocks computes, for every W dividing the block count.
-
+  - ``"virtual"``: the reduction dimension is split into V fixed virtual shards; shard v's partial ``x[:, K_v] @
+    W[K_v, :]`` is an fp32 GEMM of one fixed shape, and the all-reduce folds the V partials in shard order (a site
+    with ``virtual_shards=V``): the same bits for every W dividing V, W = 1 included. On CUDA the V/W partials are
+    one fixed-config Triton launch, the shard on the grid (``shard_gemm.shard_partials``: its bits, not cuBLAS's);
+    on CPU one torch GEMM per shard. ``shard_fold="tree"`` sums them by the fixed balanced tree instead (V and W
+    powers of two, W dividing V): each rank folds its own V/W partials; one fp32 value per element crosses the wire.
+  - ``"full_k"``: an all-gather of the K-wide input, then every rank computes its N/W output columns as full-K GEMMs
+    in fixed column blocks, then an all-gather of the output columns. No cross-rank sum at all: the value a TP=1
+    layer with the same column blocks computes, for every W dividing the block count.
 * ``VocabParallelEmbedding``: vocab/W rows a rank; the owner of a token's row supplies it (all-gather, exact).
-* ``VocabParallelHead``: the LM head's logits in fixed vocabulary blocks, and from them the log-softmax,
-  the greedy argmax and seeded Gumbel-max sampling. The log-softmax takes each block's max and sum of exp
-  in a fixed order (a halving tree over a power-of-two padded block) and combines the blocks in block
-  order, so it does not depend on W.
+* ``VocabParallelHead``: the LM head's logits in fixed vocabulary blocks, and from them the log-softmax, the greedy
+  argmax and seeded Gumbel-max sampling. The log-softmax takes each block's max and sum of exp in a fixed order (a
+  halving tree over a power-of-two padded block) and combines the blocks in block order: it does not follow W.
 
-exp and log run on tensors of one fixed shape whose rows hold a multiple of 64 elements (no CPU scalar tail).
-Layers take the FULL weight (the same on every rank) and keep this rank's part; rows are dim 0, in a buffer of a
-fixed row count (the step's padded width), and callers say how many rows are real: only those travel.
+exp and log run on tensors of one fixed shape whose rows hold a multiple of 64 elements (no CPU scalar tail). Layers
+take the FULL weight (the same on every rank) and keep this rank's part; rows are dim 0, in a buffer of a fixed row
+count (the step's padded width), and callers say how many rows are real: only those travel.
 """
 
 from __future__ import annotations

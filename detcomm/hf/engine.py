@@ -1,10 +1,9 @@
 """A transformers causal LM served tensor-parallel over detcomm at one fixed step shape (docs/hf.md).
 
-``TPCausalLM`` shards the loaded ``nn.Module`` tree (``detcomm.hf.shard``: only the Linear and Embedding modules,
-so transformers' norms, rotary embedding and activations stay; not transformers' ``tp_plan``,
-whose DTensor reductions cannot be given detcomm sites) and runs its own step loop (``forward``, ``generate``),
-because transformers' attention takes one cache position for the whole batch. Local compute is batch-invariant
-by construction:
+``TPCausalLM`` shards the loaded ``nn.Module`` tree (``detcomm.hf.shard``: only the Linear and Embedding modules, so
+transformers' norms, rotary embedding and activations stay; not transformers' ``tp_plan``, whose DTensor reductions
+cannot be given detcomm sites) and runs its own step loop (``forward``, ``generate``), because transformers'
+attention takes one cache position for the whole batch. Local compute is batch-invariant by construction:
 
 * every step runs at one padded width ``T_pad`` (``ServingConfig.t_pad``): the real rows (prefill chunks and
   decode rows of any number of requests, packed) first, filler rows after, so every GEMM, norm and elementwise op
@@ -21,9 +20,9 @@ by construction:
   vocabulary-parallel log-softmax combined in rank order.
 
 ``layout="virtual"`` (``virtual_shards=V``, ``shard_fold``) or ``"full_k"`` make the bits TP-size invariant
-(docs/spec.md §9.1): fixed column blocks and vocabulary blocks. Under a bitwise envelope
-the fold and tree layouts fuse each layer boundary into one ``detcomm.all_reduce_residual_rmsnorm`` call
-(docs/spec.md §9.2), and every decoder RMSNorm is detcomm's canonical norm with the module's weight and eps.
+(docs/spec.md §9.1): fixed column blocks and vocabulary blocks. Under a bitwise envelope the fold and tree layouts
+fuse each layer boundary into one ``detcomm.all_reduce_residual_rmsnorm`` call (docs/spec.md §9.2), and every
+decoder RMSNorm is detcomm's canonical norm with the module's weight and eps.
 
 Each step pays T_pad rows of GEMM and each row's attention over its actual context. ``ServingConfig.cuda_graphs``
 runs the steps on static buffers, captured in a CUDA graph per real row count where every site and op of the step

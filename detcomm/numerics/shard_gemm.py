@@ -21,19 +21,6 @@ hardware's, not fp32_add_rn one at a time), then the chunks in K order. fp32 inp
 kernel's, not cuBLAS's: on GPU the virtual/tree layout's bits differ from the per-shard torch.matmul of before
 (docs/spec.md §9.1); CPU never runs this module (detcomm.tp keeps its per-shard torch path and its bits).
 
-Rejected: cuBLAS strided-batched ``torch.bmm`` of the S shards (cuBLAS picks its kernel, split-K included, from the
-batch count and shape, so the bits could change with S = V/W: exactly what the layout must not depend on, and
-pinning cuBLAS's choice is not an API); Triton's autotune (it picks the config by timing, so two processes, or two
-runs, could pick different configs and different bits); one launch per shard (V/W launches, the cost issue 42
-measures). The config below was chosen for the issue's width (T_pad 64 rows = one row tile; BK = 64: four 16-deep
-MMA steps per load; 3 stages of [64, 64] tiles fit shared memory with fp32 weights too) without a device run to
-tune it; changing it may change the GPU bits of every virtual/tree-layout model, so it is a versioned constant, not a
-knob (bench/shard_gemm.py measures it).
-
-Both launches pass ``enable_fp_fusion=False`` (Triton 3.9 defaults it on and 3.10 off: pinned, so the bits do not
-follow the triton version's default): nothing outside the dot is contracted into an FMA (the bias add stays one
-fp32 add); the ieee dot itself is explicit fma.rn.f32 instructions either way (checked in the sm_90 PTX).
-
 CUDA-graph capturable: one launch, no host reads, no allocation but the output. ``ShardPartials`` and
 ``BlockGemm`` are the autograd wrappers detcomm.rl's trainer differentiates through: forward is the kernel,
 backward deterministic torch matmuls of fixed shapes (the gradients today's per-shard autograd computes).
@@ -49,6 +36,18 @@ import torch
 __all__ = ["CONFIG", "shard_partials", "block_gemm", "ShardPartials", "BlockGemm", "packed", "require_triton"]
 
 # The one tile configuration (see the module doc: a versioned constant; its values are part of the GPU bits).
+# Rejected: cuBLAS strided-batched ``torch.bmm`` of the S shards (cuBLAS picks its kernel, split-K included, from the
+# batch count and shape, so the bits could change with S = V/W: exactly what the layout must not depend on, and
+# pinning cuBLAS's choice is not an API); Triton's autotune (it picks the config by timing, so two processes, or two
+# runs, could pick different configs and different bits); one launch per shard (V/W launches, the cost issue 42
+# measures). The config below was chosen for the issue's width (T_pad 64 rows = one row tile; BK = 64: four 16-deep
+# MMA steps per load; 3 stages of [64, 64] tiles fit shared memory with fp32 weights too) without a device run to tune
+# it; changing it may change the GPU bits of every virtual/tree-layout model, so it is a versioned constant, not a
+# knob (bench/shard_gemm.py measures it).
+#
+# Both launches pass ``enable_fp_fusion=False`` (Triton 3.9 defaults it on and 3.10 off: pinned, so the bits do not
+# follow the triton version's default): nothing outside the dot is contracted into an FMA (the bias add stays one fp32
+# add); the ieee dot itself is explicit fma.rn.f32 instructions either way (checked in the sm_90 PTX).
 CONFIG: dict[str, int] = {"BM": 64, "BN": 64, "BK": 64, "num_warps": 4, "num_stages": 3}
 
 _FIX = ("pip install triton (it ships with torch's CUDA wheels); the GPU virtual/tree layouts compute with its "
