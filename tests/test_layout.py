@@ -244,3 +244,32 @@ def test_test_modules_have_unique_basenames() -> None:
     tests = Path(__file__).resolve().parent
     modules = [p.relative_to(tests) for p in tests.rglob("test_*.py")]
     assert not _same_basenames(modules), f"rename one of each pair: {_same_basenames(modules)}"
+
+
+# The house's size limits (issue 41): the three modules every change passes through, and every module's docstring.
+SIZE_LIMITS = {"detcomm/workspace/workspace.py": 500, "detcomm/comm.py": 600, "detcomm/route.py": 450}
+DOCSTRING_LINES = 30
+
+
+def docstring_lines(source: str) -> int:
+    """Lines of a module's docstring, its quotes included (0 without one)."""
+    tree = ast.parse(source)
+    first = tree.body[0] if tree.body else None
+    if not (isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str)):
+        return 0
+    assert first.end_lineno is not None
+    return first.end_lineno - first.lineno + 1
+
+
+def test_the_houses_size_limits() -> None:
+    over = {p: n for p, limit in SIZE_LIMITS.items() if (n := len((ROOT / p).read_text().splitlines())) > limit}
+    assert not over, f"over their line limits {SIZE_LIMITS}: {over}"
+    long = {str(p.relative_to(ROOT)): n for p in sorted(PACKAGE.rglob("*.py"))
+            if (n := docstring_lines(p.read_text())) > DOCSTRING_LINES}
+    assert not long, f"module docstrings over {DOCSTRING_LINES} lines (move the design to docs/): {long}"
+
+
+def test_docstring_lines_counts_the_quotes() -> None:
+    """The negative control: a 31-line docstring is counted as 31, a file without one as 0."""
+    assert docstring_lines('"""' + "\n" * 30 + '"""\nx = 1\n') == 31
+    assert docstring_lines("x = 1\n") == 0
