@@ -134,6 +134,26 @@ def job_probe(rank: int, w: int, shard_weights: str, graphs: bool | str) -> list
         detcomm.shutdown()
 
 
+def _joined(ranks: list, one: list) -> list:
+    """The W ranks' results as one rank's: a field that is a vocabulary shard (an array whose last dimension is
+    1/W of W = 1's: the shard logits, the shard logprobs) joined over the ranks in rank order (rank r holds the r-th
+    vocabulary slice); any other field (tokens, picks, full logits) is every rank's, checked equal, and taken once."""
+    w = len(ranks)
+    out = []
+    for i, ref in enumerate(one):
+        fields = []
+        for j, x in enumerate(ref):
+            mine = [r[i][j] for r in ranks]
+            if isinstance(x, np.ndarray) and mine[0].shape[-1] * w == x.shape[-1] and w > 1:
+                fields.append(np.concatenate(mine, axis=-1))
+            else:
+                assert all(np.array_equal(m, mine[0]) if isinstance(m, np.ndarray) else m == mine[0] for m in mine), \
+                    (i, j, "the ranks disagree on a replicated field")
+                fields.append(mine[0])
+        out.append(tuple(fields))
+    return out
+
+
 def _same(a: list, b: list) -> list[bool]:
     return [all(np.array_equal(x, y) if isinstance(x, np.ndarray) else x == y for x, y in zip(f, s))
             for f, s in zip(a, b)]
@@ -145,8 +165,9 @@ def test_probe_tree_layout_bits_at_w1_and_w2_graphs_on_and_off(shard_weights: st
     (one_g,) = get_cluster(1).run(job_probe, shard_weights, "auto")
     two = get_cluster(2).run(job_probe, shard_weights, False)
     assert len(one) == 6 and all(_same(one, one_g)), _same(one, one_g)
-    for r in two:
-        assert all(_same(one, r)), _same(one, r)
+    assert all(_same(one, _joined(two, one))), _same(one, _joined(two, one))
+    shard = next(f for f in one[0] if isinstance(f, np.ndarray))  # the control: a rank's shard alone is not W = 1's
+    assert two[0][0][0].shape != shard.shape
 
 
 def job_hf(rank: int, w: int, directory: str, graphs: bool | str) -> dict:
@@ -178,5 +199,5 @@ def test_hf_tree_layout_bits_at_w1_and_w2_graphs_on_and_off(tmp_path) -> None:  
     (one_g,) = get_cluster(1).run(job_hf, directory, "auto")
     two = get_cluster(2).run(job_hf, directory, "auto")
     assert _same_hf(one, one_g)
-    for r in two:
-        assert _same_hf(one, r)
+    joined = dict(two[0], steps=_joined([r["steps"] for r in two], one["steps"]))
+    assert _same_hf(one, joined)
