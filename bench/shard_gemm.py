@@ -111,10 +111,10 @@ def main() -> None:
     print("| projection | K x N | path | us | vs fold |")
     print("| --- | --- | --- | --- | --- |")
     for r in rows:
-        us = r["us"]
-        assert isinstance(us, dict)
-        fold = us["fold cuBLAS"]
-        for key, val in us.items():
+        times = r["us"]
+        assert isinstance(times, dict)
+        fold = times["fold cuBLAS"]
+        for key, val in times.items():
             print(f"| {r['projection']} | {r['K']} x {r['N']} | {key} | {val:.1f} | {fold / val:.2f}x |")
     for r in rows:
         if "max_abs_diff_vs_per_shard" in r:
