@@ -56,6 +56,7 @@ _FIX = ("pip install triton (it ships with torch's CUDA wheels); the GPU virtual
 
 triton: Any = None  # imported on first use: importing detcomm never needs triton, and TRITON_INTERPRET (the
 tl: Any = None      # CPU tests' interpreter) is read when triton is first imported, not when detcomm is
+_tile_dot: Any = None  # both kernels' tile arithmetic, a Triton function built with them (_build)
 _KERNELS: tuple[Any, Any] | None = None
 
 
@@ -85,6 +86,24 @@ def _build() -> tuple[Any, Any]:
     # do_not_specialize: Triton would otherwise compile other code for T == 1 or T % 16 == 0; one binary for
     # every row count keeps T out of the arithmetic by construction. x's row stride is K/W, the one argument of the
     # shard kernel that follows W: not specialized either, so every W runs the same binary.
+    global _tile_dot  # a module global like triton and tl: the interpreter resolves a kernel's callees there
+
+    @triton.jit
+    def _tile_dot(x_base, w_base, stride_xk, stride_wk, rm, rk, rn, T, K, N, BM: tl.constexpr, BN: tl.constexpr,
+                  IEEE: tl.constexpr):
+        # Both kernels' arithmetic: one [BM, BN] output tile over K in the fixed order 0, BK, 2 BK, .. (BK the
+        # width of rk), each step one tl.dot into the fp32 accumulator; masked loads give exact zeros past T rows,
+        # K and N columns.
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        for k0 in range(0, K, rk.shape[0]):
+            a = tl.load(x_base + k0 * stride_xk, mask=(rm[:, None] < T) & (k0 + rk[None, :] < K), other=0.0)
+            b = tl.load(w_base + k0 * stride_wk, mask=(k0 + rk[:, None] < K) & (rn[None, :] < N), other=0.0)
+            if IEEE:
+                acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
+        return acc
+
     @triton.jit(do_not_specialize=["T", "stride_xm"])
     def _shard_partials_kernel(x_ptr, w_ptr, out_ptr, T, N, KV,
                                stride_xm, stride_xk, stride_ws, stride_wk, stride_wn, stride_os, stride_om,
@@ -95,16 +114,9 @@ def _build() -> tuple[Any, Any]:
         rm = pid_m * BM + tl.arange(0, BM)
         rn = pid_n * BN + tl.arange(0, BN)
         rk = tl.arange(0, BK)
-        acc = tl.zeros([BM, BN], dtype=tl.float32)
         x_base = x_ptr + rm[:, None] * stride_xm + (s * KV + rk[None, :]) * stride_xk
         w_base = w_ptr + s * stride_ws + rk[:, None] * stride_wk + rn[None, :] * stride_wn
-        for k0 in range(0, KV, BK):  # the K order: 0, BK, 2 BK, .. (fixed by Kv alone)
-            a = tl.load(x_base + k0 * stride_xk, mask=(rm[:, None] < T) & (k0 + rk[None, :] < KV), other=0.0)
-            b = tl.load(w_base + k0 * stride_wk, mask=(k0 + rk[:, None] < KV) & (rn[None, :] < N), other=0.0)
-            if IEEE:
-                acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, b, acc)
+        acc = _tile_dot(x_base, w_base, stride_xk, stride_wk, rm, rk, rn, T, KV, N, BM, BN, IEEE)
         out = out_ptr + s * stride_os + rm[:, None] * stride_om + rn[None, :]
         tl.store(out, acc, mask=(rm[:, None] < T) & (rn[None, :] < N))
 
@@ -119,16 +131,9 @@ def _build() -> tuple[Any, Any]:
         rc = (pid_n % TILES) * BN + tl.arange(0, BN)  # column within the block
         rm = pid_m * BM + tl.arange(0, BM)
         rk = tl.arange(0, BK)
-        acc = tl.zeros([BM, BN], dtype=tl.float32)
         x_base = x_ptr + rm[:, None] * stride_xm + rk[None, :] * stride_xk
         w_base = w_ptr + blk * stride_wb + rk[:, None] * stride_wk + rc[None, :] * stride_wn
-        for k0 in range(0, K, BK):
-            a = tl.load(x_base + k0 * stride_xk, mask=(rm[:, None] < T) & (k0 + rk[None, :] < K), other=0.0)
-            b = tl.load(w_base + k0 * stride_wk, mask=(k0 + rk[:, None] < K) & (rc[None, :] < WIDTH), other=0.0)
-            if IEEE:
-                acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, b, acc)
+        acc = _tile_dot(x_base, w_base, stride_xk, stride_wk, rm, rk, rc, T, K, WIDTH, BM, BN, IEEE)
         if HAS_BIAS:
             acc = acc + tl.load(b_ptr + blk * WIDTH + rc, mask=rc < WIDTH, other=0.0).to(tl.float32)[None, :]
         cols = blk * WIDTH + rc

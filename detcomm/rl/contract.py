@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -73,7 +74,7 @@ def _triton(device: torch.device) -> tuple[str | None, str | None]:
     for name in ("attention_triton", "shard_gemm"):
         spec = importlib.util.find_spec(f"detcomm.numerics.{name}")
         assert spec is not None and spec.origin is not None, name
-        h.update(name.encode() + b"\0" + open(spec.origin, "rb").read())
+        h.update(name.encode() + b"\0" + Path(spec.origin).read_bytes())
     h.update(json.dumps(shard_gemm.CONFIG, sort_keys=True).encode())
     return version, h.hexdigest()
 
